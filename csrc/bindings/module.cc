@@ -1,0 +1,44 @@
+// pybind11 module recsave._C: the thin layer between the C++ core and the Python package.
+// C++ errors become recsave.errors classes; everything else lives in bind_*.cc.
+#include <pybind11/pybind11.h>
+
+#include "bindings/bind_idmap.h"
+#include "bindings/bind_io.h"
+#include "core/errors.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void raise_recsave_error(const recsave::Error& e) {
+  py::module_ errors = py::module_::import("recsave.errors");
+  const char* cls = "UsageError";
+  switch (e.kind()) {
+    case recsave::ErrorKind::kIo: cls = "StorageError"; break;
+    case recsave::ErrorKind::kCorrupt:
+    case recsave::ErrorKind::kBounds: cls = "CorruptCheckpointError"; break;
+    case recsave::ErrorKind::kInvalid: cls = "UsageError"; break;
+  }
+  py::dict kwargs;
+  kwargs["path"] = e.path().empty() ? py::object(py::none()) : py::object(py::str(e.path()));
+  if (e.kind() == recsave::ErrorKind::kIo) {
+    kwargs["errno"] = e.error_number() ? py::object(py::int_(e.error_number())) : py::object(py::none());
+  }
+  py::object exc = errors.attr(cls)(py::str(e.what()), **kwargs);
+  PyErr_SetObject(exc.get_type().ptr(), exc.ptr());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "recsave C++ engine: CRC32C, shard writer / reader, CPU id map";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const recsave::Error& e) {
+      raise_recsave_error(e);
+    }
+  });
+  bind_io(m);
+  bind_idmap(m);
+}

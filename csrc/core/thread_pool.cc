@@ -1,0 +1,105 @@
+#include "core/thread_pool.h"
+
+#include <atomic>
+#include <exception>
+#include <memory>
+
+namespace recsave {
+
+ThreadPool::ThreadPool(int num_threads) {
+  if (num_threads < 0) num_threads = 0;
+  workers_.reserve(num_threads);
+  for (int i = 0; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::submit(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+void ThreadPool::worker_loop() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping and drained
+      job = std::move(jobs_.front());
+      jobs_.pop();
+    }
+    job();
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n, int parallelism, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  int helpers = parallelism - 1;
+  if (helpers > size()) helpers = size();
+  if (helpers > n - 1) helpers = static_cast<int>(n - 1);
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+
+  // Shared state lives on the heap so a late helper never touches a dead stack frame.
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+    std::mutex mu;
+    std::condition_variable done_cv;
+    int running = 0;
+  };
+  auto state = std::make_shared<State>();
+  auto drain = [state, n, &fn] {
+    for (;;) {
+      if (state->failed.load(std::memory_order_relaxed)) return;
+      int64_t i = state->next.fetch_add(1);
+      if (i >= n) return;
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (!state->error) state->error = std::current_exception();
+        state->failed = true;
+      }
+    }
+  };
+  state->running = helpers;
+  for (int h = 0; h < helpers; ++h) {
+    submit([state, drain] {
+      drain();
+      std::lock_guard<std::mutex> lock(state->mu);
+      if (--state->running == 0) state->done_cv.notify_all();
+    });
+  }
+  drain();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->done_cv.wait(lock, [&] { return state->running == 0; });
+  if (state->error) std::rethrow_exception(state->error);
+}
+
+ThreadPool& shared_pool(int min_threads) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<ThreadPool>> pools;
+  std::lock_guard<std::mutex> lock(mu);
+  if (min_threads < 1) min_threads = 1;
+  if (pools.empty() || pools.back()->size() < min_threads) {
+    pools.push_back(std::make_unique<ThreadPool>(min_threads));
+  }
+  return *pools.back();
+}
+
+}  // namespace recsave

@@ -1,0 +1,69 @@
+"""The exceptions recsave raises.
+
+Every error derives from :class:`RecsaveError` and, where one fits, from the matching builtin, so
+``except FileNotFoundError`` keeps working for callers who do not know recsave. Messages name the file,
+the table or key, and what to do about it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "RecsaveError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "ConfigError",
+    "ShapeMismatchError",
+    "StorageError",
+    "UsageError",
+]
+
+
+class RecsaveError(Exception):
+    """Base class of every recsave error.
+
+    ``path`` is the file or directory concerned and ``key`` the table / tensor / parameter name,
+    when known.
+    """
+
+    def __init__(self, message: str, *, path: Optional[str] = None, key: Optional[str] = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class CheckpointNotFoundError(RecsaveError, FileNotFoundError):
+    """A checkpoint, output directory or file of a checkpoint does not exist."""
+
+
+class CorruptCheckpointError(RecsaveError, ValueError):
+    """Bytes on disk disagree with the index: a checksum mismatch, a truncated file, a header or
+    offset out of bounds, an index that does not parse. Restore from another checkpoint."""
+
+
+class FormatVersionError(CorruptCheckpointError):
+    """The checkpoint was written in a format version this recsave cannot read; upgrade recsave."""
+
+
+class ConfigError(RecsaveError, ValueError):
+    """A load / model-bank configuration is invalid (unknown key, category, unmatched pattern...)."""
+
+
+class ShapeMismatchError(RecsaveError, ValueError):
+    """A tensor in the checkpoint does not fit the model (dim, dtype or shape differ)."""
+
+
+class StorageError(RecsaveError, OSError):
+    """An I/O operation failed (disk full, permission, remote store error). ``errno`` is set when the
+    operating system reported one."""
+
+    def __init__(self, message: str, *, path: Optional[str] = None, key: Optional[str] = None,
+                 errno: Optional[int] = None):
+        super().__init__(message, path=path, key=key)
+        self.errno = errno
+        self.filename = path
+
+
+class UsageError(RecsaveError, ValueError):
+    """An API was called with arguments it cannot use (wrong buffer, closed writer, bad id...)."""
