@@ -25,7 +25,7 @@ void raise_recsave_error(const recsave::Error& e) {
     kwargs["errno"] = e.error_number() ? py::object(py::int_(e.error_number())) : py::object(py::none());
   }
   py::object exc = errors.attr(cls)(py::str(e.what()), **kwargs);
-  PyErr_SetObject(exc.get_type().ptr(), exc.ptr());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
 }
 
 }  // namespace

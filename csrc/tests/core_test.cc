@@ -150,8 +150,9 @@ void test_shard_io(const std::string& dir) {
 }  // namespace
 
 int main() {
-  char tmpl[] = "/tmp/recsave-core-test-XXXXXX";
-  const char* dir = mkdtemp(tmpl);
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/recsave-core-test-XXXXXX";
+  const char* dir = mkdtemp(tmpl.data());
   if (!dir) return 2;
   test_crc();
   test_thread_pool();

@@ -1,0 +1,43 @@
+# Sets up a fresh machine by itself: a virtualenv in .venv, the CPU build of torch where none is
+# installed, recsave in editable mode with its test extras, then runs what was asked.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.recsave-installed
+CSRC := $(shell find csrc -name '*.h' -o -name '*.cc' 2>/dev/null)
+
+.PHONY: setup build test test-cpp demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg setup.py pyproject.toml $(CSRC)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# A bare `torch` requirement would pull a multi-GB CUDA build: install the CPU build first.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q "setuptools>=64" wheel "pybind11>=2.11"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+# Rebuild the extension in place after editing csrc/ (what `setup` does when sources changed).
+build: setup
+	$(PY) setup.py -q build_ext --inplace
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# The C++ core on its own (no Python), as the pytest suite also does.
+test-cpp:
+	mkdir -p build
+	g++ -std=c++17 -O2 -Wall -pthread -Icsrc csrc/tests/core_test.cc csrc/core/crc32c.cc \
+	    csrc/core/shard_io.cc csrc/core/thread_pool.cc -o build/core_test && build/core_test
+
+demo: setup
+	$(PY) -m recsave.demo
+
+bench: setup
+	$(PY) benchmarks/engine.py
+
+clean:
+	rm -rf build dist *.egg-info recsave/_C*.so

@@ -1,0 +1,17 @@
+"""The on-disk format (docs/FORMAT.md): shard files in safetensors layout plus a JSON index.
+
+`write_shards` / `read_tensors` go through the C++ engine; `recsave.format.oracle` is an independent
+pure-Python reader kept as the test oracle.
+"""
+from .dtypes import DType, from_torch
+from .index import FORMAT_VERSION, INDEX_FILE, MAGIC, merge_parts, new_part
+from .index import read as read_index
+from .index import validate as validate_index
+from .index import write as write_index
+from .reader import read_tensors
+from .writer import shard_file_name, write_shards
+
+__all__ = [
+    "DType", "from_torch", "FORMAT_VERSION", "INDEX_FILE", "MAGIC", "merge_parts", "new_part",
+    "read_index", "validate_index", "write_index", "read_tensors", "shard_file_name", "write_shards",
+]

@@ -1,0 +1,119 @@
+"""The safetensors-layout header of a shard file (docs/FORMAT.md section 2): build and validate."""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import checks
+from .dtypes import BY_CODE, BY_NAME, DType
+
+SHARD_FORMAT = "recsave.shard"
+_DTYPES_KEY = "recsave.dtypes"
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: DType
+    shape: Tuple[int, ...]   # the chunk's shape as recsave means it (not the U8 stand-in)
+    begin: int               # offsets relative to the data buffer
+    end: int
+
+
+def build(entries: Sequence[Tuple[str, DType, Sequence[int]]], format_version: int) -> Tuple[bytes, List[int]]:
+    """Header bytes (length prefix included, JSON padded to 8 bytes) for tensors stored back to back,
+    and each tensor's absolute byte offset in the file."""
+    header: Dict[str, object] = {}
+    foreign: Dict[str, str] = {}
+    begin = 0
+    for name, dtype, shape in entries:
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if dtype.st_code is None:
+            foreign[name] = dtype.name
+            st_code, st_shape = "U8", [nbytes]
+        else:
+            st_code, st_shape = dtype.st_code, list(shape)
+        header[name] = {"dtype": st_code, "shape": st_shape, "data_offsets": [begin, begin + nbytes]}
+        begin += nbytes
+    metadata = {"format": SHARD_FORMAT, "format_version": str(format_version)}
+    if foreign:
+        metadata[_DTYPES_KEY] = json.dumps(foreign, sort_keys=True)
+    text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    data_start = 8 + len(text)
+    starts = []
+    for name, _dtype, _shape in entries:
+        starts.append(data_start + header[name]["data_offsets"][0])  # type: ignore[index]
+    return struct.pack("<Q", len(text)) + text, starts
+
+
+def parse(raw: bytes, file_size: int, path: str) -> Tuple[int, Dict[str, HeaderEntry]]:
+    """Validates header bytes (without the length prefix) of a file of `file_size` bytes.
+    Returns the data buffer's start offset and the entries. Raises CorruptCheckpointError."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise checks.corrupt(path, f"shard header is not UTF-8 JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise checks.corrupt(path, "shard header is not a JSON object")
+    data_start = 8 + len(raw)
+    data_size = file_size - data_start
+    metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise checks.corrupt(path, "shard header __metadata__ is not an object")
+    foreign = _foreign_dtypes(metadata, path)
+
+    entries: Dict[str, HeaderEntry] = {}
+    for name, spec in obj.items():
+        if not isinstance(spec, dict):
+            raise checks.corrupt(path, "header entry is not an object", name)
+        code = spec.get("dtype")
+        if name in foreign:
+            if code != "U8":
+                raise checks.corrupt(path, f"stand-in dtype must be U8, found {code!r}", name)
+            dtype = foreign[name]
+        elif isinstance(code, str) and code in BY_CODE:
+            dtype = BY_CODE[code]
+        else:
+            raise checks.corrupt(path, f"unknown safetensors dtype {code!r}", name)
+        shape = checks.as_shape(spec.get("shape"), path, name)
+        offsets = spec.get("data_offsets")
+        if not isinstance(offsets, list) or len(offsets) != 2:
+            raise checks.corrupt(path, f"data_offsets must be [begin, end], found {offsets!r}", name)
+        begin = checks.as_int(offsets[0], "data_offsets begin", path, name, hi=max(data_size, 0))
+        end = checks.as_int(offsets[1], "data_offsets end", path, name, lo=begin, hi=max(data_size, 0))
+        if checks.byte_size(shape, 1 if name in foreign else dtype.itemsize, path, name) != end - begin:
+            raise checks.corrupt(path, f"shape {shape} of {dtype.name} does not fill data_offsets "
+                                 f"[{begin}, {end}]", name)
+        entries[name] = HeaderEntry(dtype, tuple(shape), begin, end)
+
+    spans = sorted((e.begin, e.end, n) for n, e in entries.items())
+    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise checks.corrupt(path, f"data of {n0!r} and {n1!r} overlap")
+    return data_start, entries
+
+
+def _foreign_dtypes(metadata: dict, path: str) -> Dict[str, DType]:
+    raw = metadata.get(_DTYPES_KEY)
+    if raw is None:
+        return {}
+    try:
+        mapping = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        mapping = None
+    if not isinstance(mapping, dict):
+        raise checks.corrupt(path, f"__metadata__[{_DTYPES_KEY!r}] is not a JSON object")
+    out = {}
+    for name, dtype_name in mapping.items():
+        if not isinstance(dtype_name, str) or dtype_name not in BY_NAME:
+            raise checks.corrupt(path, f"unknown dtype {dtype_name!r}", name)
+        out[name] = BY_NAME[dtype_name]
+    return out
+
+
+
+__all__ = ["HeaderEntry", "build", "parse", "SHARD_FORMAT"]

@@ -1,0 +1,81 @@
+"""Tuning knobs in one place: a default, overridable by an environment variable, overridable in turn
+by the :func:`override` context manager (what tests use).
+
+    with recsave.knobs.override(segment_bytes=1 << 20):
+        ...
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Dict, Iterator
+
+from .errors import UsageError
+
+
+def _parse_bool(text: str) -> bool:
+    return text.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+# name -> (environment variable, default, parser)
+_KNOBS: Dict[str, tuple] = {
+    # Bytes covered by one CRC32C in a shard chunk; also the unit of parallel writes.
+    "segment_bytes": ("RECSAVE_SEGMENT_BYTES", 4 << 20, int),
+    # A rank starts a new shard file part once the current one holds this many bytes.
+    "max_shard_bytes": ("RECSAVE_MAX_SHARD_BYTES", 4 << 30, int),
+    # Threads of the C++ engine per file operation when the caller does not say.
+    "concurrency": ("RECSAVE_CONCURRENCY", 4, int),
+    # fsync files and directories on commit (turn off only for throwaway runs / benchmarks).
+    "fsync": ("RECSAVE_FSYNC", True, _parse_bool),
+    # Reader limits, enforced before allocating (docs/FORMAT.md).
+    "max_header_bytes": ("RECSAVE_MAX_HEADER_BYTES", 100 << 20, int),
+    "max_index_bytes": ("RECSAVE_MAX_INDEX_BYTES", 256 << 20, int),
+    # Size of one in-memory chunk streamed to / from remote (fsspec) storage.
+    "io_chunk_bytes": ("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int),
+}
+
+_local = threading.local()
+
+
+def _overrides() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def get(name: str) -> Any:
+    """Current value of knob `name`."""
+    if name not in _KNOBS:
+        raise UsageError(f"unknown knob {name!r}; known knobs: {sorted(_KNOBS)}")
+    for layer in reversed(_overrides()):
+        if name in layer:
+            return layer[name]
+    env, default, parse = _KNOBS[name]
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise UsageError(f"environment variable {env}={raw!r} is not a valid {parse.__name__}") from exc
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Temporarily sets knobs (in this thread)."""
+    for name in values:
+        if name not in _KNOBS:
+            raise UsageError(f"unknown knob {name!r}; known knobs: {sorted(_KNOBS)}")
+    _overrides().append(dict(values))
+    try:
+        yield
+    finally:
+        _overrides().pop()
+
+
+def names() -> list:
+    return sorted(_KNOBS)
+
+

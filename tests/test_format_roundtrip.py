@@ -1,0 +1,189 @@
+"""Shard files + index: write with the engine, read back bit for bit with the engine, the pure-Python
+oracle and safetensors."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import recsave.knobs
+from recsave import format as fmt
+from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UsageError
+from recsave.format import oracle
+from recsave.format.dtypes import BY_NAME
+
+from conftest import all_dtype_tensors, raw_bytes
+
+
+def save(directory, tensors, **kwargs):
+    part = fmt.write_shards(str(directory), tensors, **kwargs)
+    fmt.write_index(str(directory), fmt.merge_parts([part], step=5))
+    return part
+
+
+def assert_same(expected: dict, got: dict):
+    assert set(got) == set(expected)
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype, name
+        assert tuple(got[name].shape) == tuple(t.shape), name
+        assert raw_bytes(got[name]) == raw_bytes(t), name
+
+
+@pytest.mark.parametrize("max_shard_bytes,segment_bytes", [(None, None), (300, 64), (1, 1)])
+def test_all_dtypes_round_trip_with_both_readers(tmp_path, max_shard_bytes, segment_bytes):
+    tensors = all_dtype_tensors()
+    part = save(tmp_path, tensors, max_shard_bytes=max_shard_bytes, segment_bytes=segment_bytes)
+    if max_shard_bytes == 1:  # a file per non-empty tensor (empty ones join their neighbour)
+        assert len(part["files"]) >= sum(1 for t in tensors.values() if t.nbytes)
+    assert_same(tensors, fmt.read_tensors(str(tmp_path)))
+    assert_same(tensors, oracle.read_tensors(str(tmp_path)))
+
+
+def test_selected_names_are_read_alone(tmp_path):
+    tensors = all_dtype_tensors()
+    save(tmp_path, tensors, max_shard_bytes=200)
+    names = ["t_bfloat16", "scalar_f32", "empty_rows"]
+    assert_same({n: tensors[n] for n in names}, fmt.read_tensors(str(tmp_path), names))
+    with pytest.raises(ConfigError, match="no_such"):
+        fmt.read_tensors(str(tmp_path), ["no_such"])
+
+
+def test_shard_files_open_with_safetensors(tmp_path):
+    tensors = all_dtype_tensors()
+    part = save(tmp_path, tensors, max_shard_bytes=500)
+    seen = set()
+    for fname in part["files"]:
+        with safe_open(str(tmp_path / fname), framework="pt") as f:
+            meta = f.metadata()
+            assert meta["format"] == "recsave.shard"
+            foreign = json.loads(meta.get("recsave.dtypes", "{}"))
+            for key in f.keys():
+                got = f.get_tensor(key)
+                seen.add(key)
+                if key in foreign:  # stored as raw bytes, the index has the real dtype
+                    assert got.dtype == torch.uint8
+                    assert got.numpy().tobytes() == raw_bytes(tensors[key])
+                else:
+                    assert got.dtype == tensors[key].dtype and raw_bytes(got) == raw_bytes(tensors[key])
+    assert seen == set(tensors)
+
+
+def test_merged_parts_concatenate_rows_across_ranks(tmp_path):
+    parts, full = [], {"emb": [], "emb@id": []}
+    for rank in range(3):
+        emb = torch.randn(10 + rank, 4)
+        ids = torch.arange(rank * 100, rank * 100 + 10 + rank)
+        full["emb"].append(emb)
+        full["emb@id"].append(ids)
+        parts.append(fmt.write_shards(str(tmp_path), {"emb": emb, "emb@id": ids}, rank=rank))
+    index = fmt.merge_parts(parts[::-1], world_size=3)  # order of arrival does not matter
+    fmt.write_index(str(tmp_path), index)
+    assert index["tensors"]["emb"]["shape"] == [33, 4]
+    expected = {k: torch.cat(v) for k, v in full.items()}
+    assert_same(expected, fmt.read_tensors(str(tmp_path)))
+    assert_same(expected, oracle.read_tensors(str(tmp_path)))
+
+
+def test_index_header_fields(tmp_path):
+    save(tmp_path, {"a": torch.ones(3)})
+    index = fmt.read_index(str(tmp_path))
+    assert index["magic"] == "recsave.index" and index["format_version"] == 1
+    assert index["step"] == 5 and index["world_size"] == 1
+    assert index["created_at"].endswith("Z")
+
+
+def _first_chunk(tmp_path, name):
+    index = fmt.read_index(str(tmp_path))
+    return index["tensors"][name]["chunks"][0]
+
+
+def test_flipped_byte_is_detected_and_names_the_file(tmp_path):
+    save(tmp_path, {"w": torch.randn(1000)}, segment_bytes=512)
+    chunk = _first_chunk(tmp_path, "w")
+    path = tmp_path / chunk["file"]
+    with open(path, "r+b") as f:
+        f.seek(chunk["offset"] + 1234)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpointError, match=chunk["file"]) as info:
+        fmt.read_tensors(str(tmp_path))
+    assert "CRC32C mismatch" in str(info.value)
+    assert fmt.read_tensors(str(tmp_path), verify=False)["w"].numel() == 1000  # verify off reads
+
+
+def test_truncated_file_is_detected(tmp_path):
+    save(tmp_path, {"w": torch.randn(1000)})
+    chunk = _first_chunk(tmp_path, "w")
+    os.truncate(tmp_path / chunk["file"], chunk["offset"] + 100)
+    with pytest.raises(CorruptCheckpointError, match="bytes, the index records"):
+        fmt.read_tensors(str(tmp_path))
+
+
+def test_missing_index_and_missing_shard(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no index"):
+        fmt.read_tensors(str(tmp_path))
+    save(tmp_path, {"w": torch.randn(10)})
+    os.remove(tmp_path / _first_chunk(tmp_path, "w")["file"])
+    with pytest.raises(CheckpointNotFoundError, match="missing"):
+        fmt.read_tensors(str(tmp_path))
+
+
+def test_writer_refuses_unstorable_input_and_leaves_nothing(tmp_path):
+    with pytest.raises(UsageError, match="quantized"):
+        fmt.write_shards(str(tmp_path), {"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)})
+    with pytest.raises(UsageError, match="not a torch.Tensor"):
+        fmt.write_shards(str(tmp_path), {"x": [1, 2]})
+    with pytest.raises(UsageError, match="__metadata__"):
+        fmt.write_shards(str(tmp_path), {"__metadata__": torch.ones(1)})
+    assert os.listdir(tmp_path) == []
+
+
+def test_write_into_missing_directory_is_a_storage_error(tmp_path):
+    from recsave.errors import StorageError
+
+    with pytest.raises(StorageError) as info:
+        fmt.write_shards(str(tmp_path / "nope"), {"a": torch.ones(2)})
+    assert info.value.errno == 2 and "nope" in str(info.value)
+
+
+def test_non_contiguous_and_views_are_written_by_value(tmp_path):
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    tensors = {"t": base.t(), "slice": base[2:4, 3:7], "expanded": torch.ones(1, 3).expand(4, 3)}
+    save(tmp_path, tensors)
+    got = fmt.read_tensors(str(tmp_path))
+    for k, v in tensors.items():
+        assert torch.equal(got[k], v)
+
+
+def test_merge_rejects_conflicting_parts():
+    a = fmt.new_part(0)
+    a["tensors"]["x"] = {"dtype": "float32", "shape": [2, 3], "chunks": []}
+    b = fmt.new_part(1)
+    b["tensors"]["x"] = {"dtype": "float32", "shape": [2, 4], "chunks": []}
+    with pytest.raises(ValueError, match="differs between ranks"):
+        fmt.merge_parts([a, b])
+
+
+@pytest.mark.slow
+def test_more_than_2_gib_across_files(tmp_path):
+    # 2.25 GiB in 9 tensors of 256 MiB over several shard files, checked bit for bit.
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"big{i}": torch.randint(-2**31, 2**31 - 1, (64 << 20,), dtype=torch.int32, generator=g)
+               for i in range(9)}
+    part = save(tmp_path, tensors, max_shard_bytes=1 << 30, concurrency=2)
+    assert len(part["files"]) >= 3
+    assert sum(e["size"] for e in part["files"].values()) > (2 << 30)
+    got = fmt.read_tensors(str(tmp_path), concurrency=2)
+    for k, v in tensors.items():
+        assert torch.equal(got[k], v), k
+    del got
+    # The oracle agrees on one tensor from each file.
+    index = fmt.read_index(str(tmp_path))
+    picks = {}
+    for name, entry in index["tensors"].items():
+        picks.setdefault(entry["chunks"][0]["file"], name)
+    got = oracle.read_tensors(str(tmp_path), list(picks.values()))
+    for name in picks.values():
+        assert torch.equal(got[name], tensors[name])
