@@ -4,6 +4,7 @@
 
 #include "bindings/bind_idmap.h"
 #include "bindings/bind_io.h"
+#include "bindings/bind_table.h"
 #include "core/errors.h"
 
 namespace py = pybind11;
@@ -31,7 +32,7 @@ void raise_recsave_error(const recsave::Error& e) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "recsave C++ engine: CRC32C, shard writer / reader, CPU id map";
+  m.doc() = "recsave C++ engine: CRC32C, shard writer / reader, CPU id map, table helpers";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -41,4 +42,5 @@ PYBIND11_MODULE(_C, m) {
   });
   bind_io(m);
   bind_idmap(m);
+  bind_table(m);
 }

@@ -4,13 +4,16 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .. import knobs
-from ..errors import CheckpointNotFoundError, FormatVersionError, StorageError
+from ..errors import CheckpointNotFoundError, FormatVersionError
 from ..version import __version__
 from . import checks
 from .dtypes import from_name
+
+if TYPE_CHECKING:
+    from ..storage import Storage
 
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1
@@ -211,28 +214,20 @@ def dumps(index: Dict[str, Any]) -> bytes:
     return json.dumps(index, separators=(",", ":"), sort_keys=False).encode()
 
 
-def write(directory: str, index: Dict[str, Any], *, durable: Optional[bool] = None) -> str:
-    """Writes `index` into `directory` atomically (temporary name, fsync, rename). Returns its path."""
-    from .. import _C
+def write(directory: str, index: Dict[str, Any], *, durable: Optional[bool] = None,
+          storage: Optional["Storage"] = None) -> str:
+    """Writes `index` into `directory` atomically (temporary name + fsync + rename locally, one put
+    on object stores). Returns its path."""
+    from ..storage import LocalStorage
 
-    durable = knobs.get("fsync") if durable is None else durable
-    final = os.path.join(directory, INDEX_FILE)
-    temp = f"{final}.tmp-{os.getpid()}"
-    data = dumps(index)
-    try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(temp, final)
-        if durable:
-            _C.fsync_directory(directory)
-    except OSError as exc:
-        _remove_quietly(temp)
-        raise StorageError(f"{final}: writing the index failed: {exc}", path=final,
-                           errno=exc.errno) from exc
-    return final
+    storage = storage or LocalStorage()
+    path = storage.join(directory, INDEX_FILE)
+    if durable is None:
+        storage.write_atomic(path, dumps(index))
+    else:
+        with knobs.override(fsync=durable):
+            storage.write_atomic(path, dumps(index))
+    return path
 
 
 def parse(data: bytes, path: str) -> Dict[str, Any]:
@@ -244,8 +239,13 @@ def parse(data: bytes, path: str) -> Dict[str, Any]:
     return validate(index, path)
 
 
-def read(directory: str) -> Dict[str, Any]:
-    """Reads and validates `<directory>/index` from local disk."""
+def read(directory: str, storage: Optional["Storage"] = None) -> Dict[str, Any]:
+    """Reads and validates `<directory>/index` (local disk, or through `storage`)."""
+    if storage is not None and not storage.is_local:
+        path = storage.join(directory, INDEX_FILE)
+        if not storage.exists(path):
+            raise _no_index(directory, path)
+        return parse(storage.read_bytes(path, knobs.get("max_index_bytes")), path)
     path = os.path.join(directory, INDEX_FILE)
     limit = knobs.get("max_index_bytes")
     try:
@@ -254,11 +254,8 @@ def read(directory: str) -> Dict[str, Any]:
             if size > limit:
                 raise checks.corrupt(path, f"index is {size} bytes, over the {limit}-byte limit")
             data = f.read(size + 1)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{path} does not exist: {directory!r} is not a committed recsave checkpoint (no index); "
-            f"check the path or pick a checkpoint listed in the output dir's 'checkpoint' file",
-            path=path) from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise _no_index(directory, path) from None
     except IsADirectoryError:
         raise checks.corrupt(path, "index is a directory") from None
     if len(data) > size:
@@ -266,11 +263,10 @@ def read(directory: str) -> Dict[str, Any]:
     return parse(data, path)
 
 
-def _remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+def _no_index(directory: str, path: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"{path} does not exist: {directory!r} is not a committed recsave checkpoint (no index); "
+        f"check the path or pick a checkpoint listed in the output dir's 'checkpoint' file", path=path)
 
 
 def chunk_files(index: Dict[str, Any], names: Iterable[str]) -> List[str]:

@@ -1,8 +1,11 @@
-"""Reads tensors of a checkpoint through the C++ engine: ranged, parallel, checksum-verified."""
+"""Reads tensors of a checkpoint: a plan of checksummed byte ranges per file, executed by the C++
+engine on local disk (parallel positional reads straight into the output tensors) or through fsspec
+in bounded ranged requests."""
 from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
@@ -10,82 +13,230 @@ import torch
 
 from .. import _C, knobs
 from ..errors import CheckpointNotFoundError, ConfigError
+from ..storage import Storage
 from . import checks, header
 from . import index as index_mod
 from .dtypes import BY_NAME
 
 
-def check_listed_file(ckpt_dir: str, fname: str, index: Dict[str, Any]) -> str:
-    """Path of a file listed in the index, after checking it is a regular file (not a symlink) of
-    exactly the recorded size."""
-    path = os.path.join(ckpt_dir, checks.as_plain_name(fname, "file name", ckpt_dir))
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{path}: file listed in the index is missing; the checkpoint is incomplete — restore "
-            f"from another checkpoint", path=path) from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        raise checks.corrupt(path, "listed file is not a regular file (symbolic links are refused)")
+@dataclass
+class FileReads:
+    """Byte ranges to read from one shard file into raw destination addresses."""
+    offsets: List[int] = field(default_factory=list)
+    addresses: List[int] = field(default_factory=list)
+    lengths: List[int] = field(default_factory=list)
+    crcs: List[int] = field(default_factory=list)
+
+    def add(self, offset: int, address: int, length: int, crc: int) -> None:
+        self.offsets.append(offset)
+        self.addresses.append(address)
+        self.lengths.append(length)
+        self.crcs.append(crc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lengths)
+
+
+def check_listed_file(ckpt_dir: str, fname: str, index: Dict[str, Any],
+                      storage: Optional[Storage] = None) -> str:
+    """Path of a file listed in the index, after checking it exists with exactly the recorded size
+    (and, on local disk, is a regular file, not a symbolic link)."""
+    checks.as_plain_name(fname, "file name", ckpt_dir)
     expected = index["files"][fname]["size"]
-    if st.st_size != expected:
-        raise checks.corrupt(path, f"file is {st.st_size} bytes, the index records {expected}")
+    if storage is not None and not storage.is_local:
+        path = storage.join(ckpt_dir, fname)
+        try:
+            actual = storage.size(path)
+        except CheckpointNotFoundError:
+            raise _missing(path) from None
+    else:
+        path = os.path.join(ckpt_dir, fname)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise _missing(path) from None
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+            raise checks.corrupt(path, "listed file is not a regular file (symbolic links are refused)")
+        actual = st.st_size
+    if actual != expected:
+        raise checks.corrupt(path, f"file is {actual} bytes, the index records {expected}")
     return path
+
+
+def _missing(path: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{path}: file listed in the index is missing; the checkpoint is "
+                                   f"incomplete — restore from another checkpoint", path=path)
 
 
 def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                  index: Optional[Dict[str, Any]] = None, verify: bool = True,
-                 concurrency: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                 concurrency: Optional[int] = None, storage: Optional[Storage] = None,
+                 rows: Optional[Dict[str, List[tuple]]] = None,
+                 stats: Optional[Dict[str, int]] = None) -> Dict[str, torch.Tensor]:
     """Reads the named tensors (all when `names` is None) of the checkpoint in `ckpt_dir`.
 
-    Every segment read is checked against its CRC32C unless `verify` is False. Raises
-    CheckpointNotFoundError, CorruptCheckpointError (incl. FormatVersionError) or ConfigError for a
-    name the checkpoint does not have.
+    Every segment read is checked against its CRC32C unless `verify` is False. `rows` optionally
+    restricts a tensor to row ranges ``[(start, stop), ...]`` of its logical rows (concatenated in
+    the given order); only the checksum segments covering them are read. `stats`, when given,
+    receives ``bytes_read``. Raises CheckpointNotFoundError, CorruptCheckpointError (incl.
+    FormatVersionError) or ConfigError for a name the checkpoint does not have.
     """
     if index is None:
-        index = index_mod.read(ckpt_dir)
+        index = index_mod.read(ckpt_dir, storage)
     wanted = list(index["tensors"]) if names is None else list(dict.fromkeys(names))
     missing = [n for n in wanted if n not in index["tensors"]]
     if missing:
         raise ConfigError(f"{ckpt_dir}: the checkpoint has no tensor(s) {missing}; it has "
                           f"{sorted(index['tensors'])[:20]}", path=ckpt_dir, key=missing[0])
+    rows = rows or {}
     threads = concurrency or knobs.get("concurrency")
-    out = {n: torch.empty(index["tensors"][n]["shape"], dtype=BY_NAME[index["tensors"][n]["dtype"]].torch_dtype)
-           for n in wanted}
-    for fname in index_mod.chunk_files(index, wanted):
-        _read_file(ckpt_dir, fname, index, wanted, out, verify, threads)
+    out: Dict[str, torch.Tensor] = {}
+    scratch: List[torch.Tensor] = []  # segment-aligned buffers of partial reads, kept alive
+    plans: Dict[str, FileReads] = {}
+    copies: List[tuple] = []  # (dest tensor bytes view, dest offset, scratch view, scratch offset, n)
+    for name in wanted:
+        entry = index["tensors"][name]
+        dtype = BY_NAME[entry["dtype"]].torch_dtype
+        if name not in rows:
+            out[name] = torch.empty(entry["shape"], dtype=dtype)
+            _plan_whole(name, entry, out[name], plans)
+        else:
+            out[name] = _plan_rows(name, entry, dtype, rows[name], plans, scratch, copies, ckpt_dir)
+    total = 0
+    for fname, reads in plans.items():
+        path = check_listed_file(ckpt_dir, fname, index, storage)
+        _check_header(path, fname, index, wanted, storage)
+        if storage is None or storage.is_local:
+            _execute_local(path, reads, verify, threads)
+        else:
+            _execute_remote(storage, path, reads, verify)
+        total += reads.nbytes
+    for dest, d_off, src, s_off, n in copies:
+        dest[d_off:d_off + n] = src[s_off:s_off + n]
+    if stats is not None:
+        stats["bytes_read"] = stats.get("bytes_read", 0) + total
     return out
 
 
-def _read_file(ckpt_dir: str, fname: str, index: Dict[str, Any], wanted: List[str],
-               out: Dict[str, torch.Tensor], verify: bool, threads: int) -> None:
-    path = check_listed_file(ckpt_dir, fname, index)
+def _plan_whole(name: str, entry: Dict[str, Any], out: torch.Tensor, plans: Dict[str, FileReads]) -> None:
+    row_bytes = _row_bytes(out)
+    for chunk in entry["chunks"]:
+        dest = out.data_ptr() + (chunk["rows"][0] * row_bytes if "rows" in chunk else 0)
+        reads = plans.setdefault(chunk["file"], FileReads())
+        for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
+            reads.add(chunk["offset"] + b, dest + b, e - b, crc)
+
+
+def _plan_rows(name: str, entry: Dict[str, Any], dtype: torch.dtype, ranges: List[tuple],
+               plans: Dict[str, FileReads], scratch: List[torch.Tensor], copies: List[tuple],
+               ckpt_dir: str) -> torch.Tensor:
+    """Plans reading only `ranges` of rows. Whole segments are read (they carry the checksums); a
+    segment that also holds rows outside the range goes to a scratch buffer and is copied after."""
+    shape = entry["shape"]
+    if not shape:
+        raise ConfigError(f"{ckpt_dir}: tensor {name!r} is 0-d; it has no rows to select", key=name)
+    total_rows = sum(stop - start for start, stop in ranges)
+    out = torch.empty([total_rows] + shape[1:], dtype=dtype)
+    row_bytes = _row_bytes(out) if total_rows else 0
+    if row_bytes == 0:
+        return out
+    out_bytes = out.reshape(-1).view(torch.uint8)
+    dest_row = 0
+    for start, stop in ranges:
+        if not 0 <= start <= stop <= shape[0]:
+            raise ConfigError(f"{ckpt_dir}: rows [{start}, {stop}) of {name!r} are outside its "
+                              f"{shape[0]} rows", key=name)
+        for chunk in entry["chunks"]:
+            c0, c1 = chunk["rows"]
+            lo, hi = max(start, c0), min(stop, c1)
+            if lo >= hi:
+                continue
+            want_b, want_e = (lo - c0) * row_bytes, (hi - c0) * row_bytes
+            dest_off = (dest_row + lo - start) * row_bytes
+            reads = plans.setdefault(chunk["file"], FileReads())
+            for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
+                if e <= want_b or b >= want_e:
+                    continue
+                if want_b <= b and e <= want_e:  # the whole segment is wanted: read in place
+                    reads.add(chunk["offset"] + b, out.data_ptr() + dest_off + b - want_b, e - b, crc)
+                else:
+                    buf = torch.empty(e - b, dtype=torch.uint8)
+                    scratch.append(buf)
+                    reads.add(chunk["offset"] + b, buf.data_ptr(), e - b, crc)
+                    s, t = max(b, want_b), min(e, want_e)
+                    copies.append((out_bytes, dest_off + s - want_b, buf, s - b, t - s))
+        dest_row += stop - start
+    return out
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    if t.dim() == 0:
+        return 0
+    n = t.element_size()
+    for d in t.shape[1:]:
+        n *= d
+    return n
+
+
+def _check_header(path: str, fname: str, index: Dict[str, Any], wanted: List[str],
+                  storage: Optional[Storage]) -> None:
+    """The shard's own header must agree with the index for every chunk we read from it."""
+    limit = knobs.get("max_header_bytes")
+    if storage is None or storage.is_local:
+        reader = _C.ShardReader(path)
+        try:
+            raw, size = reader.read_header(limit), reader.size
+        finally:
+            reader.close()
+    else:
+        size = index["files"][fname]["size"]
+        if size < 8:
+            raise checks.corrupt(path, f"file is {size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(storage.read_range(path, 0, 8), "little")
+        if n > limit or n > size - 8:
+            raise checks.corrupt(path, f"header length {n} exceeds the limit of {limit} bytes or the file")
+        raw = storage.read_range(path, 8, n)
+    data_start, entries = header.parse(raw, size, path)
+    for name in wanted:
+        entry = index["tensors"][name]
+        for chunk in entry["chunks"]:
+            if chunk["file"] == fname:
+                _check_against_header(chunk, entries.get(name), data_start, entry["dtype"], path, name)
+
+
+def _execute_local(path: str, reads: FileReads, verify: bool, threads: int) -> None:
     reader = _C.ShardReader(path)
     try:
-        data_start, entries = header.parse(reader.read_header(knobs.get("max_header_bytes")),
-                                           reader.size, path)
-        offsets: List[int] = []
-        addresses: List[int] = []
-        lengths: List[int] = []
-        crcs: List[int] = []
-        for name in wanted:
-            t = out[name]
-            row_bytes = t[0].nbytes if t.dim() and t.shape[0] else 0
-            for chunk in index["tensors"][name]["chunks"]:
-                if chunk["file"] != fname:
-                    continue
-                _check_against_header(chunk, entries.get(name), data_start, index["tensors"][name]["dtype"], path, name)
-                dest = t.data_ptr() + (chunk["rows"][0] * row_bytes if "rows" in chunk else 0)
-                for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
-                    offsets.append(chunk["offset"] + b)
-                    addresses.append(dest + b)
-                    lengths.append(e - b)
-                    crcs.append(crc)
-        reader.read(np.asarray(offsets, dtype=np.uint64), np.asarray(addresses, dtype=np.uint64),
-                    np.asarray(lengths, dtype=np.uint64),
-                    np.asarray(crcs, dtype=np.uint32) if verify else None, threads)
+        reader.read(np.asarray(reads.offsets, dtype=np.uint64), np.asarray(reads.addresses, dtype=np.uint64),
+                    np.asarray(reads.lengths, dtype=np.uint64),
+                    np.asarray(reads.crcs, dtype=np.uint32) if verify else None, threads)
     finally:
         reader.close()
+
+
+def _execute_remote(storage: Storage, path: str, reads: FileReads, verify: bool) -> None:
+    """Ranged requests of at most io_chunk_bytes (merging adjacent segments), checked, then copied."""
+    limit = knobs.get("io_chunk_bytes")
+    order = sorted(range(len(reads.offsets)), key=lambda i: reads.offsets[i])
+    i = 0
+    while i < len(order):
+        j, begin, end = i, reads.offsets[order[i]], reads.offsets[order[i]] + reads.lengths[order[i]]
+        while j + 1 < len(order) and reads.offsets[order[j + 1]] == end and \
+                end + reads.lengths[order[j + 1]] - begin <= limit:
+            j += 1
+            end += reads.lengths[order[j]]
+        data = np.frombuffer(storage.read_range(path, begin, end - begin), dtype=np.uint8)
+        for k in order[i:j + 1]:
+            off, n = reads.offsets[k] - begin, reads.lengths[k]
+            piece = data[off:off + n]
+            if verify and _C.crc32c(piece) != reads.crcs[k]:
+                raise checks.corrupt(path, f"CRC32C mismatch in bytes [{reads.offsets[k]}, "
+                                     f"{reads.offsets[k] + n})")
+            if n:
+                dest = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(reads.addresses[k]))
+                dest[:] = piece
+        i = j + 1
 
 
 def _check_against_header(chunk: Dict[str, Any], entry: Optional[header.HeaderEntry], data_start: int,

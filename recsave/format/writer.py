@@ -9,6 +9,7 @@ import torch
 
 from .. import _C, knobs
 from ..errors import UsageError
+from ..storage import Storage
 from . import header
 from .dtypes import DType, from_torch
 from .index import FORMAT_VERSION, new_part
@@ -49,12 +50,14 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                  prefix: str = "sparse", concurrency: Optional[int] = None,
                  max_shard_bytes: Optional[int] = None, segment_bytes: Optional[int] = None,
                  durable: Optional[bool] = None,
-                 chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+                 chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None,
+                 storage: Optional[Storage] = None) -> Dict[str, Any]:
     """Writes `tensors` into `<directory>/<prefix>-<rank>-<part>.safetensors` files and returns the
     index part describing them (docs/FORMAT.md section 3). Each file appears atomically; if anything
     fails, every file this call created is removed before the error propagates.
 
-    `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry.
+    `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry. With a non-local
+    `storage` the bytes are streamed through it (fsspec) instead of the engine's positional writes.
     """
     concurrency = concurrency or knobs.get("concurrency")
     max_shard_bytes = max_shard_bytes or knobs.get("max_shard_bytes")
@@ -68,16 +71,23 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     try:
         for part_no, group in enumerate(_group(items, max_shard_bytes)):
             fname = shard_file_name(prefix, rank, part_no)
-            path = os.path.join(directory, fname)
-            size = _write_file(path, group, part, fname, concurrency, segment_bytes, durable)
+            if storage is None or storage.is_local:
+                path = os.path.join(directory, fname)
+                size = _write_file(path, group, part, fname, concurrency, segment_bytes, durable)
+            else:
+                path = storage.join(directory, fname)
+                size = _stream_file(storage, path, group, part, fname, segment_bytes)
             written.append(path)
             part["files"][fname] = {"size": size, "rank": rank}
     except BaseException:
         for path in written:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
+            if storage is None or storage.is_local:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+            else:
+                storage.remove_file(path)
         raise
     for name, extra in (chunk_meta or {}).items():
         for chunk in part["tensors"][name]["chunks"]:
@@ -115,14 +125,47 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
 
     k = 0
     for i, count in owners:
-        name, t, dtype = group[i]
-        chunk: Dict[str, Any] = {"file": fname, "offset": starts[i], "length": t.nbytes,
-                                 "crc32c": [int(c) for c in crcs[k:k + count]],
-                                 "segment_bytes": segment_bytes}
+        _describe(part, group[i], fname, starts[i], [int(c) for c in crcs[k:k + count]], segment_bytes)
         k += count
-        if t.dim():
-            chunk["rows"] = [0, t.shape[0]]
-        if name in part["tensors"]:
-            raise UsageError(f"tensor {name!r} given twice", key=name)
-        part["tensors"][name] = {"dtype": dtype.name, "shape": list(t.shape), "chunks": [chunk]}
+    return size
+
+
+def _describe(part: Dict[str, Any], item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
+              crcs: List[int], segment_bytes: int) -> None:
+    """Adds the tensor entry of one written chunk to the index part."""
+    name, t, dtype = item
+    chunk: Dict[str, Any] = {"file": fname, "offset": start, "length": t.nbytes, "crc32c": crcs,
+                             "segment_bytes": segment_bytes}
+    if t.dim():
+        chunk["rows"] = [0, t.shape[0]]
+    part["tensors"][name] = {"dtype": dtype.name, "shape": list(t.shape), "chunks": [chunk]}
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor's bytes."""
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.Tensor, DType]],
+                 part: Dict[str, Any], fname: str, segment_bytes: int) -> int:
+    """Writes one shard file sequentially through a storage stream: the file system buffers at most
+    one upload part, and the tensors are handed over as views, never copied whole."""
+    head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
+    size = len(head) + sum(t.nbytes for _, t, _ in group)
+    described = []
+    with storage.open_write(path) as f:
+        f.write(head)
+        for i, item in enumerate(group):
+            data = tensor_bytes(item[1])
+            crcs = []
+            for b in range(0, max(len(data), 1), segment_bytes):
+                piece = data[b:b + segment_bytes]
+                crcs.append(_C.crc32c(piece))
+                if len(piece):
+                    f.write(memoryview(piece))
+            described.append((item, starts[i], crcs))
+    for item, start, crcs in described:
+        _describe(part, item, fname, start, crcs, segment_bytes)
     return size

@@ -1,0 +1,30 @@
+// Bindings of the hash-table helpers. Raw addresses (tensor.data_ptr()) keep torch out of the build.
+#include "bindings/bind_table.h"
+
+#include "core/errors.h"
+#include "core/row_init.h"
+
+namespace py = pybind11;
+
+void bind_table(py::module_& m) {
+  m.def("init_rows_normal", [](uint64_t ids, int64_t n, int64_t dim, uint64_t seed, float stddev,
+                               uint64_t out, int threads) {
+        if (n < 0 || dim < 0) throw recsave::Error(recsave::ErrorKind::kInvalid, "", "negative size");
+        if (n == 0 || dim == 0) return;
+        py::gil_scoped_release nogil;
+        recsave::init_rows_normal(reinterpret_cast<const int64_t*>(ids), n, dim, seed, stddev,
+                                  reinterpret_cast<float*>(out), threads);
+      }, py::arg("ids_address"), py::arg("n"), py::arg("dim"), py::arg("seed"), py::arg("stddev"),
+      py::arg("out_address"), py::arg("threads") = 1,
+      "Fills a float32 [n, dim] buffer with normal(0, stddev) values determined by (seed, id, column).");
+  m.def("bucket_of", [](uint64_t ids, int64_t n, uint64_t num_buckets, uint64_t out, int threads) {
+        if (n < 0) throw recsave::Error(recsave::ErrorKind::kInvalid, "", "negative size");
+        if (num_buckets == 0) throw recsave::Error(recsave::ErrorKind::kInvalid, "", "num_buckets must be > 0");
+        py::gil_scoped_release nogil;
+        recsave::bucket_of(reinterpret_cast<const int64_t*>(ids), n, num_buckets,
+                           reinterpret_cast<int64_t*>(out), threads);
+      }, py::arg("ids_address"), py::arg("n"), py::arg("num_buckets"), py::arg("out_address"),
+      py::arg("threads") = 1, "out[i] = mix64(ids[i]) % num_buckets for int64 buffers.");
+  m.def("mix64", [](int64_t id) { return static_cast<int64_t>(recsave::mix64(static_cast<uint64_t>(id))); },
+        py::arg("id"), "splitmix64 finaliser of one id, as a signed int64.");
+}

@@ -1,0 +1,291 @@
+"""HashTable: an embedding whose rows are created on demand for unbounded int64 ids.
+
+Ids map to rows through the C++ id map (`recsave._C.IdMap`); rows live in a growable tensor.
+Optimizer state lives next to the embedding as *slots*, row-aligned with it. Gradients reach the
+table as (rows, values) pairs collected in backward, never as a dense [capacity, dim] tensor.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import _C, knobs
+from .errors import ShapeMismatchError, UsageError
+
+_MIN_CAPACITY = 1024
+
+
+class _Lookup(torch.autograd.Function):
+    """Gathers rows; backward hands the row gradients to the table instead of returning them."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, table: "HashTable", rows: torch.Tensor) -> torch.Tensor:
+        ctx.table = table
+        ctx.save_for_backward(rows)
+        return table._gather(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:
+        (rows,) = ctx.saved_tensors
+        ctx.table._accumulate_grad(rows, grad)
+        return None, None, None
+
+
+class HashTable(torch.nn.Module):
+    """Dynamic-id embedding table.
+
+    Args:
+        embedding_dim: width of each row.
+        name: the table's name in checkpoints (defaults to its attribute path in the model).
+        dtype: floating dtype of the rows.
+        device: where rows live (the id map is on the CPU).
+        init_std: new rows are drawn from normal(0, init_std) ...
+        seed: ... as a pure function of (seed, id, column), so restarts reproduce them exactly.
+
+    In training mode unseen ids are inserted; in eval mode they read as zeros and are not inserted.
+    """
+
+    def __init__(self, embedding_dim: int, name: Optional[str] = None, *, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device | str] = None, init_std: float = 0.01,
+                 seed: Optional[int] = None):
+        super().__init__()
+        if not isinstance(embedding_dim, int) or embedding_dim <= 0:
+            raise UsageError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if not dtype.is_floating_point:
+            raise UsageError(f"HashTable rows must be a floating dtype, got {dtype}")
+        if name is not None and (not isinstance(name, str) or not name or "@" in name):
+            raise UsageError(f"table name {name!r} must be a non-empty string without '@'")
+        self.embedding_dim = embedding_dim
+        self.table_name = name
+        self.init_std = float(init_std)
+        self.seed = int(seed) if seed is not None else 0
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._dtype = dtype
+        self._map = _C.IdMap(0)
+        self._weight = torch.empty(0, embedding_dim, dtype=dtype, device=self._device)
+        self._slots: Dict[str, torch.Tensor] = {}
+        self._slot_init: Dict[str, float] = {}
+        self._grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        # A leaf that requires grad, so autograd calls _Lookup.backward; it never receives a gradient.
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    # ----------------------------------------------------------------------------------- basics
+    @property
+    def name(self) -> Optional[str]:
+        return self.table_name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def extra_repr(self) -> str:
+        return f"{self.embedding_dim}, name={self.table_name!r}, rows={len(self)}, slots={sorted(self._slots)}"
+
+    def ids(self) -> torch.Tensor:
+        """All ids, in row order (int64, CPU)."""
+        ids, _rows = self._map.export()
+        return torch.from_numpy(ids)
+
+    def clear(self) -> None:
+        """Removes every id (storage is kept for reuse)."""
+        self._map.clear()
+        self._grads.clear()
+
+    def delete(self, ids: torch.Tensor) -> int:
+        """Removes the given ids; returns how many were present."""
+        freed = self._map.erase(_as_id_array(ids))
+        return int((freed >= 0).sum())
+
+    # ------------------------------------------------------------------------------------ slots
+    def slot_names(self) -> List[str]:
+        return sorted(self._slots)
+
+    def add_slot(self, slot: str, init: float = 0.0) -> None:
+        """Creates a row-aligned [rows, dim] slot (e.g. an optimizer accumulator) filled with `init`;
+        rows inserted later start at `init` too. A slot that exists already is kept as is."""
+        if not slot or "@" in slot or slot in ("id", "embedding"):
+            raise UsageError(f"slot name {slot!r} is reserved or invalid")
+        if slot in self._slots:
+            return
+        self._slots[slot] = torch.full_like(self._weight, init)
+        self._slot_init[slot] = float(init)
+
+    def slot(self, slot: str) -> torch.Tensor:
+        """The slot's storage for rows [0, row_capacity) (index it with rows from lookup())."""
+        try:
+            return self._slots[slot][: self._map.row_capacity]
+        except KeyError:
+            raise UsageError(f"table {self.table_name!r} has no slot {slot!r}; it has {self.slot_names()}",
+                             key=self.table_name) from None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Row storage for rows [0, row_capacity)."""
+        return self._weight[: self._map.row_capacity]
+
+    # ---------------------------------------------------------------------------------- lookups
+    def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor:
+        """Rows of flat int64 ids (CPU int64 tensor); -1 for absent ids unless `insert`."""
+        flat = _as_id_array(ids)
+        threads = knobs.get("concurrency")
+        if not insert:
+            return torch.from_numpy(self._map.lookup(flat, threads))
+        rows, is_new, num_new = self._map.lookup_or_insert(flat, threads)
+        rows_t = torch.from_numpy(rows)
+        if num_new:
+            self._ensure_capacity(self._map.row_capacity)
+            self._init_rows(torch.from_numpy(flat[is_new]), rows_t[torch.from_numpy(is_new)])
+        return rows_t
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != torch.int64:
+            raise UsageError(f"HashTable {self.table_name!r} takes int64 ids, got {ids.dtype}")
+        rows = self.lookup(ids, insert=self.training).to(self._device)
+        if torch.is_grad_enabled():
+            out = _Lookup.apply(self._anchor, self, rows)
+        else:
+            out = self._gather(rows)
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        out = self._weight.index_select(0, rows.clamp(min=0))
+        missing = rows < 0
+        if bool(missing.any()):
+            out[missing] = 0
+        return out
+
+    # -------------------------------------------------------------------------------- gradients
+    def _accumulate_grad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        grad = grad.reshape(-1, self.embedding_dim)
+        keep = rows >= 0
+        if not bool(keep.all()):
+            rows, grad = rows[keep], grad[keep]
+        self._grads.append((rows, grad))
+
+    def has_grad(self) -> bool:
+        return bool(self._grads)
+
+    def coalesced_grad(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(unique rows ascending, summed row gradients) of everything since the last zero_grad."""
+        if not self._grads:
+            return None
+        rows = torch.cat([r for r, _ in self._grads])
+        grads = torch.cat([g for _, g in self._grads])
+        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+        summed = torch.zeros(unique.numel(), self.embedding_dim, dtype=grads.dtype, device=grads.device)
+        summed.index_add_(0, inverse, grads)
+        return unique, summed
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        self._grads.clear()
+
+    # --------------------------------------------------------------------------- storage growth
+    def _ensure_capacity(self, rows: int) -> None:
+        cap = self._weight.shape[0]
+        if rows <= cap:
+            return
+        new_cap = max(rows, 2 * cap, _MIN_CAPACITY)  # doubling: amortised O(1) copies per row
+        self._weight = _grow(self._weight, new_cap)
+        for slot, storage in self._slots.items():
+            self._slots[slot] = _grow(storage, new_cap, self._slot_init[slot])
+
+    def _init_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Initialises the rows of newly inserted ids (embedding and every slot)."""
+        values = torch.empty(ids.numel(), self.embedding_dim, dtype=torch.float32)
+        ids = ids.contiguous()
+        _C.init_rows_normal(ids.data_ptr(), ids.numel(), self.embedding_dim, self.seed, self.init_std,
+                            values.data_ptr(), knobs.get("concurrency"))
+        rows = rows.to(self._device)
+        self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
+        for slot, storage in self._slots.items():
+            storage[rows] = self._slot_init[slot]
+
+    # ---------------------------------------------------------------------- checkpoint support
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        # The table itself is the entry, so split_sparse_dense_state_dict can separate it.
+        destination[self.table_name or prefix[:-1]] = self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        key = self.table_name or prefix[:-1]
+        other = state_dict.get(key)
+        if other is None:
+            if strict:
+                missing_keys.append(key)
+            return
+        if not isinstance(other, HashTable):
+            error_msgs.append(f"{key}: expected a HashTable, got {type(other).__name__}")
+            return
+        ids, values, slots = other.export()
+        self.load_rows(ids, values, slots, clear=True)
+
+    def export(self, ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+        """One consistent snapshot: ids (row order unless given), their embedding rows and every slot."""
+        if ids is None:
+            ids_np, rows_np = self._map.export()
+            ids, rows = torch.from_numpy(ids_np), torch.from_numpy(rows_np)
+        else:
+            rows = self.lookup(ids, insert=False)
+            if bool((rows < 0).any()):
+                raise UsageError(f"table {self.table_name!r}: export of ids that are not in the table")
+        rows_d = rows.to(self._device)
+        values = self._weight.index_select(0, rows_d).cpu()
+        slots = {s: t.index_select(0, rows_d).cpu() for s, t in self._slots.items()}
+        return ids, values, slots
+
+    def load_rows(self, ids: torch.Tensor, values: torch.Tensor, slots: Optional[Dict[str, torch.Tensor]] = None,
+                  *, clear: bool = True) -> None:
+        """Sets the rows of `ids` to `values` (and the given slots); clears the table first when
+        `clear`, else merges (ids present in both take the loaded values). Slots not given keep their
+        values for existing ids and their init value for new ones."""
+        n = ids.numel()
+        if values.dim() != 2 or values.shape[0] != n or values.shape[1] != self.embedding_dim:
+            raise ShapeMismatchError(
+                f"table {self.table_name!r}: {n} ids with values of shape {tuple(values.shape)}; the "
+                f"table expects [{n}, {self.embedding_dim}]", key=self.table_name)
+        slots = slots or {}
+        for slot, t in slots.items():
+            if tuple(t.shape) != tuple(values.shape):
+                raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} has shape "
+                                         f"{tuple(t.shape)}, expected {tuple(values.shape)}", key=self.table_name)
+        if clear:
+            self.clear()
+        for slot in slots:
+            self.add_slot(slot)
+        rows = self.lookup(ids, insert=True).to(self._device)
+        self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
+        for slot, t in slots.items():
+            self._slots[slot][rows] = t.to(device=self._device, dtype=self._slots[slot].dtype)
+
+    def named_slots(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        yield from self._slots.items()
+
+
+def _grow(t: torch.Tensor, rows: int, fill: float = 0.0) -> torch.Tensor:
+    out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    out[t.shape[0]:] = fill
+    return out
+
+
+def _as_id_array(ids: torch.Tensor):
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
+    return ids.detach().reshape(-1).cpu().contiguous().numpy()
+
+
+def split_sparse_dense_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, "HashTable"], Dict[str, Any]]:
+    """(sparse, dense): HashTable entries and everything else. The input is not modified."""
+    sparse = {k: v for k, v in state_dict.items() if isinstance(v, HashTable)}
+    dense = {k: v for k, v in state_dict.items() if not isinstance(v, HashTable)}
+    return sparse, dense
+
+
