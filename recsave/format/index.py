@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1
 INDEX_FILE = "index"
+REQUIRED_KEYS = ("magic", "format_version", "recsave_version", "created_at", "step", "world_size",
+                 "partition", "files", "tensors", "meta")
 
 
 def new_part(rank: int) -> Dict[str, Any]:
@@ -90,11 +92,19 @@ def validate(index: Any, path: str) -> Dict[str, Any]:
     if index.get("magic") != MAGIC:
         raise checks.corrupt(path, f"bad magic {index.get('magic')!r} (expected {MAGIC!r})")
     version = index.get("format_version")
-    if version != FORMAT_VERSION or type(version) is not int:
+    if type(version) is not int:
+        raise checks.corrupt(path, f"format_version must be an integer, found {version!r}")
+    if version != FORMAT_VERSION:
         raise FormatVersionError(
             f"{path}: format_version {version!r} is not supported by recsave {__version__} (reads "
             f"version {FORMAT_VERSION}); upgrade recsave to read this checkpoint", path=path)
+    absent = [k for k in REQUIRED_KEYS if k not in index]
+    if absent:
+        raise checks.corrupt(path, f"index lacks required key(s) {absent}")
     checks.as_int(index.get("world_size"), "world_size", path, lo=1, hi=1 << 24)
+    _validate_partition(index.get("partition"), path)
+    if not isinstance(index.get("meta"), dict):
+        raise checks.corrupt(path, "index 'meta' must be an object")
     files = index.get("files")
     tensors = index.get("tensors")
     if not isinstance(files, dict) or not isinstance(tensors, dict):
@@ -115,6 +125,14 @@ def validate(index: Any, path: str) -> Dict[str, Any]:
             if b1 < e0:
                 raise checks.corrupt(path, f"chunks of {n0!r} and {n1!r} overlap in {fname!r}")
     return index
+
+
+def _validate_partition(partition: Any, path: str) -> None:
+    if partition is None:
+        return
+    if not isinstance(partition, dict) or partition.get("scheme") != "mix64":
+        raise checks.corrupt(path, f"unknown partition {partition!r} (this recsave knows scheme 'mix64')")
+    checks.as_int(partition.get("num_buckets"), "num_buckets", path, lo=1, hi=1 << 30)
 
 
 def _validate_tensor(name: str, entry: Any, files: Dict[str, Any],

@@ -202,7 +202,8 @@ def _check_header(path: str, fname: str, index: Dict[str, Any], wanted: List[str
         entry = index["tensors"][name]
         for chunk in entry["chunks"]:
             if chunk["file"] == fname:
-                _check_against_header(chunk, entries.get(name), data_start, entry["dtype"], path, name)
+                _check_against_header(chunk, entries.get(name), data_start, entry["dtype"], entry["shape"],
+                                      path, name)
 
 
 def _execute_local(path: str, reads: FileReads, verify: bool, threads: int) -> None:
@@ -240,12 +241,14 @@ def _execute_remote(storage: Storage, path: str, reads: FileReads, verify: bool)
 
 
 def _check_against_header(chunk: Dict[str, Any], entry: Optional[header.HeaderEntry], data_start: int,
-                          dtype_name: str, path: str, name: str) -> None:
+                          dtype_name: str, shape: List[int], path: str, name: str) -> None:
     if entry is None:
         raise checks.corrupt(path, "the index places this tensor in the file but its header lacks it", name)
+    chunk_shape = ([chunk["rows"][1] - chunk["rows"][0]] + list(shape[1:])) if "rows" in chunk else []
+    stored_shape = [chunk["length"]] if entry.dtype.st_code is None else chunk_shape
     if (data_start + entry.begin != chunk["offset"] or entry.end - entry.begin != chunk["length"]
-            or entry.dtype.name != dtype_name):
+            or entry.dtype.name != dtype_name or list(entry.shape) != stored_shape):
         raise checks.corrupt(path, f"index entry (offset {chunk['offset']}, length {chunk['length']}, "
-                             f"{dtype_name}) disagrees with the file header (offset "
+                             f"{dtype_name}, shape {stored_shape}) disagrees with the file header (offset "
                              f"{data_start + entry.begin}, length {entry.end - entry.begin}, "
-                             f"{entry.dtype.name})", name)
+                             f"{entry.dtype.name}, shape {list(entry.shape)})", name)

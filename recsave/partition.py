@@ -1,0 +1,72 @@
+"""Which rank owns an id (DESIGN.md "Sharding and resharding").
+
+``bucket = mix64(id) % num_buckets``, with mix64 the splitmix64 finaliser::
+
+    z = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+    z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+    mix64(x) = z ^ (z >> 31)        (64-bit unsigned arithmetic)
+
+Rank r of W owns the contiguous bucket range ``[r * B // W, (r + 1) * B // W)``. The training job
+routes ids with the same functions, so a table on rank r holds only its ids, and a checkpoint written
+by N ranks can be loaded by M: each reads the byte ranges of the buckets it owns.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import _C, knobs
+from .errors import UsageError
+
+DEFAULT_NUM_BUCKETS = 4096
+SCHEME = "mix64"
+
+
+def mix64(ids: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser of int64 ids, as int64 (the bit pattern of the unsigned result)."""
+    flat = _ids(ids)
+    out = torch.empty_like(flat)
+    x = flat.numpy().view("uint64").copy()  # numpy's uint64 arithmetic wraps like the C++ one
+    x ^= x >> 30
+    x *= 0xBF58476D1CE4E5B9
+    x ^= x >> 27
+    x *= 0x94D049BB133111EB
+    x ^= x >> 31
+    out.numpy().view("uint64")[:] = x
+    return out.view(ids.shape)
+
+
+def bucket_of(ids: torch.Tensor, num_buckets: int = DEFAULT_NUM_BUCKETS) -> torch.Tensor:
+    """mix64(id) % num_buckets for every id (int64, same shape)."""
+    if num_buckets < 1:
+        raise UsageError(f"num_buckets must be >= 1, got {num_buckets}")
+    flat = _ids(ids)
+    out = torch.empty_like(flat)
+    _C.bucket_of(flat.data_ptr(), flat.numel(), num_buckets, out.data_ptr(), knobs.get("concurrency"))
+    return out.view(ids.shape)
+
+
+def bucket_range(rank: int, world_size: int, num_buckets: int = DEFAULT_NUM_BUCKETS) -> Tuple[int, int]:
+    """[first, stop) buckets owned by `rank` of `world_size`."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} is not in a world of {world_size}")
+    if world_size > num_buckets:
+        raise UsageError(f"{world_size} ranks need at least as many buckets (have {num_buckets})")
+    return rank * num_buckets // world_size, (rank + 1) * num_buckets // world_size
+
+
+def owner_of(ids: torch.Tensor, world_size: int, num_buckets: int = DEFAULT_NUM_BUCKETS) -> torch.Tensor:
+    """Rank owning each id: the r with bucket in bucket_range(r, world_size)."""
+    if world_size < 1 or world_size > num_buckets:
+        raise UsageError(f"world_size must be in [1, {num_buckets}], got {world_size}")
+    buckets = bucket_of(ids, num_buckets)
+    # The owner is the last rank whose first bucket is <= the id's bucket.
+    starts = torch.tensor([r * num_buckets // world_size for r in range(world_size)], dtype=torch.int64)
+    return torch.searchsorted(starts, buckets.reshape(-1), right=True).sub_(1).view(buckets.shape)
+
+
+def _ids(ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
+    return ids.detach().reshape(-1).cpu().contiguous()
