@@ -1,0 +1,279 @@
+"""The pure-Python oracle reader (recsave.format.oracle) against files built without recsave's writer:
+safetensors' own ``save_file`` output wrapped in a hand-built index, and hand-built checkpoints holding
+every dtype of FORMAT.md section 4."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import struct
+from pathlib import Path
+from typing import Dict
+
+import google_crc32c
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import recsave.errors as E
+from recsave.format import oracle
+
+CORPUS = Path(__file__).resolve().parent / "corpus"
+_spec = importlib.util.spec_from_file_location("make_corpus", CORPUS / "make_corpus.py")
+mc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mc)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def copy_valid(tmp_path: Path) -> Path:
+    d = tmp_path / "ckpt"
+    shutil.copytree(CORPUS / "valid_basic", d)
+    return d
+
+
+def edit(d: Path, fn) -> None:
+    idx = json.loads((d / "index").read_text())
+    fn(idx)
+    (d / "index").write_text(json.dumps(idx))
+
+
+def test_crc32c_check_value() -> None:
+    assert google_crc32c.value(b"123456789") == 0xE3069283
+
+
+def index_for_safetensors(d: Path, split: Dict[str, list], dtypes: Dict[str, str]) -> None:
+    """Writes an index over safetensors files in ``d``: ``split`` maps a tensor name to its list of
+    (file, rows or None); chunk offsets and lengths come from each file's header, parsed by hand."""
+    files, tensors = {}, {}
+    for name, parts in split.items():
+        chunks, shape0, tail = [], 0, None
+        for fname, rows in parts:
+            blob = (d / fname).read_bytes()
+            (n,) = struct.unpack("<Q", blob[:8])
+            e = json.loads(blob[8:8 + n])[name]
+            files[fname] = {"size": len(blob), "rank": 0}
+            off, length = 8 + n + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0]
+            c = {"file": fname, "offset": off, "length": length,
+                 **mc.seg_fields(blob[off:off + length], ("bytes", 7))}
+            if rows is not None:
+                c["rows"] = [shape0, shape0 + rows]
+                shape0 += rows
+                tail = [] if mc.DTYPES[dtypes[name]][1] is None else e["shape"][1:]  # U8 [nbytes] otherwise
+            chunks.append(c)
+        shape = [] if parts[0][1] is None else [shape0] + (tail or [])
+        tensors[name] = {"dtype": dtypes[name], "shape": shape, "chunks": chunks}
+    (d / "index").write_text(json.dumps({
+        "magic": "recsave.index", "format_version": 1, "recsave_version": "x", "created_at": "2024-01-01T00:00:00Z",
+        "step": None, "world_size": 1, "partition": None, "files": files, "tensors": tensors, "meta": {}}))
+
+
+def test_reads_safetensors_save_file_output(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(7, 3, generator=g)
+    scalar = torch.tensor(-3, dtype=torch.int64)
+    half = torch.randn(5, generator=g).to(torch.bfloat16)
+    f8 = torch.randn(2, 2, generator=g).to(torch.float8_e4m3fn)
+    cplx = torch.randn(3, dtype=torch.complex128, generator=g)
+    meta = {"format": "recsave.shard", "format_version": "1"}
+    save_file({"emb": emb[:4], "scalar": scalar, "half": half, "f8": f8}, str(tmp_path / "sparse-0-0.safetensors"),
+              metadata=meta)
+    save_file({"emb": emb[4:], "cplx": cplx.view(torch.uint8).reshape(-1).clone()},
+              str(tmp_path / "sparse-0-1.safetensors"), metadata={**meta, "recsave.dtypes": '{"cplx": "complex128"}'})
+    a, b = "sparse-0-0.safetensors", "sparse-0-1.safetensors"
+    index_for_safetensors(tmp_path, {"emb": [(a, 4), (b, 3)], "scalar": [(a, None)], "half": [(a, 5)],
+                                     "f8": [(a, 2)], "cplx": [(b, 3)]},
+                          {"emb": "float32", "scalar": "int64", "half": "bfloat16", "f8": "float8_e4m3fn",
+                           "cplx": "complex128"})
+    got = oracle.read_tensors(str(tmp_path))
+    for name, want in {"emb": emb, "scalar": scalar, "half": half, "f8": f8, "cplx": cplx}.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert raw(got[name]) == raw(want), name
+    header = oracle.read_shard_header(str(tmp_path / b))
+    assert header["__metadata__"]["recsave.dtypes"] == '{"cplx": "complex128"}'
+    assert header["cplx"]["dtype"] == "U8" and header["cplx"]["shape"] == [48]
+
+
+def test_hand_built_files_open_in_safetensors() -> None:
+    """The other direction: safetensors itself opens the corpus' hand-built shard files."""
+    ref = json.loads((CORPUS / "cases.json").read_text())["valid_basic"]["tensors"]
+    parts: Dict[str, bytes] = {}
+    for fname in ("sparse-0-0.safetensors", "sparse-1-0.safetensors"):  # in row order
+        with safe_open(str(CORPUS / "valid_basic" / fname), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                code = mc.DTYPES[ref[name]["dtype"]][1]
+                assert t.dtype == (getattr(torch, ref[name]["dtype"]) if code else torch.uint8), name
+                parts[name] = parts.get(name, b"") + raw(t)
+    assert parts == {name: bytes.fromhex(r["hex"]) for name, r in ref.items()}
+
+
+@pytest.mark.parametrize("dtype", sorted(mc.DTYPES))
+def test_every_dtype_round_trips(dtype: str, tmp_path: Path) -> None:
+    itemsize = mc.DTYPES[dtype][0]
+    rng = random.Random(dtype)
+    rand = (lambda n: bytes(rng.randrange(2) for _ in range(n))) if dtype == "bool" else rng.randbytes
+    specs = [
+        {"name": "m", "dtype": dtype, "shape": [5, 3], "data": rand(15 * itemsize),
+         "parts": [("sparse-0-0.safetensors", 3, ("bytes", 5)), ("sparse-1-0.safetensors", 0, ("ends", [0])),
+                   ("sparse-1-1.safetensors", 2, ("ends", [1, 6 * itemsize]))]},
+        {"name": "s", "dtype": dtype, "shape": [], "data": rand(itemsize), "parts": [("sparse-0-0.safetensors", None,
+                                                                                     ("bytes", 1))]},
+        {"name": "e", "dtype": dtype, "shape": [0, 4], "data": b"", "parts": [("sparse-1-0.safetensors", 0,
+                                                                                ("bytes", 8))]},
+        {"name": "z", "dtype": dtype, "shape": [2, 0, 3], "data": b"", "parts": [("sparse-1-1.safetensors", 2,
+                                                                                   ("ends", [0]))]},
+    ]
+    mc.write_checkpoint(tmp_path, specs)
+    got = oracle.read_tensors(str(tmp_path))
+    for s in specs:
+        t = got[s["name"]]
+        assert t.dtype == getattr(torch, dtype) and list(t.shape) == s["shape"] and raw(t) == s["data"]
+    assert list(oracle.read_tensors(str(tmp_path), ["s"])) == ["s"]
+
+
+def test_values_not_just_bytes(tmp_path: Path) -> None:
+    got = oracle.read_tensors(str(copy_valid(tmp_path)))
+    assert got["emb"].tolist() == [[float(3 * r + c - 7) for c in range(3)] for r in range(5)]
+    assert got["step"].item() == -123456789012 and got["step"].dim() == 0
+    big = struct.unpack("<f", b"\0\0" + struct.pack("<f", 1e30)[2:])[0]  # the corpus truncates to bfloat16
+    assert got["half"].tolist() == [1.0, -2.0, 0.5, big]
+    assert got["c"].tolist() == [complex(1, -1), complex(2.5, 0)]
+    assert got["mask"].tolist() == [True, False, True]
+    assert got["f8"].float().tolist() == [[1.0, -1.0], [2.0, 0.0]]
+
+
+def test_names_subset_and_missing_name(tmp_path: Path) -> None:
+    d = str(copy_valid(tmp_path))
+    assert sorted(oracle.read_tensors(d, ["emb", "c"])) == ["c", "emb"]
+    assert list(oracle.read_tensors(d, "step")) == ["step"]
+    with pytest.raises(E.ConfigError, match="nope") as info:
+        oracle.read_tensors(d, ["emb", "nope"])
+    assert info.value.key == "nope"
+
+
+def test_verify_false_skips_checksums(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    shutil.copytree(CORPUS / "crc_flipped_byte", d)
+    with pytest.raises(E.CorruptCheckpointError, match="crc32c") as info:
+        oracle.read_tensors(str(d))
+    assert info.value.key == "t" and info.value.path.endswith("sparse-0-0.safetensors")
+    assert oracle.read_tensors(str(d), verify=False)["t"].shape == (4, 2)
+
+
+def test_read_index_ignores_unknown_top_level_keys(tmp_path: Path) -> None:
+    d = copy_valid(tmp_path)
+    edit(d, lambda i: i.update(future_key={"anything": [1, 2]}))
+    idx = oracle.read_index(str(d))
+    assert idx["world_size"] == 2 and set(idx["tensors"]) == {"emb", "step", "empty", "mask", "ids", "half", "c",
+                                                              "f8", "zero_d_cplx"}
+
+
+@pytest.mark.parametrize("version", ["1", 1.0, True, None, 0, -1, 2**70])
+def test_unknown_format_versions(version, tmp_path: Path) -> None:
+    d = copy_valid(tmp_path)
+    edit(d, lambda i: i.update(format_version=version))
+    with pytest.raises(E.FormatVersionError, match="format_version"):
+        oracle.read_index(str(d))
+
+
+@pytest.mark.parametrize("bad", [".", "..", "", "a b", "x/y", "\\evil", "sparse\x00.safetensors"])
+def test_file_names_must_be_plain(bad: str, tmp_path: Path) -> None:
+    d = copy_valid(tmp_path)
+
+    def rename(i: dict) -> None:
+        i["files"][bad] = i["files"].pop("sparse-1-0.safetensors")
+        for t in i["tensors"].values():
+            for c in t["chunks"]:
+                c["file"] = bad if c["file"] == "sparse-1-0.safetensors" else c["file"]
+    edit(d, rename)
+    with pytest.raises(E.CorruptCheckpointError, match="plain file name"):
+        oracle.read_index(str(d))
+
+
+def test_duplicate_json_keys_are_refused(tmp_path: Path) -> None:
+    d = copy_valid(tmp_path)
+    text = (d / "index").read_text()
+    (d / "index").write_text(text.replace('"step": 7', '"step": 7, "step": 8'))
+    with pytest.raises(E.CorruptCheckpointError, match="duplicate"):
+        oracle.read_index(str(d))
+
+
+def test_index_and_listed_file_must_be_regular_files(tmp_path: Path) -> None:
+    d = copy_valid(tmp_path)
+    os.unlink(d / "sparse-1-0.safetensors")
+    os.mkdir(d / "sparse-1-0.safetensors")
+    with pytest.raises(E.CorruptCheckpointError, match="regular file"):
+        oracle.read_tensors(str(d))
+    os.rmdir(d / "sparse-1-0.safetensors")
+    os.mkfifo(d / "sparse-1-0.safetensors")  # would block a reader that opens it blindly
+    with pytest.raises(E.CorruptCheckpointError, match="regular file"):
+        oracle.read_tensors(str(d))
+    os.unlink(d / "index")
+    os.mkdir(d / "index")
+    with pytest.raises(E.CorruptCheckpointError, match="index"):
+        oracle.read_index(str(d))
+    with pytest.raises(E.CheckpointNotFoundError):
+        oracle.read_index(str(tmp_path / "does-not-exist"))
+
+
+def test_whole_file_crc32c_is_verified_when_present(tmp_path: Path) -> None:
+    d = copy_valid(tmp_path)
+    whole = google_crc32c.value((d / "sparse-1-0.safetensors").read_bytes())
+    edit(d, lambda i: i["files"]["sparse-1-0.safetensors"].update(crc32c=whole))
+    oracle.read_tensors(str(d))
+    edit(d, lambda i: i["files"]["sparse-1-0.safetensors"].update(crc32c=whole ^ 1))
+    with pytest.raises(E.CorruptCheckpointError, match="crc32c"):
+        oracle.read_tensors(str(d))
+
+
+@pytest.mark.parametrize("dtypes", ['{"c": ["complex128"]}', '{"__metadata__": "complex128"}', "not json", "[1]",
+                                    '{"c": "complex64"}', '{"c": "float33"}', '{"nope": "complex128"}',
+                                    '{"c": "bits16"}'])
+def test_hostile_recsave_dtypes_metadata(dtypes: str, tmp_path: Path) -> None:
+    """A shard whose recsave.dtypes metadata is malformed or names the wrong dtype is refused."""
+    blob, offs = mc.shard_bytes([("c", "U8", [32], bytes(range(32)))], header_override=json.dumps(
+        {"__metadata__": {"recsave.dtypes": dtypes}, "c": {"dtype": "U8", "shape": [32], "data_offsets": [0, 32]}}
+    ).encode())
+    (tmp_path / "s.safetensors").write_bytes(blob)
+    index_for_safetensors(tmp_path, {"c": [("s.safetensors", 2)]}, {"c": "complex128"})
+    with pytest.raises(E.CorruptCheckpointError):
+        oracle.read_tensors(str(tmp_path))
+
+
+def test_random_damage_raises_only_recsave_errors(tmp_path: Path) -> None:
+    """Byte flips, insertions and truncations anywhere in the valid checkpoint: the oracle either reads
+    it or raises a recsave error; nothing else (KeyError, TypeError, struct.error, ...) escapes."""
+    rng = random.Random(1234)
+    src = CORPUS / "valid_basic"
+    names = sorted(p.name for p in src.iterdir())
+    outcomes = set()
+    for it in range(400):
+        d = tmp_path / f"c{it}"
+        shutil.copytree(src, d)
+        target = d / rng.choice(names)
+        b = bytearray(target.read_bytes())
+        op = rng.randrange(4)
+        pos = rng.randrange(len(b))
+        if op == 0:
+            b[pos] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            b[pos] = rng.choice(b'{}[]",:0123456789-.eE \x00\xff')
+        elif op == 2:
+            del b[pos:]
+        else:
+            b[pos:pos] = rng.randbytes(rng.randrange(1, 4))
+        target.write_bytes(bytes(b))
+        try:
+            oracle.read_tensors(str(d))
+            outcomes.add("ok")
+        except E.RecsaveError as e:
+            assert isinstance(e, (E.CorruptCheckpointError, E.CheckpointNotFoundError)), repr(e)
+            outcomes.add(type(e).__name__)
+        shutil.rmtree(d)
+    assert "CorruptCheckpointError" in outcomes
