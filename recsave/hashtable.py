@@ -101,8 +101,14 @@ class HashTable(torch.nn.Module):
 
     def delete(self, ids: torch.Tensor) -> int:
         """Removes the given ids; returns how many were present."""
-        freed = self._map.erase(_as_id_array(ids))
-        return int((freed >= 0).sum())
+        freed = torch.from_numpy(self._map.erase(_as_id_array(ids)))
+        freed = freed[freed >= 0]
+        if freed.numel() and self._grads:
+            # A freed row is reused by the next new id: pending gradients must not follow it there.
+            freed_d = freed.to(self._device)
+            self._grads = [(r[keep], g[keep]) for r, g in self._grads
+                           for keep in [~torch.isin(r, freed_d)]]
+        return int(freed.numel())
 
     # ------------------------------------------------------------------------------------ slots
     def slot_names(self) -> List[str]:
@@ -110,10 +116,12 @@ class HashTable(torch.nn.Module):
 
     def add_slot(self, slot: str, init: float = 0.0) -> None:
         """Creates a row-aligned [rows, dim] slot (e.g. an optimizer accumulator) filled with `init`;
-        rows inserted later start at `init` too. A slot that exists already is kept as is."""
+        rows inserted later start at `init` too. A slot that exists already keeps its values and takes
+        `init` for rows inserted from now on (e.g. a slot restored before its optimizer was built)."""
         if not slot or "@" in slot or slot in ("id", "embedding"):
             raise UsageError(f"slot name {slot!r} is reserved or invalid")
         if slot in self._slots:
+            self._slot_init[slot] = float(init)
             return
         self._slots[slot] = torch.full_like(self._weight, init)
         self._slot_init[slot] = float(init)

@@ -1,0 +1,343 @@
+"""recsave.optim against torch's own sparse optimizers on nn.Embedding(sparse=True)."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import pytest
+import torch
+
+from recsave.errors import ConfigError, UsageError
+from recsave.hashtable import HashTable
+from recsave.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseSGD
+
+DIM = 8
+ATOL = 1e-6
+N_IDS = 24          # ids[:16] are trained on, ids[16:] never touched
+N_TOUCHED = 16
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-2 ** 62, 2 ** 62, (N_IDS * 2,), generator=g).unique()[:N_IDS]
+    assert ids.numel() == N_IDS
+    return ids[torch.randperm(N_IDS, generator=g)]
+
+
+def _initial_rows(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """Rows a fresh table gives these ids: a pure function of (seed, id), so a twin table tells us."""
+    twin = HashTable(DIM, name="twin", seed=seed, init_std=0.5)
+    return twin(ids).detach().clone()
+
+
+def _setup(name: str = "emb", seed: int = 3) -> Tuple[torch.Tensor, HashTable, torch.nn.Embedding]:
+    """A table holding the untouched ids and half of the trained ones (the rest are inserted while
+    training, after the optimizer made its slots), and an Embedding holding all ids' initial rows."""
+    ids = _ids()
+    table = HashTable(DIM, name=name, seed=seed, init_std=0.5)
+    table.lookup(ids[N_TOUCHED // 2:], insert=True)
+    emb = torch.nn.Embedding(N_IDS, DIM, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(_initial_rows(ids, seed))
+    return ids, table, emb
+
+
+def _batches(steps: int = 7, seed: int = 1, pool: int = N_TOUCHED) -> List[torch.Tensor]:
+    """Index batches into ids: duplicates within a batch, ids missing from some steps, one empty step."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(steps):
+        if k == 3:
+            out.append(torch.empty(0, dtype=torch.int64))  # no gradient at all this step
+            continue
+        sub = torch.arange(k % 2, pool, 2) if k % 3 == 1 else torch.arange(pool)  # only some ids
+        pick = sub[torch.randint(0, sub.numel(), (3, 5), generator=g)]
+        pick[0, :2] = pick[1, 0]  # guaranteed duplicates
+        out.append(pick)
+    return out
+
+
+def _loss(out: torch.Tensor, k: int) -> torch.Tensor:
+    target = torch.randn(out.shape, generator=torch.Generator().manual_seed(100 + k))
+    return (out * target).sum() + 0.3 * (out ** 2).sum()  # non-linear in the rows
+
+
+def _rows(table: HashTable, ids: torch.Tensor) -> torch.Tensor:
+    rows = table.lookup(ids, insert=False)
+    assert bool((rows >= 0).all())
+    return rows
+
+
+def _train(opt: SparseOptimizer, table: HashTable, ids: torch.Tensor, batches: List[torch.Tensor],
+           start: int = 0) -> None:
+    for k, pos in enumerate(batches, start):
+        opt.zero_grad()
+        if pos.numel():
+            _loss(table(ids[pos]), k).backward()
+        opt.step()
+
+
+def _train_torch(opt: torch.optim.Optimizer, emb: torch.nn.Embedding, batches: List[torch.Tensor]) -> None:
+    for k, pos in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        if pos.numel():
+            _loss(emb(pos), k).backward()
+        opt.step()
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch-internal, adagrad
+
+CASES: Dict[str, Tuple[Callable, Callable, Dict[str, str]]] = {
+    "sgd": (lambda t: SparseSGD(t, lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1), {}),
+    "adagrad": (lambda t: SparseAdagrad(t, lr=0.2, lr_decay=0.05, initial_accumulator_value=0.1, eps=1e-10),
+                lambda p: torch.optim.Adagrad(p, lr=0.2, lr_decay=0.05, initial_accumulator_value=0.1,
+                                              eps=1e-10),
+                {"adagrad_acc": "sum"}),
+    "adam": (lambda t: SparseAdam(t, lr=0.05, betas=(0.8, 0.95), eps=1e-8),
+             lambda p: torch.optim.SparseAdam(p, lr=0.05, betas=(0.8, 0.95), eps=1e-8),
+             {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch(case: str) -> None:
+    make, make_torch, slot_map = CASES[case]
+    ids, table, emb = _setup()
+    opt, topt = make(table), make_torch(emb.parameters())
+    assert set(table.slot_names()) == set(opt.slot_names) == set(slot_map)
+    untouched_before = table.weight[_rows(table, ids[N_TOUCHED:])].clone()
+    batches = _batches()
+    _train(opt, table, ids, batches)
+    _train_torch(topt, emb, batches)
+
+    touched = torch.cat([b.reshape(-1) for b in batches]).unique()
+    assert touched.numel() == N_TOUCHED
+    got = table.weight[_rows(table, ids[touched])]
+    torch.testing.assert_close(got, emb.weight.detach()[touched], atol=ATOL, rtol=0)
+    assert not torch.allclose(got, _initial_rows(ids, 3)[touched])  # the test can fail: rows moved
+    torch.testing.assert_close(table.weight[_rows(table, ids[N_TOUCHED:])], untouched_before, atol=0, rtol=0)
+    state = topt.state[emb.weight]
+    for slot, torch_name in slot_map.items():
+        torch.testing.assert_close(table.slot(slot)[_rows(table, ids[touched])], state[torch_name][touched],
+                                   atol=ATOL, rtol=0)
+        # untouched rows keep the slot's initial value
+        init = 0.1 if case == "adagrad" else 0.0
+        assert bool((table.slot(slot)[_rows(table, ids[N_TOUCHED:])] == init).all())
+    if "step" in state:  # one step had no gradient: neither counts it
+        assert opt.steps == {"emb": int(state["step"])} == {"emb": len(batches) - 1}
+
+
+@pytest.mark.parametrize("case", ["sgd", "adagrad"])
+def test_weight_decay_equals_dense_torch_when_every_row_is_touched(case: str) -> None:
+    """torch refuses weight decay with sparse gradients; ours is lazy (touched rows only), so it equals
+    dense torch exactly when every row gets a gradient each step."""
+    ids, table, emb = _setup()
+    emb.sparse = False
+    if case == "sgd":
+        opt, topt = SparseSGD(table, lr=0.1, weight_decay=0.2), torch.optim.SGD(emb.parameters(), lr=0.1,
+                                                                                 weight_decay=0.2)
+    else:
+        opt = SparseAdagrad(table, lr=0.1, weight_decay=0.2, lr_decay=0.01)
+        topt = torch.optim.Adagrad(emb.parameters(), lr=0.1, weight_decay=0.2, lr_decay=0.01)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.cat([torch.randperm(N_IDS, generator=g), torch.randint(0, N_IDS, (6,), generator=g)])
+               for _ in range(5)]
+    _train(opt, table, ids, batches)
+    _train_torch(topt, emb, batches)
+    torch.testing.assert_close(table.weight[_rows(table, ids)], emb.weight.detach(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_state_dict_round_trip_resumes_identically(case: str, tmp_path) -> None:
+    make, _make_torch, _slots = CASES[case]
+    ids, table_a, _ = _setup()
+    _, table_b, _ = _setup()
+    opt_a, opt_b = make(table_a), make(table_b)
+    batches = _batches(steps=8)
+    _train(opt_a, table_a, ids, batches[:4])
+    _train(opt_b, table_b, ids, batches[:4])
+
+    torch.save(opt_b.state_dict(), tmp_path / "opt.pt")
+    saved_ids, values, slots = table_b.export()
+    # A restart: new table and optimizer (another lr, which the state overrides), then the restore.
+    table_c = HashTable(DIM, name="emb", seed=3, init_std=0.5)
+    opt_c = type(opt_b)(table_c, **{k: v for k, v in opt_b.hparams.items() if k != "lr"}, lr=123.0)
+    table_c.load_rows(saved_ids, values, slots)
+    opt_c.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert opt_c.state_dict() == opt_a.state_dict()
+
+    _train(opt_a, table_a, ids, batches[4:], start=4)
+    _train(opt_c, table_c, ids, batches[4:], start=4)
+    torch.testing.assert_close(table_c.weight[_rows(table_c, ids)], table_a.weight[_rows(table_a, ids)],
+                               atol=0, rtol=0)
+    for slot in opt_a.slot_names:
+        torch.testing.assert_close(table_c.slot(slot)[_rows(table_c, ids)], table_a.slot(slot)[_rows(table_a, ids)],
+                                   atol=0, rtol=0)
+
+
+def test_state_dict_is_plain_python() -> None:
+    opt = SparseAdam(HashTable(DIM, name="t"), lr=0.01)
+    sd = opt.state_dict()
+    assert sd == {"optimizer": "SparseAdam", "hparams": {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8},
+                  "steps": {"t": 0}}
+    sd["steps"]["t"] = 5  # a copy: mutating it does not touch the optimizer
+    assert opt.steps == {"t": 0}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_zero_grad_and_accumulation(case: str) -> None:
+    make, make_torch, _slots = CASES[case]
+    ids, table, emb = _setup()
+    opt, topt = make(table), make_torch(emb.parameters())
+    table(ids[:4]).sum().backward()  # inserts ids[:4] (not in the table yet)
+    before = table.weight.clone()
+    opt.zero_grad()
+    assert table.coalesced_grad() is None
+    opt.step()  # nothing to do: no row changes, no step counted
+    torch.testing.assert_close(table.weight, before, atol=0, rtol=0)
+    assert opt.steps == {"emb": 0}
+
+    # Without zero_grad between two backward passes the gradients add up, as in torch.
+    pos = torch.tensor([0, 2, 2, 5])
+    for k in range(2):
+        _loss(table(ids[pos]), k).backward()
+        _loss(emb(pos), k).backward()
+    opt.step()
+    topt.step()
+    torch.testing.assert_close(table.weight[_rows(table, ids[pos])], emb.weight.detach()[pos], atol=ATOL, rtol=0)
+
+
+class _CTR(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = HashTable(DIM, name="user", seed=3, init_std=0.5)
+        self.item = HashTable(DIM, name="item", seed=4, init_std=0.5)
+        self.mlp = torch.nn.Linear(2 * DIM, 1)
+
+
+def test_model_with_two_tables_counts_steps_per_table() -> None:
+    model = _CTR()
+    opt = SparseAdam(model, lr=0.05)
+    assert opt.tables == {"user": model.user, "item": model.item}
+    ids = _ids()
+    embs = {n: torch.nn.Embedding(N_IDS, DIM, sparse=True) for n in ("user", "item")}
+    with torch.no_grad():
+        embs["user"].weight.copy_(_initial_rows(ids, 3))
+        embs["item"].weight.copy_(_initial_rows(ids, 4))
+    topt = torch.optim.SparseAdam([embs["user"].weight, embs["item"].weight], lr=0.05)
+    touched: Dict[str, List[torch.Tensor]] = {"user": [], "item": []}
+    for k, pos in enumerate(_batches(steps=6)):
+        opt.zero_grad()
+        topt.zero_grad(set_to_none=True)
+        if not pos.numel():
+            continue
+        use_item = k % 2 == 0  # the item table misses every other step: its bias correction lags
+        touched["user"].append(pos.reshape(-1))
+        if use_item:
+            touched["item"].append(pos.reshape(-1))
+        out = model.user(ids[pos]) + (model.item(ids[pos]) if use_item else 0)
+        tout = embs["user"](pos) + (embs["item"](pos) if use_item else 0)
+        _loss(out, k).backward()
+        _loss(tout, k).backward()
+        opt.step()
+        topt.step()
+    assert opt.steps == {"user": 5, "item": 3}
+    for name in ("user", "item"):
+        assert opt.steps[name] == topt.state[embs[name].weight]["step"]
+        table = opt.tables[name]
+        rows = torch.cat(touched[name]).unique()
+        torch.testing.assert_close(table.weight[_rows(table, ids[rows])], embs[name].weight.detach()[rows],
+                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(table.slot("adam_v")[_rows(table, ids[rows])],
+                                   topt.state[embs[name].weight]["exp_avg_sq"][rows], atol=ATOL, rtol=0)
+
+
+def test_unnamed_tables_take_their_module_path() -> None:
+    model = torch.nn.Module()
+    model.emb = HashTable(4)
+    model.tower = torch.nn.Sequential(HashTable(4), torch.nn.Linear(4, 4))
+    model.named = HashTable(4, name="given")
+    opt = SparseAdagrad(model, lr=0.1)
+    assert set(opt.tables) == {"emb", "tower.0", "given"}
+    assert opt.tables["tower.0"] is model.tower[0]
+    # the same names as the tables' state_dict entries, so checkpoints and optimizer state line up
+    assert set(opt.tables) == {k for k, v in model.state_dict().items() if isinstance(v, HashTable)}
+    assert all(t.slot_names() == ["adagrad_acc"] for t in opt.tables.values())
+
+
+def test_tables_given_directly() -> None:
+    a, b = HashTable(4, name="a"), HashTable(4, name="b")
+    assert SparseSGD(a, lr=0.1).tables == {"a": a}
+    assert SparseSGD([a, b, a], lr=0.1).tables == {"a": a, "b": b}
+    assert SparseSGD.slot_names == () and SparseAdam.slot_names == ("adam_m", "adam_v")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SparseSGD(torch.nn.Linear(2, 2), lr=0.1),
+    lambda: SparseAdam([], lr=0.1),
+    lambda: SparseSGD(HashTable(4), lr=0.1),                              # no name and no model
+    lambda: SparseSGD([HashTable(4, name="a"), HashTable(4, name="a")], lr=0.1),
+    lambda: SparseSGD([HashTable(4, name="a"), torch.zeros(3)], lr=0.1),
+    lambda: SparseSGD(3, lr=0.1),
+    lambda: SparseSGD(HashTable(4, name="a"), lr=-0.1),
+    lambda: SparseSGD(HashTable(4, name="a"), lr=0.1, weight_decay=-1.0),
+    lambda: SparseAdagrad(HashTable(4, name="a"), lr=float("nan")),
+    lambda: SparseAdagrad(HashTable(4, name="a"), eps=-1e-10),
+    lambda: SparseAdagrad(HashTable(4, name="a"), initial_accumulator_value=-1.0),
+    lambda: SparseAdam(HashTable(4, name="a"), betas=(0.9, 1.0)),
+    lambda: SparseAdam(HashTable(4, name="a"), betas=(-0.1, 0.9)),
+    lambda: SparseAdam(HashTable(4, name="a"), betas=(0.9,)),
+    lambda: SparseAdam(HashTable(4, name="a"), eps=-1e-8),
+    lambda: SparseAdam(HashTable(4, name="a"), eps=0.0),
+])
+def test_usage_errors(make) -> None:
+    with pytest.raises(UsageError):
+        make()
+
+
+def test_no_tables_message() -> None:
+    with pytest.raises(UsageError, match="holds no HashTable"):
+        SparseAdagrad(torch.nn.Linear(2, 2))
+
+
+def test_load_state_dict_errors() -> None:
+    table = HashTable(4, name="a")
+    adam = SparseAdam(table)
+    with pytest.raises(ConfigError, match="SparseAdagrad"):
+        adam.load_state_dict(SparseAdagrad(table).state_dict())
+    other = SparseAdam([table, HashTable(4, name="b")]).state_dict()
+    with pytest.raises(ConfigError, match="'b'"):
+        adam.load_state_dict(other)
+    bad = [
+        {"steps": {}},
+        {**adam.state_dict(), "steps": {"a": -1}},
+        {**adam.state_dict(), "steps": [1]},
+        {**adam.state_dict(), "hparams": {"lr": 0.1}},
+        {**adam.state_dict(), "hparams": {"lr": 0.1, "betas": (0.9, 2.0), "eps": 1e-8}},
+        torch.zeros(3),
+    ]
+    for sd in bad:
+        with pytest.raises(ConfigError):
+            adam.load_state_dict(sd)
+    assert adam.state_dict() == SparseAdam(table).state_dict()  # nothing half-loaded
+    with pytest.raises(ConfigError, match="initial_accumulator_value"):
+        SparseAdagrad(table, initial_accumulator_value=0.5).load_state_dict(SparseAdagrad(table).state_dict())
+    # a table the state does not mention (added to the model since) starts at step 0
+    two = SparseAdam([table, HashTable(4, name="b")])
+    two.load_state_dict({**adam.state_dict(), "steps": {"a": 4}})
+    assert two.steps == {"a": 4, "b": 0}
+
+
+def test_slots_follow_new_rows_and_growth() -> None:
+    table = HashTable(DIM, name="t", seed=0)
+    old = torch.arange(10, dtype=torch.int64)
+    table.lookup(old, insert=True)
+    opt = SparseAdagrad(table, lr=0.1, initial_accumulator_value=0.25)
+    table(old).sum().backward()
+    opt.step()
+    acc_old = table.slot("adagrad_acc")[_rows(table, old)].clone()
+    assert bool((acc_old == 1.25).all())
+    new = torch.arange(10, 5000, dtype=torch.int64)  # past the first capacity: storage grows
+    opt.zero_grad()
+    table(new)
+    torch.testing.assert_close(table.slot("adagrad_acc")[_rows(table, old)], acc_old, atol=0, rtol=0)
+    assert bool((table.slot("adagrad_acc")[_rows(table, new)] == 0.25).all())
