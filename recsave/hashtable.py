@@ -267,7 +267,8 @@ class HashTable(torch.nn.Module):
         if clear:
             self.clear()
         for slot in slots:
-            self.add_slot(slot)
+            if slot not in self._slots:
+                self.add_slot(slot)
         rows = self.lookup(ids, insert=True).to(self._device)
         self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
         for slot, t in slots.items():

@@ -59,7 +59,7 @@ class IdMap {
   ~IdMap();
   IdMap(const IdMap&) = delete;
   IdMap& operator=(const IdMap&) = delete;
-  IdMap(IdMap&&) noexcept;
+  IdMap(IdMap&&) noexcept;  // a moved-from map may only be destroyed or assigned to
   IdMap& operator=(IdMap&&) noexcept;
 
   // Number of live ids.
@@ -86,8 +86,8 @@ class IdMap {
   // occurrences of an id within the batch: only the first removes). Returns the number removed.
   int64_t erase(const int64_t* ids, int64_t n, int64_t* rows_out);
 
-  // Writes size() (id, row) pairs sorted by row ascending.
-  void export_items(int64_t* ids_out, int64_t* rows_out) const;
+  // Writes size() (id, row) pairs sorted by row ascending. May use up to `threads` threads.
+  void export_items(int64_t* ids_out, int64_t* rows_out, int threads = 1) const;
 
   // Bulk load: ids unique and absent from the map, rows in [0, kMaxRow], unique and not used by
   // a live id. Throws std::invalid_argument naming the offending id/row, leaving the map
