@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "FormatVersionError",
+    "CheckpointExistsError",
     "ConfigError",
     "ShapeMismatchError",
     "StorageError",
@@ -35,6 +36,10 @@ class RecsaveError(Exception):
 
 class CheckpointNotFoundError(RecsaveError, FileNotFoundError):
     """A checkpoint, output directory or file of a checkpoint does not exist."""
+
+
+class CheckpointExistsError(RecsaveError, FileExistsError):
+    """A committed checkpoint with this id exists already; pick another id or delete it first."""
 
 
 class CorruptCheckpointError(RecsaveError, ValueError):

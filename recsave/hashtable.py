@@ -235,19 +235,43 @@ class HashTable(torch.nn.Module):
         ids, values, slots = other.export()
         self.load_rows(ids, values, slots, clear=True)
 
+    def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every live id, in row order (CPU int64)."""
+        ids, rows = self._map.export()
+        return torch.from_numpy(ids), torch.from_numpy(rows)
+
+    def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment."""
+        rows_d = rows.to(self._device)
+        values = self._weight.index_select(0, rows_d).cpu()
+        return values, {s: t.index_select(0, rows_d).cpu() for s, t in self._slots.items()}
+
     def export(self, ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
         """One consistent snapshot: ids (row order unless given), their embedding rows and every slot."""
         if ids is None:
-            ids_np, rows_np = self._map.export()
-            ids, rows = torch.from_numpy(ids_np), torch.from_numpy(rows_np)
+            ids, rows = self.id_rows()
         else:
             rows = self.lookup(ids, insert=False)
             if bool((rows < 0).any()):
                 raise UsageError(f"table {self.table_name!r}: export of ids that are not in the table")
-        rows_d = rows.to(self._device)
-        values = self._weight.index_select(0, rows_d).cpu()
-        slots = {s: t.index_select(0, rows_d).cpu() for s, t in self._slots.items()}
+        values, slots = self.gather_rows(rows)
         return ids, values, slots
+
+    def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:
+        """Sets slot values of the `ids` already in the table (others are ignored); returns how many
+        ids were updated. Used to warm-start optimizer state without touching embeddings."""
+        rows = self.lookup(ids, insert=False)
+        keep = rows >= 0
+        rows_d = rows[keep].to(self._device)
+        for slot, t in slots.items():
+            if slot not in self._slots:
+                self.add_slot(slot)
+            if t.shape[1:] != self._slots[slot].shape[1:]:
+                raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} rows have shape "
+                                         f"{tuple(t.shape[1:])}, expected {tuple(self._slots[slot].shape[1:])}",
+                                         key=self.table_name)
+            self._slots[slot][rows_d] = t[keep].to(device=self._device, dtype=self._slots[slot].dtype)
+        return int(keep.sum())
 
     def load_rows(self, ids: torch.Tensor, values: torch.Tensor, slots: Optional[Dict[str, torch.Tensor]] = None,
                   *, clear: bool = True) -> None:

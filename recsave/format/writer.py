@@ -51,12 +51,13 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                  max_shard_bytes: Optional[int] = None, segment_bytes: Optional[int] = None,
                  durable: Optional[bool] = None,
                  chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None,
-                 storage: Optional[Storage] = None) -> Dict[str, Any]:
+                 storage: Optional[Storage] = None, first_part: int = 0) -> Dict[str, Any]:
     """Writes `tensors` into `<directory>/<prefix>-<rank>-<part>.safetensors` files and returns the
     index part describing them (docs/FORMAT.md section 3). Each file appears atomically; if anything
     fails, every file this call created is removed before the error propagates.
 
-    `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry. With a non-local
+    `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry; part numbers start at
+    `first_part` (several calls of one rank write distinct files). With a non-local
     `storage` the bytes are streamed through it (fsspec) instead of the engine's positional writes.
     """
     concurrency = concurrency or knobs.get("concurrency")
@@ -69,7 +70,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     part = new_part(rank)
     written: List[str] = []
     try:
-        for part_no, group in enumerate(_group(items, max_shard_bytes)):
+        for part_no, group in enumerate(_group(items, max_shard_bytes), start=first_part):
             fname = shard_file_name(prefix, rank, part_no)
             if storage is None or storage.is_local:
                 path = os.path.join(directory, fname)

@@ -1,0 +1,66 @@
+"""The `checkpoint` file of an output directory: committed checkpoint ids, oldest first."""
+from __future__ import annotations
+
+import re
+from typing import List
+
+from .errors import CorruptCheckpointError, UsageError
+from .format.checks import is_plain_name
+from .storage import Storage
+
+LIST_FILE = "checkpoint"
+MAX_LIST_BYTES = 16 << 20
+
+
+def validate_id(ckpt_id: object) -> str:
+    """A checkpoint id is a plain directory name (docs/FORMAT.md section 1)."""
+    if not isinstance(ckpt_id, str) or not is_plain_name(ckpt_id) or ckpt_id == LIST_FILE:
+        raise UsageError(f"checkpoint id {ckpt_id!r} is not usable: use letters, digits, '_', '.', '-' "
+                         f"(no path separators, not '.', '..' or {LIST_FILE!r}), e.g. 'ckpt_1000'")
+    return ckpt_id
+
+
+def read(storage: Storage, output_dir: str) -> List[str]:
+    """Committed ids, oldest first; [] when there is no `checkpoint` file."""
+    path = storage.join(output_dir, LIST_FILE)
+    if not storage.exists(path):
+        return []
+    raw = storage.read_bytes(path, MAX_LIST_BYTES)
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(f"{path}: not UTF-8 text; repair or delete it", path=path) from None
+    ids: List[str] = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if not is_plain_name(line) or line == LIST_FILE:
+            raise CorruptCheckpointError(
+                f"{path}: line {n} {line!r} is not a checkpoint id (plain directory names only; "
+                f"'..' and paths are refused); repair the file", path=path)
+        if line not in ids:
+            ids.append(line)
+    return ids
+
+
+def write(storage: Storage, output_dir: str, ids: List[str]) -> None:
+    """Replaces the `checkpoint` file atomically (temp + rename locally, one put remotely)."""
+    storage.write_atomic(storage.join(output_dir, LIST_FILE), "".join(f"{i}\n" for i in ids).encode())
+
+
+# Files a recsave checkpoint directory may hold (temporary names of interrupted writes included).
+_OWN_FILE = re.compile(r"(index|model\.pt|extra\.pt|io_state_count|io_state_\d+\.pt|"
+                       r"sparse-\d+-\d+\.safetensors)(\.tmp-[0-9-]+)?\Z")
+
+
+def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
+    """Whether output_dir/name is a recsave checkpoint directory (committed or a crash leftover):
+    a valid id whose every file is one recsave writes. Anything else in output_dir is left alone."""
+    if not is_plain_name(name) or name == LIST_FILE:
+        return False
+    path = storage.join(output_dir, name)
+    if not storage.isdir(path):
+        return False
+    files = storage.listdir(path)
+    return all(_OWN_FILE.match(f) for f in files)

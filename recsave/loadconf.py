@@ -1,0 +1,229 @@
+"""Load / model-bank configuration (DESIGN.md "Load / model-bank config"): parse an entry, then
+resolve it against what the model has and what a checkpoint holds into a plan — every check done
+before anything is modified."""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from .errors import ConfigError, ShapeMismatchError
+
+CATEGORIES = ("*", "sparse", "dense", "extra", "sparse_opt", "io_state")
+ENTRY_KEYS = ("path", "load", "exclude", "strict", "oname", "hashtable_clear", "ignore_error", "skip")
+SPARSE_OPTIM = "sparse_optim"  # extra holding the sparse optimizer's scalar state
+
+
+@dataclass(frozen=True)
+class LoadConf:
+    path: Optional[str] = None
+    load: Tuple[str, ...] = ("*",)
+    exclude: Tuple[str, ...] = ()
+    strict: bool = True
+    oname: Tuple[Tuple[str, str], ...] = ()
+    hashtable_clear: bool = True
+    ignore_error: bool = False
+    skip: bool = False
+
+
+def parse(conf: Optional[Mapping[str, Any]], *, where: str = "load_conf", path: Optional[str] = None,
+          require_path: bool = False) -> LoadConf:
+    """Validates a config dict; ConfigError names the offending key and what to do."""
+    conf = dict(conf or {})
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{where} must be a dict, got {type(conf).__name__}")
+    unknown = sorted(set(conf) - set(ENTRY_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {list(ENTRY_KEYS)}")
+    p = conf.get("path", path)
+    if require_path and (not isinstance(p, str) or not p):
+        raise ConfigError(f"{where}: 'path' is required (a checkpoint directory or an output dir)")
+    if p is not None and (not isinstance(p, str) or not p):
+        raise ConfigError(f"{where}: 'path' must be a non-empty string, got {p!r}")
+    load = _patterns(conf.get("load", ["*"]), "load", where)
+    exclude = _patterns(conf.get("exclude", []), "exclude", where)
+    flags = {}
+    for key, default in (("strict", True), ("hashtable_clear", True), ("ignore_error", False), ("skip", False)):
+        value = conf.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key!r} must be true or false, got {value!r}")
+        flags[key] = value
+    return LoadConf(path=p, load=load, exclude=exclude, oname=_renames(conf.get("oname", []), where), **flags)
+
+
+def _patterns(value: Any, key: str, where: str) -> Tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: {key!r} must be a list of categories {list(CATEGORIES)} or "
+                          f"name patterns, got {value!r}")
+    return tuple(value)
+
+
+def _renames(value: Any, where: str) -> Tuple[Tuple[str, str], ...]:
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: 'oname' must be a list of {{model_pattern: checkpoint_pattern}}")
+    pairs = []
+    for item in value:
+        if not isinstance(item, dict) or not item:
+            raise ConfigError(f"{where}: 'oname' items must be non-empty dicts, got {item!r}")
+        for model_pat, ckpt_pat in item.items():
+            if not isinstance(model_pat, str) or not isinstance(ckpt_pat, str) or not model_pat or not ckpt_pat:
+                raise ConfigError(f"{where}: 'oname' maps names to names, got {model_pat!r}: {ckpt_pat!r}")
+            if model_pat.count("*") != ckpt_pat.count("*"):
+                raise ConfigError(f"{where}: 'oname' {model_pat!r} -> {ckpt_pat!r}: use '*' on both "
+                                  f"sides (the same number of times) or on neither")
+            if any(c in model_pat + ckpt_pat for c in "?["):
+                raise ConfigError(f"{where}: 'oname' patterns support only '*', got {model_pat!r} -> {ckpt_pat!r}")
+            pairs.append((model_pat, ckpt_pat))
+    return tuple(pairs)
+
+
+@dataclass
+class TableInfo:
+    dim: int
+    dtype: str
+    slots: Tuple[str, ...]
+    rows: int = 0
+
+
+@dataclass
+class Contents:
+    """The names a model (with its saver) or a checkpoint holds, by category."""
+    tables: Dict[str, TableInfo] = field(default_factory=dict)
+    dense: Dict[str, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
+    extras: Set[str] = field(default_factory=set)
+    io_states: Set[str] = field(default_factory=set)
+
+    def categories(self) -> Dict[str, str]:
+        out: Dict[str, str] = {}
+        for t, info in self.tables.items():
+            out[t] = "sparse"
+            for s in info.slots:
+                out[f"{t}@{s}"] = "sparse_opt"
+        for n in self.dense:
+            out[n] = "dense"
+        for n in self.extras:
+            out[n] = "sparse_opt" if n == SPARSE_OPTIM else "extra"
+        for n in self.io_states:
+            out[n] = "io_state"
+        return out
+
+
+@dataclass
+class Plan:
+    """One entry resolved against a checkpoint: model name -> checkpoint name, per category."""
+    conf: LoadConf
+    ckpt_dir: str
+    index: Dict[str, Any]
+    items: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # model name -> (category, source)
+    skipped: List[str] = field(default_factory=list)
+    missing: List[str] = field(default_factory=list)
+    unexpected: List[str] = field(default_factory=list)
+
+
+def _matches(item: str, name: str, category: str) -> bool:
+    if item == "*":
+        return True
+    if item in CATEGORIES:
+        return item == category
+    return fnmatch.fnmatchcase(name, item)
+
+
+def _compile_rename(model_pat: str, ckpt_pat: str):
+    regex = re.compile("".join("(.*)" if c == "*" else re.escape(c) for c in model_pat) + r"\Z")
+    pieces = ckpt_pat.split("*")
+
+    def apply(name: str) -> Optional[str]:
+        m = regex.match(name)
+        if not m:
+            return None
+        out = pieces[0]
+        for group, piece in zip(m.groups(), pieces[1:]):
+            out += group + piece
+        return out
+    return apply
+
+
+def source_name(name: str, category: str, conf: LoadConf) -> str:
+    """The checkpoint name a model name loads from, after `oname` (the last matching pair wins).
+    Table renames apply to the table part, so a table's slots follow it."""
+    base, sep, suffix = name.partition("@") if category in ("sparse", "sparse_opt") and "@" in name \
+        else (name, "", "")
+    for model_pat, ckpt_pat in reversed(conf.oname):
+        renamed = _compile_rename(model_pat, ckpt_pat)(base)
+        if renamed is not None:
+            return renamed + sep + suffix
+    return name
+
+
+def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: Dict[str, Any]) -> Plan:
+    """Resolves `conf` against the model and the checkpoint. Raises ConfigError / ShapeMismatchError
+    before anything is modified."""
+    result = Plan(conf, ckpt_dir, index)
+    model_names = model.categories()
+    ckpt_names = ckpt.categories()
+    if not conf.ignore_error:
+        for item in conf.load + conf.exclude:
+            if item in CATEGORIES:
+                continue
+            if not any(fnmatch.fnmatchcase(n, item) for n in list(model_names) + list(ckpt_names)):
+                raise ConfigError(
+                    f"{ckpt_dir}: pattern {item!r} matches nothing in the model or the checkpoint; "
+                    f"fix it or set ignore_error=True (model names e.g. {sorted(model_names)[:8]}, "
+                    f"checkpoint names e.g. {sorted(ckpt_names)[:8]})", path=ckpt_dir, key=item)
+    used_sources = set()
+    for name, category in sorted(model_names.items()):
+        selected = any(_matches(i, name, category) for i in conf.load) and \
+            not any(_matches(i, name, category) for i in conf.exclude)
+        if not selected:
+            result.skipped.append(name)
+            continue
+        src = source_name(name, category, conf)
+        if ckpt_names.get(src) != category:
+            result.missing.append(name)
+            continue
+        _check_compatible(name, src, category, model, ckpt, ckpt_dir)
+        result.items[name] = (category, src)
+        used_sources.add(src)
+    for src, category in sorted(ckpt_names.items()):
+        if src in used_sources:
+            continue
+        if any(_matches(i, src, category) for i in conf.load) and \
+                not any(_matches(i, src, category) for i in conf.exclude):
+            result.unexpected.append(src)
+    if conf.strict and result.missing:
+        raise ConfigError(
+            f"{ckpt_dir}: the checkpoint lacks {len(result.missing)} selected name(s) of the model: "
+            f"{result.missing[:10]}; exclude them, rename with 'oname', or set strict=False",
+            path=ckpt_dir, key=result.missing[0])
+    return result
+
+
+def _check_compatible(name: str, src: str, category: str, model: Contents, ckpt: Contents,
+                      ckpt_dir: str) -> None:
+    if category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM:
+        mt, ct = model.tables[name.partition("@")[0]], ckpt.tables[src.partition("@")[0]]
+        if mt.dim != ct.dim or mt.dtype != ct.dtype:
+            raise ShapeMismatchError(
+                f"{ckpt_dir}: table {src!r} has dim {ct.dim} ({ct.dtype}) but the model's {name!r} has "
+                f"dim {mt.dim} ({mt.dtype}); exclude it or load into a table of the same shape",
+                path=ckpt_dir, key=name)
+    elif category == "dense":
+        (ms, md), (cs, cd) = model.dense[name], ckpt.dense[src]
+        if tuple(ms) != tuple(cs) or md != cd:
+            raise ShapeMismatchError(
+                f"{ckpt_dir}: dense {src!r} is {cd}{list(cs)} but the model's {name!r} is "
+                f"{md}{list(ms)}; exclude it or fix the model", path=ckpt_dir, key=name)
+
+
+def winners(plans: Sequence[Plan]) -> List[Dict[str, Tuple[str, str]]]:
+    """For overlapping entries the later one wins a name: each plan keeps only the names it wins."""
+    owner: Dict[str, int] = {}
+    for i, p in enumerate(plans):
+        for name in p.items:
+            owner[name] = i
+    return [{n: item for n, item in p.items.items() if owner[n] == i} for i, p in enumerate(plans)]

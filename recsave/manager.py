@@ -1,0 +1,103 @@
+"""CheckpointManager: autosave every N steps, restore by global step, warm start from a model bank."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+from .errors import CheckpointNotFoundError, UsageError
+from .report import LoadReport
+from .saver import Saver
+
+GLOBAL_STEP = "global_step"
+
+
+class _StepState:
+    """The manager's global step as a registered extra (saved in extra.pt)."""
+
+    def __init__(self, manager: "CheckpointManager"):
+        self._manager = manager
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"global_step": self._manager.global_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        step = state.get("global_step") if isinstance(state, dict) else None
+        if not isinstance(step, int) or step < 0:
+            raise UsageError(f"saved global_step {step!r} is not a non-negative int")
+        self._manager._global_step = step
+
+
+class CheckpointManager:
+    """Drives a Saver from the training loop. Checkpoint ids are ``ckpt_<global_step>``.
+
+    Call step() once per training step; every `save_interval` steps it saves (0 disables autosave).
+    """
+
+    def __init__(self, saver: Saver, save_interval: int):
+        if not isinstance(saver, Saver):
+            raise UsageError(f"saver must be a recsave.Saver, got {type(saver).__name__}")
+        if not isinstance(save_interval, int) or save_interval < 0:
+            raise UsageError(f"save_interval must be an int >= 0 (0: no autosave), got {save_interval!r}")
+        self.saver = saver
+        self._save_interval = save_interval
+        self._global_step = 0
+        saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self))
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        if not isinstance(value, int) or value < 0:
+            raise UsageError(f"global_step must be an int >= 0, got {value!r}")
+        self._global_step = value
+
+    @property
+    def save_interval(self) -> int:
+        return self._save_interval
+
+    def register_for_checkpointing(self, name: str, obj: Any) -> None:
+        self.saver.register_for_checkpointing(name, obj)
+
+    def step(self) -> Optional[str]:
+        """Advances the global step; saves when it reaches a multiple of save_interval (returns the
+        checkpoint path then, else None)."""
+        self._global_step += 1
+        if self._save_interval and self._global_step % self._save_interval == 0:
+            return self.save()
+        return None
+
+    def save(self) -> str:
+        """Saves ``ckpt_<global_step>`` now (returns the existing one if this step is saved already)."""
+        ckpt_id = f"ckpt_{self._global_step}"
+        latest = self.saver.latest_checkpoint()
+        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id:
+            return latest
+        return self.saver.save(ckpt_id)
+
+    def restore(self, global_step: Optional[int] = None) -> int:
+        """Loads ``ckpt_<global_step>``, or the latest committed checkpoint; returns the global step.
+        With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing."""
+        saver = self.saver
+        if global_step is None:
+            if saver.latest_checkpoint() is None:
+                return 0
+            report = saver.load()
+        else:
+            if not isinstance(global_step, int) or global_step < 0:
+                raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
+            ckpt_id = f"ckpt_{global_step}"
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in saver.checkpoints()]
+            if ckpt_id not in names:
+                raise CheckpointNotFoundError(
+                    f"{saver.output_dir}: no committed checkpoint {ckpt_id}; committed: {names or 'none'}",
+                    path=saver.output_dir)
+            report = saver.load(ckpt_id=ckpt_id)
+        if GLOBAL_STEP not in report.loaded and report.step is not None:
+            self._global_step = int(report.step)
+        self.last_report = report
+        return self._global_step
+
+    def load_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadReport:
+        """Warm start: applies bank entries in order (the last entry wins a name)."""
+        return self.saver.load_model_bank(entries)

@@ -1,0 +1,52 @@
+"""What a load did: per name, where it came from and how much was read."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class LoadedItem:
+    category: str            # sparse | sparse_opt | dense | extra | io_state
+    checkpoint: str          # source checkpoint directory
+    source: str              # name in the source checkpoint
+    rows: int = 0            # table rows loaded (sparse / sparse_opt)
+    nbytes: int = 0          # bytes of this item read from storage
+
+
+@dataclass
+class LoadReport:
+    """Returned by Saver.load / load_by_config and CheckpointManager.load_model_bank / restore."""
+
+    checkpoints: List[str] = field(default_factory=list)
+    step: Optional[int] = None
+    loaded: Dict[str, LoadedItem] = field(default_factory=dict)
+    skipped: List[str] = field(default_factory=list)      # model names not selected by load / exclude
+    missing: List[str] = field(default_factory=list)      # selected, but absent from the checkpoint
+    unexpected: List[str] = field(default_factory=list)   # selected in the checkpoint, absent from the model
+    rows_read: int = 0
+    bytes_read: int = 0
+
+    def names(self, category: Optional[str] = None) -> List[str]:
+        return sorted(n for n, item in self.loaded.items() if category is None or item.category == category)
+
+    @property
+    def tables(self) -> List[str]:
+        return self.names("sparse")
+
+    @property
+    def dense(self) -> List[str]:
+        return self.names("dense")
+
+    @property
+    def extras(self) -> List[str]:
+        return self.names("extra")
+
+    def summary(self) -> str:
+        by_cat: Dict[str, int] = {}
+        for item in self.loaded.values():
+            by_cat[item.category] = by_cat.get(item.category, 0) + 1
+        parts = ", ".join(f"{n} {c}" for c, n in sorted(by_cat.items())) or "nothing"
+        return (f"loaded {parts} from {', '.join(self.checkpoints) or '-'}: {self.rows_read} rows, "
+                f"{self.bytes_read / 1e6:.1f} MB read; skipped {len(self.skipped)}, missing "
+                f"{len(self.missing)}, unexpected {len(self.unexpected)}")

@@ -1,0 +1,241 @@
+"""Saver: writes a model's hash tables through the C++ engine and its dense state with torch.save,
+commits the checkpoint, rotates old ones, and loads them back (see loader.py)."""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from . import ckptlist, contents, dist, loader, partition, torchio
+from .errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
+from .format import checks, index as index_mod
+from .format.writer import write_shards
+from .hashtable import HashTable
+from .loadconf import SPARSE_OPTIM
+from .report import LoadReport
+from .storage import Storage, get_storage
+
+MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
+_STEP_ID = re.compile(r"ckpt_(\d+)\Z")
+
+
+def io_state_file(rank: int) -> str:
+    return f"io_state_{rank}.pt"
+
+
+class Saver:
+    """Saves and loads a model's sparse tables, dense parameters and registered state.
+
+    Args:
+        model: the nn.Module; its HashTables are saved as sharded sparse files, the rest of its
+            state_dict as ``model.pt``.
+        sparse_optim: a recsave.optim optimizer; its slots live in the tables, its scalar state is
+            saved as the extra ``sparse_optim``.
+        output_dir: local path or fsspec URL holding the checkpoints and the ``checkpoint`` file.
+        max_keep: committed checkpoints to keep (older ones are deleted); None keeps all.
+        concurrency: threads of the C++ engine per file.
+    """
+
+    def __init__(self, model: torch.nn.Module, sparse_optim: Any = None, output_dir: str = "./",
+                 max_keep: Optional[int] = 1, concurrency: int = 4):
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if max_keep is not None and (not isinstance(max_keep, int) or max_keep < 1):
+            raise UsageError(f"max_keep must be a positive int or None (keep all), got {max_keep!r}")
+        if not isinstance(concurrency, int) or concurrency < 1:
+            raise UsageError(f"concurrency must be a positive int, got {concurrency!r}")
+        self.model = model
+        self.sparse_optim = sparse_optim
+        self.output_dir = output_dir
+        self.storage: Storage = get_storage(output_dir)
+        self.max_keep = max_keep
+        self.concurrency = concurrency
+        self.num_buckets = partition.DEFAULT_NUM_BUCKETS
+        self._extras: Dict[str, Any] = {}
+        self._io_states: Dict[str, Any] = {}
+        self._extra_data: Dict[str, Any] = {}
+        if sparse_optim is not None:
+            self._check_stateful(SPARSE_OPTIM, sparse_optim)
+            self._extras[SPARSE_OPTIM] = sparse_optim
+
+    # ----------------------------------------------------------------------------- registration
+    def register_for_checkpointing(self, name: str, obj: Any) -> None:
+        """Saves ``obj.state_dict()`` in extra.pt under `name`; loading calls ``obj.load_state_dict``."""
+        self._check_name(name)
+        self._check_stateful(name, obj)
+        self._extras[name] = obj
+
+    def register_io_state(self, name: str, obj: Any) -> None:
+        """Saves ``obj.dump_io_state()`` per rank; loading calls ``obj.load_io_state(state)``."""
+        self._check_name(name)
+        if not callable(getattr(obj, "dump_io_state", None)) or not callable(getattr(obj, "load_io_state", None)):
+            raise UsageError(f"io state {name!r}: {type(obj).__name__} needs dump_io_state() and "
+                             f"load_io_state(state) methods")
+        self._io_states[name] = obj
+
+    def _check_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name or "@" in name:
+            raise UsageError(f"registered name {name!r} must be a non-empty string without '@'")
+        if name in self._extras or name in self._io_states:
+            raise UsageError(f"{name!r} is registered already; pick another name", key=name)
+        tables, dense = contents.model_state(self.model)
+        if name in tables or name in dense:
+            raise UsageError(f"{name!r} is already a table or parameter name of the model", key=name)
+
+    @staticmethod
+    def _check_stateful(name: str, obj: Any) -> None:
+        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise UsageError(f"{name!r}: {type(obj).__name__} needs state_dict() and load_state_dict()")
+
+    # ----------------------------------------------------------------------------------- listing
+    def checkpoints(self) -> List[str]:
+        """Paths of the committed checkpoints, oldest first."""
+        return [self.storage.join(self.output_dir, i) for i in ckptlist.read(self.storage, self.output_dir)]
+
+    def latest_checkpoint(self) -> Optional[str]:
+        ckpts = self.checkpoints()
+        return ckpts[-1] if ckpts else None
+
+    def get_extra_data(self, name: str) -> Any:
+        """The state saved under extra `name` in the checkpoint loaded last."""
+        if name not in self._extra_data:
+            raise UsageError(f"no extra data {name!r} was loaded; loaded extras: {sorted(self._extra_data)}",
+                             key=name)
+        return self._extra_data[name]
+
+    # -------------------------------------------------------------------------------------- save
+    def save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None) -> str:
+        """Writes checkpoint `ckpt_id` under output_dir and commits it; returns its path.
+
+        Order (docs/FORMAT.md section 5): shard files and io state of every rank, then on rank 0
+        model.pt, extra.pt, the index (the commit point) and the `checkpoint` list, then pruning.
+        On failure the partial directory is removed and the previous checkpoint stays latest.
+        """
+        ckptlist.validate_id(ckpt_id)
+        rank, world = dist.resolve(shard_id, shard_num)
+        st, out = self.storage, self.output_dir
+        ckpt_dir = st.join(out, ckpt_id)
+        if rank == 0:
+            st.makedirs(out)
+            self._prepare_dir(ckpt_dir, ckpt_id)
+        dist.barrier(world)
+        st.makedirs(ckpt_dir)
+        tables, dense = contents.model_state(self.model)
+        committed = False
+        try:
+            part, rows = self._write_rank_files(ckpt_dir, tables, rank, world)
+            parts = dist.gather_objects((part, rows), world)
+            if rank == 0:
+                total_rows: Dict[str, int] = {}
+                for _, r in parts:
+                    for n, c in r.items():
+                        total_rows[n] = total_rows.get(n, 0) + c
+                self._commit(ckpt_dir, ckpt_id, [p for p, _ in parts], tables, dense, world, total_rows)
+                committed = True
+            dist.barrier(world)
+        except BaseException:
+            if rank == 0 and not committed:
+                st.remove_tree(ckpt_dir)
+            raise
+        return ckpt_dir
+
+    def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
+        if self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
+            raise CheckpointExistsError(
+                f"{ckpt_dir} is a committed checkpoint already; save under another id or delete it first",
+                path=ckpt_dir)
+        if self.storage.exists(ckpt_dir):  # leftover of a crashed save: never committed, safe to drop
+            self.storage.remove_tree(ckpt_dir)
+
+    def _write_rank_files(self, ckpt_dir: str, tables: Dict[str, HashTable], rank: int,
+                          world: int) -> tuple:
+        part = index_mod.new_part(rank)
+        rows: Dict[str, int] = {}
+        for name in sorted(tables):
+            table_part, rows[name] = self._write_table(ckpt_dir, name, tables[name], rank, world,
+                                                       first_part=len(part["files"]))
+            part["files"].update(table_part["files"])
+            part["tensors"].update(table_part["tensors"])
+        io_state = {n: obj.dump_io_state() for n, obj in self._io_states.items()}
+        part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank), io_state, rank)
+        return part, rows
+
+    def _write_table(self, ckpt_dir: str, name: str, table: HashTable, rank: int, world: int,
+                     first_part: int) -> tuple:
+        """Writes one table's ids, embedding and slots with rows sorted by bucket."""
+        ids, rows = table.id_rows()
+        buckets = partition.bucket_of(ids, self.num_buckets)
+        first, stop = partition.bucket_range(rank, world, self.num_buckets)
+        if world > 1 and bool(((buckets < first) | (buckets >= stop)).any()):
+            raise UsageError(
+                f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
+                f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
+        order = torch.argsort(buckets, stable=True)
+        values, slots = table.gather_rows(rows[order])
+        counts = torch.bincount(buckets - first, minlength=stop - first)
+        row_starts = [0] + torch.cumsum(counts, 0).tolist()
+        tensors = {f"{name}@id": ids[order], f"{name}@embedding": values}
+        tensors.update({f"{name}@{s}": v for s, v in slots.items()})
+        meta = {"buckets": {"first": first, "row_starts": row_starts}}
+        part = write_shards(ckpt_dir, tensors, rank=rank, concurrency=self.concurrency,
+                            storage=self.storage, chunk_meta={t: meta for t in tensors},
+                            first_part=first_part)
+        return part, int(ids.numel())
+
+    def _commit(self, ckpt_dir: str, ckpt_id: str, parts: Sequence[Dict[str, Any]],
+                tables: Dict[str, HashTable], dense: Dict[str, torch.Tensor], world: int,
+                rows: Dict[str, int]) -> None:
+        st = self.storage
+        files = {
+            MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.detach().cpu() for n, t in dense.items()}, 0),
+            EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, {n: o.state_dict() for n, o in self._extras.items()}, 0),
+            IO_COUNT_FILE: torchio.save_bytes(st, ckpt_dir, IO_COUNT_FILE, f"{world}\n".encode(), 0),
+        }
+        m = _STEP_ID.match(ckpt_id)
+        meta = contents.index_meta(tables, dense, self._extras, self._io_states, world, rows)
+        index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
+                                      partition={"scheme": partition.SCHEME, "num_buckets": self.num_buckets},
+                                      meta=meta)
+        index["files"].update(files)
+        index_mod.write(ckpt_dir, index, storage=st)
+        self._publish(ckpt_id)
+
+    def _publish(self, ckpt_id: str) -> None:
+        """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what fell out
+        of max_keep and leftovers of crashed saves. Never deletes the checkpoint just written."""
+        st, out = self.storage, self.output_dir
+        ids = [i for i in ckptlist.read(st, out) if i != ckpt_id] + [ckpt_id]
+        keep = ids if self.max_keep is None else ids[-self.max_keep:]
+        ckptlist.write(st, out, keep)
+        for name in st.listdir(out):
+            if name not in keep and ckptlist.looks_like_checkpoint(st, out, name):
+                st.remove_tree(st.join(out, name))
+
+    # -------------------------------------------------------------------------------------- load
+    def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
+             load_conf: Optional[Dict[str, Any]] = None, shard_id: Optional[int] = None,
+             direct_path: bool = False) -> LoadReport:
+        """Loads a checkpoint into the model and the registered objects.
+
+        `ckpt_path` is an output dir (its latest checkpoint, or `ckpt_id`) or, with `direct_path`,
+        a checkpoint directory; default: this saver's output_dir. `load_conf` selects what to load
+        (DESIGN.md "Load / model-bank config")."""
+        conf = dict(load_conf or {})
+        if ckpt_path is not None:
+            conf["path"] = ckpt_path
+        conf.setdefault("path", self.output_dir)
+        return loader.load_entries(self, [conf], shard_id=shard_id, ckpt_id=ckpt_id, direct_path=direct_path)
+
+    def load_by_config(self, ckpt_path: str, load_conf: Optional[Dict[str, Any]] = None,
+                       shard_id: Optional[int] = None) -> LoadReport:
+        """Loads `ckpt_path` (checkpoint dir or output dir) as selected by `load_conf`."""
+        if not isinstance(ckpt_path, str) or not ckpt_path:
+            raise CheckpointNotFoundError(f"ckpt_path must name a checkpoint, got {ckpt_path!r}")
+        return self.load(ckpt_path, load_conf=load_conf, shard_id=shard_id)
+
+    def load_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadReport:
+        """Applies bank entries in order; for a name given by several entries the last one wins."""
+        if not isinstance(entries, (list, tuple)):
+            raise checks.corrupt(None, "model bank entries must be a list of dicts")
+        return loader.load_entries(self, list(entries), shard_id=shard_id, require_path=True)

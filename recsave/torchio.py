@@ -1,0 +1,63 @@
+"""The torch.save files of a checkpoint (model.pt, extra.pt, io states): written with their size and
+CRC32C recorded in the index, read back only after both check out, and only with weights_only=True so
+nothing in a checkpoint is ever unpickled as an arbitrary object."""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Dict
+
+import torch
+
+from . import _C
+from .errors import CorruptCheckpointError
+from .format.reader import check_listed_file
+from .storage import Storage
+
+# A .pt file bigger than this is not a dense state recsave wrote; refuse before reading it.
+MAX_PT_BYTES = 64 << 30
+
+
+def save(storage: Storage, directory: str, fname: str, obj: Any, rank: int) -> Dict[str, Any]:
+    """torch.save(obj) into directory/fname; returns its index file entry (size, rank, crc32c)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getbuffer()
+    storage.write_atomic(storage.join(directory, fname), bytes(data))
+    return {"size": len(data), "rank": rank, "crc32c": _C.crc32c(data)}
+
+
+def save_bytes(storage: Storage, directory: str, fname: str, data: bytes, rank: int) -> Dict[str, Any]:
+    storage.write_atomic(storage.join(directory, fname), data)
+    return {"size": len(data), "rank": rank, "crc32c": _C.crc32c(data)}
+
+
+def read_bytes(storage: Storage, directory: str, fname: str, index: Dict[str, Any]) -> bytes:
+    """The file's bytes after checking presence, size and CRC32C against the index."""
+    entry = index["files"].get(fname)
+    path = storage.join(directory, fname)
+    if entry is None:
+        raise CorruptCheckpointError(f"{path}: the index does not list this file", path=path)
+    check_listed_file(directory, fname, index, storage)
+    data = storage.read_bytes(path, MAX_PT_BYTES)
+    if len(data) != entry["size"]:
+        raise CorruptCheckpointError(f"{path}: read {len(data)} bytes, the index records {entry['size']}",
+                                     path=path)
+    if "crc32c" in entry and _C.crc32c(data) != entry["crc32c"]:
+        raise CorruptCheckpointError(f"{path}: CRC32C mismatch; the file is damaged — restore from "
+                                     f"another checkpoint", path=path)
+    return data
+
+
+def load(storage: Storage, directory: str, fname: str, index: Dict[str, Any]) -> Any:
+    """torch.load(weights_only=True) of a verified file. Pickled callables and other arbitrary
+    objects are refused (never executed) with CorruptCheckpointError."""
+    data = read_bytes(storage, directory, fname, index)
+    path = storage.join(directory, fname)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError,
+            ImportError, KeyError) as exc:
+        raise CorruptCheckpointError(
+            f"{path}: refused to load: it holds something other than tensors and plain containers, "
+            f"or is damaged ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", path=path) from exc
