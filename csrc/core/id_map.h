@@ -11,8 +11,13 @@
 // assigned in order of first occurrence in a batch, so results never depend on `threads`.
 //
 // Thread safety: const methods may run concurrently with each other; any non-const call needs
-// exclusive access. Batch methods parallelise internally (up to `threads` std::threads; batches
-// below ~64K ids run on the calling thread).
+// exclusive access (the Python binding adds a reader/writer lock). Batch methods parallelise
+// internally (up to `threads` std::threads; batches below ~64K ids run on the calling thread).
+//
+// Errors: every batch method throws std::invalid_argument for n < 0, threads < 1, or a null
+// pointer with n > 0 (n == 0 with null pointers is a no-op). Growth past 2^56 slots throws
+// std::length_error. If memory runs out (std::bad_alloc) in lookup_or_insert, the ids inserted
+// before that stay inserted; insert_with_rows and erase allocate before changing anything.
 #ifndef RECSAVE_CORE_ID_MAP_H_
 #define RECSAVE_CORE_ID_MAP_H_
 
@@ -44,7 +49,6 @@ class RowSet {
   void clear();
 
  private:
-  void rebuild_upper();
   std::vector<std::vector<uint64_t>> levels_{std::vector<uint64_t>(1, 0)};
   int64_t nbits_ = 64;
   int64_t count_ = 0;
