@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from . import ckptlist, contents, dist, loader, partition, torchio
+from . import ckptlist, contents, dist, knobs, loader, partition, torchio
 from .errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
 from .format import checks, index as index_mod
 from .format.writer import write_shards
@@ -18,6 +18,32 @@ from .storage import Storage, get_storage
 
 MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
 _STEP_ID = re.compile(r"ckpt_(\d+)\Z")
+
+
+# Smallest checksum segment at a bucket boundary: a reader needing a bucket range reads at most one
+# partial segment at each end, so this bounds the extra bytes of a reshard read.
+MIN_SEGMENT_BYTES = 64 << 10
+
+
+def bucket_segment_ends(row_starts: Sequence[int], row_bytes: int, max_bytes: int) -> List[int]:
+    """Checksum segment ends (bytes) for rows sorted by bucket: cut at bucket boundaries once a
+    segment holds MIN_SEGMENT_BYTES, and inside buckets every `max_bytes`."""
+    total = row_starts[-1] * row_bytes
+    if total == 0:
+        return [0]
+    ends: List[int] = []
+    begin = 0
+    for boundary in [r * row_bytes for r in row_starts[1:]]:
+        while boundary - begin > max_bytes:
+            begin += max_bytes
+            ends.append(begin)
+        if boundary - begin >= MIN_SEGMENT_BYTES or boundary == total:
+            if boundary > begin:
+                ends.append(boundary)
+                begin = boundary
+    if not ends or ends[-1] != total:
+        ends.append(total)
+    return ends
 
 
 def io_state_file(rank: int) -> str:
@@ -178,9 +204,12 @@ class Saver:
         tensors = {f"{name}@id": ids[order], f"{name}@embedding": values}
         tensors.update({f"{name}@{s}": v for s, v in slots.items()})
         meta = {"buckets": {"first": first, "row_starts": row_starts}}
+        seg_max = knobs.get("segment_bytes")
+        segments = {n: bucket_segment_ends(row_starts, t[:1].nbytes if t.shape[0] else 0, seg_max)
+                    for n, t in tensors.items()}
         part = write_shards(ckpt_dir, tensors, rank=rank, concurrency=self.concurrency,
                             storage=self.storage, chunk_meta={t: meta for t in tensors},
-                            first_part=first_part)
+                            first_part=first_part, segments=segments)
         return part, int(ids.numel())
 
     def _commit(self, ckpt_dir: str, ckpt_id: str, parts: Sequence[Dict[str, Any]],

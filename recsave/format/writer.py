@@ -51,13 +51,16 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                  max_shard_bytes: Optional[int] = None, segment_bytes: Optional[int] = None,
                  durable: Optional[bool] = None,
                  chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None,
-                 storage: Optional[Storage] = None, first_part: int = 0) -> Dict[str, Any]:
+                 storage: Optional[Storage] = None, first_part: int = 0,
+                 segments: Optional[Mapping[str, Sequence[int]]] = None) -> Dict[str, Any]:
     """Writes `tensors` into `<directory>/<prefix>-<rank>-<part>.safetensors` files and returns the
     index part describing them (docs/FORMAT.md section 3). Each file appears atomically; if anything
     fails, every file this call created is removed before the error propagates.
 
     `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry; part numbers start at
-    `first_part` (several calls of one rank write distinct files). With a non-local
+    `first_part` (several calls of one rank write distinct files). `segments` gives, per tensor,
+    explicit checksum segment ends (byte offsets, e.g. at bucket boundaries) instead of uniform
+    `segment_bytes` pieces. With a non-local
     `storage` the bytes are streamed through it (fsspec) instead of the engine's positional writes.
     """
     concurrency = concurrency or knobs.get("concurrency")
@@ -67,6 +70,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     if segment_bytes < 1:
         raise UsageError(f"segment_bytes must be >= 1, got {segment_bytes}")
     items = [_prepare(n, t) for n, t in tensors.items()]
+    layout = {n: _segment_layout(t, segment_bytes, (segments or {}).get(n)) for n, t, _ in items}
     part = new_part(rank)
     written: List[str] = []
     try:
@@ -74,10 +78,10 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
             fname = shard_file_name(prefix, rank, part_no)
             if storage is None or storage.is_local:
                 path = os.path.join(directory, fname)
-                size = _write_file(path, group, part, fname, concurrency, segment_bytes, durable)
+                size = _write_file(path, group, part, fname, concurrency, layout, durable)
             else:
                 path = storage.join(directory, fname)
-                size = _stream_file(storage, path, group, part, fname, segment_bytes)
+                size = _stream_file(storage, path, group, part, fname, layout)
             written.append(path)
             part["files"][fname] = {"size": size, "rank": rank}
     except BaseException:
@@ -96,22 +100,36 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     return part
 
 
+Layout = Tuple[List[Tuple[int, int]], Dict[str, Any]]  # segment (begin, end) pairs, chunk fields
+
+
+def _segment_layout(t: torch.Tensor, segment_bytes: int, ends: Optional[Sequence[int]]) -> Layout:
+    """Checksum segments of a tensor's bytes and how the chunk entry describes them."""
+    nbytes = t.nbytes
+    if ends is None:
+        bounds = [(b, min(b + segment_bytes, nbytes)) for b in range(0, nbytes, segment_bytes)] or [(0, 0)]
+        return bounds, {"segment_bytes": segment_bytes}
+    ends = [int(e) for e in ends]
+    increasing = all(b < e for b, e in zip([0] + ends, ends))
+    if not ends or ends[-1] != nbytes or (nbytes and not increasing):
+        raise UsageError(f"segment ends {ends[:8]}... must increase strictly and end at {nbytes}")
+    bounds = list(zip([0] + ends[:-1], ends)) if nbytes else [(0, 0)]
+    return bounds, {"segments": ends if nbytes else [0]}
+
+
 def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], part: Dict[str, Any],
-                fname: str, concurrency: int, segment_bytes: int, durable: bool) -> int:
+                fname: str, concurrency: int, layout: Dict[str, Layout], durable: bool) -> int:
     head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
     size = len(head) + sum(t.nbytes for _, t, _ in group)
     offsets: List[int] = []
     addresses: List[int] = []
     lengths: List[int] = []
-    owners: List[Tuple[int, int]] = []  # (tensor index, number of segments)
-    for i, (_name, t, _d) in enumerate(group):
-        nbytes, base = t.nbytes, t.data_ptr()
-        bounds = range(0, nbytes, segment_bytes) if nbytes else [0]
-        for b in bounds:
+    for i, (name, t, _d) in enumerate(group):
+        base = t.data_ptr()
+        for b, e in layout[name][0]:
             offsets.append(starts[i] + b)
             addresses.append(base + b)
-            lengths.append(min(segment_bytes, nbytes - b))
-        owners.append((i, len(bounds)))
+            lengths.append(e - b)
 
     writer = _C.ShardWriter(path, durable)
     try:
@@ -125,18 +143,18 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
         raise
 
     k = 0
-    for i, count in owners:
-        _describe(part, group[i], fname, starts[i], [int(c) for c in crcs[k:k + count]], segment_bytes)
-        k += count
+    for i, item in enumerate(group):
+        bounds, fields = layout[item[0]]
+        _describe(part, item, fname, starts[i], [int(c) for c in crcs[k:k + len(bounds)]], fields)
+        k += len(bounds)
     return size
 
 
 def _describe(part: Dict[str, Any], item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
-              crcs: List[int], segment_bytes: int) -> None:
+              crcs: List[int], fields: Dict[str, Any]) -> None:
     """Adds the tensor entry of one written chunk to the index part."""
     name, t, dtype = item
-    chunk: Dict[str, Any] = {"file": fname, "offset": start, "length": t.nbytes, "crc32c": crcs,
-                             "segment_bytes": segment_bytes}
+    chunk: Dict[str, Any] = {"file": fname, "offset": start, "length": t.nbytes, "crc32c": crcs, **fields}
     if t.dim():
         chunk["rows"] = [0, t.shape[0]]
     part["tensors"][name] = {"dtype": dtype.name, "shape": list(t.shape), "chunks": [chunk]}
@@ -150,7 +168,7 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.Tensor, DType]],
-                 part: Dict[str, Any], fname: str, segment_bytes: int) -> int:
+                 part: Dict[str, Any], fname: str, layout: Dict[str, Layout]) -> int:
     """Writes one shard file sequentially through a storage stream: the file system buffers at most
     one upload part, and the tensors are handed over as views, never copied whole."""
     head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
@@ -161,12 +179,12 @@ def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.T
         for i, item in enumerate(group):
             data = tensor_bytes(item[1])
             crcs = []
-            for b in range(0, max(len(data), 1), segment_bytes):
-                piece = data[b:b + segment_bytes]
+            for b, e in layout[item[0]][0]:
+                piece = data[b:e]
                 crcs.append(_C.crc32c(piece))
                 if len(piece):
                     f.write(memoryview(piece))
             described.append((item, starts[i], crcs))
     for item, start, crcs in described:
-        _describe(part, item, fname, start, crcs, segment_bytes)
+        _describe(part, item, fname, start, crcs, layout[item[0]][1])
     return size
