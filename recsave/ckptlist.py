@@ -56,11 +56,12 @@ _OWN_FILE = re.compile(r"(index|model\.pt|extra\.pt|io_state_count|io_state_\d+\
 
 def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
     """Whether output_dir/name is a recsave checkpoint directory (committed or a crash leftover):
-    a valid id whose every file is one recsave writes. Anything else in output_dir is left alone."""
+    a valid id holding only files recsave writes (at least one). Anything else — other files, empty
+    directories — is left alone."""
     if not is_plain_name(name) or name == LIST_FILE:
         return False
     path = storage.join(output_dir, name)
     if not storage.isdir(path):
         return False
     files = storage.listdir(path)
-    return all(_OWN_FILE.match(f) for f in files)
+    return bool(files) and all(_OWN_FILE.match(f) for f in files)

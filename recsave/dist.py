@@ -1,16 +1,27 @@
 """Rank / world size of this process, and the few collectives a save needs.
 
 Defaults follow DESIGN.md: torch.distributed when initialised, else the RANK / WORLD_SIZE
-environment variables, else a single process (0 / 1).
+environment variables, else a single process (0 / 1). Collectives run on a gloo group of recsave's
+own with a timeout (knob ``collective_timeout_s``), so a rank that died or hangs makes the others
+raise instead of waiting forever; filesystem polling is never used for coordination.
 """
 from __future__ import annotations
 
+import datetime
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch.distributed as torch_dist
 
-from .errors import UsageError
+from . import knobs
+from .errors import RecsaveError, UsageError
+
+T = TypeVar("T")
+_groups: dict = {}
+
+
+class RankFailedError(RecsaveError, RuntimeError):
+    """Another rank failed (raised an error, died, or timed out) during a collective save or load."""
 
 
 def initialized() -> bool:
@@ -36,23 +47,65 @@ def collective(world_size: int) -> bool:
     return world_size > 1 and initialized() and torch_dist.get_world_size() == world_size
 
 
+def _group():
+    """recsave's gloo group (CPU object collectives even when the default backend is NCCL)."""
+    timeout = datetime.timedelta(seconds=float(knobs.get("collective_timeout_s")))
+    key = (id(torch_dist.distributed_c10d._get_default_group()), timeout)
+    if key not in _groups:
+        _groups[key] = torch_dist.new_group(backend="gloo", timeout=timeout)
+    return _groups[key]
+
+
+def _guard(what: str, fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except RecsaveError:
+        raise
+    except Exception as exc:  # gloo reports a dead peer or a timeout as RuntimeError / DistBackendError
+        raise RankFailedError(
+            f"{what} failed: another rank died, failed or did not answer within "
+            f"{knobs.get('collective_timeout_s')} s ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
+        ) from exc
+
+
 def barrier(world_size: int) -> None:
     if collective(world_size):
-        torch_dist.barrier()
+        group = _group()
+        _guard("barrier", lambda: torch_dist.monitored_barrier(group=group, wait_all_ranks=True))
 
 
 def gather_objects(obj: Any, world_size: int) -> List[Any]:
     """Every rank's `obj`, in rank order (a list of one without collectives)."""
     if not collective(world_size):
         return [obj]
+    group = _group()
     out: List[Any] = [None] * world_size
-    torch_dist.all_gather_object(out, obj)
-    return out
+
+    def run():
+        torch_dist.all_gather_object(out, obj, group=group)
+        return out
+    return _guard("all_gather", run)
 
 
-def broadcast_object(obj: Any, world_size: int, src: int = 0) -> Any:
-    if not collective(world_size):
-        return obj
-    box = [obj]
-    torch_dist.broadcast_object_list(box, src=src)
-    return box[0]
+def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank0: bool = False,
+                   rank: int = 0) -> Optional[T]:
+    """Runs `fn` (on every rank, or on rank 0 only), then lets every rank know whether it succeeded
+    on all of them: a failure anywhere raises on every rank (the failing rank re-raises its own
+    error, the others RankFailedError naming it). Returns fn's result on this rank."""
+    result: Optional[T] = None
+    error: Optional[BaseException] = None
+    if not only_rank0 or rank == 0:
+        try:
+            result = fn()
+        except BaseException as exc:  # reported to the other ranks, then re-raised below
+            error = exc
+    if world_size > 1 and collective(world_size):
+        summary = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = gather_objects(summary, world_size)
+        failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+        if failed and error is None:
+            r, msg = failed[0]
+            raise RankFailedError(f"{what} failed on rank {r}: {msg}")
+    if error is not None:
+        raise error
+    return result

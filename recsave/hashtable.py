@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _C, knobs
+from . import _C, knobs, partition
 from .errors import ShapeMismatchError, UsageError
 
 _MIN_CAPACITY = 1024
@@ -67,6 +67,7 @@ class HashTable(torch.nn.Module):
         self._slots: Dict[str, torch.Tensor] = {}
         self._slot_init: Dict[str, float] = {}
         self._grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._partition: Optional[Tuple[int, int, int]] = None  # (rank, world_size, num_buckets)
         # A leaf that requires grad, so autograd calls _Lookup.backward; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)
 
@@ -110,6 +111,28 @@ class HashTable(torch.nn.Module):
                            for keep in [~torch.isin(r, freed_d)]]
         return int(freed.numel())
 
+    def set_partition(self, rank: int, world_size: int, num_buckets: int = partition.DEFAULT_NUM_BUCKETS) -> None:
+        """Declares this table the shard of rank `rank` of `world_size`: from now on it accepts only
+        ids whose bucket that rank owns (recsave.partition) and refuses others with UsageError."""
+        partition.bucket_range(rank, world_size, num_buckets)  # validates
+        self._partition = (rank, world_size, num_buckets) if world_size > 1 else None
+
+    @property
+    def partition(self) -> Optional[Tuple[int, int, int]]:
+        """(rank, world_size, num_buckets) of a sharded table, None when it holds every id."""
+        return self._partition
+
+    def _check_owned(self, ids: torch.Tensor) -> None:
+        rank, world, num_buckets = self._partition  # type: ignore[misc]
+        owners = partition.owner_of(ids, world, num_buckets)
+        foreign = owners != rank
+        if bool(foreign.any()):
+            i = int(foreign.nonzero()[0])
+            raise UsageError(
+                f"table {self.table_name!r} is the shard of rank {rank} of {world}, but id "
+                f"{int(ids[i])} belongs to rank {int(owners[i])}; route ids to their owners with "
+                f"recsave.partition.route / owner_of before the lookup", key=self.table_name)
+
     # ------------------------------------------------------------------------------------ slots
     def slot_names(self) -> List[str]:
         return sorted(self._slots)
@@ -146,6 +169,8 @@ class HashTable(torch.nn.Module):
         threads = knobs.get("concurrency")
         if not insert:
             return torch.from_numpy(self._map.lookup(flat, threads))
+        if self._partition is not None:
+            self._check_owned(torch.from_numpy(flat))
         rows, is_new, num_new = self._map.lookup_or_insert(flat, threads)
         rows_t = torch.from_numpy(rows)
         if num_new:

@@ -31,6 +31,8 @@ _KNOBS: Dict[str, tuple] = {
     # Reader limits, enforced before allocating (docs/FORMAT.md).
     "max_header_bytes": ("RECSAVE_MAX_HEADER_BYTES", 100 << 20, int),
     "max_index_bytes": ("RECSAVE_MAX_INDEX_BYTES", 256 << 20, int),
+    # Seconds a collective of a save / load waits for the other ranks before raising.
+    "collective_timeout_s": ("RECSAVE_COLLECTIVE_TIMEOUT_S", 300.0, float),
     # Size of one in-memory chunk streamed to / from remote (fsspec) storage.
     "io_chunk_bytes": ("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int),
 }

@@ -65,7 +65,7 @@ def load_entries(saver: "Saver", entries: Sequence[Dict[str, Any]], *, shard_id:
         src = resolve_checkpoint(conf.path, ckpt_id, direct_path)  # type: ignore[arg-type]
         plans.append(loadconf.plan(conf, model, src.contents, src.ckpt_dir, src.index))
         sources.append(src)
-    _check_io_states(plans, sources, world)
+    _check_io_states(plans, sources, world, saver)
     report = LoadReport()
     for p in plans:
         report.checkpoints.append(p.ckpt_dir)
@@ -81,18 +81,21 @@ def load_entries(saver: "Saver", entries: Sequence[Dict[str, Any]], *, shard_id:
     for src, p, w in zip(sources, plans, won):
         _apply_tables(saver, tables, src, p, w, rank, world, report, slots_only=True)
     for src, w, files in zip(sources, won, pt_files):
-        _apply_small(saver, dense, src, w, files, rank, report)
+        _apply_small(saver, dense, src, w, files, rank, world, report)
     return report
 
 
-def _check_io_states(plans: Sequence[Plan], sources: Sequence[Source], world: int) -> None:
+def _check_io_states(plans: Sequence[Plan], sources: Sequence[Source], world: int, saver: "Saver") -> None:
+    """Io states saved by N workers load on M != N only into objects that can reshard them."""
     for p, src in zip(plans, sources):
-        if any(cat == "io_state" for cat, _ in p.items.values()):
-            saved = src.index["meta"].get("io_state_count", src.index["world_size"])
-            if saved != world:
-                raise ConfigError(
-                    f"{src.ckpt_dir}: io states were saved by {saved} worker(s) but {world} are loading; "
-                    f"exclude 'io_state' or restart with {saved} workers", path=src.ckpt_dir)
+        names = [n for n, (cat, _) in p.items.items() if cat == "io_state"]
+        saved = src.index["meta"].get("io_state_count", src.index["world_size"])
+        rigid = [n for n in names if not callable(getattr(saver._io_states[n], "load_io_states", None))]
+        if saved != world and rigid:
+            raise ConfigError(
+                f"{src.ckpt_dir}: io state(s) {rigid} were saved by {saved} worker(s) but {world} are "
+                f"loading; exclude 'io_state', restart with {saved} workers, or give the object a "
+                f"load_io_states(states, rank, world_size) method that reshards", path=src.ckpt_dir)
 
 
 def _read_pt_files(src: Source, won: Dict[str, Tuple[str, str]]) -> Dict[str, Any]:
@@ -145,6 +148,8 @@ def _apply_tables(saver: "Saver", tables, src: Source, plan: Plan, won: Dict[str
                             rows=None if ranges is None else {t: ranges for t in wanted})
         ids = data[id_tensor]
         table = tables[table_name]
+        if world > 1:
+            table.set_partition(rank, world, src.index["partition"]["num_buckets"])
         slot_values = {c: data[t] for c, t in columns.items() if c != "embedding"}
         if has_embedding:
             table.load_rows(ids, data[columns["embedding"]], slot_values, clear=plan.conf.hashtable_clear)
@@ -161,7 +166,7 @@ def _apply_tables(saver: "Saver", tables, src: Source, plan: Plan, won: Dict[str
 
 
 def _apply_small(saver: "Saver", dense: Dict[str, torch.Tensor], src: Source,
-                 won: Dict[str, Tuple[str, str]], files: Dict[str, Any], rank: int,
+                 won: Dict[str, Tuple[str, str]], files: Dict[str, Any], rank: int, world: int,
                  report: LoadReport) -> None:
     if "extra" in files:
         saver._extra_data.update(files["extra"])
@@ -176,9 +181,15 @@ def _apply_small(saver: "Saver", dense: Dict[str, torch.Tensor], src: Source,
             saver._extras[name].load_state_dict(files["extra"][source])
             item = LoadedItem(cat, src.ckpt_dir, source)
         elif cat == "io_state":
+            saved = src.index["meta"].get("io_state_count", src.index["world_size"])
             if io_data is None:
-                io_data = torchio.load(src.storage, src.ckpt_dir, f"io_state_{rank}.pt", src.index)
-            saver._io_states[name].load_io_state(io_data[source])
+                ranks = range(saved) if saved != world else [rank]
+                io_data = [torchio.load(src.storage, src.ckpt_dir, f"io_state_{r}.pt", src.index) for r in ranks]
+            obj = saver._io_states[name]
+            if saved != world:
+                obj.load_io_states([d[source] for d in io_data], rank, world)
+            else:
+                obj.load_io_state(io_data[0][source])
             item = LoadedItem(cat, src.ckpt_dir, source)
         else:
             continue

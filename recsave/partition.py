@@ -12,7 +12,7 @@ by N ranks can be loaded by M: each reads the byte ranges of the buckets it owns
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -70,3 +70,13 @@ def _ids(ids: torch.Tensor) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
         raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
     return ids.detach().reshape(-1).cpu().contiguous()
+
+
+def route(ids: torch.Tensor, world_size: int, num_buckets: int = DEFAULT_NUM_BUCKETS) -> Tuple[torch.Tensor, List[int]]:
+    """Groups a batch's ids by owner: returns (order, counts) such that ``ids.reshape(-1)[order]``
+    lists rank 0's ids first, then rank 1's, ... with ``counts[r]`` ids for rank r (ready for
+    torch.distributed.all_to_all_single). ``order.argsort()`` puts results back in batch order."""
+    owners = owner_of(ids, world_size, num_buckets).reshape(-1)
+    order = torch.argsort(owners, stable=True)
+    counts = torch.bincount(owners, minlength=world_size).tolist()
+    return order, counts

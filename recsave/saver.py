@@ -142,37 +142,42 @@ class Saver:
         rank, world = dist.resolve(shard_id, shard_num)
         st, out = self.storage, self.output_dir
         ckpt_dir = st.join(out, ckpt_id)
-        if rank == 0:
-            st.makedirs(out)
-            self._prepare_dir(ckpt_dir, ckpt_id)
-        dist.barrier(world)
-        st.makedirs(ckpt_dir)
-        tables, dense = contents.model_state(self.model)
-        committed = False
+        dist.run_everywhere(f"preparing {ckpt_dir}", lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
+                            only_rank0=True, rank=rank)
         try:
-            part, rows = self._write_rank_files(ckpt_dir, tables, rank, world)
-            parts = dist.gather_objects((part, rows), world)
-            if rank == 0:
-                total_rows: Dict[str, int] = {}
-                for _, r in parts:
-                    for n, c in r.items():
-                        total_rows[n] = total_rows.get(n, 0) + c
-                self._commit(ckpt_dir, ckpt_id, [p for p, _ in parts], tables, dense, world, total_rows)
-                committed = True
-            dist.barrier(world)
+            st.makedirs(ckpt_dir)
+            tables, dense = contents.model_state(self.model)
+            mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
+                                       lambda: self._write_rank_files(ckpt_dir, tables, rank, world), world)
+            parts = dist.gather_objects(mine, world)
+            dist.run_everywhere(f"committing {ckpt_dir}",
+                                lambda: self._commit(ckpt_dir, ckpt_id, parts, tables, dense, world),
+                                world, only_rank0=True, rank=rank)
         except BaseException:
-            if rank == 0 and not committed:
-                st.remove_tree(ckpt_dir)
+            if rank == 0:
+                self._discard_uncommitted(ckpt_dir, ckpt_id)
             raise
         return ckpt_dir
 
+    def _discard_uncommitted(self, ckpt_dir: str, ckpt_id: str) -> None:
+        """Removes a failed save's directory unless it made it into the `checkpoint` list."""
+        try:
+            if ckpt_id not in ckptlist.read(self.storage, self.output_dir):
+                self.storage.remove_tree(ckpt_dir)
+        except Exception:  # the original error matters more; the next save cleans leftovers
+            pass
+
     def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
-        if self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
+        listed = ckpt_id in ckptlist.read(self.storage, self.output_dir)
+        if listed and self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
             raise CheckpointExistsError(
                 f"{ckpt_dir} is a committed checkpoint already; save under another id or delete it first",
                 path=ckpt_dir)
-        if self.storage.exists(ckpt_dir):  # leftover of a crashed save: never committed, safe to drop
+        # A leftover of a crashed save (no index, or an index that never made it into the list) was
+        # never committed: safe to replace.
+        if self.storage.exists(ckpt_dir):
             self.storage.remove_tree(ckpt_dir)
+        self.storage.makedirs(self.output_dir)
 
     def _write_rank_files(self, ckpt_dir: str, tables: Dict[str, HashTable], rank: int,
                           world: int) -> tuple:
@@ -190,6 +195,8 @@ class Saver:
     def _write_table(self, ckpt_dir: str, name: str, table: HashTable, rank: int, world: int,
                      first_part: int) -> tuple:
         """Writes one table's ids, embedding and slots with rows sorted by bucket."""
+        if world > 1:
+            table.set_partition(rank, world, self.num_buckets)
         ids, rows = table.id_rows()
         buckets = partition.bucket_of(ids, self.num_buckets)
         first, stop = partition.bucket_range(rank, world, self.num_buckets)
@@ -212,10 +219,14 @@ class Saver:
                             first_part=first_part, segments=segments)
         return part, int(ids.numel())
 
-    def _commit(self, ckpt_dir: str, ckpt_id: str, parts: Sequence[Dict[str, Any]],
-                tables: Dict[str, HashTable], dense: Dict[str, torch.Tensor], world: int,
-                rows: Dict[str, int]) -> None:
+    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[tuple],
+                tables: Dict[str, HashTable], dense: Dict[str, torch.Tensor], world: int) -> None:
         st = self.storage
+        parts = [part for part, _ in gathered]
+        rows: Dict[str, int] = {}
+        for _, table_rows in gathered:
+            for name, count in table_rows.items():
+                rows[name] = rows.get(name, 0) + count
         files = {
             MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.detach().cpu() for n, t in dense.items()}, 0),
             EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, {n: o.state_dict() for n, o in self._extras.items()}, 0),

@@ -1,0 +1,111 @@
+"""One rank of a multi-rank test job (spawned by tests/test_multirank.py as a plain process).
+
+    python tests/mr_worker.py SCENARIO RANK WORLD INIT_FILE WORK_DIR
+
+Scenarios: ``save`` (build this rank's shard of a known table set and save it), ``load`` (load the
+latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed`` (rank 1 SIGKILLs
+itself in the middle of the save; the others must raise).
+"""
+import datetime
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+import recsave
+from recsave import HashTable, Saver, partition
+from recsave.optim import SparseAdagrad
+
+GLOBAL_IDS = 3000
+DIM = 6
+
+
+def global_ids() -> torch.Tensor:
+    ids = torch.arange(GLOBAL_IDS, dtype=torch.int64) * 1_000_003 - 777
+    return torch.cat([ids, torch.tensor([0, -1, 2**63 - 1, -2**63], dtype=torch.int64)])
+
+
+def expected_rows(ids: torch.Tensor, salt: float) -> torch.Tensor:
+    """Embedding / slot values as a function of the id, so any rank can check any row."""
+    base = (ids % 100_003).to(torch.float32).unsqueeze(1)
+    return base * 0.001 + torch.arange(DIM, dtype=torch.float32) + salt
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user = HashTable(DIM, name="user", seed=1)
+        self.item = HashTable(DIM, name="item", seed=2)
+        self.dense = torch.nn.Linear(DIM, 2)
+
+
+class Reader:
+    def __init__(self, position=0):
+        self.position = position
+
+    def dump_io_state(self):
+        return {"position": self.position}
+
+    def load_io_state(self, state):
+        self.position = state["position"]
+
+
+def build(work_dir):
+    torch.manual_seed(0)
+    model = Model()
+    opt = SparseAdagrad(model, lr=0.1)
+    saver = Saver(model, sparse_optim=opt, output_dir=os.path.join(work_dir, "out"), max_keep=2)
+    reader = Reader()
+    saver.register_io_state("reader", reader)
+    return model, saver, reader
+
+
+def fill(model, rank, world):
+    ids = global_ids()
+    mine = ids[partition.owner_of(ids, world) == rank]
+    for salt, table in ((0.0, model.user), (100.0, model.item)):
+        table.set_partition(rank, world)
+        table.load_rows(mine, expected_rows(mine, salt), {"adagrad_acc": expected_rows(mine, salt + 0.5)})
+
+
+def main():
+    scenario, rank, world, init_file, work_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    model, saver, reader = build(work_dir)
+    if scenario in ("save", "save_killed"):
+        fill(model, rank, world)
+        reader.position = 1000 + rank
+        saver.save("ckpt_1")
+        if scenario == "save_killed":
+            def die(*args, **kwargs):
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args, **kwargs)
+            real = recsave.saver.write_shards
+            recsave.saver.write_shards = die
+            try:
+                saver.save("ckpt_2")
+            except recsave.RecsaveError as exc:
+                with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}")
+                sys.exit(3)
+    elif scenario == "load":
+        report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None)
+        out = {"bytes_read": report.bytes_read, "rows_read": report.rows_read, "position": reader.position}
+        for name in ("user", "item"):
+            table = getattr(model, name)
+            ids, values, slots = table.export()
+            torch.save({"ids": ids, "values": values, "acc": slots["adagrad_acc"]},
+                       os.path.join(work_dir, f"{name}_{world}_{rank}.pt"))
+        torch.save(model.dense.state_dict(), os.path.join(work_dir, f"dense_{world}_{rank}.pt"))
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,502 @@
+"""Load / model-bank configuration (DESIGN.md "Load / model-bank config"): every key, every category,
+patterns, renames, merges, entry priority, and every documented error — after which nothing of the
+model, its optimizers or its io state has changed."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from recsave import CheckpointManager, CheckpointNotFoundError, ConfigError, HashTable, Saver, ShapeMismatchError
+
+from helpers import assert_jobs_equal, assert_obj_equal, job_state, make_job, same_bits, train
+
+SLOT = "adagrad_acc"
+SLOT_INIT = 0.1  # make_job's SparseAdagrad initial_accumulator_value
+DENSE = ["bn.bias", "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "bn.weight",
+         "mlp.0.bias", "mlp.0.weight", "mlp.2.bias", "mlp.2.weight"]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A committed checkpoint of a trained job: (output dir, checkpoint dir, its full state)."""
+    out = str(tmp_path / "src")
+    job = make_job(out)
+    job.train(8)
+    ckpt = job.saver.save("ckpt_8")
+    return out, ckpt, job_state(job)
+
+
+def live_job(tmp_path, name="live", **kw):
+    """A job that trained on other batches: its ids overlap the checkpoint's only partly, and all of
+    its values differ."""
+    job = make_job(str(tmp_path / name), **kw)
+    train(job.model, job.opts, 3, start=777)
+    job.reader.offset = 123
+    return job
+
+
+def table(state, name):
+    """{id: (embedding row, slot row)} of a table in a job_state()."""
+    m = state["model"]
+    ids = m[f"{name}@id"].tolist()
+    return {i: (m[f"{name}@embedding"][k], m[f"{name}@{SLOT}"][k]) for k, i in enumerate(ids)}
+
+
+def assert_table(after, name, expected):
+    got = table(after, name)
+    assert sorted(got) == sorted(expected), f"{name}: id sets differ"
+    for i, (emb, slot) in expected.items():
+        assert same_bits(got[i][0], emb), f"{name}[{i}] embedding"
+        assert same_bits(got[i][1], slot), f"{name}[{i}] {SLOT}"
+
+
+def assert_dense(after, source, names=DENSE):
+    for n in names:
+        assert same_bits(after["model"][n], source["model"][n]), n
+
+
+def with_slot(rows, value):
+    return {i: (emb, torch.full_like(slot, value)) for i, (emb, slot) in rows.items()}
+
+
+# ------------------------------------------------------------------------------------ errors
+ERROR_CONFS = {
+    "unknown_key": ({"lod": ["*"]}, ConfigError),
+    "unknown_category_like": ({"load": ["sparse_optimizer"]}, ConfigError),
+    "unknown_category_in_exclude": ({"exclude": ["denseparams"]}, ConfigError),
+    "pattern_matches_nothing": ({"load": ["user", "nosuch.*"]}, ConfigError),
+    "strict_not_bool": ({"strict": "yes"}, ConfigError),
+    "strict_int": ({"strict": 1}, ConfigError),
+    "hashtable_clear_not_bool": ({"hashtable_clear": "false"}, ConfigError),
+    "ignore_error_not_bool": ({"ignore_error": None}, ConfigError),
+    "skip_not_bool": ({"skip": 0}, ConfigError),
+    "load_not_a_list": ({"load": 3}, ConfigError),
+    "oname_star_model_side_only": ({"oname": [{"user*": "item"}]}, ConfigError),
+    "oname_star_ckpt_side_only": ({"oname": [{"user": "it*"}]}, ConfigError),
+    "oname_not_a_mapping": ({"oname": ["user"]}, ConfigError),
+    "oname_rename_to_absent": ({"oname": [{"user": "nosuch"}]}, ConfigError),  # strict: user missing
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CONFS))
+def test_config_errors_change_nothing(tmp_path, saved, case):
+    out, ckpt, _ = saved
+    conf, error = ERROR_CONFS[case]
+    job = live_job(tmp_path)
+    before = job_state(job)
+    with pytest.raises(error):
+        job.saver.load(out, load_conf=conf)
+    assert_jobs_equal(job_state(job), before)
+    assert job.reader.loaded == []
+    # The same entry in a model bank, after a valid entry: still nothing applied.
+    with pytest.raises(error):
+        job.saver.load_model_bank([{"path": ckpt}, dict(conf, path=out)])
+    assert_jobs_equal(job_state(job), before)
+
+
+def test_config_error_messages_name_the_key(tmp_path, saved):
+    out, _, _ = saved
+    job = live_job(tmp_path)
+    with pytest.raises(ConfigError, match="lod"):
+        job.saver.load(out, load_conf={"lod": ["*"]})
+    with pytest.raises(ConfigError, match="sparse_optimizer"):
+        job.saver.load(out, load_conf={"load": ["sparse_optimizer"]})
+    with pytest.raises(ConfigError, match="strict"):
+        job.saver.load(out, load_conf={"strict": "yes"})
+
+
+def test_table_dim_mismatch(tmp_path, saved):
+    out, _, _ = saved
+    job = live_job(tmp_path, item_dim=4)
+    before = job_state(job)
+    for conf in ({"load": ["sparse"]}, {"load": ["item"]}, {}):
+        with pytest.raises(ShapeMismatchError) as exc:
+            job.saver.load(out, load_conf=conf)
+        assert isinstance(exc.value, ValueError)
+        assert_jobs_equal(job_state(job), before)
+    with pytest.raises(ShapeMismatchError, match="item"):
+        job.saver.load(out, load_conf={"load": ["item"]})
+    # Excluding the mismatching table (and the dense shapes it changes) loads the rest.
+    report = job.saver.load(out, load_conf={"load": ["user*"]})
+    assert sorted(report.loaded) == ["user", f"user@{SLOT}"]
+
+
+def test_table_dtype_mismatch(tmp_path, saved):
+    out, _, _ = saved
+
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = HashTable(8, name="user", dtype=torch.float64)
+
+    model = Wide()
+    model.user(torch.arange(10))
+    saver = Saver(model, output_dir=str(tmp_path / "wide"))
+    before = model.user.export()
+    with pytest.raises(ShapeMismatchError):
+        saver.load(out, load_conf={"load": ["user"], "strict": False})
+    after = model.user.export()
+    assert same_bits(before[0], after[0]) and same_bits(before[1], after[1])
+
+
+def test_dense_shape_mismatch(tmp_path, saved):
+    out, _, _ = saved
+    job = live_job(tmp_path, hidden=12)
+    before = job_state(job)
+    for conf in ({}, {"load": ["dense"]}, {"load": ["mlp.*"]}):
+        with pytest.raises(ShapeMismatchError):
+            job.saver.load(out, load_conf=conf)
+        assert_jobs_equal(job_state(job), before)
+    with pytest.raises(ShapeMismatchError, match=r"mlp\.0\."):
+        job.saver.load(out, load_conf={"load": ["mlp.0.weight"]})
+    job.saver.load(out, load_conf={"load": ["bn.*"]})  # same shapes there
+
+
+@pytest.mark.parametrize("where", ["nonexistent", "empty_dir", "ckpt_id"])
+def test_missing_path(tmp_path, saved, where):
+    out, _, _ = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    with pytest.raises(CheckpointNotFoundError) as exc:
+        if where == "nonexistent":
+            job.saver.load(str(tmp_path / "nope"))
+        elif where == "empty_dir":
+            os.makedirs(tmp_path / "empty")
+            job.saver.load_by_config(str(tmp_path / "empty"), {"load": ["*"]})
+        else:
+            job.saver.load(out, ckpt_id="ckpt_999")
+    assert isinstance(exc.value, FileNotFoundError)
+    assert_jobs_equal(job_state(job), before)
+    with pytest.raises(CheckpointNotFoundError):
+        job.saver.load_model_bank([{"path": str(tmp_path / "nope")}])
+    assert_jobs_equal(job_state(job), before)
+
+
+def test_strict_missing_names(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path, extra_table="extra_tab")
+    before = job_state(job)
+    with pytest.raises(ConfigError, match="extra_tab"):
+        job.saver.load(out)
+    assert_jobs_equal(job_state(job), before)
+
+    report = job.saver.load(out, load_conf={"strict": False})
+    assert sorted(report.missing) == ["extra_tab", f"extra_tab@{SLOT}"]
+    assert report.unexpected == []
+    after = job_state(job)
+    for name in ("user", "item"):
+        assert_table(after, name, table(src, name))
+    assert_table(after, "extra_tab", table(before, "extra_tab"))
+    assert_dense(after, src)
+    # Excluding the missing names makes the strict load valid.
+    job.saver.load(out, load_conf={"exclude": ["extra_tab*"]})
+
+
+def test_pattern_matching_nothing_with_ignore_error(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["nosuch*"], "ignore_error": True})
+    assert report.loaded == {}
+    assert_jobs_equal(job_state(job), before)
+    job.saver.load(out, load_conf={"exclude": ["nosuch"], "ignore_error": True})
+    assert_jobs_equal(job_state(job), src)
+
+
+# -------------------------------------------------------------------------------- categories
+def test_category_sparse(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["sparse"]})
+    assert sorted(report.loaded) == ["item", "user"]
+    after = job_state(job)
+    for name in ("user", "item"):  # cleared, then the checkpoint's rows; slots not loaded: init value
+        assert_table(after, name, with_slot(table(src, name), SLOT_INIT))
+    assert_dense(after, before)
+    assert_obj_equal(after["dense_opt"], before["dense_opt"])
+    assert after["sparse_opt"] == before["sparse_opt"] and after["reader"] == before["reader"]
+
+
+def test_category_dense(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["dense"]})
+    assert sorted(report.loaded) == DENSE
+    after = job_state(job)
+    assert_dense(after, src)
+    for name in ("user", "item"):
+        assert_table(after, name, table(before, name))
+    assert_obj_equal(after["dense_opt"], before["dense_opt"])
+    assert after["sparse_opt"] == before["sparse_opt"] and after["reader"] == before["reader"]
+
+
+def test_category_extra(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["extra"]})
+    assert sorted(report.loaded) == ["dense_opt"]
+    after = job_state(job)
+    assert_obj_equal(after["dense_opt"], src["dense_opt"])
+    assert after["sparse_opt"] == before["sparse_opt"]  # sparse_optim is category sparse_opt
+    assert_dense(after, before)
+    assert after["reader"] == before["reader"]
+
+
+def test_category_sparse_opt_updates_only_live_ids(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["sparse_opt"]})
+    assert sorted(report.loaded) == ["item@" + SLOT, "sparse_optim", "user@" + SLOT]
+    after = job_state(job)
+    for name in ("user", "item"):
+        live, ckpt = table(before, name), table(src, name)
+        both = set(live) & set(ckpt)
+        assert both and set(live) - set(ckpt) and set(ckpt) - set(live), "test data must overlap partly"
+        expected = {i: (emb, ckpt[i][1] if i in ckpt else slot) for i, (emb, slot) in live.items()}
+        assert_table(after, name, expected)  # no id of the checkpoint was inserted
+        assert report.loaded[f"{name}@{SLOT}"].rows == len(both)
+    assert after["sparse_opt"] == src["sparse_opt"]
+    assert_dense(after, before)
+    assert_obj_equal(after["dense_opt"], before["dense_opt"])
+
+
+def test_category_io_state(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["io_state"]})
+    assert sorted(report.loaded) == ["reader"]
+    assert job.reader.loaded == [{"offset": 8}]
+    after = job_state(job)
+    assert after["reader"] == src["reader"] == 8
+    assert_dense(after, before)
+    assert_table(after, "user", table(before, "user"))
+
+
+def test_category_star_and_exclude_categories(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["*"], "exclude": ["dense", "io_state", "extra"]})
+    assert sorted(report.loaded) == ["item", f"item@{SLOT}", "sparse_optim", "user", f"user@{SLOT}"]
+    after = job_state(job)
+    for name in ("user", "item"):
+        assert_table(after, name, table(src, name))
+    assert after["sparse_opt"] == src["sparse_opt"]
+    assert_dense(after, before)
+    assert after["reader"] == before["reader"]
+
+
+# ---------------------------------------------------------------------------------- patterns
+def test_pattern_table_with_its_slots(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["user*"]})
+    assert sorted(report.loaded) == ["user", f"user@{SLOT}"]
+    after = job_state(job)
+    assert_table(after, "user", table(src, "user"))
+    assert_table(after, "item", table(before, "item"))
+    assert_dense(after, before)
+    assert after["sparse_opt"] == before["sparse_opt"]
+
+
+def test_pattern_dense_prefix(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["mlp.*"]})
+    mlp = [n for n in DENSE if n.startswith("mlp.")]
+    assert sorted(report.loaded) == mlp
+    assert sorted(report.skipped) == sorted(set(DENSE) - set(mlp) | {
+        "user", "item", f"user@{SLOT}", f"item@{SLOT}", "sparse_optim", "dense_opt", "reader"})
+    after = job_state(job)
+    assert_dense(after, src, mlp)
+    assert_dense(after, before, [n for n in DENSE if n.startswith("bn.")])
+    assert_table(after, "user", table(before, "user"))
+
+
+def test_pattern_slot_only(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["user@adagrad*"]})
+    assert sorted(report.loaded) == [f"user@{SLOT}"]
+    after = job_state(job)
+    live, ckpt = table(before, "user"), table(src, "user")
+    assert_table(after, "user", {i: (e, ckpt[i][1] if i in ckpt else s) for i, (e, s) in live.items()})
+    assert_table(after, "item", table(before, "item"))
+    assert after["sparse_opt"] == before["sparse_opt"]
+
+
+def test_exclude_slots_leaves_them_at_init(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    report = job.saver.load(out, load_conf={"exclude": ["*@adagrad*"]})
+    assert f"user@{SLOT}" not in report.loaded and f"user@{SLOT}" in report.skipped
+    after = job_state(job)
+    for name in ("user", "item"):
+        assert_table(after, name, with_slot(table(src, name), SLOT_INIT))
+    assert_dense(after, src)
+    assert after["sparse_opt"] == src["sparse_opt"]
+    assert_obj_equal(after["dense_opt"], src["dense_opt"])
+    assert after["reader"] == src["reader"]
+
+
+# ------------------------------------------------------------------------------------- oname
+def test_oname_swaps_two_tables_with_their_slots(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    report = job.saver.load(out, load_conf={"load": ["sparse", "sparse_opt"], "exclude": ["sparse_optim"],
+                                            "oname": [{"user": "item"}, {"item": "user"}]})
+    assert report.loaded["user"].source == "item" and report.loaded["item"].source == "user"
+    assert report.loaded[f"user@{SLOT}"].source == f"item@{SLOT}"
+    after = job_state(job)
+    assert_table(after, "user", table(src, "item"))
+    assert_table(after, "item", table(src, "user"))
+    assert_dense(after, before)
+
+
+def test_oname_renames_a_dense_prefix(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path, head="head")
+    before = job_state(job)
+    with pytest.raises(ConfigError):  # head.* are not in the checkpoint
+        job.saver.load(out, load_conf={"load": ["dense"]})
+    assert_jobs_equal(job_state(job), before)
+    report = job.saver.load(out, load_conf={"load": ["dense"], "oname": [{"head.*": "mlp.*"}]})
+    assert report.loaded["head.0.weight"].source == "mlp.0.weight"
+    after = job_state(job)
+    for n in DENSE:
+        mine = n.replace("mlp.", "head.")
+        assert same_bits(after["model"][mine], src["model"][n]), n
+    assert_table(after, "user", table(before, "user"))
+
+
+# --------------------------------------------------------------------------- hashtable_clear
+def test_hashtable_clear_false_merges(tmp_path, saved):
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    job.saver.load(out, load_conf={"load": ["user*"], "hashtable_clear": False})
+    after = job_state(job)
+    live, ckpt = table(before, "user"), table(src, "user")
+    assert set(live) - set(ckpt) and set(live) & set(ckpt), "test data must overlap partly"
+    assert_table(after, "user", {**live, **ckpt})  # live-only ids survive, shared ids take the ckpt
+    assert_table(after, "item", table(before, "item"))
+
+    # Embedding only, without its slot: merged ids keep their live slot, new ids get the init value.
+    job2 = live_job(tmp_path, name="live2")
+    before2 = job_state(job2)
+    job2.saver.load(out, load_conf={"load": ["user"], "hashtable_clear": False})
+    live2 = table(before2, "user")
+    expected = dict(live2)
+    for i, (emb, slot) in ckpt.items():
+        expected[i] = (emb, live2[i][1] if i in live2 else torch.full_like(slot, SLOT_INIT))
+    assert_table(job_state(job2), "user", expected)
+
+
+# ------------------------------------------------------------------------------- model bank
+@pytest.fixture
+def second(tmp_path):
+    """Another committed checkpoint with different values (other seed, other data)."""
+    out = str(tmp_path / "src2")
+    job = make_job(out, seed=3)
+    train(job.model, job.opts, 5, start=300)
+    job.reader.offset = 55
+    ckpt = job.saver.save("ckpt_5")
+    return out, ckpt, job_state(job)
+
+
+def test_model_bank_later_entry_wins(tmp_path, saved, second):
+    out1, ckpt1, s1 = saved
+    out2, ckpt2, s2 = second
+    job = live_job(tmp_path)
+    mgr = CheckpointManager(job.saver, 0)
+    report = mgr.load_model_bank([{"path": out2, "load": ["*"], "exclude": ["global_step"]},
+                                  {"path": ckpt1, "load": ["user*", "mlp.*"]}])
+    assert report.loaded["user"].checkpoint == ckpt1 and report.loaded["item"].checkpoint == ckpt2
+    assert report.loaded["mlp.0.weight"].checkpoint == ckpt1 and report.loaded["bn.weight"].checkpoint == ckpt2
+    after = job_state(job)
+    assert_table(after, "user", table(s1, "user"))  # exactly ckpt1's rows: no leftovers of ckpt2
+    assert_table(after, "item", table(s2, "item"))
+    assert_dense(after, s1, [n for n in DENSE if n.startswith("mlp.")])
+    assert_dense(after, s2, [n for n in DENSE if n.startswith("bn.")])
+    assert_obj_equal(after["dense_opt"], s2["dense_opt"])
+    assert after["reader"] == 55
+
+    # The other order: ckpt2's entry comes last and wins the user table.
+    job2 = live_job(tmp_path, name="live2")
+    job2.saver.load_model_bank([{"path": ckpt1, "load": ["user*", "mlp.*"]},
+                                {"path": out2, "load": ["user*", "item*"]}])
+    after2 = job_state(job2)
+    assert_table(after2, "user", table(s2, "user"))
+    assert_table(after2, "item", table(s2, "item"))
+    assert_dense(after2, s1, [n for n in DENSE if n.startswith("mlp.")])
+
+
+def test_model_bank_slot_only_entry_applies_to_the_table_an_earlier_entry_loaded(tmp_path, saved, second):
+    """Entry 1 loads the user embedding (its slot starts at init); entry 2 loads only the slot from
+    another checkpoint: it lands on the ids entry 1 loaded that entry 2's checkpoint has too."""
+    out1, ckpt1, s1 = saved
+    out2, ckpt2, s2 = second
+    job = live_job(tmp_path)
+    report = job.saver.load_model_bank([{"path": out1, "load": ["user"]},
+                                        {"path": out2, "load": ["user@*"]}])
+    assert report.loaded["user"].checkpoint == ckpt1
+    assert report.loaded[f"user@{SLOT}"].checkpoint == ckpt2
+    emb, slot = table(s1, "user"), table(s2, "user")
+    assert set(emb) & set(slot) and set(emb) - set(slot), "test data must overlap partly"
+    expected = {i: (e, slot[i][1] if i in slot else torch.full_like(s, SLOT_INIT)) for i, (e, s) in emb.items()}
+    assert_table(job_state(job), "user", expected)
+
+
+def test_model_bank_skip(tmp_path, saved, second):
+    out1, ckpt1, s1 = saved
+    out2, ckpt2, s2 = second
+    job = live_job(tmp_path)
+    report = job.saver.load_model_bank([{"path": out1, "skip": False, "load": ["item*"]},
+                                        {"path": out2, "skip": True},
+                                        {"path": str(tmp_path / "does_not_exist"), "skip": True}])
+    assert report.checkpoints == [ckpt1]
+    assert sorted(report.loaded) == ["item", f"item@{SLOT}"]
+    assert_table(job_state(job), "item", table(s1, "item"))
+
+
+def test_model_bank_entry_needs_a_path(tmp_path, saved):
+    job = live_job(tmp_path)
+    before = job_state(job)
+    with pytest.raises(ConfigError):
+        job.saver.load_model_bank([{"load": ["*"]}])
+    assert_jobs_equal(job_state(job), before)
+
+
+def test_path_output_dir_uses_latest_and_checkpoint_dir_is_itself(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=None)
+    job.train(2)
+    c2 = job.saver.save("ckpt_2")
+    at_2 = job_state(job)
+    job.train(2)
+    c4 = job.saver.save("ckpt_4")
+    at_4 = job_state(job)
+
+    a = live_job(tmp_path, name="a")
+    assert a.saver.load_by_config(out).checkpoints == [c4]
+    assert_jobs_equal(job_state(a), at_4)
+    b = live_job(tmp_path, name="b")
+    assert b.saver.load_by_config(c2).checkpoints == [c2]
+    assert_jobs_equal(job_state(b), at_2)
+    c = live_job(tmp_path, name="c")
+    assert c.saver.load_model_bank([{"path": c2}]).checkpoints == [c2]
+    assert_jobs_equal(job_state(c), at_2)
+    d = live_job(tmp_path, name="d")
+    assert d.saver.load(out, ckpt_id="ckpt_2").checkpoints == [c2]
+    assert_jobs_equal(job_state(d), at_2)

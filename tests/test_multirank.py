@@ -1,0 +1,90 @@
+"""Multi-rank save and N -> M resharding load with real gloo processes on the CPU."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from recsave import partition
+from recsave.format import read_index
+
+from mr_worker import expected_rows, global_ids
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.multirank
+
+
+def run_ranks(scenario, world, work_dir, env_extra=None, timeout=120):
+    init_file = os.path.join(work_dir, f"init-{scenario}-{world}-{time.monotonic_ns()}")
+    env = dict(os.environ, **(env_extra or {}))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mr_worker.py"), scenario, str(r), str(world),
+                               init_file, str(work_dir)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        outs.append(out)
+    return [p.returncode for p in procs], outs
+
+
+@pytest.mark.parametrize("save_world", [2, 4])
+def test_save_with_n_ranks_load_with_m(tmp_path, save_world):
+    codes, outs = run_ranks("save", save_world, tmp_path)
+    assert codes == [0] * save_world, outs
+    index = read_index(str(tmp_path / "out" / "ckpt_1"))
+    assert index["world_size"] == save_world
+    assert index["tensors"]["user@id"]["shape"] == [len(global_ids())]
+
+    ids_all = global_ids()
+    for load_world in (1, 2, 3, 4):
+        env = {} if load_world == save_world else {"NO_IO": "1"}
+        codes, outs = run_ranks("load", load_world, tmp_path, env)
+        assert codes == [0] * load_world, outs
+        for salt, name in ((0.0, "user"), (100.0, "item")):
+            seen = []
+            for r in range(load_world):
+                got = torch.load(tmp_path / f"{name}_{load_world}_{r}.pt", weights_only=True)
+                owned = ids_all[partition.owner_of(ids_all, load_world) == r]
+                # Exactly this rank's ids, with bit-exact rows and slots.
+                assert sorted(got["ids"].tolist()) == sorted(owned.tolist())
+                assert torch.equal(got["values"], expected_rows(got["ids"], salt))
+                assert torch.equal(got["acc"], expected_rows(got["ids"], salt + 0.5))
+                seen += got["ids"].tolist()
+            assert len(seen) == len(set(seen)) == len(ids_all)  # no id on two ranks, none lost
+        dense = [torch.load(tmp_path / f"dense_{load_world}_{r}.pt", weights_only=True) for r in range(load_world)]
+        for d in dense[1:]:
+            assert all(torch.equal(d[k], dense[0][k]) for k in d)
+        reports = [json.loads((tmp_path / f"report_{load_world}_{r}.json").read_text()) for r in range(load_world)]
+        if load_world == save_world:  # io states come back per rank
+            assert [rep["position"] for rep in reports] == [1000 + r for r in range(load_world)]
+        sparse_bytes = sum(c["length"] for n, t in index["tensors"].items() for c in t["chunks"])
+        for rep in reports:  # each rank reads about its share of the sparse bytes
+            assert rep["bytes_read"] <= sparse_bytes / load_world * 1.05 + 4 * (64 << 10) * 4
+
+
+def test_io_state_of_n_workers_refused_on_m_without_reshard(tmp_path):
+    codes, outs = run_ranks("save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    codes, outs = run_ranks("load", 3, tmp_path)
+    assert all(c != 0 for c in codes)
+    assert "saved by 2 worker(s) but 3 are loading" in outs[0]
+
+
+def test_killed_rank_leaves_previous_checkpoint_and_survivors_raise(tmp_path):
+    started = time.monotonic()
+    codes, outs = run_ranks("save_killed", 4, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "30"}, timeout=150)
+    assert codes[1] == -9
+    for r in (0, 2, 3):
+        assert codes[r] == 3, outs[r]
+        assert "RankFailedError" in (tmp_path / f"error_{r}.txt").read_text()
+    assert time.monotonic() - started < 120
+    out = tmp_path / "out"
+    assert (out / "checkpoint").read_text().split() == ["ckpt_1"]
+    assert not (out / "ckpt_2" / "index").exists()
+    codes, outs = run_ranks("load", 4, tmp_path)
+    assert codes == [0] * 4, outs

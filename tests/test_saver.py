@@ -1,0 +1,483 @@
+"""Saver and CheckpointManager on local disk: bit-exact round trips, the on-disk layout, the
+`checkpoint` list and max_keep rotation, registration rules, LoadReport, and hostile / damaged
+checkpoints (flipped bytes, pickled callables, path traversal, uncommitted leftovers)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import recsave
+from recsave import CheckpointExistsError, CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
+from recsave import _C
+
+from helpers import (Reader, assert_jobs_equal, assert_models_equal, assert_obj_equal, assert_states_equal,
+                     ckpt_files, job_state, make_job, model_state, tables_of, train)
+
+TABLE_NAMES = ["item", "user"]
+DENSE_NAMES = ["bn.bias", "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "bn.weight",
+               "mlp.0.bias", "mlp.0.weight", "mlp.2.bias", "mlp.2.weight"]
+
+
+class Counter:
+    """A registered extra with mixed state (tensor, int, str)."""
+
+    def __init__(self, n: int = 0):
+        self.n, self.t = n, torch.full((3,), float(n))
+
+    def state_dict(self):
+        return {"n": self.n, "t": self.t.clone(), "tag": f"c{self.n}"}
+
+    def load_state_dict(self, state):
+        assert state["tag"] == f"c{state['n']}"
+        self.n, self.t = state["n"], state["t"].clone()
+
+
+def _trained_job(out, steps=8, **kw):
+    job = make_job(str(out), **kw)
+    job.train(steps)
+    return job
+
+
+def _index(ckpt_dir):
+    with open(os.path.join(ckpt_dir, "index"), "rb") as f:
+        return json.load(f)
+
+
+def _write_index(ckpt_dir, index):
+    with open(os.path.join(ckpt_dir, "index"), "w") as f:
+        json.dump(index, f)
+
+
+def _list_file(out):
+    with open(os.path.join(out, "checkpoint")) as f:
+        return f.read()
+
+
+# ----------------------------------------------------------------------------------- round trip
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=10)
+    counter = Counter(7)
+    job.saver.register_for_checkpointing("counter", counter)
+    path = job.saver.save("ckpt_10")
+    assert path == os.path.join(str(out), "ckpt_10")
+    saved = job_state(job)
+    saved_counter = counter.state_dict()
+
+    # A fresh job that has trained on other data (ids that the checkpoint does not have, other dense
+    # values, optimizer state of its own) before loading. Same table seeds: rows of ids inserted
+    # after the load must initialise alike for the continuation below.
+    fresh = make_job(str(out))
+    train(fresh.model, fresh.opts, 3, start=5000, reader=None)
+    fresh.reader.offset = 999
+    fresh_counter = Counter(0)
+    fresh.saver.register_for_checkpointing("counter", fresh_counter)
+    report = fresh.saver.load()
+
+    assert report.checkpoints == [path]
+    assert report.step == 10
+    assert_jobs_equal(job_state(fresh), saved)
+    assert_models_equal(fresh.model, job.model)
+    assert fresh.reader.loaded == [{"offset": 10}]
+    assert_obj_equal(fresh_counter.state_dict(), saved_counter, "counter")
+    assert fresh.sparse_opt.state_dict() == job.sparse_opt.state_dict()
+    assert fresh.sparse_opt.steps == {"user": 10, "item": 10}
+
+    # Restored optimizer state and reader position make the continuation identical too.
+    job.train(3)
+    fresh.train(3)
+    assert_jobs_equal(job_state(fresh), job_state(job))
+
+
+def test_on_disk_file_set_and_shard_contents(tmp_path):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=4)
+    ckpt = job.saver.save("ckpt_4")
+    files = ckpt_files(ckpt)
+    shards = [f for f in files if f.startswith("sparse-")]
+    assert shards and all(re.fullmatch(r"sparse-0-\d+\.safetensors", f) for f in shards)
+    assert set(files) - set(shards) == {"index", "model.pt", "extra.pt", "io_state_0.pt", "io_state_count"}
+    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_4"]  # no temporary files left anywhere
+
+    index = _index(ckpt)
+    assert index["magic"] == "recsave.index" and index["format_version"] == 1
+    assert index["step"] == 4 and index["world_size"] == 1
+    assert set(index["files"]) == set(files) - {"index"}
+    for name, entry in index["files"].items():
+        assert entry["size"] == os.path.getsize(os.path.join(ckpt, name)), name
+    with open(os.path.join(ckpt, "io_state_count"), "rb") as f:
+        assert f.read().strip() == b"1"
+
+    # Shard files are plain safetensors: ids, embedding and every slot, rows in the same order.
+    stored = {}
+    for f in shards:
+        stored.update(load_file(os.path.join(ckpt, f)))
+    expected = {f"{t}@{c}" for t in TABLE_NAMES for c in ("id", "embedding", "adagrad_acc")}
+    assert set(stored) == expected
+    for name, table in tables_of(job.model).items():
+        ids = torch.from_numpy(stored[f"{name}@id"])
+        assert sorted(ids.tolist()) == sorted(table.ids().tolist())
+        _, emb, slots = table.export(ids)
+        assert torch.equal(torch.from_numpy(stored[f"{name}@embedding"]), emb)
+        assert torch.equal(torch.from_numpy(stored[f"{name}@adagrad_acc"]), slots["adagrad_acc"])
+
+    dense = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
+    assert sorted(dense) == DENSE_NAMES
+    extra = torch.load(os.path.join(ckpt, "extra.pt"), weights_only=True)
+    assert sorted(extra) == ["dense_opt", "sparse_optim"]
+    io_state = torch.load(os.path.join(ckpt, "io_state_0.pt"), weights_only=True)
+    assert io_state == {"reader": {"offset": 4}}
+
+
+# ------------------------------------------------------------------------ checkpoint list, rotation
+def test_checkpoint_file_listing_and_max_keep(tmp_path):
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=2)
+    paths = []
+    for step in range(1, 5):
+        job.train(1)
+        paths.append(job.saver.save(f"ckpt_{step}"))
+        assert job.saver.latest_checkpoint() == paths[-1]
+    assert _list_file(out) == "ckpt_3\nckpt_4\n"
+    assert job.saver.checkpoints() == paths[2:]
+    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_3", "ckpt_4"]
+
+
+def test_max_keep_none_keeps_everything(tmp_path):
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=None)
+    for step in range(1, 5):
+        job.saver.save(f"s{step}")
+    assert _list_file(out) == "s1\ns2\ns3\ns4\n"
+    assert sorted(os.listdir(out)) == ["checkpoint", "s1", "s2", "s3", "s4"]
+
+
+def test_rotation_prunes_checkpoints_of_an_earlier_process_and_keeps_unrelated_files(tmp_path):
+    out = tmp_path / "run"
+    first = make_job(str(out), max_keep=None)
+    for step in range(1, 5):
+        first.train(1)
+        first.saver.save(f"ckpt_{step}")
+    (out / "notes.txt").write_text("keep me")
+    (out / "logs").mkdir()
+    (out / "logs" / "train.log").write_text("step 1")
+    (out / "logs" / "index").write_text("not a checkpoint index")  # a file name recsave also uses
+
+    second = make_job(str(out), max_keep=2)
+    second.saver.load()
+    second.train(1)
+    latest = second.saver.save("ckpt_5")
+    assert _list_file(out) == "ckpt_4\nckpt_5\n"
+    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_4", "ckpt_5", "logs", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert sorted(os.listdir(out / "logs")) == ["index", "train.log"]
+    assert second.saver.latest_checkpoint() == latest
+
+    # max_keep=1 never deletes the checkpoint just written, even when an earlier process listed
+    # "later-looking" ids.
+    third = make_job(str(out), max_keep=1)
+    just = third.saver.save("ckpt_0")
+    assert _list_file(out) == "ckpt_0\n"
+    assert os.path.exists(os.path.join(just, "index"))
+    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_0", "logs", "notes.txt"]
+
+
+def test_rotation_keeps_an_unrelated_empty_directory(tmp_path):
+    """An empty directory in output_dir (e.g. made for tensorboard before it writes) is not a
+    checkpoint of recsave's and must survive rotation."""
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=1)
+    job.saver.save("ckpt_1")
+    (out / "tensorboard").mkdir()
+    job.saver.save("ckpt_2")
+    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_2", "tensorboard"]
+
+
+def test_saving_a_committed_id_raises_and_keeps_it(tmp_path):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=3)
+    ckpt = job.saver.save("ckpt_3")
+    before = {f: open(os.path.join(ckpt, f), "rb").read() for f in ckpt_files(ckpt)}
+    list_before = _list_file(out)
+    job.train(1)
+    with pytest.raises(CheckpointExistsError) as exc:
+        job.saver.save("ckpt_3")
+    assert isinstance(exc.value, FileExistsError) and "ckpt_3" in str(exc.value)
+    assert {f: open(os.path.join(ckpt, f), "rb").read() for f in ckpt_files(ckpt)} == before
+    assert _list_file(out) == list_before
+    make_job(str(out)).saver.load()  # still loadable
+
+
+# ----------------------------------------------------------------------- registration, extras
+def test_register_duplicate_names_raise_value_error(tmp_path):
+    job = make_job(str(tmp_path / "run"))  # registers "dense_opt" (extra) and "reader" (io state)
+    saver = job.saver
+    with pytest.raises(ValueError):
+        saver.register_for_checkpointing("dense_opt", Counter())
+    with pytest.raises(ValueError):
+        saver.register_io_state("reader", Reader())
+    with pytest.raises(ValueError):
+        saver.register_io_state("dense_opt", Reader())
+    with pytest.raises(ValueError):
+        saver.register_for_checkpointing("reader", Counter())
+    with pytest.raises(ValueError):
+        saver.register_for_checkpointing("sparse_optim", Counter())  # the sparse optimizer's extra
+    with pytest.raises(ValueError):
+        saver.register_for_checkpointing("user", Counter())  # a table name
+    with pytest.raises(ValueError):
+        saver.register_for_checkpointing("mlp.0.weight", Counter())  # a dense name
+    saver.register_for_checkpointing("counter", Counter())
+    mgr = CheckpointManager(saver, 0)  # registers "global_step"
+    with pytest.raises(ValueError):
+        mgr.register_for_checkpointing("counter", Counter())
+    with pytest.raises(ValueError):
+        CheckpointManager(saver, 0)  # a second manager would register "global_step" again
+
+
+def test_get_extra_data(tmp_path):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=3)
+    counter = Counter(4)
+    job.saver.register_for_checkpointing("counter", counter)
+    job.saver.save("ckpt_3")
+    fresh = make_job(str(out))
+    fresh.saver.register_for_checkpointing("counter", Counter())
+    with pytest.raises(recsave.RecsaveError):
+        fresh.saver.get_extra_data("counter")  # nothing loaded yet
+    fresh.saver.load()
+    assert_obj_equal(fresh.saver.get_extra_data("counter"), counter.state_dict(), "counter")
+    assert_obj_equal(fresh.saver.get_extra_data("dense_opt"), job.dense_opt.state_dict(), "dense_opt")
+    assert fresh.saver.get_extra_data("sparse_optim") == job.sparse_opt.state_dict()
+    with pytest.raises(recsave.RecsaveError):
+        fresh.saver.get_extra_data("nope")
+
+
+# --------------------------------------------------------------------------------- LoadReport
+def test_load_report_contents(tmp_path):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=3)
+    ckpt = job.saver.save("ckpt_3")
+    rows = {n: len(t) for n, t in tables_of(job.model).items()}
+
+    fresh = make_job(str(out))
+    report = fresh.saver.load()
+    categories = {n: item.category for n, item in report.loaded.items()}
+    assert categories == {
+        "user": "sparse", "item": "sparse", "user@adagrad_acc": "sparse_opt", "item@adagrad_acc": "sparse_opt",
+        "sparse_optim": "sparse_opt", "dense_opt": "extra", "reader": "io_state",
+        **{n: "dense" for n in DENSE_NAMES}}
+    assert report.skipped == [] and report.missing == [] and report.unexpected == []
+    assert report.checkpoints == [ckpt] and report.step == 3
+    assert all(item.checkpoint == ckpt and item.source == n for n, item in report.loaded.items())
+    assert report.loaded["user"].rows == rows["user"] and report.loaded["item"].rows == rows["item"]
+    assert report.tables == ["item", "user"] and report.dense == DENSE_NAMES and report.extras == ["dense_opt"]
+    assert report.rows_read == rows["user"] + rows["item"]
+    assert report.bytes_read > 0
+
+    only_sparse = make_job(str(out)).saver.load(load_conf={"load": ["sparse"]})
+    assert sorted(only_sparse.loaded) == ["item", "user"]
+    assert sorted(only_sparse.skipped) == sorted(set(categories) - {"item", "user"})
+    assert only_sparse.missing == [] and only_sparse.unexpected == []
+
+    # The checkpoint has a table the model lacks: reported as unexpected, not an error.
+    extra_job = make_job(str(tmp_path / "other"))
+    extra_job.model.extra_tab = recsave.HashTable(4, name="extra_tab")
+    extra_job.model.extra_tab(torch.arange(5))
+    extra_ckpt = extra_job.saver.save("c")
+    r = make_job(str(out)).saver.load(extra_ckpt, direct_path=True)
+    assert r.unexpected == ["extra_tab"] and r.missing == []
+    assert "extra_tab" not in r.loaded
+
+
+def test_split_sparse_dense_state_dict_does_not_mutate(tmp_path):
+    job = _trained_job(tmp_path / "run", steps=2)
+    sd = job.model.state_dict()
+    keys, values = list(sd), list(sd.values())
+    sparse, dense = recsave.split_sparse_dense_state_dict(sd)
+    assert list(sd) == keys and all(a is b for a, b in zip(sd.values(), values))
+    assert sorted(sparse) == TABLE_NAMES and sorted(dense) == DENSE_NAMES
+    assert all(isinstance(t, recsave.HashTable) for t in sparse.values())
+    assert sparse is not sd and dense is not sd
+
+
+# ----------------------------------------------------------------------------- damaged / hostile
+@pytest.mark.parametrize("block", ["user@id", "user@embedding", "user@adagrad_acc",
+                                   "item@id", "item@embedding", "item@adagrad_acc"])
+def test_flipped_byte_in_sparse_block_is_detected(tmp_path, block):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=3)
+    ckpt = job.saver.save("ckpt_3")
+    (chunk,) = _index(ckpt)["tensors"][block]["chunks"]
+    path = os.path.join(ckpt, chunk["file"])
+    with open(path, "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] // 2)
+        b = f.read(1)
+        f.seek(-1, io.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    fresh = make_job(str(out))
+    with pytest.raises(CorruptCheckpointError) as exc:
+        fresh.saver.load()
+    assert chunk["file"] in str(exc.value)
+
+
+@pytest.mark.parametrize("fname", ["model.pt", "extra.pt", "io_state_0.pt"])
+def test_flipped_byte_in_pt_file_is_detected(tmp_path, fname):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=2)
+    ckpt = job.saver.save("ckpt_2")
+    path = os.path.join(ckpt, fname)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(fname)):
+        make_job(str(out)).saver.load()
+
+
+def test_truncated_shard_file_is_detected(tmp_path):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=2)
+    ckpt = job.saver.save("ckpt_2")
+    (chunk,) = _index(ckpt)["tensors"]["user@embedding"]["chunks"]
+    path = os.path.join(ckpt, chunk["file"])
+    os.truncate(path, os.path.getsize(path) - 1)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(chunk["file"])):
+        make_job(str(out)).saver.load()
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("fname", ["model.pt", "extra.pt", "io_state_0.pt"])
+def test_pickled_callable_is_refused_and_never_runs(tmp_path, fname):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=2)
+    ckpt = job.saver.save("ckpt_2")
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save({"mlp.0.weight": _Payload(marker)}, buf)
+    data = buf.getvalue()
+
+    # The payload is live: an unsafe torch.load of the same kind of file runs it.
+    probe = tmp_path / "probe"
+    probe_buf = io.BytesIO()
+    torch.save({"mlp.0.weight": _Payload(probe)}, probe_buf)
+    torch.load(io.BytesIO(probe_buf.getvalue()), weights_only=False)
+    assert probe.exists()
+
+    with open(os.path.join(ckpt, fname), "wb") as f:
+        f.write(data)
+    index = _index(ckpt)
+    index["files"][fname].update(size=len(data), crc32c=_C.crc32c(data))
+    _write_index(ckpt, index)
+
+    fresh = make_job(str(out))
+    with pytest.raises(CorruptCheckpointError) as exc:
+        fresh.saver.load()
+    assert fname in str(exc.value)
+    assert not marker.exists()
+
+
+def test_checkpoint_list_with_path_traversal_is_refused(tmp_path):
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=2)
+    ckpt = job.saver.save("ckpt_2")
+    shutil.copytree(ckpt, tmp_path / "x")  # a valid checkpoint where "../x" points
+    (out / "checkpoint").write_text("ckpt_2\n../x\n")
+    fresh = make_job(str(out))
+    before = model_state(fresh.model)
+    with pytest.raises(CorruptCheckpointError) as exc:
+        fresh.saver.load()
+    assert "checkpoint" in str(exc.value) and "../x" in str(exc.value)
+    with pytest.raises(CorruptCheckpointError):
+        fresh.saver.latest_checkpoint()
+    mgr = CheckpointManager(fresh.saver, 0)
+    with pytest.raises(CorruptCheckpointError):
+        mgr.restore()
+    assert_states_equal(model_state(fresh.model), before)
+
+
+def test_uncommitted_leftovers_are_never_latest_and_are_removed_by_next_save(tmp_path):
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=3)
+    job.train(2)
+    c2 = job.saver.save("ckpt_2")
+    at_2 = model_state(job.model)
+    job.train(2)
+    c4 = job.saver.save("ckpt_4")
+    # Make ckpt_4 an uncommitted leftover: drop it from the list, and remove its index.
+    (out / "checkpoint").write_text("ckpt_2\n")
+    os.remove(os.path.join(c4, "index"))
+    # ... and a complete-looking copy (with an index) that no `checkpoint` line lists.
+    shutil.copytree(c2, out / "ckpt_9")
+    os.makedirs(out / "ckpt_7")  # a crash while writing the first shard file
+    (out / "ckpt_7" / "sparse-0-0.safetensors.tmp-12345").write_bytes(b"partial")
+
+    fresh = make_job(str(out))
+    assert fresh.saver.latest_checkpoint() == c2
+    report = fresh.saver.load()
+    assert report.checkpoints == [c2]
+    assert_states_equal(model_state(fresh.model), at_2)
+
+    fresh.train(1)
+    c3 = fresh.saver.save("ckpt_3")
+    assert _list_file(out) == "ckpt_2\nckpt_3\n"
+    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_2", "ckpt_3"]
+    assert fresh.saver.checkpoints() == [c2, c3]
+
+
+# ------------------------------------------------------------------------------ CheckpointManager
+def test_manager_ids_restore_and_unknown_step(tmp_path):
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=None, save_interval=3)
+    job.train(7)  # saves ckpt_3, ckpt_6
+    assert _list_file(out) == "ckpt_3\nckpt_6\n"
+    assert job.manager.global_step == 7
+    assert job.manager.save() == os.path.join(str(out), "ckpt_7")
+    assert job.manager.save() == os.path.join(str(out), "ckpt_7")  # same step: the existing one
+    at_7 = job_state(job)
+
+    fresh = make_job(str(out), save_interval=3)
+    assert fresh.manager.restore() == 7 and fresh.manager.global_step == 7
+    assert_jobs_equal(job_state(fresh), at_7)
+
+    older = make_job(str(out), save_interval=3)
+    assert older.manager.restore(3) == 3 and older.reader.offset == 3
+    before = job_state(older)
+    with pytest.raises(CheckpointNotFoundError) as exc:
+        older.manager.restore(5)
+    assert isinstance(exc.value, FileNotFoundError) and "ckpt_5" in str(exc.value)
+    assert_jobs_equal(job_state(older), before)
+    assert older.manager.global_step == 3
+
+
+def test_manager_restore_with_nothing_committed_changes_nothing(tmp_path):
+    out = tmp_path / "never_written"
+    job = make_job(str(out), save_interval=5)
+    job.train(2)  # global_step 2, nothing saved yet
+    before = job_state(job)
+    assert job.manager.restore() == 0
+    assert job.manager.global_step == 2
+    assert_jobs_equal(job_state(job), before)
+    assert job.reader.loaded == []
+    assert not out.exists()
+
+    # An output dir holding only an uncommitted leftover: nothing to restore either.
+    os.makedirs(out / "ckpt_5")
+    (out / "ckpt_5" / "model.pt").write_bytes(b"partial")
+    fresh = make_job(str(out), save_interval=5)
+    before = job_state(fresh)
+    assert fresh.manager.restore() == 0
+    assert_jobs_equal(job_state(fresh), before)
+    assert sorted(os.listdir(out)) == ["ckpt_5"]
