@@ -3,8 +3,9 @@
     python tests/mr_worker.py SCENARIO RANK WORLD INIT_FILE WORK_DIR
 
 Scenarios: ``save`` (build this rank's shard of a known table set and save it), ``load`` (load the
-latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed`` (rank 1 SIGKILLs
-itself in the middle of the save; the others must raise).
+latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed`` / ``save_error``
+(rank 1 SIGKILLs itself / rank 2 raises in the middle of a second save; the others must raise).
+OUT_SCHEME=file makes the output dir a file:// URL (the fsspec path).
 """
 import datetime
 import json
@@ -57,7 +58,10 @@ def build(work_dir):
     torch.manual_seed(0)
     model = Model()
     opt = SparseAdagrad(model, lr=0.1)
-    saver = Saver(model, sparse_optim=opt, output_dir=os.path.join(work_dir, "out"), max_keep=2)
+    out = os.path.join(work_dir, "out")
+    if os.environ.get("OUT_SCHEME") == "file":  # the fsspec path, shared by the ranks
+        out = "file://" + out
+    saver = Saver(model, sparse_optim=opt, output_dir=out, max_keep=2)
     reader = Reader()
     saver.register_io_state("reader", reader)
     return model, saver, reader
@@ -76,20 +80,22 @@ def main():
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     model, saver, reader = build(work_dir)
-    if scenario in ("save", "save_killed"):
+    if scenario in ("save", "save_killed", "save_error"):
         fill(model, rank, world)
         reader.position = 1000 + rank
         saver.save("ckpt_1")
-        if scenario == "save_killed":
+        if scenario != "save":
             def die(*args, **kwargs):
-                if rank == 1:
+                if rank == 1 and scenario == "save_killed":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if rank == 2 and scenario == "save_error":
+                    raise OSError(28, "No space left on device (injected)")
                 return real(*args, **kwargs)
             real = recsave.saver.write_shards
             recsave.saver.write_shards = die
             try:
                 saver.save("ckpt_2")
-            except recsave.RecsaveError as exc:
+            except (recsave.RecsaveError, OSError) as exc:
                 with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
                     f.write(f"{type(exc).__name__}: {exc}")
                 sys.exit(3)

@@ -32,8 +32,9 @@ def run_ranks(scenario, world, work_dir, env_extra=None, timeout=120):
     return [p.returncode for p in procs], outs
 
 
-@pytest.mark.parametrize("save_world", [2, 4])
-def test_save_with_n_ranks_load_with_m(tmp_path, save_world):
+@pytest.mark.parametrize("save_world,scheme", [(2, "local"), (4, "file")])
+def test_save_with_n_ranks_load_with_m(tmp_path, save_world, scheme, monkeypatch):
+    monkeypatch.setenv("OUT_SCHEME", scheme)
     codes, outs = run_ranks("save", save_world, tmp_path)
     assert codes == [0] * save_world, outs
     index = read_index(str(tmp_path / "out" / "ckpt_1"))
@@ -88,3 +89,16 @@ def test_killed_rank_leaves_previous_checkpoint_and_survivors_raise(tmp_path):
     assert not (out / "ckpt_2" / "index").exists()
     codes, outs = run_ranks("load", 4, tmp_path)
     assert codes == [0] * 4, outs
+
+
+def test_error_on_one_rank_makes_every_rank_raise_at_once(tmp_path):
+    started = time.monotonic()
+    codes, outs = run_ranks("save_error", 3, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [3, 3, 3], outs
+    assert "No space left on device" in (tmp_path / "error_2.txt").read_text()
+    for r in (0, 1):
+        text = (tmp_path / f"error_{r}.txt").read_text()
+        assert "RankFailedError" in text and "rank 2" in text
+    assert time.monotonic() - started < 100  # not the 300 s collective timeout
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
+    assert not (tmp_path / "out" / "ckpt_2").exists()

@@ -1,0 +1,109 @@
+"""recsave.partition and sharded HashTables (single process)."""
+import os
+
+import pytest
+import torch
+
+import recsave
+from recsave import HashTable, Saver, partition
+from recsave.errors import UsageError
+
+MASK = (1 << 64) - 1
+
+
+def reference_mix64(x: int) -> int:
+    z = x & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+IDS = torch.tensor([0, 1, -1, 2**63 - 1, -2**63, 123456789, -987654321], dtype=torch.int64)
+
+
+def test_mix64_and_bucket_of_match_the_documented_formula():
+    got = partition.mix64(IDS).tolist()
+    assert [g & MASK for g in got] == [reference_mix64(i) for i in IDS.tolist()]
+    assert partition.bucket_of(IDS, 4096).tolist() == [reference_mix64(i) % 4096 for i in IDS.tolist()]
+    assert partition.bucket_of(IDS.view(7, 1), 10).shape == (7, 1)
+
+
+def test_bucket_ranges_tile_the_buckets_and_owner_of_agrees():
+    for world in (1, 2, 3, 4, 7):
+        ranges = [partition.bucket_range(r, world) for r in range(world)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == 4096
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        ids = torch.arange(-5000, 5000)
+        owners = partition.owner_of(ids, world)
+        buckets = partition.bucket_of(ids)
+        for r, (lo, hi) in enumerate(ranges):
+            mine = owners == r
+            assert bool(((buckets[mine] >= lo) & (buckets[mine] < hi)).all())
+    with pytest.raises(UsageError):
+        partition.bucket_range(3, 3)
+    with pytest.raises(UsageError):
+        partition.owner_of(torch.tensor([1.0]), 2)
+
+
+def test_route_groups_ids_by_owner():
+    ids = torch.arange(100) * 31 - 7
+    order, counts = partition.route(ids, 3)
+    owners = partition.owner_of(ids[order], 3)
+    assert counts == [int((owners == r).sum()) for r in range(3)]
+    assert owners.tolist() == sorted(owners.tolist())
+    assert torch.equal(ids[order][order.argsort()], ids)
+
+
+def test_sharded_table_refuses_foreign_ids():
+    t = HashTable(4, name="t")
+    t.set_partition(1, 3)
+    ids = torch.arange(200)
+    mine = ids[partition.owner_of(ids, 3) == 1]
+    t(mine)  # owned ids insert fine
+    assert len(t) == mine.numel()
+    foreign = ids[partition.owner_of(ids, 3) == 2][:1]
+    with pytest.raises(UsageError, match="belongs to rank 2"):
+        t(foreign)
+    assert len(t) == mine.numel()
+
+
+class ShardedReader:
+    """An io state that knows how to reshard: positions are split evenly."""
+
+    def __init__(self):
+        self.position = 0
+        self.seen = None
+
+    def dump_io_state(self):
+        return {"position": self.position}
+
+    def load_io_state(self, state):
+        self.position = state["position"]
+
+    def load_io_states(self, states, rank, world_size):
+        self.seen = (len(states), rank, world_size)
+        self.position = sum(s["position"] for s in states) // world_size
+
+
+def test_io_state_reshards_through_load_io_states(tmp_path, monkeypatch):
+    model = torch.nn.Module()
+    model.t = HashTable(4, name="t")
+    model.t(torch.arange(10))
+    saver = Saver(model, output_dir=str(tmp_path))
+    reader = ShardedReader()
+    reader.position = 90
+    saver.register_io_state("reader", reader)
+    saver.save("ckpt_1")
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    fresh = torch.nn.Module()
+    fresh.t = HashTable(4, name="t")
+    saver2 = Saver(fresh, output_dir=str(tmp_path))
+    reader2 = ShardedReader()
+    saver2.register_io_state("reader", reader2)
+    saver2.load()
+    assert reader2.seen == (1, 1, 3) and reader2.position == 30
+    # The table got rank 1's share of the ids, and is now a shard.
+    assert sorted(fresh.t.ids().tolist()) == [i for i in range(10) if partition.owner_of(torch.tensor([i]), 3).item() == 1]
+    assert fresh.t.partition == (1, 3, 4096)
