@@ -230,14 +230,23 @@ class HashTable(torch.nn.Module):
         for slot, storage in self._slots.items():
             self._slots[slot] = _grow(storage, new_cap, self._slot_init[slot])
 
-    def _init_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Initialises the rows of newly inserted ids (embedding and every slot)."""
+    def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows these ids get when inserted: normal(0, init_std) as a pure function of (seed, id,
+        column), float32 on the CPU."""
+        ids = ids.detach().reshape(-1).cpu().contiguous()
         values = torch.empty(ids.numel(), self.embedding_dim, dtype=torch.float32)
-        ids = ids.contiguous()
         _C.init_rows_normal(ids.data_ptr(), ids.numel(), self.embedding_dim, self.seed, self.init_std,
                             values.data_ptr(), knobs.get("concurrency"))
+        return values
+
+    def slot_init(self, slot: str) -> float:
+        """The value a slot takes for newly inserted rows."""
+        return self._slot_init[slot]
+
+    def _init_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Initialises the rows of newly inserted ids (embedding and every slot)."""
         rows = rows.to(self._device)
-        self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
+        self._weight[rows] = self.initial_rows(ids).to(device=self._device, dtype=self._dtype)
         for slot, storage in self._slots.items():
             storage[rows] = self._slot_init[slot]
 

@@ -11,7 +11,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from .errors import ConfigError, ShapeMismatchError
 
 CATEGORIES = ("*", "sparse", "dense", "extra", "sparse_opt", "io_state")
-ENTRY_KEYS = ("path", "load", "exclude", "strict", "oname", "hashtable_clear", "ignore_error", "skip")
+ENTRY_KEYS = ("path", "load", "exclude", "strict", "oname", "hashtable_clear", "ignore_error", "skip",
+              "is_dynamic", "dim_policy", "dtype_policy")
+DIM_POLICIES = ("error", "truncate", "pad")
+DTYPE_POLICIES = ("error", "cast")
 SPARSE_OPTIM = "sparse_optim"  # extra holding the sparse optimizer's scalar state
 
 
@@ -25,6 +28,9 @@ class LoadConf:
     hashtable_clear: bool = True
     ignore_error: bool = False
     skip: bool = False
+    is_dynamic: bool = False
+    dim_policy: str = "error"      # embedding dim differs: error | truncate (checkpoint wider) | pad (narrower)
+    dtype_policy: str = "error"    # dtype differs: error | cast
 
 
 def parse(conf: Optional[Mapping[str, Any]], *, where: str = "load_conf", path: Optional[str] = None,
@@ -44,12 +50,20 @@ def parse(conf: Optional[Mapping[str, Any]], *, where: str = "load_conf", path: 
     load = _patterns(conf.get("load", ["*"]), "load", where)
     exclude = _patterns(conf.get("exclude", []), "exclude", where)
     flags = {}
-    for key, default in (("strict", True), ("hashtable_clear", True), ("ignore_error", False), ("skip", False)):
+    for key, default in (("strict", True), ("hashtable_clear", True), ("ignore_error", False), ("skip", False),
+                         ("is_dynamic", False)):
         value = conf.get(key, default)
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key!r} must be true or false, got {value!r}")
         flags[key] = value
-    return LoadConf(path=p, load=load, exclude=exclude, oname=_renames(conf.get("oname", []), where), **flags)
+    policies = {}
+    for key, allowed in (("dim_policy", DIM_POLICIES), ("dtype_policy", DTYPE_POLICIES)):
+        value = conf.get(key, "error")
+        if value not in allowed:
+            raise ConfigError(f"{where}: {key!r} must be one of {list(allowed)}, got {value!r}")
+        policies[key] = value
+    return LoadConf(path=p, load=load, exclude=exclude, oname=_renames(conf.get("oname", []), where),
+                    **flags, **policies)
 
 
 def _patterns(value: Any, key: str, where: str) -> Tuple[str, ...]:
@@ -186,7 +200,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
         if ckpt_names.get(src) != category:
             result.missing.append(name)
             continue
-        _check_compatible(name, src, category, model, ckpt, ckpt_dir)
+        _check_compatible(name, src, category, model, ckpt, ckpt_dir, conf)
         result.items[name] = (category, src)
         used_sources.add(src)
     for src, category in sorted(ckpt_names.items()):
@@ -204,20 +218,29 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
 
 
 def _check_compatible(name: str, src: str, category: str, model: Contents, ckpt: Contents,
-                      ckpt_dir: str) -> None:
+                      ckpt_dir: str, conf: LoadConf) -> None:
     if category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM:
         mt, ct = model.tables[name.partition("@")[0]], ckpt.tables[src.partition("@")[0]]
-        if mt.dim != ct.dim or mt.dtype != ct.dtype:
+        if mt.dtype != ct.dtype and conf.dtype_policy != "cast":
             raise ShapeMismatchError(
-                f"{ckpt_dir}: table {src!r} has dim {ct.dim} ({ct.dtype}) but the model's {name!r} has "
-                f"dim {mt.dim} ({mt.dtype}); exclude it or load into a table of the same shape",
-                path=ckpt_dir, key=name)
+                f"{ckpt_dir}: table {src!r} is {ct.dtype} but the model's {name!r} is {mt.dtype}; set "
+                f"dtype_policy='cast' to convert, or exclude it", path=ckpt_dir, key=name)
+        if mt.dim != ct.dim:
+            fits = {"truncate": ct.dim > mt.dim, "pad": ct.dim < mt.dim}.get(conf.dim_policy, False)
+            if not fits:
+                hint = "truncate" if ct.dim > mt.dim else "pad"
+                raise ShapeMismatchError(
+                    f"{ckpt_dir}: table {src!r} has dim {ct.dim} but the model's {name!r} has dim "
+                    f"{mt.dim}; set dim_policy={hint!r} to load it anyway, or exclude it",
+                    path=ckpt_dir, key=name)
     elif category == "dense":
         (ms, md), (cs, cd) = model.dense[name], ckpt.dense[src]
-        if tuple(ms) != tuple(cs) or md != cd:
+        if tuple(ms) != tuple(cs) or (md != cd and conf.dtype_policy != "cast"):
             raise ShapeMismatchError(
                 f"{ckpt_dir}: dense {src!r} is {cd}{list(cs)} but the model's {name!r} is "
-                f"{md}{list(ms)}; exclude it or fix the model", path=ckpt_dir, key=name)
+                f"{md}{list(ms)}; exclude it or fix the model" + (
+                    " (dtype_policy='cast' converts dtypes)" if tuple(ms) == tuple(cs) else ""),
+                path=ckpt_dir, key=name)
 
 
 def winners(plans: Sequence[Plan]) -> List[Dict[str, Tuple[str, str]]]:

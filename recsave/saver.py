@@ -8,12 +8,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from . import ckptlist, contents, dist, knobs, loader, partition, torchio
-from .errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
-from .format import checks, index as index_mod
+from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UsageError
+from .format import index as index_mod
 from .format.writer import write_shards
 from .hashtable import HashTable
 from .loadconf import SPARSE_OPTIM
-from .report import LoadReport
+from .report import LoadPlan, LoadReport
 from .storage import Storage, get_storage
 
 MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
@@ -277,5 +277,12 @@ class Saver:
     def load_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadReport:
         """Applies bank entries in order; for a name given by several entries the last one wins."""
         if not isinstance(entries, (list, tuple)):
-            raise checks.corrupt(None, "model bank entries must be a list of dicts")
+            raise ConfigError("model bank entries must be a list of dicts")
         return loader.load_entries(self, list(entries), shard_id=shard_id, require_path=True)
+
+    def plan_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadPlan:
+        """Dry run of load_model_bank: resolves every entry and lists, per name, the source, rows and
+        bytes to read, and what stays initialised. Reads only indexes; changes nothing."""
+        if not isinstance(entries, (list, tuple)):
+            raise ConfigError("model bank entries must be a list of dicts")
+        return loader.plan_entries(self, list(entries), shard_id=shard_id, require_path=True)

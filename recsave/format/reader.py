@@ -79,7 +79,7 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     Every segment read is checked against its CRC32C unless `verify` is False. `rows` optionally
     restricts a tensor to row ranges ``[(start, stop), ...]`` of its logical rows (concatenated in
     the given order); only the checksum segments covering them are read. `stats`, when given,
-    receives ``bytes_read``. Raises CheckpointNotFoundError, CorruptCheckpointError (incl.
+    receives ``bytes_read`` and, per tensor, ``tensors[name]`` (what `bytes_to_read` predicts). Raises CheckpointNotFoundError, CorruptCheckpointError (incl.
     FormatVersionError) or ConfigError for a name the checkpoint does not have.
     """
     if index is None:
@@ -116,6 +116,9 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
         dest[d_off:d_off + n] = src[s_off:s_off + n]
     if stats is not None:
         stats["bytes_read"] = stats.get("bytes_read", 0) + total
+        per = stats.setdefault("tensors", {})
+        for name in wanted:
+            per[name] = per.get(name, 0) + bytes_to_read(index, name, rows.get(name))
     return out
 
 
@@ -168,6 +171,30 @@ def _plan_rows(name: str, entry: Dict[str, Any], dtype: torch.dtype, ranges: Lis
                     copies.append((out_bytes, dest_off + s - want_b, buf, s - b, t - s))
         dest_row += stop - start
     return out
+
+
+def bytes_to_read(index: Dict[str, Any], name: str, ranges: Optional[List[tuple]] = None) -> int:
+    """Bytes read_tensors fetches for `name` (whole, or the segments covering row `ranges`) — what a
+    dry-run plan reports without reading anything."""
+    entry = index["tensors"][name]
+    if ranges is None:
+        return sum(c["length"] for c in entry["chunks"])
+    shape = entry["shape"]
+    row_bytes = BY_NAME[entry["dtype"]].itemsize
+    for d in shape[1:]:
+        row_bytes *= d
+    if not shape or row_bytes == 0:
+        return 0
+    total = 0
+    for start, stop in ranges:
+        for chunk in entry["chunks"]:
+            c0, c1 = chunk["rows"]
+            lo, hi = max(start, c0), min(stop, c1)
+            if lo >= hi:
+                continue
+            want_b, want_e = (lo - c0) * row_bytes, (hi - c0) * row_bytes
+            total += sum(e - b for b, e in index_mod.segment_bounds(chunk) if e > want_b and b < want_e)
+    return total
 
 
 def _row_bytes(t: torch.Tensor) -> int:

@@ -1,0 +1,147 @@
+"""Where a load reads from: a recsave checkpoint (index + shard files) or a Parquet export. Both
+answer the same questions — what they hold, how much a read costs, and the read itself — so
+configs, plans and loads treat them alike."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ckptlist, contents, partition, torchio
+from .errors import CheckpointNotFoundError, ConfigError
+from .format import index as index_mod
+from .format.reader import bytes_to_read, read_tensors
+from .loadconf import Contents
+from .storage import Storage, get_storage
+
+
+class CheckpointSource:
+    """A committed recsave checkpoint."""
+
+    kind = "checkpoint"
+
+    def __init__(self, storage: Storage, ckpt_dir: str, index: Dict[str, Any]):
+        self.storage = storage
+        self.ckpt_dir = ckpt_dir
+        self.index = index
+        self.contents: Contents = contents.of_index(index, ckpt_dir)
+
+    @property
+    def path(self) -> str:
+        return self.ckpt_dir
+
+    @property
+    def version(self) -> str:
+        """Identifies the data: a newer committed checkpoint has another directory."""
+        return f"{self.ckpt_dir}@{self.index.get('created_at')}"
+
+    @property
+    def step(self) -> Optional[int]:
+        return self.index.get("step")
+
+    @property
+    def io_state_count(self) -> int:
+        return self.index["meta"].get("io_state_count", self.index["world_size"])
+
+    def row_ranges(self, table: str, rank: int, world: int) -> Optional[List[Tuple[int, int]]]:
+        """Logical rows of the table whose buckets rank `rank` of `world` owns (None: all rows)."""
+        if world == 1:
+            return None
+        tensor = f"{table}@id"
+        num_buckets = self.index["partition"]["num_buckets"]
+        lo, hi = partition.bucket_range(rank, world, num_buckets)
+        ranges = []
+        for chunk in self.index["tensors"][tensor]["chunks"]:
+            b = chunk.get("buckets")
+            if b is None:
+                raise ConfigError(f"{self.ckpt_dir}: {tensor} has no bucket offsets, so it cannot be "
+                                  f"loaded by {world} ranks", path=self.ckpt_dir, key=tensor)
+            first, starts = b["first"], b["row_starts"]
+            a, z = max(lo, first), min(hi, first + len(starts) - 1)
+            if a < z and starts[a - first] < starts[z - first]:
+                ranges.append((chunk["rows"][0] + starts[a - first], chunk["rows"][0] + starts[z - first]))
+        return ranges
+
+    def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
+        """(rows, bytes per column incl. the ids under 'id') a read_table would fetch."""
+        ranges = self.row_ranges(table, rank, world)
+        rows = self.contents.tables[table].rows if ranges is None else sum(b - a for a, b in ranges)
+        cost = {c: bytes_to_read(self.index, f"{table}@{c}", ranges) for c in ["id", *columns]}
+        return rows, cost
+
+    def read_table(self, table: str, columns: Sequence[str], rank: int, world: int,
+                   concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        ranges = self.row_ranges(table, rank, world)
+        names = [f"{table}@id"] + [f"{table}@{c}" for c in columns]
+        data = read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage,
+                            concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names})
+        return data[f"{table}@id"], {c: data[f"{table}@{c}"] for c in columns}
+
+    def read_pt(self, fname: str) -> Any:
+        return torchio.load(self.storage, self.ckpt_dir, fname, self.index)
+
+    def pt_size(self, fname: str) -> int:
+        return self.index["files"][fname]["size"]
+
+
+class ParquetBankSource:
+    """A Parquet export (recsave.export.to_parquet) or any Parquet with `id` + `embedding` columns:
+    tables only."""
+
+    kind = "parquet"
+
+    def __init__(self, path: str):
+        from .export import ParquetSource
+
+        self._pq = ParquetSource(path)
+        self.ckpt_dir = path
+        self.contents = Contents(tables=self._pq.tables())
+        self.index: Dict[str, Any] = {"meta": {}, "world_size": 1}
+
+    @property
+    def path(self) -> str:
+        return self.ckpt_dir
+
+    @property
+    def version(self) -> str:
+        return self._pq.version
+
+    step = None
+    io_state_count = 1
+
+    def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
+        rows = self.contents.tables[table].rows
+        total = self._pq.bytes_for(table, list(columns))
+        per = total // max(len(columns) + 1, 1)
+        if world > 1:  # ids are spread evenly by the hash
+            rows, per = rows // world, per // world
+        return rows, {c: per for c in ["id", *columns]}
+
+    def read_table(self, table: str, columns: Sequence[str], rank: int, world: int,
+                   concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        return self._pq.read_table(table, list(columns), rank, world)
+
+
+def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = False):
+    """A checkpoint directory (it has an index), an output dir (its latest committed checkpoint, or
+    `ckpt_id`), or a Parquet export / file."""
+    storage = get_storage(path)
+    if ckpt_id is not None:
+        ckpt_dir = storage.join(path, ckptlist.validate_id(ckpt_id))
+    elif direct_path or storage.exists(storage.join(path, index_mod.INDEX_FILE)):
+        ckpt_dir = path
+    elif storage.exists(storage.join(path, ckptlist.LIST_FILE)):
+        ids = ckptlist.read(storage, path)
+        if not ids:
+            raise CheckpointNotFoundError(f"{path}: the 'checkpoint' file lists no committed checkpoint",
+                                          path=path)
+        ckpt_dir = storage.join(path, ids[-1])
+    else:
+        from .export import is_parquet_source
+
+        if is_parquet_source(path):
+            return ParquetBankSource(path)
+        raise CheckpointNotFoundError(
+            f"{path}: no committed checkpoint here (no 'checkpoint' file, no index, no Parquet); check "
+            f"the path, or save a checkpoint first", path=path)
+    return CheckpointSource(storage, ckpt_dir, index_mod.read(ckpt_dir, storage))
