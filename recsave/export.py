@@ -40,7 +40,7 @@ from . import _C, knobs, partition
 from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
                      RecsaveError, StorageError, UsageError)
 from .format.dtypes import BY_NAME
-from .loader import resolve_checkpoint
+from .format.reader import read_tensors
 from .loadconf import TableInfo
 from .storage import get_storage, is_url
 from .version import __version__
@@ -164,6 +164,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}")
     if rows_per_file is not None and (type(rows_per_file) is not int or rows_per_file < 1):
         raise UsageError(f"rows_per_file must be a positive int or None, got {rows_per_file!r}")
+    from .loader import resolve_checkpoint  # not at import time: the loader imports this module
     src = resolve_checkpoint(ckpt)
     available = src.contents.tables
     names = list(available) if tables is None else list(dict.fromkeys([tables] if isinstance(tables, str) else tables))
@@ -248,8 +249,6 @@ def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str
                 out: _Fs, rel: str, written: List[str], first: int, stop: int, row_group_rows: int,
                 dim: int) -> int:
     """Rows [first, stop) of the table into one file, a row group per `row_group_rows` rows."""
-    from .format.reader import read_tensors
-
     final = out.path(rel)
     target = final if not out.local else os.path.join(os.path.dirname(final),
                                                        f".{os.path.basename(final)}.tmp-{os.getpid()}")
@@ -372,25 +371,24 @@ class ParquetSource:
             raise CheckpointNotFoundError(f"{path} does not exist; give a to_parquet output directory, a "
                                           f"Parquet file or a directory of Parquet files", path=path)
         self._manifest: Optional[Dict[str, Any]] = None
-        if info["type"] == "directory" and fs.info(MANIFEST) is not None:
+        if info["type"] == "directory":
             self._fs = fs
-            self._load_manifest()
-        elif info["type"] != "directory" and posixpath.basename(fs.root.replace(os.sep, "/")) == MANIFEST:
-            self.path = path[: -len(MANIFEST)].rstrip("/" + os.sep) or "."
-            self._fs = _Fs(self.path)
-            self._load_manifest()
-        elif info["type"] == "directory":
-            self._fs = fs
+            if fs.info(MANIFEST) is not None:
+                self._load_manifest()
+                return
             files = [n for n in fs.names("") if n.endswith(".parquet") and not n.startswith((".", "_"))]
             if not files:
                 raise CheckpointNotFoundError(f"{path}: neither {MANIFEST} nor *.parquet files found; give a "
                                               f"to_parquet output directory or Parquet files", path=path)
-            self._load_plain(_strip_name(path), files)
+            self._load_plain(_leaf_name(path), files)
+            return
+        parent, leaf = _split(path)
+        self._fs = _Fs(parent)
+        if leaf == MANIFEST:
+            self.path = parent
+            self._load_manifest()
         else:
-            self._fs = _Fs(path)
-            self._fs.root, leaf = os.path.split(self._fs.root) if self._fs.local else posixpath.split(self._fs.root)
-            self._fs.url = path[: len(path) - len(leaf)].rstrip("/" + os.sep) or "."
-            self._load_plain(_strip_name(path), [leaf])
+            self._load_plain(_leaf_name(path), [leaf])
 
     # -------------------------------------------------------------------------------- opening
     def _load_manifest(self) -> None:
@@ -412,34 +410,28 @@ class ParquetSource:
         self._manifest = m
 
     def _load_plain(self, name: str, files: List[str]) -> None:
-        cols: Optional[Dict[str, _Column]] = None
-        entries = []
+        cols: Dict[str, _Column] = {}
+        entries: List[Tuple[str, int, Optional[int]]] = []
         for rel in sorted(files):
             pf = self._fs.parquet(rel)
             these = _parse_schema(pf.schema_arrow, self._fs.show(rel))
-            if cols is None:
-                cols = these
-            elif {k: (c.fixed, c.dim, c.dtype) for k, c in these.items()} != \
-                    {k: (c.fixed, c.dim, c.dtype) for k, c in cols.items()}:
+            if entries and _shape_of(these) != _shape_of(cols):
                 raise _bad(self._fs.show(rel), None, f"its list columns differ from those of {entries[0][0]!r}",
                            "every file of a table needs the same id / embedding / slot columns")
+            cols = cols or these
             entries.append((rel, pf.metadata.num_rows, None))
-            if cols["embedding"].dim is None and pf.metadata.num_rows:
-                for c in cols.values():
-                    if not c.fixed and c.dim is None:
-                        with _arrow_errors(self._fs.show(rel), "reading"):
-                            first = next(pf.iter_batches(batch_size=1, columns=["embedding" if c is cols["embedding"]
-                                                                                else _key(cols, c)]))
-                        c.dim = len(first.column(0)[0]) if first.column(0)[0].is_valid else None
-        assert cols is not None
+            for k, c in cols.items():  # a variable-size list's dim: its first row's length
+                if c.dim is None and pf.metadata.num_rows:
+                    with _arrow_errors(self._fs.show(rel), "reading"):
+                        first = next(pf.iter_batches(batch_size=1, columns=[k])).column(0)
+                    c.dim = len(first[0]) if first[0].is_valid else None
         emb = cols["embedding"]
-        if emb.dim is None:
-            raise _bad(self._fs.show(entries[0][0]), "embedding", "is a variable-size list with no valid first row",
-                       "write it as a fixed-size list (pa.list_(pa.float32(), dim))")
         for k, c in cols.items():
-            if c.dim != emb.dim:
-                raise _bad(self._fs.show(entries[0][0]), k, f"holds lists of {c.dim} values but 'embedding' "
-                           f"has {emb.dim}", "slot columns must have the embedding's dim; drop or fix the column")
+            if c.dim is None or c.dim != emb.dim:
+                raise _bad(self._fs.show(entries[0][0]), k,
+                           "is a variable-size list whose first row is null or missing" if c.dim is None else
+                           f"holds lists of {c.dim} values but 'embedding' has {emb.dim}",
+                           "write fixed-size lists (pa.list_(pa.float32(), dim)) of the embedding's dim")
         slots = tuple(k for k in cols if k != "embedding")
         rows = sum(e[1] for e in entries)
         self._tables = {name: _Table(TableInfo(emb.dim, emb.dtype, slots, rows),
@@ -590,13 +582,22 @@ def _manifest_table(t: Dict[str, Any]) -> _Table:
     return _Table(TableInfo(dim, str(t["dtype"]), slots, rows), columns, files)
 
 
-def _key(cols: Dict[str, _Column], col: _Column) -> str:
-    return next(k for k, c in cols.items() if c is col)
+def _shape_of(cols: Dict[str, _Column]) -> Dict[str, tuple]:
+    return {k: (c.fixed, c.dim if c.fixed else None, c.dtype) for k, c in cols.items()}
 
 
-def _strip_name(path: str) -> str:
-    base = path.rstrip("/" + os.sep).replace(os.sep, "/").rsplit("/", 1)[-1]
-    return base[: -len(".parquet")] if base.endswith(".parquet") and len(base) > 8 else base
+def _split(path: str) -> Tuple[str, str]:
+    """(parent, leaf) of a local path or URL."""
+    if not is_url(path):
+        return os.path.split(os.path.abspath(path))
+    head, _, leaf = path.rstrip("/").rpartition("/")
+    return (head + "/" if head.endswith(":/") else head), leaf
+
+
+def _leaf_name(path: str) -> str:
+    """Table name of a plain Parquet file or directory: its base name without `.parquet`."""
+    leaf = _split(path)[1]
+    return leaf[: -len(".parquet")] if leaf.endswith(".parquet") and len(leaf) > len(".parquet") else leaf
 
 
 def is_parquet_source(path: str) -> bool:
@@ -606,7 +607,7 @@ def is_parquet_source(path: str) -> bool:
         info = fs.info("")
         if info is None:
             return False
-        base = path.rstrip("/" + os.sep).replace(os.sep, "/").rsplit("/", 1)[-1]
+        base = _split(path)[1]
         if info["type"] != "directory":
             return base.endswith(".parquet") or base == MANIFEST
         names = fs.names("")

@@ -1,10 +1,11 @@
 """CheckpointManager: autosave every N steps, restore by global step, warm start from a model bank."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import CheckpointNotFoundError, UsageError
-from .report import LoadReport
+from . import loader
+from .report import LoadPlan, LoadReport
 from .saver import Saver
 
 GLOBAL_STEP = "global_step"
@@ -40,6 +41,8 @@ class CheckpointManager:
         self.saver = saver
         self._save_interval = save_interval
         self._global_step = 0
+        self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
+        self.last_report: Optional[LoadReport] = None
         saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self))
 
     @property
@@ -98,6 +101,40 @@ class CheckpointManager:
         self.last_report = report
         return self._global_step
 
+    def plan_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadPlan:
+        """Dry run of load_model_bank: per name, the source checkpoint and name, rows and bytes to
+        read, and what stays initialised. Changes nothing."""
+        return self.saver.plan_model_bank(entries)
+
     def load_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadReport:
-        """Warm start: applies bank entries in order (the last entry wins a name)."""
-        return self.saver.load_model_bank(entries)
+        """Warm start: applies bank entries in order (the last entry wins a name). Entries with
+        ``is_dynamic: True`` are remembered for update_model_bank()."""
+        plan = self.saver.plan_model_bank(entries)
+        report = loader.execute(self.saver, plan)
+        self._bank = (list(entries), _versions(plan))
+        return report
+
+    def update_model_bank(self) -> Optional[LoadReport]:
+        """Re-loads the names won by ``is_dynamic`` entries whose source has a newer committed
+        version since the last load (and only then); returns the report, or None when nothing is
+        newer. For jobs that follow another job's embeddings."""
+        if self._bank is None:
+            return None
+        entries, loaded = self._bank
+        plan = self.saver.plan_model_bank(entries)
+        current = _versions(plan)
+        changed = {i for i, entry in enumerate(entries)
+                   if isinstance(entry, dict) and entry.get("is_dynamic") and current.get(i) != loaded.get(i)}
+        names = {n for n, item in plan.items.items() if item.entry in changed}
+        if not names:
+            return None
+        report = loader.execute(self.saver, plan, only=names)
+        for i in changed:
+            loaded[i] = current[i]
+        return report
+
+
+def _versions(plan: LoadPlan) -> Dict[int, str]:
+    """Source version per entry index of a plan."""
+    ex = plan._execution
+    return {i: src.version for i, src in zip(ex.entry_of, ex.sources)}  # type: ignore[union-attr]

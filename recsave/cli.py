@@ -1,0 +1,145 @@
+"""The `recsave` command line: ``recsave COMMAND ...`` (also ``python -m recsave.cli``).
+
+Each subcommand is a small function registered with :func:`command`; it receives the parsed
+arguments and returns the exit code. Expected failures (every :class:`recsave.RecsaveError`) print
+``recsave: error: <message>`` on stderr and exit with 2, without a traceback.
+
+To add one::
+
+    def _ls_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("output_dir")
+
+    @command("ls", "list the committed checkpoints of an output directory", _ls_arguments)
+    def _ls(args: argparse.Namespace) -> int:
+        ...
+        return 0
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .errors import RecsaveError
+from .version import __version__
+
+Handler = Callable[[argparse.Namespace], int]
+Arguments = Callable[[argparse.ArgumentParser], None]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1   # an unexpected OS error (the message is still printed without a traceback)
+EXIT_ERROR = 2     # a RecsaveError or bad command-line usage
+
+_COMMANDS: Dict[str, Tuple[str, Arguments, Handler]] = {}
+
+
+def command(name: str, help: str, arguments: Arguments) -> Callable[[Handler], Handler]:
+    """Registers `handler` as subcommand `name`; `arguments` adds its options to its parser."""
+    def register(handler: Handler) -> Handler:
+        if name in _COMMANDS:
+            raise ValueError(f"recsave command {name!r} is registered twice")
+        _COMMANDS[name] = (help, arguments, handler)
+        return handler
+    return register
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _name_list(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one table name, e.g. --tables user,item")
+    return names
+
+
+# ------------------------------------------------------------------------------------ export
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or output dir (its latest checkpoint); "
+                                                "a local path or an fsspec URL")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where to write <table>/part-*.parquet and the manifest")
+    p.add_argument("--tables", type=_name_list, default=None, metavar="A,B",
+                   help="comma-separated tables to export (default: all)")
+    p.add_argument("--row-group-rows", type=_positive_int, default=65536, metavar="N",
+                   help="rows per Parquet row group, i.e. per read/write step (default: 65536)")
+    p.add_argument("--rows-per-file", type=_positive_int, default=None, metavar="N",
+                   help="start a new part file every N rows (default: one file per table)")
+
+
+@command("export", "export a checkpoint's tables to Parquet (one dataset per table)", _export_arguments)
+def _export(args: argparse.Namespace) -> int:
+    from .export import MANIFEST, to_parquet
+
+    manifest = to_parquet(args.ckpt, args.out_dir, args.tables, row_group_rows=args.row_group_rows,
+                          rows_per_file=args.rows_per_file)
+    step = manifest["step"]
+    print(f"exported {manifest['source']}" + (f" (step {step})" if step is not None else "") + f" to {args.out_dir}")
+    total_rows = total_bytes = total_files = 0
+    for name, t in sorted(manifest["tables"].items()):
+        nbytes = sum(f["size"] for f in t["files"])
+        slots = ", ".join(t["slots"]) or "no slots"
+        print(f"  {name}: {t['rows']} rows, dim {t['dim']} {t['dtype']} ({slots}), {len(t['files'])} file(s), "
+              f"{_human(nbytes)}")
+        for f in t["files"]:
+            print(f"    {f['path']}  {f['rows']} rows  {f['size']} bytes")
+        total_rows, total_bytes, total_files = total_rows + t["rows"], total_bytes + nbytes, total_files + len(t["files"])
+    print(f"{len(manifest['tables'])} table(s), {total_rows} rows, {total_files} file(s), {total_bytes} bytes "
+          f"({_human(total_bytes)}); manifest {MANIFEST}")
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recsave", description="Inspect and convert recsave checkpoints.")
+    parser.add_argument("--version", action="version", version=f"recsave {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (help_text, arguments, handler) in sorted(_COMMANDS.items()):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        arguments(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"recsave: error: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 recsave / usage error, 1 other OS error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help / --version (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_ERROR)
+    try:
+        return int(args.handler(args) or EXIT_OK)
+    except RecsaveError as exc:
+        _error(str(exc))
+        return EXIT_ERROR
+    except OSError as exc:
+        _error(f"{exc.filename + ': ' if getattr(exc, 'filename', None) else ''}{exc.strerror or exc}")
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

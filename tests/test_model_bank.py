@@ -1,0 +1,137 @@
+"""Model bank: dry-run plans equal what the load does, dynamic entries, dim / dtype policies."""
+import pytest
+import torch
+
+from recsave import CheckpointManager, HashTable, Saver
+from recsave.errors import ConfigError, ShapeMismatchError
+from recsave.optim import SparseAdagrad
+
+from helpers import make_job, model_state, table_state
+
+
+def trained_job(path, steps=6, seed=0, **kw):
+    job = make_job(str(path), seed=seed, **kw)
+    job.train(steps)
+    job.saver.save(f"ckpt_{steps}")
+    return job
+
+
+def test_plan_lists_sources_rows_bytes_and_load_does_exactly_that(tmp_path):
+    a = trained_job(tmp_path / "a", seed=1)
+    b = trained_job(tmp_path / "b", steps=8, seed=2)
+    target = make_job(str(tmp_path / "t"), save_interval=10)
+    entries = [
+        {"path": str(tmp_path / "a"), "load": ["*"], "exclude": ["io_state", "extra"]},
+        {"path": str(tmp_path / "b"), "load": ["item*", "mlp.0.*"]},
+    ]
+    before = model_state(target.model)
+    plan = target.manager.plan_model_bank(entries)
+    assert model_state(target.model).keys() == before.keys()
+    for k, v in before.items():  # the dry run changed nothing
+        assert torch.equal(model_state(target.model)[k], v)
+
+    assert plan.items["user"].checkpoint.endswith("ckpt_6") and plan.items["user"].entry == 0
+    assert plan.items["item"].checkpoint.endswith("ckpt_8") and plan.items["item"].entry == 1
+    assert plan.items["item@adagrad_acc"].entry == 1 and plan.items["mlp.0.weight"].entry == 1
+    assert plan.items["mlp.2.weight"].entry == 0
+    assert plan.items["user"].rows == len(a.model.user)
+    assert plan.items["item"].rows == len(b.model.item)
+    assert set(plan.left_initialised) == {"dense_opt", "global_step", "reader"}
+    assert plan.nbytes == sum(i.nbytes for i in plan.items.values()) > 0
+    text = str(plan)
+    assert "user@adagrad_acc" in text and "left initialised" in text
+
+    report = target.manager.load_model_bank(entries)
+    assert set(report.loaded) == set(plan.items)
+    for name, item in plan.items.items():
+        got = report.loaded[name]
+        assert (got.category, got.checkpoint, got.source, got.rows, got.nbytes) == \
+            (item.category, item.checkpoint, item.source, item.rows, item.nbytes), name
+    assert report.bytes_read == plan.nbytes and report.rows_read == plan.rows
+    # Values: user from a, item from b.
+    for k, v in table_state(a.model.user).items():
+        assert torch.equal(table_state(target.model.user)[k], v)
+    for k, v in table_state(b.model.item).items():
+        assert torch.equal(table_state(target.model.item)[k], v)
+    assert torch.equal(target.model.mlp[0].weight, b.model.mlp[0].weight)
+    assert torch.equal(target.model.mlp[2].weight, a.model.mlp[2].weight)
+
+
+def test_dynamic_entry_reloads_only_when_its_source_has_a_newer_version(tmp_path):
+    src = make_job(str(tmp_path / "src"), max_keep=None)
+    src.train(3)
+    src.saver.save("ckpt_3")
+    follower = make_job(str(tmp_path / "f"), save_interval=10)
+    mgr = follower.manager
+    entries = [{"path": str(tmp_path / "src"), "load": ["user*"], "is_dynamic": True},
+               {"path": str(tmp_path / "src"), "load": ["item"]}]
+    mgr.load_model_bank(entries)
+    assert mgr.update_model_bank() is None  # nothing newer
+
+    src.train(3)
+    src.saver.save("ckpt_6")
+    follower.model.item.clear()  # a static entry must not be re-applied
+    report = mgr.update_model_bank()
+    assert report is not None and set(report.loaded) == {"user", "user@adagrad_acc"}
+    assert report.loaded["user"].checkpoint.endswith("ckpt_6")
+    for k, v in table_state(src.model.user).items():
+        assert torch.equal(table_state(follower.model.user)[k], v)
+    assert len(follower.model.item) == 0
+    assert mgr.update_model_bank() is None  # and not twice
+
+
+class Small(torch.nn.Module):
+    def __init__(self, dim, dtype=torch.float32):
+        super().__init__()
+        self.emb = HashTable(dim, name="emb", seed=5, dtype=dtype)
+
+
+def saved_small(path, dim, dtype=torch.float32):
+    m = Small(dim, dtype)
+    opt = SparseAdagrad(m, lr=0.1, initial_accumulator_value=0.25)
+    m.emb(torch.arange(50))
+    m.emb.slot("adagrad_acc")[:50] = torch.arange(50 * dim, dtype=torch.float32).view(50, dim)
+    Saver(m, sparse_optim=opt, output_dir=str(path)).save("ckpt_1")
+    return m
+
+
+@pytest.mark.parametrize("policy,ckpt_dim,model_dim", [("truncate", 8, 5), ("pad", 5, 8)])
+def test_dim_policy(tmp_path, policy, ckpt_dim, model_dim):
+    src = saved_small(tmp_path / "s", ckpt_dim)
+    m = Small(model_dim)
+    opt = SparseAdagrad(m, lr=0.1, initial_accumulator_value=0.25)
+    saver = Saver(m, sparse_optim=opt, output_dir=str(tmp_path / "t"))
+    with pytest.raises(ShapeMismatchError, match=f"dim_policy='{policy}'"):
+        saver.load_model_bank([{"path": str(tmp_path / "s"), "load": ["emb*"]}])
+    saver.load_model_bank([{"path": str(tmp_path / "s"), "load": ["emb*"], "dim_policy": policy}])
+    ids = torch.arange(50)
+    _, want, want_slots = src.emb.export(ids)
+    _, got, got_slots = m.emb.export(ids)
+    k = min(ckpt_dim, model_dim)
+    assert torch.equal(got[:, :k], want[:, :k])
+    assert torch.equal(got_slots["adagrad_acc"][:, :k], want_slots["adagrad_acc"][:, :k])
+    if policy == "pad":  # new columns get what new rows would get
+        assert torch.equal(got[:, k:], m.emb.initial_rows(ids)[:, k:])
+        assert bool((got_slots["adagrad_acc"][:, k:] == 0.25).all())
+    wrong = "pad" if policy == "truncate" else "truncate"
+    with pytest.raises(ShapeMismatchError):
+        saver.load_model_bank([{"path": str(tmp_path / "s"), "load": ["emb*"], "dim_policy": wrong}])
+
+
+def test_dtype_policy_casts_only_when_asked(tmp_path):
+    saved_small(tmp_path / "s", 4, torch.float32)
+    m = Small(4, torch.bfloat16)
+    saver = Saver(m, output_dir=str(tmp_path / "t"))
+    with pytest.raises(ShapeMismatchError, match="dtype_policy='cast'"):
+        saver.load_model_bank([{"path": str(tmp_path / "s"), "load": ["emb"]}])
+    assert len(m.emb) == 0
+    saver.load_model_bank([{"path": str(tmp_path / "s"), "load": ["emb"], "dtype_policy": "cast"}])
+    assert len(m.emb) == 50 and m.emb.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("key,value", [("dim_policy", "stretch"), ("dtype_policy", 1), ("is_dynamic", "yes")])
+def test_bad_policy_values(tmp_path, key, value):
+    saved_small(tmp_path / "s", 4)
+    saver = Saver(Small(4), output_dir=str(tmp_path / "t"))
+    with pytest.raises(ConfigError, match=key):
+        saver.plan_model_bank([{"path": str(tmp_path / "s"), key: value}])
