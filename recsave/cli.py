@@ -98,7 +98,9 @@ def _export(args: argparse.Namespace) -> int:
               f"{_human(nbytes)}")
         for f in t["files"]:
             print(f"    {f['path']}  {f['rows']} rows  {f['size']} bytes")
-        total_rows, total_bytes, total_files = total_rows + t["rows"], total_bytes + nbytes, total_files + len(t["files"])
+        total_rows += t["rows"]
+        total_bytes += nbytes
+        total_files += len(t["files"])
     print(f"{len(manifest['tables'])} table(s), {total_rows} rows, {total_files} file(s), {total_bytes} bytes "
           f"({_human(total_bytes)}); manifest {MANIFEST}")
     return EXIT_OK

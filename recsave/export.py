@@ -95,11 +95,9 @@ class _Fs:
         if is_url(url):
             self.fs, self.root = fsspec.core.url_to_fs(url)
             self.arrow: pafs.FileSystem = pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
-            self.sep = "/"
         else:
             self.fs, self.root = fsspec.filesystem("file"), os.path.abspath(url)
             self.arrow = pafs.LocalFileSystem()
-            self.sep = os.sep
         self.local = not is_url(url)
 
     def path(self, rel: str) -> str:
@@ -127,7 +125,7 @@ class _Fs:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != self.path(rel).rstrip("/"))
 
     def parquet(self, rel: str) -> pq.ParquetFile:
-        with _arrow_errors(self.show(rel), "open"):
+        with _arrow_errors(self.show(rel), "reading"):
             return pq.ParquetFile(self.arrow.open_input_file(self.path(rel)))
 
 
@@ -140,6 +138,8 @@ def _arrow_errors(where: str, what: str) -> Iterator[None]:
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{where} does not exist", path=where) from None
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        if what != "reading":
+            raise
         raise CorruptCheckpointError(f"{where}: not a readable Parquet file ({exc}); re-export it or point "
                                      f"to another file", path=where) from None
     except OSError as exc:
@@ -164,8 +164,12 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}")
     if rows_per_file is not None and (type(rows_per_file) is not int or rows_per_file < 1):
         raise UsageError(f"rows_per_file must be a positive int or None, got {rows_per_file!r}")
-    from .loader import resolve_checkpoint  # not at import time: the loader imports this module
-    src = resolve_checkpoint(ckpt)
+    from .sources import open_source  # not at import time: sources imports this module
+
+    src = open_source(ckpt)
+    if getattr(src, "kind", "checkpoint") != "checkpoint":
+        raise UsageError(f"{ckpt} is Parquet already, not a recsave checkpoint; give a checkpoint "
+                         f"directory or an output dir", path=ckpt)
     available = src.contents.tables
     names = list(available) if tables is None else list(dict.fromkeys([tables] if isinstance(tables, str) else tables))
     unknown = [n for n in names if n not in available]
@@ -370,7 +374,7 @@ class ParquetSource:
         if info is None:
             raise CheckpointNotFoundError(f"{path} does not exist; give a to_parquet output directory, a "
                                           f"Parquet file or a directory of Parquet files", path=path)
-        self._manifest: Optional[Dict[str, Any]] = None
+        self.step: Optional[int] = None  # the exported checkpoint's step (exports only)
         if info["type"] == "directory":
             self._fs = fs
             if fs.info(MANIFEST) is not None:
@@ -407,7 +411,7 @@ class ParquetSource:
             if isinstance(exc, RecsaveError):
                 raise
             raise _bad(where, None, f"not a recsave export manifest ({exc!r})", "re-export") from None
-        self._manifest = m
+        self.step = m.get("step") if type(m.get("step")) is int else None
 
     def _load_plain(self, name: str, files: List[str]) -> None:
         cols: Dict[str, _Column] = {}
@@ -512,8 +516,8 @@ class ParquetSource:
                     take = k if m is None else int(m.sum())
                     if pos + take > n:
                         raise _bad(self._fs.show(rel), None, "changed while it was read", "read it again")
-                    for i, c in enumerate(cols):
-                        vals = _values(b.column(i), dim, self._fs.show(rel), c, row)
+                    for c in cols:
+                        vals = _values(b.column(c), dim, self._fs.show(rel), c, row)
                         dest[c][pos:pos + take] = vals if m is None else vals[m]
                     row += k
                     pos += take

@@ -40,7 +40,23 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove_file(self, path: str) -> None: ...
     @abc.abstractmethod
-    def read_range(self, path: str, offset: int, length: int) -> bytes: ...
+    def _read_raw(self, path: str, offset: int, length: int) -> bytes:
+        """Up to `length` bytes at `offset` (fewer at the end of the file)."""
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """Exactly `length` bytes at `offset`; a shorter file is a truncated (corrupt) one."""
+        if length == 0:
+            return b""
+        try:
+            data = self._read_raw(path, offset, length)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{path} does not exist", path=path) from None
+        except OSError as exc:
+            raise _wrap_os_error(exc, path, "reading") from exc
+        if len(data) != length:
+            raise CorruptCheckpointError(f"{path}: file ends before byte {offset + length} (truncated)",
+                                         path=path)
+        return data
     @abc.abstractmethod
     def write_atomic(self, path: str, data: bytes) -> None:
         """Publishes `data` at `path` in one step: readers see the old file or the new one."""
@@ -94,19 +110,10 @@ class LocalStorage(Storage):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(length)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path} does not exist", path=path) from None
-        except OSError as exc:
-            raise _wrap_os_error(exc, path, "reading") from exc
-        if len(data) != length:
-            raise CorruptCheckpointError(f"{path}: file ends before byte {offset + length} (truncated)",
-                                         path=path)
-        return data
+    def _read_raw(self, path: str, offset: int, length: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         with self.open_write(path) as f:
@@ -184,19 +191,8 @@ class FsspecStorage(Storage):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        if length == 0:
-            return b""
-        try:
-            data = self.fs.cat_file(path, start=offset, end=offset + length)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path} does not exist", path=path) from None
-        except OSError as exc:
-            raise _wrap_os_error(exc, path, "reading") from exc
-        if len(data) != length:
-            raise CorruptCheckpointError(f"{path}: file ends before byte {offset + length} (truncated)",
-                                         path=path)
-        return data
+    def _read_raw(self, path: str, offset: int, length: int) -> bytes:
+        return self.fs.cat_file(path, start=offset, end=offset + length)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self._call(lambda p: self.fs.pipe_file(p, data), path, "writing")

@@ -122,6 +122,25 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     return out
 
 
+def _covering_segments(entry: Dict[str, Any], ranges: List[tuple], row_bytes: int):
+    """For each row range and each chunk it touches: (chunk, segment begin, segment end, wanted begin,
+    wanted end, output byte offset of the wanted begin) for every checksum segment covering rows of
+    the range. Offsets are relative to the chunk."""
+    dest_row = 0
+    for start, stop in ranges:
+        for chunk in entry["chunks"]:
+            c0, c1 = chunk["rows"]
+            lo, hi = max(start, c0), min(stop, c1)
+            if lo >= hi:
+                continue
+            want_b, want_e = (lo - c0) * row_bytes, (hi - c0) * row_bytes
+            dest_off = (dest_row + lo - start) * row_bytes
+            for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
+                if e > want_b and b < want_e:
+                    yield chunk, b, e, crc, want_b, want_e, dest_off
+        dest_row += stop - start
+
+
 def _plan_whole(name: str, entry: Dict[str, Any], out: torch.Tensor, plans: Dict[str, FileReads]) -> None:
     row_bytes = _row_bytes(out)
     for chunk in entry["chunks"]:
@@ -139,37 +158,26 @@ def _plan_rows(name: str, entry: Dict[str, Any], dtype: torch.dtype, ranges: Lis
     shape = entry["shape"]
     if not shape:
         raise ConfigError(f"{ckpt_dir}: tensor {name!r} is 0-d; it has no rows to select", key=name)
+    for start, stop in ranges:
+        if not 0 <= start <= stop <= shape[0]:
+            raise ConfigError(f"{ckpt_dir}: rows [{start}, {stop}) of {name!r} are outside its "
+                              f"{shape[0]} rows", key=name)
     total_rows = sum(stop - start for start, stop in ranges)
     out = torch.empty([total_rows] + shape[1:], dtype=dtype)
     row_bytes = _row_bytes(out) if total_rows else 0
     if row_bytes == 0:
         return out
     out_bytes = out.reshape(-1).view(torch.uint8)
-    dest_row = 0
-    for start, stop in ranges:
-        if not 0 <= start <= stop <= shape[0]:
-            raise ConfigError(f"{ckpt_dir}: rows [{start}, {stop}) of {name!r} are outside its "
-                              f"{shape[0]} rows", key=name)
-        for chunk in entry["chunks"]:
-            c0, c1 = chunk["rows"]
-            lo, hi = max(start, c0), min(stop, c1)
-            if lo >= hi:
-                continue
-            want_b, want_e = (lo - c0) * row_bytes, (hi - c0) * row_bytes
-            dest_off = (dest_row + lo - start) * row_bytes
-            reads = plans.setdefault(chunk["file"], FileReads())
-            for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
-                if e <= want_b or b >= want_e:
-                    continue
-                if want_b <= b and e <= want_e:  # the whole segment is wanted: read in place
-                    reads.add(chunk["offset"] + b, out.data_ptr() + dest_off + b - want_b, e - b, crc)
-                else:
-                    buf = torch.empty(e - b, dtype=torch.uint8)
-                    scratch.append(buf)
-                    reads.add(chunk["offset"] + b, buf.data_ptr(), e - b, crc)
-                    s, t = max(b, want_b), min(e, want_e)
-                    copies.append((out_bytes, dest_off + s - want_b, buf, s - b, t - s))
-        dest_row += stop - start
+    for chunk, b, e, crc, want_b, want_e, dest_off in _covering_segments(entry, ranges, row_bytes):
+        reads = plans.setdefault(chunk["file"], FileReads())
+        if want_b <= b and e <= want_e:  # the whole segment is wanted: read in place
+            reads.add(chunk["offset"] + b, out.data_ptr() + dest_off + b - want_b, e - b, crc)
+        else:
+            buf = torch.empty(e - b, dtype=torch.uint8)
+            scratch.append(buf)
+            reads.add(chunk["offset"] + b, buf.data_ptr(), e - b, crc)
+            s, t = max(b, want_b), min(e, want_e)
+            copies.append((out_bytes, dest_off + s - want_b, buf, s - b, t - s))
     return out
 
 
@@ -185,16 +193,7 @@ def bytes_to_read(index: Dict[str, Any], name: str, ranges: Optional[List[tuple]
         row_bytes *= d
     if not shape or row_bytes == 0:
         return 0
-    total = 0
-    for start, stop in ranges:
-        for chunk in entry["chunks"]:
-            c0, c1 = chunk["rows"]
-            lo, hi = max(start, c0), min(stop, c1)
-            if lo >= hi:
-                continue
-            want_b, want_e = (lo - c0) * row_bytes, (hi - c0) * row_bytes
-            total += sum(e - b for b, e in index_mod.segment_bounds(chunk) if e > want_b and b < want_e)
-    return total
+    return sum(e - b for _chunk, b, e, *_rest in _covering_segments(entry, ranges, row_bytes))
 
 
 def _row_bytes(t: torch.Tensor) -> int:
