@@ -85,6 +85,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 @command("export", "export a checkpoint's tables to Parquet (one dataset per table)", _export_arguments)
 def _export(args: argparse.Namespace) -> int:
     from .export import MANIFEST, to_parquet
+    from .storage import get_storage
 
     manifest = to_parquet(args.ckpt, args.out_dir, args.tables, row_group_rows=args.row_group_rows,
                           rows_per_file=args.rows_per_file)
@@ -102,7 +103,7 @@ def _export(args: argparse.Namespace) -> int:
         total_bytes += nbytes
         total_files += len(t["files"])
     print(f"{len(manifest['tables'])} table(s), {total_rows} rows, {total_files} file(s), {total_bytes} bytes "
-          f"({_human(total_bytes)}); manifest {MANIFEST}")
+          f"({_human(total_bytes)}); manifest {get_storage(args.out_dir).join(args.out_dir, MANIFEST)}")
     return EXIT_OK
 
 

@@ -91,7 +91,7 @@ class ParquetBankSource:
     kind = "parquet"
 
     def __init__(self, path: str):
-        from .export import ParquetSource
+        from .parquet import ParquetSource
 
         self._pq = ParquetSource(path)
         self.ckpt_dir = path
@@ -106,16 +106,23 @@ class ParquetBankSource:
     def version(self) -> str:
         return self._pq.version
 
-    step = None
+    @property
+    def step(self) -> Optional[int]:
+        return self._pq.step
+
     io_state_count = 1
 
     def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
+        """Rows and decoded bytes per column (Parquet is compressed: the bytes fetched may be fewer).
+        With several ranks each gets about 1/world of the ids (the hash spreads them evenly)."""
         rows = self.contents.tables[table].rows
-        total = self._pq.bytes_for(table, list(columns))
-        per = total // max(len(columns) + 1, 1)
-        if world > 1:  # ids are spread evenly by the hash
-            rows, per = rows // world, per // world
-        return rows, {c: per for c in ["id", *columns]}
+        if world > 1:
+            rows = rows // world
+        dim = self.contents.tables[table].dim
+        cost = {"id": rows * 8}
+        for c in columns:
+            cost[c] = rows * dim * getattr(torch, self._pq.tables()[table].dtype).itemsize
+        return rows, cost
 
     def read_table(self, table: str, columns: Sequence[str], rank: int, world: int,
                    concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -137,7 +144,7 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
                                           path=path)
         ckpt_dir = storage.join(path, ids[-1])
     else:
-        from .export import is_parquet_source
+        from .parquet import is_parquet_source
 
         if is_parquet_source(path):
             return ParquetBankSource(path)

@@ -8,7 +8,7 @@ import contextlib
 import errno as errno_mod
 import os
 import shutil
-from typing import IO, Iterator, List, Optional
+from typing import IO, Iterator, List
 
 from . import _C, knobs
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError

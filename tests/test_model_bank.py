@@ -135,3 +135,30 @@ def test_bad_policy_values(tmp_path, key, value):
     saver = Saver(Small(4), output_dir=str(tmp_path / "t"))
     with pytest.raises(ConfigError, match=key):
         saver.plan_model_bank([{"path": str(tmp_path / "s"), key: value}])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bank_entry_from_a_parquet_export_warm_starts_tables(tmp_path, world, monkeypatch):
+    from recsave import partition
+    from recsave.export import to_parquet
+
+    src = trained_job(tmp_path / "src")
+    to_parquet(str(tmp_path / "src"), str(tmp_path / "pq"))
+    if world > 1:  # rank 1 of 2 gets exactly its ids
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    target = make_job(str(tmp_path / "t"))
+    entries = [{"path": str(tmp_path / "pq"), "load": ["user*", "item"]}]
+    plan = target.saver.plan_model_bank(entries)
+    assert set(plan.items) == {"user", "user@adagrad_acc", "item"}
+    report = target.saver.load_model_bank(entries)
+    assert set(report.loaded) == set(plan.items)
+    want = table_state(src.model.user)
+    got = table_state(target.model.user)
+    if world > 1:
+        keep = partition.owner_of(want["@id"], world) == 1
+        want = {k: v[keep] for k, v in want.items()}
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # `item` loaded without its slot: the slot holds its initial value for the loaded ids.
+    assert bool((table_state(target.model.item)["@adagrad_acc"] == 0.1).all())

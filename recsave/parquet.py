@@ -1,0 +1,489 @@
+"""Parquet tables of embeddings: the layout recsave.export writes, and ParquetSource, a reader of
+such exports (or of any Parquet table with `id` + `embedding` columns) that loads and model banks use
+as a source.
+
+Layout written by :func:`to_parquet`::
+
+    <out_dir>/<table>/part-00000.parquet [, part-00001.parquet ...]
+    <out_dir>/recsave_export.json        the manifest, written last (its presence completes the export)
+
+Each file has the columns ``id`` (int64), ``embedding`` and one per optimizer slot (``adagrad_acc``,
+...), each a ``fixed_size_list<T>[dim]``. Values are stored bit for bit: float16 / float32 / float64
+natively, other dtypes (bfloat16, float8...) as the unsigned integers of their bit patterns
+(bfloat16 -> uint16); every value column carries its torch dtype in the field metadata
+``recsave.dtype`` and the manifest lists it under ``columns``. Rows keep the checkpoint's order.
+
+Manifest (UTF-8 JSON): ``{"format": "recsave.parquet", "format_version": 1, "recsave_version",
+"created_at", "export_id", "source", "step", "tables": {name: {"dim", "dtype", "slots", "rows",
+"columns": {column: dtype}, "files": [{"path": "<dir>/part-00000.parquet", "rows", "size"}]}}}``;
+file paths are relative to the manifest's directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import posixpath
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from . import knobs, partition
+from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
+                     RecsaveError, StorageError, UsageError)
+from .format.dtypes import BY_NAME
+from .loadconf import TableInfo
+from .storage import get_storage, is_url
+
+MANIFEST = "recsave_export.json"
+FORMAT = "recsave.parquet"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20
+DTYPE_KEY = b"recsave.dtype"
+
+_NATIVE = {"float16": pa.float16(), "float32": pa.float32(), "float64": pa.float64()}
+_BITS = {1: (pa.uint8(), np.uint8, torch.int8), 2: (pa.uint16(), np.uint16, torch.int16),
+         4: (pa.uint32(), np.uint32, torch.int32), 8: (pa.uint64(), np.uint64, torch.int64)}
+
+
+# ------------------------------------------------------------------------------------ dtypes
+def _arrow_type(dtype: str) -> pa.DataType:
+    """Arrow value type storing torch dtype `dtype` bit for bit."""
+    if dtype in _NATIVE:
+        return _NATIVE[dtype]
+    dt = BY_NAME.get(dtype)
+    if dt is None or dt.itemsize not in _BITS:
+        raise UsageError(f"dtype {dtype!r} cannot be exported to Parquet (supported: float16/32/64 and "
+                         f"dtypes of 1, 2, 4 or 8 bytes stored as bit patterns)")
+    return _BITS[dt.itemsize][0]
+
+
+def _to_arrow(t: torch.Tensor, dtype: str) -> pa.Array:
+    flat = t.contiguous().reshape(-1)
+    if dtype in _NATIVE:
+        return pa.array(flat.numpy())
+    _, np_u, torch_i = _BITS[flat.element_size()]
+    return pa.array(flat.view(torch_i).numpy().view(np_u))
+
+
+def _numpy_view(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """A numpy view of `t` with the Arrow storage type's numpy dtype (writes go into `t`)."""
+    if dtype in _NATIVE:
+        return t.numpy()
+    _, np_u, torch_i = _BITS[t.element_size()]
+    return t.view(torch_i).numpy().view(np_u)
+
+
+# ------------------------------------------------------------------------------- file system
+class _Fs:
+    """A local path or fsspec URL: fsspec for metadata, pyarrow (native locally) for Parquet I/O."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.url = url
+        if is_url(url):
+            self.fs, self.root = fsspec.core.url_to_fs(url)
+            self.arrow: pafs.FileSystem = pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
+        else:
+            self.fs, self.root = fsspec.filesystem("file"), os.path.abspath(url)
+            self.arrow = pafs.LocalFileSystem()
+        self.local = not is_url(url)
+
+    def path(self, rel: str) -> str:
+        return self.root if not rel else (os.path.join(self.root, *rel.split("/")) if self.local
+                                          else posixpath.join(self.root, rel))
+
+    def show(self, rel: str) -> str:
+        return self.url if not rel else get_storage(self.url).join(self.url, rel)
+
+    def info(self, rel: str) -> Optional[Dict[str, Any]]:
+        try:
+            return self.fs.info(self.path(rel))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"{self.show(rel)}: stat failed: {exc}", path=self.show(rel)) from exc
+
+    def names(self, rel: str) -> List[str]:
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorageError(f"{self.show(rel)}: listing failed: {exc}", path=self.show(rel)) from exc
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != self.path(rel).rstrip("/"))
+
+    def parquet(self, rel: str) -> pq.ParquetFile:
+        with _arrow_errors(self.show(rel), "reading"):
+            return pq.ParquetFile(self.arrow.open_input_file(self.path(rel)))
+
+
+@contextlib.contextmanager
+def _arrow_errors(where: str, what: str) -> Iterator[None]:
+    try:
+        yield
+    except RecsaveError:
+        raise
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where} does not exist", path=where) from None
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        if what != "reading":
+            raise
+        raise CorruptCheckpointError(f"{where}: not a readable Parquet file ({exc}); re-export it or point "
+                                     f"to another file", path=where) from None
+    except OSError as exc:
+        raise StorageError(f"{where}: {what} failed: {exc}", path=where,
+                           errno=getattr(exc, "errno", None)) from exc
+
+
+# ------------------------------------------------------------------------------------ export
+def _dir_name(table: str) -> str:
+    name = urllib.parse.quote(table, safe="-_.")
+    return name if name not in (".", "..") else name.replace(".", "%2E")
+
+
+# ------------------------------------------------------------------------------------ reading
+@dataclass
+class _Column:
+    fixed: bool          # fixed_size_list (dim from the type) or a variable-size list
+    dim: Optional[int]   # None for variable-size lists until a row was seen
+    dtype: str           # torch dtype name
+
+
+@dataclass
+class _Table:
+    info: TableInfo
+    columns: Dict[str, str]                                      # value column -> torch dtype
+    files: List[Tuple[str, int, Optional[int]]] = field(default_factory=list)  # (rel path, rows, size)
+
+
+def _bad(path: str, column: Optional[str], problem: str, fix: str) -> CorruptCheckpointError:
+    where = f"{path}: column {column!r}: " if column else f"{path}: "
+    return CorruptCheckpointError(f"{where}{problem}; {fix}", path=path, key=column)
+
+
+_LAYOUT = ("a recsave Parquet table needs an int64 'id' column and an 'embedding' column of "
+           "fixed-size float lists (pa.list_(pa.float32(), dim)); slots are further list columns of the same dim")
+
+
+def _value_column(f: pa.Field, path: str) -> Optional[_Column]:
+    t = f.type
+    if pa.types.is_fixed_size_list(t):
+        fixed, dim = True, t.list_size
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        fixed, dim = False, None
+    else:
+        return None
+    declared = (f.metadata or {}).get(DTYPE_KEY)
+    if declared is not None:
+        dtype = declared.decode("utf-8", "replace")
+        try:
+            expected = _arrow_type(dtype)
+        except UsageError:
+            raise _bad(path, f.name, f"declares unknown recsave.dtype {dtype!r}", "re-export it") from None
+        if t.value_type != expected:
+            raise _bad(path, f.name, f"declares recsave.dtype {dtype} but stores {t.value_type}", "re-export it")
+        return _Column(fixed, dim, dtype)
+    for name, at in _NATIVE.items():
+        if t.value_type == at:
+            return _Column(fixed, dim, name)
+    return None
+
+
+def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
+    """Value columns (`embedding` first, then slots) of a file; CorruptCheckpointError when it is
+    not a recsave Parquet table."""
+    names = schema.names
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise _bad(path, dup[0], "appears more than once", "rename the duplicate column")
+    for required in ("id", "embedding"):
+        if required not in names:
+            raise _bad(path, None, f"no {required!r} column (columns: {names[:20]})", _LAYOUT)
+    if schema.field("id").type != pa.int64():
+        raise _bad(path, "id", f"is {schema.field('id').type}, expected int64",
+                   "cast it, e.g. table.set_column(i, 'id', table['id'].cast(pa.int64()))")
+    emb = _value_column(schema.field("embedding"), path)
+    if emb is None:
+        raise _bad(path, "embedding", f"is {schema.field('embedding').type}", _LAYOUT)
+    cols = {"embedding": emb}
+    for f in schema:
+        if f.name in ("id", "embedding") or not f.name or "@" in f.name:
+            continue
+        col = _value_column(f, path)
+        if col is None:
+            continue
+        if col.dim is not None and emb.dim is not None and col.dim != emb.dim:
+            raise _bad(path, f.name, f"holds lists of {col.dim} values but 'embedding' has {emb.dim}",
+                       "slot columns must have the embedding's dim; drop or fix the column")
+        cols[f.name] = col
+    return cols
+
+
+class ParquetSource:
+    """A table source read from Parquet: a :func:`to_parquet` export (its manifest), a single Parquet
+    file or a directory of Parquet files with `id` + `embedding` columns (one table named after the
+    file or directory, without `.parquet`)."""
+
+    def __init__(self, path: str):
+        if not isinstance(path, str) or not path:
+            raise UsageError(f"path must be a non-empty string, got {path!r}")
+        self.path = path
+        fs = _Fs(path)
+        info = fs.info("")
+        if info is None:
+            raise CheckpointNotFoundError(f"{path} does not exist; give a to_parquet output directory, a "
+                                          f"Parquet file or a directory of Parquet files", path=path)
+        self.step: Optional[int] = None  # the exported checkpoint's step (exports only)
+        if info["type"] == "directory":
+            self._fs = fs
+            if fs.info(MANIFEST) is not None:
+                self._load_manifest()
+                return
+            files = [n for n in fs.names("") if n.endswith(".parquet") and not n.startswith((".", "_"))]
+            if not files:
+                raise CheckpointNotFoundError(f"{path}: neither {MANIFEST} nor *.parquet files found; give a "
+                                              f"to_parquet output directory or Parquet files", path=path)
+            self._load_plain(_leaf_name(path), files)
+            return
+        parent, leaf = _split(path)
+        self._fs = _Fs(parent)
+        if leaf == MANIFEST:
+            self.path = parent
+            self._load_manifest()
+        else:
+            self._load_plain(_leaf_name(path), [leaf])
+
+    # -------------------------------------------------------------------------------- opening
+    def _load_manifest(self) -> None:
+        where = self._fs.show(MANIFEST)
+        raw = get_storage(self.path).read_bytes(where, MAX_MANIFEST_BYTES)
+        self.version = hashlib.sha256(raw).hexdigest()
+        try:
+            m = json.loads(raw.decode("utf-8"))
+            if not isinstance(m, dict) or m.get("format") != FORMAT:
+                raise ValueError(f"'format' is not {FORMAT!r}")
+            if m.get("format_version") != FORMAT_VERSION:
+                raise FormatVersionError(f"{where}: format_version {m.get('format_version')!r} is not "
+                                         f"{FORMAT_VERSION}; upgrade recsave or re-export", path=where)
+            self._tables = {str(name): _manifest_table(t) for name, t in m["tables"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if isinstance(exc, RecsaveError):
+                raise
+            raise _bad(where, None, f"not a recsave export manifest ({exc!r})", "re-export") from None
+        self.step = m.get("step") if type(m.get("step")) is int else None
+
+    def _load_plain(self, name: str, files: List[str]) -> None:
+        cols: Dict[str, _Column] = {}
+        entries: List[Tuple[str, int, Optional[int]]] = []
+        for rel in sorted(files):
+            pf = self._fs.parquet(rel)
+            these = _parse_schema(pf.schema_arrow, self._fs.show(rel))
+            if entries and _shape_of(these) != _shape_of(cols):
+                raise _bad(self._fs.show(rel), None, f"its list columns differ from those of {entries[0][0]!r}",
+                           "every file of a table needs the same id / embedding / slot columns")
+            cols = cols or these
+            entries.append((rel, pf.metadata.num_rows, None))
+            for k, c in cols.items():  # a variable-size list's dim: its first row's length
+                if c.dim is None and pf.metadata.num_rows:
+                    with _arrow_errors(self._fs.show(rel), "reading"):
+                        first = next(pf.iter_batches(batch_size=1, columns=[k])).column(0)
+                    c.dim = len(first[0]) if first[0].is_valid else None
+        emb = cols["embedding"]
+        for k, c in cols.items():
+            if c.dim is None or c.dim != emb.dim:
+                raise _bad(self._fs.show(entries[0][0]), k,
+                           "is a variable-size list whose first row is null or missing" if c.dim is None else
+                           f"holds lists of {c.dim} values but 'embedding' has {emb.dim}",
+                           "write fixed-size lists (pa.list_(pa.float32(), dim)) of the embedding's dim")
+        slots = tuple(k for k in cols if k != "embedding")
+        rows = sum(e[1] for e in entries)
+        self._tables = {name: _Table(TableInfo(emb.dim, emb.dtype, slots, rows),
+                                     {k: c.dtype for k, c in cols.items()}, entries)}
+        token = hashlib.sha256()
+        for rel, _, _ in entries:
+            token.update(f"{rel}\0{self._fs.fs.ukey(self._fs.path(rel))}\0".encode())
+        self.version = token.hexdigest()
+
+    # -------------------------------------------------------------------------------- queries
+    def tables(self) -> Dict[str, TableInfo]:
+        return {n: TableInfo(t.info.dim, t.info.dtype, tuple(t.info.slots), t.info.rows)
+                for n, t in self._tables.items()}
+
+    def _table(self, table: str) -> _Table:
+        if table not in self._tables:
+            raise ConfigError(f"{self.path}: no table {table!r}; it has {sorted(self._tables)}",
+                              path=self.path, key=table)
+        return self._tables[table]
+
+    def _columns(self, t: _Table, table: str, columns: Sequence[str]) -> List[str]:
+        cols = list(dict.fromkeys([columns] if isinstance(columns, str) else columns))
+        unknown = [c for c in cols if c not in t.columns]
+        if unknown:
+            raise ConfigError(f"{self.path}: table {table!r} has no column(s) {unknown}; it has "
+                              f"{list(t.columns)}", path=self.path, key=table)
+        return cols
+
+    def bytes_for(self, table: str, columns: Sequence[str]) -> int:
+        t = self._table(table)
+        cols = self._columns(t, table, columns)
+        return t.info.rows * (8 + sum(t.info.dim * BY_NAME[t.columns[c]].itemsize for c in cols))
+
+    def read_table(self, table: str, columns: Sequence[str], rank: int = 0, world: int = 1,
+                   num_buckets: int = partition.DEFAULT_NUM_BUCKETS) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """(ids, {column: [n, dim] values}) of the rows whose ids rank `rank` of `world` owns, in
+        stored order. Reads in bounded batches; memory is the result plus one batch."""
+        t = self._table(table)
+        cols = self._columns(t, table, columns)
+        partition.bucket_range(rank, world, num_buckets)  # validates rank / world
+        dim = t.info.dim
+        row_bytes = 8 + sum(dim * BY_NAME[t.columns[c]].itemsize for c in cols)
+        batch = max(1, min(65536, knobs.get("io_chunk_bytes") // row_bytes))
+        id_parts: List[np.ndarray] = []
+        masks: List[Optional[np.ndarray]] = []
+        for rel, rows, size in t.files:
+            pf = self._open_checked(t, rel, size, cols)
+            file_masks, seen = [], 0
+            with _arrow_errors(self._fs.show(rel), "reading"):
+                for b in pf.iter_batches(batch_size=batch, columns=["id"]):
+                    col = b.column(0)
+                    if col.null_count:
+                        raise _bad(self._fs.show(rel), "id", "has null ids", "drop or fill those rows")
+                    ids = col.to_numpy()
+                    seen += len(ids)
+                    if world > 1:
+                        m = (partition.owner_of(torch.from_numpy(ids.copy()), world, num_buckets) == rank).numpy()
+                        file_masks.append(m)
+                        ids = ids[m]
+                    id_parts.append(ids)
+            if seen != rows:
+                raise _bad(self._fs.show(rel), None, f"has {seen} rows, expected {rows}", "re-export the table")
+            masks.append(np.concatenate(file_masks) if world > 1 and file_masks else None)
+        ids_out = torch.from_numpy(np.concatenate(id_parts)) if id_parts else torch.empty(0, dtype=torch.int64)
+        n = ids_out.numel()
+        out = {c: torch.empty((n, dim), dtype=BY_NAME[t.columns[c]].torch_dtype) for c in cols}
+        if not cols or not n:
+            return ids_out, out
+        dest = {c: _numpy_view(out[c], t.columns[c]) for c in cols}
+        pos = 0
+        for (rel, rows, size), mask in zip(t.files, masks):
+            pf = self._open_checked(t, rel, size, cols)
+            row = 0
+            with _arrow_errors(self._fs.show(rel), "reading"):
+                for b in pf.iter_batches(batch_size=batch, columns=cols):
+                    k = b.num_rows
+                    m = None if mask is None else mask[row:row + k]
+                    take = k if m is None else int(m.sum())
+                    if pos + take > n:
+                        raise _bad(self._fs.show(rel), None, "changed while it was read", "read it again")
+                    for c in cols:
+                        vals = _values(b.column(c), dim, self._fs.show(rel), c, row)
+                        dest[c][pos:pos + take] = vals if m is None else vals[m]
+                    row += k
+                    pos += take
+        if pos != n:
+            raise _bad(self.path, None, f"table {table!r} changed while it was read", "read it again")
+        return ids_out, out
+
+    def _open_checked(self, t: _Table, rel: str, size: Optional[int], cols: List[str]) -> pq.ParquetFile:
+        where = self._fs.show(rel)
+        if size is not None:
+            info = self._fs.info(rel)
+            if info is None:
+                raise CheckpointNotFoundError(f"{where}: file listed in {MANIFEST} is missing; re-export",
+                                              path=where)
+            if int(info["size"]) != size:
+                raise _bad(where, None, f"is {info['size']} bytes, the manifest records {size}",
+                           "the export was changed after it was written; re-export")
+        pf = self._fs.parquet(rel)
+        found = _parse_schema(pf.schema_arrow, where)
+        for c in cols:
+            col = found.get(c)
+            if col is None or col.dtype != t.columns[c] or (col.dim is not None and col.dim != t.info.dim):
+                what = "is missing" if col is None else f"holds {col.dtype}[{col.dim}]"
+                raise _bad(where, c, f"{what}, expected {t.columns[c]}[{t.info.dim}]",
+                           "every file of a table needs the same columns; re-export")
+        return pf
+
+
+def _values(arr: pa.Array, dim: int, where: str, column: str, row0: int) -> np.ndarray:
+    """[k, dim] numpy values (Arrow storage type) of a list column batch; ragged or null rows refused."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    if arr.null_count:
+        raise _bad(where, column, "has null rows", "drop or fill those rows")
+    if not pa.types.is_fixed_size_list(arr.type):
+        lengths = np.diff(np.asarray(arr.offsets))
+        bad = np.flatnonzero(lengths != dim)
+        if bad.size:
+            raise _bad(where, column, f"row {row0 + int(bad[0])} has {int(lengths[bad[0]])} values, expected "
+                       f"{dim} (a ragged list)", "every row needs exactly dim values; fix or drop those rows")
+    flat = arr.flatten()
+    if flat.null_count or len(flat) != len(arr) * dim:
+        raise _bad(where, column, "has null values inside its lists", "fill them (e.g. with 0) or drop the rows")
+    return flat.to_numpy(zero_copy_only=False).reshape(len(arr), dim)
+
+
+def _manifest_table(t: Dict[str, Any]) -> _Table:
+    dim, rows = t["dim"], t["rows"]
+    if type(dim) is not int or dim < 1 or type(rows) is not int or rows < 0:
+        raise ValueError(f"bad dim {dim!r} or rows {rows!r}")
+    columns = {str(k): str(v) for k, v in t["columns"].items() if k != "id"}
+    slots = tuple(str(s) for s in t["slots"])
+    if t["dtype"] not in BY_NAME or "embedding" not in columns or set(columns) != {"embedding", *slots} \
+            or any(v not in BY_NAME for v in columns.values()):
+        raise ValueError(f"columns {sorted(columns)} / dtypes do not match slots {list(slots)}")
+    files = []
+    for f in t["files"]:
+        rel = f["path"]
+        parts = rel.split("/") if isinstance(rel, str) else [""]
+        if any(p in ("", ".", "..") or "\\" in p for p in parts) or type(f["rows"]) is not int \
+                or type(f["size"]) is not int:
+            raise ValueError(f"bad file entry {f!r}")
+        files.append((rel, f["rows"], f["size"]))
+    if sum(f[1] for f in files) != rows:
+        raise ValueError(f"file rows do not add up to {rows}")
+    return _Table(TableInfo(dim, str(t["dtype"]), slots, rows), columns, files)
+
+
+def _shape_of(cols: Dict[str, _Column]) -> Dict[str, tuple]:
+    return {k: (c.fixed, c.dim if c.fixed else None, c.dtype) for k, c in cols.items()}
+
+
+def _split(path: str) -> Tuple[str, str]:
+    """(parent, leaf) of a local path or URL."""
+    if not is_url(path):
+        return os.path.split(os.path.abspath(path))
+    head, _, leaf = path.rstrip("/").rpartition("/")
+    return (head + "/" if head.endswith(":/") else head), leaf
+
+
+def _leaf_name(path: str) -> str:
+    """Table name of a plain Parquet file or directory: its base name without `.parquet`."""
+    leaf = _split(path)[1]
+    return leaf[: -len(".parquet")] if leaf.endswith(".parquet") and len(leaf) > len(".parquet") else leaf
+
+
+def is_parquet_source(path: str) -> bool:
+    """True for a to_parquet output (manifest), a `*.parquet` file or a directory of them."""
+    try:
+        fs = _Fs(path)
+        info = fs.info("")
+        if info is None:
+            return False
+        base = _split(path)[1]
+        if info["type"] != "directory":
+            return base.endswith(".parquet") or base == MANIFEST
+        names = fs.names("")
+        return MANIFEST in names or (any(n.endswith(".parquet") and not n.startswith((".", "_")) for n in names)
+                                     and "index" not in names)
+    except (RecsaveError, OSError, ValueError):
+        return False

@@ -1,0 +1,387 @@
+"""Parquet export (recsave.export.to_parquet), the Parquet table source (ParquetSource) and the
+`recsave export` command line."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from helpers import make_job, same_bits
+
+import recsave
+from recsave import format as fmt
+from recsave.cli import main
+from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
+                            UsageError)
+from recsave.export import MANIFEST, ParquetSource, is_parquet_source, to_parquet
+from recsave.loadconf import TableInfo
+from recsave.partition import owner_of
+from recsave.storage import get_storage
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A checkpoint of the helpers' CTR job (tables `user`, `item` with Adagrad slots), step 6."""
+    out = str(tmp_path_factory.mktemp("run"))
+    job = make_job(out, save_interval=None)
+    job.train(6)
+    return job.saver.save("ckpt_6")
+
+
+def stored(ckpt_dir, table, columns=("embedding", "adagrad_acc"), storage=None):
+    names = [f"{table}@id"] + [f"{table}@{c}" for c in columns]
+    data = fmt.read_tensors(ckpt_dir, names, storage=storage)
+    return {n.split("@", 1)[1]: t for n, t in data.items()}
+
+
+def column_tensor(table: pa.Table, column: str, dtype: torch.dtype) -> torch.Tensor:
+    """A fixed-size-list column as a torch tensor of `dtype` (bit patterns reinterpreted)."""
+    col = table.column(column).combine_chunks()
+    dim = col.type.list_size
+    values = col.flatten().to_numpy(zero_copy_only=False).copy()
+    signed = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[values.itemsize]
+    return torch.from_numpy(values.view(signed)).view(dtype).reshape(-1, dim)
+
+
+# ------------------------------------------------------------------------------------ export
+def test_export_round_trips_bit_for_bit_with_plain_pyarrow(ckpt, tmp_path):
+    out = str(tmp_path / "out")
+    manifest = to_parquet(os.path.dirname(ckpt), out, row_group_rows=37)  # the output dir: latest
+    assert manifest["format"] == "recsave.parquet" and manifest["format_version"] == 1
+    assert manifest["source"] == ckpt and manifest["step"] == 6
+    assert sorted(manifest["tables"]) == ["item", "user"]
+    assert json.load(open(os.path.join(out, MANIFEST))) == manifest
+    for name in ("user", "item"):
+        want = stored(ckpt, name)
+        entry = manifest["tables"][name]
+        assert entry["dim"] == 8 and entry["dtype"] == "float32" and entry["slots"] == ["adagrad_acc"]
+        assert entry["rows"] == want["id"].numel() > 37
+        assert [f["path"] for f in entry["files"]] == [f"{name}/part-00000.parquet"]
+        path = os.path.join(out, name, "part-00000.parquet")
+        assert entry["files"][0]["size"] == os.path.getsize(path)
+        table = pq.read_table(path)
+        assert table.schema.names == ["id", "embedding", "adagrad_acc"]
+        assert table.schema.field("id").type == pa.int64()
+        for c in ("embedding", "adagrad_acc"):
+            assert table.schema.field(c).type == pa.list_(pa.float32(), 8)
+            assert table.schema.field(c).metadata == {b"recsave.dtype": b"float32"}
+            assert same_bits(column_tensor(table, c, torch.float32), want[c])
+        assert same_bits(torch.from_numpy(table.column("id").to_numpy().copy()), want["id"])
+        meta = pq.ParquetFile(path).metadata
+        sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        assert max(sizes) <= 37 and sum(sizes) == entry["rows"] and meta.num_row_groups > 1
+        assert json.loads(table.schema.metadata[b"recsave.table"])["table"] == name
+        # A dataset directory reads the same with plain pyarrow.
+        assert pq.read_table(os.path.join(out, name)).num_rows == entry["rows"]
+
+
+def test_tables_subset_and_split_files(ckpt, tmp_path):
+    out = str(tmp_path / "out")
+    manifest = to_parquet(ckpt, out, ["item"], row_group_rows=16, rows_per_file=40)
+    assert sorted(os.listdir(out)) == ["item", MANIFEST]
+    entry = manifest["tables"]["item"]
+    files = [f["path"] for f in entry["files"]]
+    assert len(files) == -(-entry["rows"] // 40) >= 2 and [f["rows"] for f in entry["files"]][0] == 40
+    assert sorted(os.listdir(os.path.join(out, "item"))) == [p.split("/")[1] for p in files]
+    want = stored(ckpt, "item")
+    ids, cols = ParquetSource(out).read_table("item", ["adagrad_acc", "embedding"])
+    assert same_bits(ids, want["id"]) and same_bits(cols["embedding"], want["embedding"])
+    assert same_bits(cols["adagrad_acc"], want["adagrad_acc"])
+
+
+def test_unknown_table_and_existing_output_are_refused(ckpt, tmp_path):
+    out = str(tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"'nope'.*\['item', 'user'\]"):
+        to_parquet(ckpt, out, ["user", "nope"])
+    assert not os.path.exists(os.path.join(out, "user"))  # checked before anything is written
+    to_parquet(ckpt, out, ["user"])
+    with pytest.raises(UsageError, match="holds an export already"):
+        to_parquet(ckpt, out, ["item"])
+    other = tmp_path / "other"
+    (other / "user").mkdir(parents=True)
+    (other / "user" / "keep.txt").write_text("x")
+    with pytest.raises(UsageError, match="not empty"):
+        to_parquet(ckpt, str(other))
+    assert os.listdir(other) == ["user"] and os.listdir(other / "user") == ["keep.txt"]
+    (other / "user" / "keep.txt").unlink()  # an empty directory is fine
+    to_parquet(ckpt, str(other))
+    with pytest.raises(UsageError, match="row_group_rows"):
+        to_parquet(ckpt, str(tmp_path / "x"), row_group_rows=0)
+    with pytest.raises(CheckpointNotFoundError):
+        to_parquet(str(tmp_path / "missing"), str(tmp_path / "y"))
+
+
+def test_failed_export_leaves_nothing_behind(ckpt, tmp_path):
+    broken = str(tmp_path / "ckpt_6")
+    shutil.copytree(ckpt, broken)
+    index = fmt.read_index(broken)
+    chunk = index["tensors"]["user@adagrad_acc"]["chunks"][0]
+    with open(os.path.join(broken, chunk["file"]), "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] - 1)
+        last = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    out = tmp_path / "out"
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        to_parquet(broken, str(out), ["item", "user"], row_group_rows=30)
+    assert not out.exists() or [p for p in out.rglob("*") if p.is_file()] == []
+    to_parquet(broken, str(out), ["item"])  # the intact table exports into the same place
+    assert sorted(os.listdir(out)) == ["item", MANIFEST]
+
+
+def test_multi_chunk_tables_export_across_rank_boundaries(tmp_path):
+    """A table written by 3 ranks (3 chunks in 3 files) exports in stored order; row groups span
+    chunk boundaries and partial checksum segments."""
+    ck = str(tmp_path / "ck")
+    os.makedirs(ck)
+    g = torch.Generator().manual_seed(3)
+    parts, full = [], {"emb@id": [], "emb@embedding": [], "emb@adam_m": [], "emb@adam_v": []}
+    for rank, n in enumerate([23, 0, 41]):
+        tensors = {"emb@id": torch.randint(-2**62, 2**62, (n,), generator=g),
+                   **{k: torch.randn(n, 5, generator=g) for k in list(full)[1:]}}
+        for k, v in tensors.items():
+            full[k].append(v)
+        parts.append(fmt.write_shards(ck, tensors, rank=rank, segment_bytes=64))
+    meta = {"tables": {"emb": {"dim": 5, "dtype": "float32", "slots": ["adam_m", "adam_v"], "rows": 64}},
+            "dense": {}, "extras": [], "io_states": []}
+    fmt.write_index(ck, fmt.merge_parts(parts, step=9, meta=meta, world_size=3))
+    manifest = to_parquet(ck, str(tmp_path / "out"), row_group_rows=10)
+    assert manifest["tables"]["emb"]["rows"] == 64 and manifest["step"] == 9
+    table = pq.read_table(str(tmp_path / "out" / "emb"))
+    assert same_bits(torch.from_numpy(table.column("id").to_numpy().copy()), torch.cat(full["emb@id"]))
+    for c in ("embedding", "adam_m", "adam_v"):
+        assert same_bits(column_tensor(table, c, torch.float32), torch.cat(full[f"emb@{c}"]))
+
+
+@pytest.mark.parametrize("dtype, arrow_type", [(torch.float16, pa.float16()), (torch.bfloat16, pa.uint16())])
+def test_half_precision_tables_round_trip_bit_for_bit(tmp_path, dtype, arrow_type):
+    model = torch.nn.Module()
+    model.emb = recsave.HashTable(6, name="emb", dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-2**62, 2**62, (300,), generator=g)
+    # Every bit pattern is fair game, NaN payloads and infinities included.
+    values = torch.randint(-2**15, 2**15, (300, 6), dtype=torch.int16, generator=g).view(dtype)
+    slot = torch.randint(-2**15, 2**15, (300, 6), dtype=torch.int16, generator=g).view(dtype)
+    model.emb.load_rows(ids, values, {"acc": slot})
+    ck = recsave.Saver(model, output_dir=str(tmp_path / "run")).save("ckpt_1")
+    out = str(tmp_path / "out")
+    manifest = to_parquet(ck, out, row_group_rows=64)
+    name = str(dtype).replace("torch.", "")
+    assert manifest["tables"]["emb"]["dtype"] == name
+    assert manifest["tables"]["emb"]["columns"] == {"id": "int64", "embedding": name, "acc": name}
+    schema = pq.read_schema(os.path.join(out, "emb", "part-00000.parquet"))
+    assert schema.field("embedding").type == pa.list_(arrow_type, 6)
+    assert schema.field("acc").metadata[b"recsave.dtype"] == name.encode()
+    src = ParquetSource(out)
+    assert src.tables() == {"emb": TableInfo(6, name, ("acc",), 300)}
+    got_ids, cols = src.read_table("emb", ["embedding", "acc"])
+    want = stored(ck, "emb", ("embedding", "acc"))
+    assert same_bits(got_ids, want["id"])
+    assert same_bits(cols["embedding"], want["embedding"]) and same_bits(cols["acc"], want["acc"])
+    assert src.bytes_for("emb", ["embedding", "acc"]) == 300 * (8 + 2 * 6 * 2)
+    # One table directory alone (no manifest) reads the same through its field metadata.
+    alone = ParquetSource(os.path.join(out, "emb"))
+    assert alone.tables() == {"emb": TableInfo(6, name, ("acc",), 300)}
+    assert same_bits(alone.read_table("emb", ["acc"])[1]["acc"], want["acc"])
+
+
+# ------------------------------------------------------------------------------ ParquetSource
+def clicks_table(n=500, dim=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-2**62, 2**62, (n,), generator=g)
+    emb = torch.randn(n, dim, generator=g)
+    return ids, emb, pa.table({"id": pa.array(ids.numpy()),
+                               "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1).numpy()), dim)})
+
+
+def test_hand_made_parquet_file_with_rank_filtering(tmp_path):
+    ids, emb, table = clicks_table()
+    path = str(tmp_path / "clicks.parquet")
+    pq.write_table(table, path, row_group_size=128)
+    assert is_parquet_source(path)
+    src = ParquetSource(path)
+    assert src.tables() == {"clicks": TableInfo(4, "float32", (), 500)}
+    all_ids, cols = src.read_table("clicks", ["embedding"])
+    assert same_bits(all_ids, ids) and same_bits(cols["embedding"], emb)
+    owner = owner_of(ids, 3, 64)
+    seen = []
+    for rank in range(3):
+        got, cols = src.read_table("clicks", ["embedding"], rank=rank, world=3, num_buckets=64)
+        assert same_bits(got, ids[owner == rank])
+        assert same_bits(cols["embedding"], emb[owner == rank])
+        seen.append(got)
+    assert sorted(torch.cat(seen).tolist()) == sorted(ids.tolist())
+    assert src.read_table("clicks", [])[1] == {}
+    with pytest.raises(ConfigError, match="no column"):
+        src.read_table("clicks", ["adagrad_acc"])
+    with pytest.raises(ConfigError, match="no table"):
+        src.read_table("user", ["embedding"])
+    with pytest.raises(UsageError):
+        src.read_table("clicks", ["embedding"], rank=3, world=3)
+
+
+def test_directory_of_parquet_files_and_variable_size_lists(tmp_path):
+    d = tmp_path / "feeds"
+    d.mkdir()
+    expected_ids, expected_emb = [], []
+    for i in range(2):
+        ids, emb, _ = clicks_table(n=50 + i, dim=3, seed=i)
+        emb = emb.double()
+        table = pa.table({"id": pa.array(ids.numpy()), "embedding": pa.array(emb.numpy().tolist()),
+                          "note": pa.array(["x"] * len(ids)),  # other columns are ignored
+                          "m": pa.array(emb.numpy().tolist())})  # a list<double> slot
+        pq.write_table(table, str(d / f"part-{i}.parquet"))
+        expected_ids.append(ids)
+        expected_emb.append(emb)
+    (d / "_SUCCESS").write_text("")
+    assert is_parquet_source(str(d))
+    src = ParquetSource(str(d))
+    assert src.tables() == {"feeds": TableInfo(3, "float64", ("m",), 101)}
+    ids, cols = src.read_table("feeds", ["embedding", "m"])
+    assert same_bits(ids, torch.cat(expected_ids)) and same_bits(cols["embedding"], torch.cat(expected_emb))
+    assert same_bits(cols["m"], torch.cat(expected_emb))
+
+
+def test_bad_parquet_files_raise_clear_errors(tmp_path):
+    ids, emb, good = clicks_table(n=20)
+
+    def write(name, table):
+        path = str(tmp_path / f"{name}.parquet")
+        pq.write_table(table, path)
+        return path
+
+    with pytest.raises(CorruptCheckpointError, match=r"no_id.parquet: no 'id' column"):
+        ParquetSource(write("no_id", good.drop_columns(["id"])))
+    with pytest.raises(CorruptCheckpointError, match=r"float_id.parquet: column 'id': is double, expected int64"):
+        ParquetSource(write("float_id", good.set_column(0, "id", good.column("id").cast(pa.float64(), safe=False))))
+    with pytest.raises(CorruptCheckpointError, match=r"column 'embedding': is float"):
+        flat = pa.table({"id": good.column("id"), "embedding": pa.array([1.0] * 20, pa.float32())})
+        ParquetSource(write("flat", flat))
+    ragged = pa.table({"id": pa.array([1, 2, 3], pa.int64()),
+                       "embedding": pa.array([[1.0, 2.0], [3.0, 4.0], [5.0]], pa.list_(pa.float32()))})
+    src = ParquetSource(write("ragged", ragged))  # the dim comes from the first row...
+    with pytest.raises(CorruptCheckpointError, match=r"ragged.parquet: column 'embedding': row 2 has 1 values, "
+                                                     r"expected 2 \(a ragged list\)"):
+        src.read_table("ragged", ["embedding"])  # ... and every row is checked when read
+    slot = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(60, np.float32)), 3)
+    with pytest.raises(CorruptCheckpointError, match=r"column 'acc': holds lists of 3 values but 'embedding' has 4"):
+        ParquetSource(write("bad_slot", good.append_column("acc", slot)))
+    nulls = pa.table({"id": pa.array([1, None], pa.int64()),
+                      "embedding": pa.array([[1.0], [2.0]], pa.list_(pa.float32(), 1))})
+    with pytest.raises(CorruptCheckpointError, match="null ids"):
+        ParquetSource(write("nulls", nulls)).read_table("nulls", ["embedding"])
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(CorruptCheckpointError, match="junk.parquet: not a readable Parquet file"):
+        ParquetSource(str(tmp_path / "junk.parquet"))
+    with pytest.raises(CheckpointNotFoundError):
+        ParquetSource(str(tmp_path / "missing.parquet"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="neither"):
+        ParquetSource(str(tmp_path / "empty"))
+    assert not is_parquet_source(str(tmp_path / "missing.parquet")) and not is_parquet_source(str(tmp_path / "empty"))
+
+
+def test_manifest_is_checked(ckpt, tmp_path):
+    out = tmp_path / "out"
+    to_parquet(ckpt, str(out), ["item"])
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps(dict(manifest, format_version=2)))
+    with pytest.raises(FormatVersionError, match="format_version 2"):
+        ParquetSource(str(out))
+    escape = [{"path": "../x", "rows": manifest["tables"]["item"]["rows"], "size": 1}]
+    bad = dict(manifest, tables={"item": dict(manifest["tables"]["item"], files=escape)})
+    (out / MANIFEST).write_text(json.dumps(bad))
+    with pytest.raises(CorruptCheckpointError, match="not a recsave export manifest.*bad file entry"):
+        ParquetSource(str(out))
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    src = ParquetSource(str(out / MANIFEST))  # the manifest file itself works too
+    with open(out / "item" / "part-00000.parquet", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CorruptCheckpointError, match="the manifest records"):
+        src.read_table("item", ["embedding"])
+
+
+def test_version_changes_with_a_new_export(ckpt, tmp_path):
+    out = str(tmp_path / "out")
+    to_parquet(ckpt, out, ["user"])
+    v1 = ParquetSource(out).version
+    assert ParquetSource(out).version == v1  # stable while nothing changes
+    shutil.rmtree(out)
+    to_parquet(ckpt, out, ["user"])
+    assert ParquetSource(out).version != v1
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(clicks_table(seed=1)[2], path)
+    p1 = ParquetSource(path).version
+    pq.write_table(clicks_table(seed=2)[2], path)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    assert ParquetSource(path).version != p1
+
+
+# ------------------------------------------------------------------------------------ remote
+def test_memory_urls(ckpt, tmp_path):
+    root = f"memory://recsave-export-{uuid.uuid4().hex}"
+    try:
+        out = f"{root}/out"
+        manifest = to_parquet(ckpt, out, row_group_rows=50)  # local -> memory
+        assert is_parquet_source(out) and sorted(manifest["tables"]) == ["item", "user"]
+        src = ParquetSource(out)
+        want = stored(ckpt, "user")
+        ids, cols = src.read_table("user", ["embedding", "adagrad_acc"])
+        assert same_bits(ids, want["id"]) and same_bits(cols["adagrad_acc"], want["adagrad_acc"])
+        with pytest.raises(UsageError):
+            to_parquet(ckpt, out)
+        # memory checkpoint -> memory export, and memory -> local
+        job = make_job(f"{root}/run", save_interval=None)
+        job.train(2)
+        remote_ckpt = job.saver.save("ckpt_2")
+        to_parquet(f"{root}/run", f"{root}/out2", ["item"], row_group_rows=7)
+        to_parquet(remote_ckpt, str(tmp_path / "local"), ["item"])
+        want = stored(remote_ckpt, "item", storage=get_storage(remote_ckpt))
+        for path in (f"{root}/out2", str(tmp_path / "local")):
+            ids, cols = ParquetSource(path).read_table("item", ["embedding"], rank=0, world=2)
+            mask = owner_of(want["id"], 2) == 0
+            assert same_bits(ids, want["id"][mask]) and same_bits(cols["embedding"], want["embedding"][mask])
+        assert ParquetSource(f"{root}/out2/item/part-00000.parquet").tables()["part-00000"].rows == want["id"].numel()
+    finally:
+        get_storage(root).remove_tree(root)
+
+
+# --------------------------------------------------------------------------------------- CLI
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "recsave.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_cli_export(ckpt, tmp_path):
+    out = str(tmp_path / "out")
+    res = run_cli("export", ckpt, out, "--tables", "user", "--row-group-rows", "40")
+    assert res.returncode == 0, res.stderr
+    assert "user:" in res.stdout and "1 table(s)" in res.stdout and res.stderr == ""
+    assert sorted(os.listdir(out)) == [MANIFEST, "user"]
+    assert pq.ParquetFile(os.path.join(out, "user", "part-00000.parquet")).metadata.row_group(0).num_rows == 40
+    res = run_cli("export", str(tmp_path / "nowhere"), str(tmp_path / "o2"))
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.startswith("recsave: error: ") and res.stderr.count("\n") == 1
+    assert "nowhere" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_in_process_errors(ckpt, tmp_path, capsys):
+    assert main(["export", ckpt, str(tmp_path / "o"), "--tables", "user,zzz"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recsave: error: ") and "'zzz'" in err and err.count("\n") == 1
+    assert main(["export", ckpt]) == 2  # argparse usage error
+    assert "OUT_DIR" in capsys.readouterr().err
+    assert main(["export", ckpt, str(tmp_path / "o"), "--row-group-rows", "0"]) == 2
+    assert main(["--version"]) == 0
+    assert recsave.__version__ in capsys.readouterr().out
