@@ -65,3 +65,14 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
         return False
     files = storage.listdir(path)
     return bool(files) and all(_OWN_FILE.match(f) for f in files)
+
+
+def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[str]:
+    """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
+    crashed saves); returns their names. Other files and directories are never touched."""
+    removed = []
+    for name in storage.listdir(output_dir):
+        if name not in keep and looks_like_checkpoint(storage, output_dir, name):
+            storage.remove_tree(storage.join(output_dir, name))
+            removed.append(name)
+    return removed

@@ -6,11 +6,11 @@ arguments and returns the exit code. Expected failures (every :class:`recsave.Re
 
 To add one::
 
-    def _ls_arguments(p: argparse.ArgumentParser) -> None:
+    def _arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("output_dir")
 
-    @command("ls", "list the committed checkpoints of an output directory", _ls_arguments)
-    def _ls(args: argparse.Namespace) -> int:
+    @command("name", "what it does", _arguments)
+    def _handler(args: argparse.Namespace) -> int:
         ...
         return 0
 """
@@ -104,6 +104,75 @@ def _export(args: argparse.Namespace) -> int:
         total_files += len(t["files"])
     print(f"{len(manifest['tables'])} table(s), {total_rows} rows, {total_files} file(s), {total_bytes} bytes "
           f"({_human(total_bytes)}); manifest {get_storage(args.out_dir).join(args.out_dir, MANIFEST)}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------- ls / inspect / verify / gc
+def _output_dir_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="a Saver's output_dir (local path or fsspec URL)")
+
+
+def _ckpt_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or output dir (its latest checkpoint)")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@command("ls", "list the committed checkpoints of an output dir (step, size, age)", _output_dir_argument)
+def _ls(args: argparse.Namespace) -> int:
+    from .catalog import list_checkpoints
+
+    entries = list_checkpoints(args.output_dir)
+    if not entries:
+        print(f"{args.output_dir}: no committed checkpoint")
+        return EXIT_OK
+    print(f"{'checkpoint':24} {'step':>10} {'size':>11} {'age':>8}  created")
+    for e in entries:
+        step = "-" if e["step"] is None else str(e["step"])
+        print(f"{e['id']:24} {step:>10} {_human(e['bytes']):>11} {_age(e['age_s']):>8}  {e['created_at']}")
+    return EXIT_OK
+
+
+@command("inspect", "describe a checkpoint: tables, rows, dims, slots, shards, dense keys", _ckpt_argument)
+def _inspect(args: argparse.Namespace) -> int:
+    from .catalog import describe
+
+    d = describe(args.ckpt)
+    print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}, "
+          f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}")
+    print(f"tables ({len(d['tables'])}):")
+    for name, t in sorted(d["tables"].items()):
+        print(f"  {name}: {t['rows']} rows, dim {t['dim']} {t['dtype']}, slots "
+              f"{', '.join(t['slots']) or '-'}, {_human(t['bytes'])}")
+    print(f"shards: {d['shards']['files']} file(s), {_human(d['shards']['bytes'])}")
+    print(f"dense ({len(d['dense'])}): {', '.join(d['dense']) or '-'}")
+    print(f"extras: {', '.join(d['extras']) or '-'}; io states: {', '.join(d['io_states']) or '-'}")
+    return EXIT_OK
+
+
+@command("verify", "check every file and checksum of a checkpoint (exit 0 intact, 1 damaged)", _ckpt_argument)
+def _verify(args: argparse.Namespace) -> int:
+    from .catalog import verify
+
+    problems = verify(args.ckpt)
+    for p in problems:
+        print(f"BAD  {' '.join(p.split())}")
+    print(f"{args.ckpt}: " + ("all checksums match" if not problems else f"{len(problems)} problem(s)"))
+    return EXIT_OK if not problems else EXIT_FAILURE
+
+
+@command("gc", "remove uncommitted leftovers of crashed saves from an output dir", _output_dir_argument)
+def _gc(args: argparse.Namespace) -> int:
+    from .catalog import collect_garbage
+
+    removed = collect_garbage(args.output_dir)
+    print(f"removed {len(removed)} director{'y' if len(removed) == 1 else 'ies'}" +
+          (f": {', '.join(removed)}" if removed else ""))
     return EXIT_OK
 
 

@@ -248,9 +248,7 @@ class Saver:
         ids = [i for i in ckptlist.read(st, out) if i != ckpt_id] + [ckpt_id]
         keep = ids if self.max_keep is None else ids[-self.max_keep:]
         ckptlist.write(st, out, keep)
-        for name in st.listdir(out):
-            if name not in keep and ckptlist.looks_like_checkpoint(st, out, name):
-                st.remove_tree(st.join(out, name))
+        ckptlist.collect_garbage(st, out, keep)
 
     # -------------------------------------------------------------------------------------- load
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,

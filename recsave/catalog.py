@@ -1,0 +1,100 @@
+"""Looking at checkpoints without loading them: list, describe, verify every checksum, collect
+garbage. Used by the `recsave` command line (ls, inspect, verify, gc)."""
+from __future__ import annotations
+
+import datetime
+from typing import Any, Dict, List
+
+import numpy as np
+
+from . import _C, ckptlist, knobs, torchio
+from .errors import RecsaveError
+from .format import index as index_mod
+from .format.reader import check_listed_file
+from .sources import CheckpointSource, open_source
+from .storage import get_storage
+
+
+def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
+    """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds."""
+    storage = get_storage(output_dir)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = []
+    for ckpt_id in ckptlist.read(storage, output_dir):
+        path = storage.join(output_dir, ckpt_id)
+        index = index_mod.read(path, storage)
+        created = datetime.datetime.strptime(index["created_at"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(
+            tzinfo=datetime.timezone.utc)
+        out.append({"id": ckpt_id, "path": path, "step": index["step"], "created_at": index["created_at"],
+                    "age_s": (now - created).total_seconds(),
+                    "bytes": sum(f["size"] for f in index["files"].values())})
+    return out
+
+
+def describe(ckpt: str) -> Dict[str, Any]:
+    """What a checkpoint holds, from its index alone."""
+    src = open_source(ckpt)
+    if not isinstance(src, CheckpointSource):
+        raise RecsaveError(f"{ckpt} is a Parquet export, not a checkpoint", path=ckpt)
+    index, meta = src.index, src.index["meta"]
+    shards = {n: f for n, f in index["files"].items() if n.endswith(".safetensors")}
+    tables = {}
+    for name, t in meta.get("tables", {}).items():
+        nbytes = sum(c["length"] for k in [f"{name}@id", f"{name}@embedding", *[f"{name}@{s}" for s in t["slots"]]]
+                     for c in index["tensors"][k]["chunks"])
+        tables[name] = {"rows": t["rows"], "dim": t["dim"], "dtype": t["dtype"], "slots": t["slots"], "bytes": nbytes}
+    return {
+        "path": src.ckpt_dir, "step": index["step"], "created_at": index["created_at"],
+        "format_version": index["format_version"], "recsave_version": index["recsave_version"],
+        "world_size": index["world_size"], "partition": index["partition"], "tables": tables,
+        "shards": {"files": len(shards), "bytes": sum(f["size"] for f in shards.values())},
+        "dense": sorted(meta.get("dense", {})), "extras": meta.get("extras", []),
+        "io_states": meta.get("io_states", []),
+        "bytes": sum(f["size"] for f in index["files"].values()),
+    }
+
+
+def verify(ckpt: str) -> List[str]:
+    """Checks every file and every checksum of a checkpoint, reading in bounded chunks. Returns the
+    problems found (empty: the checkpoint is intact)."""
+    try:
+        src = open_source(ckpt)
+    except RecsaveError as exc:
+        return [str(exc)]
+    if not isinstance(src, CheckpointSource):
+        return [f"{ckpt} is a Parquet export, not a checkpoint"]
+    problems: List[str] = []
+    for fname, entry in sorted(src.index["files"].items()):
+        try:
+            if fname.endswith(".safetensors"):
+                _verify_shard(src, fname)
+            else:
+                torchio.read_bytes(src.storage, src.ckpt_dir, fname, src.index)
+        except RecsaveError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _verify_shard(src: CheckpointSource, fname: str) -> None:
+    path = check_listed_file(src.ckpt_dir, fname, src.index, src.storage)
+    limit = knobs.get("io_chunk_bytes")
+    for name, entry in src.index["tensors"].items():
+        for chunk in entry["chunks"]:
+            if chunk["file"] != fname:
+                continue
+            for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
+                value, pos = 0, b
+                while pos < e:  # a segment is read in pieces of at most io_chunk_bytes
+                    n = min(limit, e - pos)
+                    value = _C.crc32c(np.frombuffer(src.storage.read_range(path, chunk["offset"] + pos, n),
+                                                    dtype=np.uint8), value)
+                    pos += n
+                if value != crc:
+                    raise RecsaveError(f"{path}: tensor {name!r}: CRC32C mismatch in bytes "
+                                       f"[{chunk['offset'] + b}, {chunk['offset'] + e})", path=path, key=name)
+
+
+def collect_garbage(output_dir: str) -> List[str]:
+    """Removes uncommitted leftovers (and pruned checkpoints) of an output dir; returns their names."""
+    storage = get_storage(output_dir)
+    return ckptlist.collect_garbage(storage, output_dir, ckptlist.read(storage, output_dir))
