@@ -173,6 +173,7 @@ def _save(method: str, spec: Dict[str, Any], state: Dict[str, Any]) -> None:
         if spec.get("segment_bytes"):
             knob["segment_bytes"] = spec["segment_bytes"]
         with knobs.override(**knob):
+            spec["segment_bytes_used"] = knobs.get("segment_bytes")
             part = fmt.write_shards(path, state, concurrency=spec["concurrency"])
             fmt.write_index(path, fmt.merge_parts([part]))
     else:
@@ -258,6 +259,8 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     res = m.result()
     res["nbytes"] = payload_bytes(layout)
     res["prefault_s"] = prefault_s
+    if "segment_bytes_used" in spec:
+        res["segment_bytes"] = spec["segment_bytes_used"]
     res["torch_threads"] = torch.get_num_threads()
     if kind == "save":
         p = spec["path"]
@@ -287,8 +290,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--segment-mb", type=float, default=None,
                    help="recsave segment_bytes knob in MiB (default: the knob's default)")
     p.add_argument("--no-prefault", dest="prefault", action="store_false",
-                   help="do not touch and free 1.25x the payload of memory just before each timed "
-                        "operation (see README: VM free page reporting)")
+                   help="do not cycle 1.25x the payload through the page cache and anonymous memory "
+                        "just before each timed operation (see README: VM free page reporting)")
     p.add_argument("--drop-caches", action="store_true",
                    help="root only: sync and drop the page cache before every load (cold reads)")
     p.add_argument("--sweep", action="store_true",
@@ -296,12 +299,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--only", default=None,
                    help="comma-separated kind:method filter, e.g. save:raw,save:recsave (debugging)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=os.path.join(C.RESULTS_DIR, "engine.json"), help="JSON output path")
+    p.add_argument("--json", default=None,
+                   help="JSON output path (default benchmarks/results/engine.json, engine-quick.json with --quick)")
     args = p.parse_args(argv)
     if args.size_gb is None:
         args.size_gb = 0.064 if args.quick else 1.0
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
+    if args.json is None:
+        args.json = os.path.join(C.RESULTS_DIR, "engine-quick.json" if args.quick else "engine.json")
     if args.size_gb <= 0 or args.repeats < 1 or args.tables < 1 or args.dim < 1 or args.concurrency < 1:
         p.error("--size-gb, --repeats, --tables, --dim and --concurrency must be positive")
     return args
@@ -376,12 +382,16 @@ def run_rounds(args: argparse.Namespace, tmp: str, methods: Dict[str, List[str]]
     return samples, failures
 
 
+def segment_label(nbytes: Optional[int]) -> str:
+    return "n/a" if not nbytes else f"{nbytes / (1 << 20):g} MiB"
+
+
 def run_sweep(args: argparse.Namespace, tmp: str, drop: bool) -> List[Dict[str, Any]]:
     """recsave save (fsync off) and load (verify) over concurrency and segment size."""
-    default_seg = 4 << 20
-    configs = [(c, default_seg) for c in (1, 2, 4, 8)] + [(4, s << 20) for s in (1, 16, 64)]
+    configs = [(c, None) for c in (1, 2, 4, 8)] + [(4, s << 20) for s in (1, 16, 64)]  # None: knob default
     timeout = 120 + 120 * args.size_gb
-    times: Dict[Tuple[int, int, str], List[float]] = defaultdict(list)
+    times: Dict[Tuple[int, Optional[int], str], List[float]] = defaultdict(list)
+    used: Dict[Tuple[int, Optional[int]], int] = {}
     nbytes = 0
     for r in range(args.repeats):
         for conc, seg in C.rounds_order(configs, r):
@@ -389,14 +399,15 @@ def run_sweep(args: argparse.Namespace, tmp: str, drop: bool) -> List[Dict[str, 
             C.settle()
             res = run_op(make_spec(args, "save", "recsave", path, concurrency=conc, segment_bytes=seg), timeout)
             times[(conc, seg, "save")].append(res["seconds"])
+            used[(conc, seg)] = res["segment_bytes"]
             C.settle(drop)
             res2 = run_op(make_spec(args, "load", "recsave_verify", path, concurrency=conc), timeout)
             times[(conc, seg, "load")].append(res2["seconds"])
             nbytes = res["nbytes"]
-            C.log(f"[sweep {r + 1}/{args.repeats}] concurrency {conc} segment {seg >> 20} MiB: save "
+            C.log(f"[sweep {r + 1}/{args.repeats}] concurrency {conc} segment {segment_label(res['segment_bytes'])}: save "
                   f"{C.gbps(nbytes, res['seconds']):.2f} GB/s, load {C.gbps(nbytes, res2['seconds']):.2f} GB/s")
             remove(path)
-    return [{"concurrency": c, "segment_bytes": s,
+    return [{"concurrency": c, "segment_bytes": used[(c, s)],
              "save_gbps": C.gbps(nbytes, C.median(times[(c, s, "save")])),
              "load_verify_gbps": C.gbps(nbytes, C.median(times[(c, s, "load")])),
              "save_seconds": times[(c, s, "save")], "load_seconds": times[(c, s, "load")]}
@@ -411,6 +422,8 @@ def summarize(samples: Dict[Tuple[str, str], List[Dict[str, Any]]]) -> Dict[Tupl
         s["rss_delta_max"] = max(x["rss_delta"] for x in runs)
         s["cpu_per_wall_median"] = C.median([x["cpu_s"] / x["seconds"] for x in runs])
         s["others_cpu_per_wall_median"] = C.median([x["others_cpu_s"] / x["seconds"] for x in runs])
+        if "segment_bytes" in runs[0]:
+            s["segment_bytes"] = runs[0]["segment_bytes"]
         out[key] = s
     return out
 
@@ -441,8 +454,8 @@ def report(args: argparse.Namespace, summary: Dict[Tuple[str, str], Dict[str, An
     lines = []
     lines.append(f"recsave engine benchmark: {nbytes / C.GB:.3f} GB payload, {args.tables} tables x "
                  f"[ids int64, weight f32[rows,{args.dim}], momentum f32[rows,{args.dim}]], "
-                 f"{args.repeats} interleaved round(s), recsave concurrency {args.concurrency}, segment "
-                 f"{(args.segment_mb or 4):g} MiB")
+                 f"{args.repeats} interleaved round(s), recsave concurrency {args.concurrency}, segment_bytes "
+                 f"{segment_label(next((v['segment_bytes'] for v in summary.values() if 'segment_bytes' in v), None))}")
     lines.append(f"machine: {machine['cpus']} CPUs ({machine['cpu']}), "
                  f"{(machine['memory_bytes'] or 0) / 2**30:.0f} GiB RAM, {machine['fs']} at {machine['dir']}, "
                  f"torch {machine['torch']}, safetensors {machine['safetensors']}")
@@ -496,7 +509,7 @@ def report(args: argparse.Namespace, summary: Dict[Tuple[str, str], Dict[str, An
     if sweep:
         lines.append("")
         sh = ["recsave concurrency", "segment MiB", "save GB/s (fsync off)", "load GB/s (verify)"]
-        srows = [[x["concurrency"], x["segment_bytes"] >> 20, C.fmt_num(x["save_gbps"]),
+        srows = [[x["concurrency"], f"{x['segment_bytes'] / (1 << 20):g}", C.fmt_num(x["save_gbps"]),
                   C.fmt_num(x["load_verify_gbps"])] for x in sweep]
         lines.append(C.text_table(sh, srows, "rrrr"))
 
