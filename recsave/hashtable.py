@@ -291,6 +291,34 @@ class HashTable(torch.nn.Module):
         values, slots = self.gather_rows(rows)
         return ids, values, slots
 
+    def prepare_load(self, ids: torch.Tensor, columns: List[str]) -> Optional[Dict[str, torch.Tensor]]:
+        """Restore in place: clears the table, makes `ids` rows 0..n-1 and returns, for each of
+        `columns` ('embedding' and / or slot names), the storage rows [0, n) to read the checkpoint
+        straight into — no second copy of the table. Columns not listed get their initial values.
+        Returns None (table left cleared) when this is not possible: rows not on the CPU, or
+        duplicate ids."""
+        if self._device.type != "cpu":
+            return None
+        self.clear()
+        n = ids.numel()
+        self._ensure_capacity(n)
+        if self._partition is not None:
+            self._check_owned(ids)
+        rows, _is_new, num_new = self._map.lookup_or_insert(_as_id_array(ids), knobs.get("concurrency"))
+        if num_new != n:  # duplicates: rows are not 0..n-1
+            self.clear()
+            return None
+        for slot in columns:
+            if slot != "embedding" and slot not in self._slots:
+                self.add_slot(slot)
+        if "embedding" not in columns:
+            self._weight[:n] = self.initial_rows(ids).to(self._dtype)
+        for slot, storage in self._slots.items():
+            if slot not in columns:
+                storage[:n] = self._slot_init[slot]
+        views = {c: (self._weight if c == "embedding" else self._slots[c])[:n] for c in columns}
+        return views
+
     def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:
         """Sets slot values of the `ids` already in the table (others are ignored); returns how many
         ids were updated. Used to warm-start optimizer state without touching embeddings."""

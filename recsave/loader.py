@@ -186,22 +186,43 @@ def _apply_tables(saver: "Saver", tables: Dict[str, HashTable], src: Any, plan: 
         has_embedding = "embedding" in columns
         if has_embedding == slots_only:
             continue
-        ids, data = src.read_table(src_table, list(columns.values()), rank, world, saver.concurrency)
         table = tables[table_name]
         if world > 1:
             table.set_partition(rank, world, getattr(src, "index", {}).get("partition", {}).get("num_buckets", 4096))
-        values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
-        slot_values = {c: v for c, v in values.items() if c != "embedding"}
-        if has_embedding:
-            table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear)
-            loaded_rows = ids.numel()
+        if has_embedding and _load_in_place(saver, table, src, src_table, columns, plan, rank, world):
+            loaded_rows = len(table)
         else:
-            loaded_rows = table.set_slot_rows(ids, slot_values)
+            ids, data = src.read_table(src_table, list(columns.values()), rank, world, saver.concurrency)
+            values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
+            slot_values = {c: v for c, v in values.items() if c != "embedding"}
+            if has_embedding:
+                table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear)
+                loaded_rows = ids.numel()
+            else:
+                loaded_rows = table.set_slot_rows(ids, slot_values)
         for column in columns:
             name = table_name if column == "embedding" else f"{table_name}@{column}"
             planned = load_plan.items[name]
             report.loaded[name] = LoadedItem(won[name][0], src.ckpt_dir, won[name][1], loaded_rows,
                                              planned.nbytes)
+
+
+def _load_in_place(saver: "Saver", table: HashTable, src: Any, src_table: str, columns: Dict[str, str],
+                   plan: Plan, rank: int, world: int) -> bool:
+    """The restore fast path: a cleared CPU table whose shape and dtype match reads the checkpoint
+    straight into its storage (no second copy of the table in memory). False: use the general path."""
+    info = src.contents.tables.get(src_table)
+    if (not plan.conf.hashtable_clear or not isinstance(getattr(src, "index", None), dict)
+            or "partition" not in src.index or info is None or info.dim != table.embedding_dim
+            or info.dtype != str(table.dtype).replace("torch.", "")):
+        return False
+    ids, _ = src.read_table(src_table, [], rank, world, saver.concurrency)
+    views = table.prepare_load(ids, list(columns))
+    if views is None:
+        return False
+    src.read_table(src_table, [columns[c] for c in columns], rank, world, saver.concurrency,
+                   out={columns[c]: views[c] for c in columns})
+    return True
 
 
 def _apply_small(saver: "Saver", dense: Dict[str, torch.Tensor], src: Any, won: Dict[str, Tuple[str, str]],

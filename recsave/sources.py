@@ -69,12 +69,15 @@ class CheckpointSource:
         cost = {c: bytes_to_read(self.index, f"{table}@{c}", ranges) for c in ["id", *columns]}
         return rows, cost
 
-    def read_table(self, table: str, columns: Sequence[str], rank: int, world: int,
-                   concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def read_table(self, table: str, columns: Sequence[str], rank: int, world: int, concurrency: int,
+                   out: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The table's ids (those rank `rank` of `world` owns) and the given columns; `out` maps
+        columns to destination tensors to read into (e.g. the table's storage)."""
         ranges = self.row_ranges(table, rank, world)
         names = [f"{table}@id"] + [f"{table}@{c}" for c in columns]
         data = read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage,
-                            concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names})
+                            concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names},
+                            out={f"{table}@{c}": t for c, t in (out or {}).items()})
         return data[f"{table}@id"], {c: data[f"{table}@{c}"] for c in columns}
 
     def read_pt(self, fname: str) -> Any:

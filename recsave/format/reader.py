@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import _C, knobs
-from ..errors import CheckpointNotFoundError, ConfigError
+from ..errors import CheckpointNotFoundError, ConfigError, UsageError
 from ..storage import Storage
 from . import checks, header
 from . import index as index_mod
@@ -73,13 +73,16 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                  index: Optional[Dict[str, Any]] = None, verify: bool = True,
                  concurrency: Optional[int] = None, storage: Optional[Storage] = None,
                  rows: Optional[Dict[str, List[tuple]]] = None,
-                 stats: Optional[Dict[str, int]] = None) -> Dict[str, torch.Tensor]:
+                 stats: Optional[Dict[str, int]] = None,
+                 out: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """Reads the named tensors (all when `names` is None) of the checkpoint in `ckpt_dir`.
 
     Every segment read is checked against its CRC32C unless `verify` is False. `rows` optionally
     restricts a tensor to row ranges ``[(start, stop), ...]`` of its logical rows (concatenated in
     the given order); only the checksum segments covering them are read. `stats`, when given,
-    receives ``bytes_read`` and, per tensor, ``tensors[name]`` (what `bytes_to_read` predicts). Raises CheckpointNotFoundError, CorruptCheckpointError (incl.
+    receives ``bytes_read`` and, per tensor, ``tensors[name]`` (what `bytes_to_read` predicts). `out`
+    gives destination tensors (contiguous CPU, exact dtype and shape of the result) to read into
+    instead of allocating — e.g. a table's own storage. Raises CheckpointNotFoundError, CorruptCheckpointError (incl.
     FormatVersionError) or ConfigError for a name the checkpoint does not have.
     """
     if index is None:
@@ -91,7 +94,8 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                           f"{sorted(index['tensors'])[:20]}", path=ckpt_dir, key=missing[0])
     rows = rows or {}
     threads = concurrency or knobs.get("concurrency")
-    out: Dict[str, torch.Tensor] = {}
+    given = out or {}
+    out = {}
     scratch: List[torch.Tensor] = []  # segment-aligned buffers of partial reads, kept alive
     plans: Dict[str, FileReads] = {}
     copies: List[tuple] = []  # (dest tensor bytes view, dest offset, scratch view, scratch offset, n)
@@ -99,10 +103,11 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
         entry = index["tensors"][name]
         dtype = BY_NAME[entry["dtype"]].torch_dtype
         if name not in rows:
-            out[name] = torch.empty(entry["shape"], dtype=dtype)
+            out[name] = _destination(given.get(name), entry["shape"], dtype, name)
             _plan_whole(name, entry, out[name], plans)
         else:
-            out[name] = _plan_rows(name, entry, dtype, rows[name], plans, scratch, copies, ckpt_dir)
+            out[name] = _plan_rows(name, entry, dtype, rows[name], plans, scratch, copies, ckpt_dir,
+                                   given.get(name))
     total = 0
     for fname, reads in plans.items():
         path = check_listed_file(ckpt_dir, fname, index, storage)
@@ -150,9 +155,19 @@ def _plan_whole(name: str, entry: Dict[str, Any], out: torch.Tensor, plans: Dict
             reads.add(chunk["offset"] + b, dest + b, e - b, crc)
 
 
+def _destination(given: Optional[torch.Tensor], shape: List[int], dtype: torch.dtype, name: str) -> torch.Tensor:
+    if given is None:
+        return torch.empty(shape, dtype=dtype)
+    if (given.dtype != dtype or list(given.shape) != list(shape) or given.device.type != "cpu"
+            or not given.is_contiguous()):
+        raise UsageError(f"destination for {name!r} must be a contiguous CPU {dtype} tensor of shape "
+                         f"{list(shape)}, got {given.dtype} {list(given.shape)} on {given.device}", key=name)
+    return given
+
+
 def _plan_rows(name: str, entry: Dict[str, Any], dtype: torch.dtype, ranges: List[tuple],
                plans: Dict[str, FileReads], scratch: List[torch.Tensor], copies: List[tuple],
-               ckpt_dir: str) -> torch.Tensor:
+               ckpt_dir: str, given: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plans reading only `ranges` of rows. Whole segments are read (they carry the checksums); a
     segment that also holds rows outside the range goes to a scratch buffer and is copied after."""
     shape = entry["shape"]
@@ -163,7 +178,7 @@ def _plan_rows(name: str, entry: Dict[str, Any], dtype: torch.dtype, ranges: Lis
             raise ConfigError(f"{ckpt_dir}: rows [{start}, {stop}) of {name!r} are outside its "
                               f"{shape[0]} rows", key=name)
     total_rows = sum(stop - start for start, stop in ranges)
-    out = torch.empty([total_rows] + shape[1:], dtype=dtype)
+    out = _destination(given, [total_rows] + shape[1:], dtype, name)
     row_bytes = _row_bytes(out) if total_rows else 0
     if row_bytes == 0:
         return out
