@@ -3,7 +3,7 @@ garbage. Used by the `recsave` command line (ls, inspect, verify, gc)."""
 from __future__ import annotations
 
 import datetime
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -54,9 +54,11 @@ def describe(ckpt: str) -> Dict[str, Any]:
     }
 
 
-def verify(ckpt: str) -> List[str]:
+def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
+           on_start: Optional[Callable[[int], None]] = None) -> List[str]:
     """Checks every file and every checksum of a checkpoint, reading in bounded chunks. Returns the
-    problems found (empty: the checkpoint is intact)."""
+    problems found (empty: the checkpoint is intact). `on_start(total_bytes)` and `progress(bytes)`
+    report progress."""
     try:
         src = open_source(ckpt)
     except RecsaveError as exc:
@@ -64,6 +66,8 @@ def verify(ckpt: str) -> List[str]:
     if not isinstance(src, CheckpointSource):
         return [f"{ckpt} is a Parquet export, not a checkpoint"]
     problems: List[str] = []
+    if on_start is not None:
+        on_start(sum(f["size"] for f in src.index["files"].values()))
     for fname, entry in sorted(src.index["files"].items()):
         try:
             if fname.endswith(".safetensors"):
@@ -72,6 +76,8 @@ def verify(ckpt: str) -> List[str]:
                 torchio.read_bytes(src.storage, src.ckpt_dir, fname, src.index)
         except RecsaveError as exc:
             problems.append(str(exc))
+        if progress is not None:
+            progress(entry["size"])
     return problems
 
 

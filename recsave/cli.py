@@ -87,8 +87,15 @@ def _export(args: argparse.Namespace) -> int:
     from .export import MANIFEST, to_parquet
     from .storage import get_storage
 
+    from .catalog import describe
+    from .progress import Progress
+
+    tables = describe(args.ckpt)["tables"]
+    bar = Progress("export", sum(t["rows"] for n, t in tables.items() if args.tables is None or n in args.tables),
+                   unit=" k rows", scale=1e3)
     manifest = to_parquet(args.ckpt, args.out_dir, args.tables, row_group_rows=args.row_group_rows,
-                          rows_per_file=args.rows_per_file)
+                          rows_per_file=args.rows_per_file, progress=bar.advance)
+    bar.close()
     step = manifest["step"]
     print(f"exported {manifest['source']}" + (f" (step {step})" if step is not None else "") + f" to {args.out_dir}")
     total_rows = total_bytes = total_files = 0
@@ -159,7 +166,13 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .catalog import verify
 
-    problems = verify(args.ckpt)
+    from .progress import Progress
+
+    bar: List[Progress] = []
+    problems = verify(args.ckpt, progress=lambda n: bar[0].advance(n),
+                      on_start=lambda total: bar.append(Progress("verify", total, unit=" MB", scale=1e6)))
+    if bar:
+        bar[0].close()
     for p in problems:
         print(f"BAD  {' '.join(p.split())}")
     print(f"{args.ckpt}: " + ("all checksums match" if not problems else f"{len(problems)} problem(s)"))

@@ -7,7 +7,7 @@ import json
 import os
 import contextlib
 import uuid
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,12 +24,14 @@ from .version import __version__
 __all__ = ["to_parquet", "ParquetSource", "is_parquet_source", "MANIFEST"]
 
 def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, *,
-               row_group_rows: int = 65536, rows_per_file: Optional[int] = None) -> Dict[str, Any]:
+               row_group_rows: int = 65536, rows_per_file: Optional[int] = None,
+               progress: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
     """Exports tables of the checkpoint `ckpt` (a checkpoint dir, or an output dir: its latest
     checkpoint) to one Parquet dataset per table under `out_dir`, streaming `row_group_rows` rows at a
     time (one row group each); a table's file is split every `rows_per_file` rows (None: one file).
     Writes the manifest last and returns it. Raises ConfigError for an unknown table and UsageError
-    when `out_dir` already holds an export or a non-empty directory of a selected table."""
+    when `out_dir` already holds an export or a non-empty directory of a selected table.
+    `progress`, when given, is called with the number of rows written after each row group."""
     if type(row_group_rows) is not int or row_group_rows < 1:
         raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}")
     if rows_per_file is not None and (type(rows_per_file) is not int or rows_per_file < 1):
@@ -63,7 +65,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         entries = {}
         for name in names:
             entries[name] = _export_table(src, name, available[name], out, written, created,
-                                          row_group_rows, rows_per_file)
+                                          row_group_rows, rows_per_file, progress)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "recsave_version": __version__,
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
@@ -85,7 +87,8 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
 
 
 def _export_table(src: Any, name: str, info: TableInfo, out: _Fs, written: List[str], created: List[str],
-                  row_group_rows: int, rows_per_file: Optional[int]) -> Dict[str, Any]:
+                  row_group_rows: int, rows_per_file: Optional[int],
+                  progress: Optional[Callable[[int], None]]) -> Dict[str, Any]:
     tensors = src.index["tensors"]
     columns = ["embedding"] + list(info.slots)
     names = [f"{name}@id"] + [f"{name}@{c}" for c in columns]
@@ -113,7 +116,7 @@ def _export_table(src: Any, name: str, info: TableInfo, out: _Fs, written: List[
     for part, first in enumerate(range(0, max(n, 1), per_file)):
         rel = f"{rel_dir}/part-{part:05d}.parquet"
         rows = _write_file(src, names, columns, dtypes, schema, out, rel, written, first,
-                           min(n, first + per_file), row_group_rows, info.dim)
+                           min(n, first + per_file), row_group_rows, info.dim, progress)
         files.append({"path": rel, "rows": rows, "size": int(out.info(rel)["size"])})
     return {"dim": info.dim, "dtype": info.dtype, "slots": list(info.slots), "rows": n,
             "columns": {"id": "int64", **dtypes}, "files": files}
@@ -121,7 +124,7 @@ def _export_table(src: Any, name: str, info: TableInfo, out: _Fs, written: List[
 
 def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str, str], schema: pa.Schema,
                 out: _Fs, rel: str, written: List[str], first: int, stop: int, row_group_rows: int,
-                dim: int) -> int:
+                dim: int, progress: Optional[Callable[[int], None]]) -> int:
     """Rows [first, stop) of the table into one file, a row group per `row_group_rows` rows."""
     final = out.path(rel)
     target = final if not out.local else os.path.join(os.path.dirname(final),
@@ -138,6 +141,8 @@ def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str
                     pa.FixedSizeListArray.from_arrays(_to_arrow(data[t], dtypes[c]), dim)
                     for t, c in zip(names[1:], columns)]
                 writer.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=row_group_rows)
+                if progress is not None:
+                    progress(end - start)
         if out.local:
             if knobs.get("fsync"):
                 fd = os.open(target, os.O_RDONLY)

@@ -65,3 +65,35 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("recsave: error: ") and err.count("\n") == 1
+
+
+class _Tty:
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_bar_draws_only_on_a_terminal():
+    import io
+
+    from recsave.progress import Progress
+
+    tty = _Tty()
+    p = Progress("verify", 200, unit=" B", stream=tty)
+    p.advance(100)
+    p.advance(100)
+    p.close()
+    assert "100.0%" in tty.text and tty.text.endswith("\n")
+    pipe = io.StringIO()
+    q = Progress("verify", 10, stream=pipe)
+    q.advance(10)
+    q.close()
+    assert pipe.getvalue() == ""
