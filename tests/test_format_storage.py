@@ -71,3 +71,32 @@ def test_row_ranges_read_only_covering_segments(tmp_path, where):
     assert stats["bytes_read"] <= 6 * 320
     with pytest.raises(recsave.errors.ConfigError, match="outside"):
         fmt.read_tensors(url, ["e"], rows={"e": [(990, 1001)]}, storage=storage)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_row_source_is_written_in_bounded_blocks(tmp_path, where):
+    from recsave.format import RowSource
+
+    t = torch.randn(1000, 6)
+    calls = []
+
+    def fetch(a, b):
+        calls.append((a, b))
+        return t[a:b].clone()
+
+    url = str(tmp_path) if where == "local" else _url(tmp_path, "memory")
+    storage = get_storage(url)
+    ends = list(range(24 * 7, 24 * 1000, 24 * 7)) + [24 * 1000]  # 7-row segments
+    with recsave.knobs.override(write_block_bytes=24 * 100):
+        part = fmt.write_shards(url, {"x": RowSource(torch.float32, (1000, 6), fetch), "y": torch.arange(5)},
+                                segments={"x": ends}, storage=storage)
+        fmt.write_index(url, fmt.merge_parts([part]), storage=storage)
+    got = fmt.read_tensors(url, storage=storage)
+    assert torch.equal(got["x"], t) and torch.equal(got["y"], torch.arange(5))
+    # Every block holds whole segments and at most write_block_bytes (100 rows), covering all rows once.
+    assert all(b - a <= 100 and a % 7 == 0 for a, b in calls)
+    assert sorted(calls) == calls and calls[0][0] == 0 and calls[-1][1] == 1000
+    assert all(x[1] == y[0] for x, y in zip(calls, calls[1:]))
+    with pytest.raises(recsave.errors.UsageError, match="row boundaries"):
+        fmt.write_shards(url, {"z": RowSource(torch.float32, (10, 6), fetch)}, segments={"z": [100, 240]},
+                         storage=storage)

@@ -9,9 +9,10 @@ from .index import read as read_index
 from .index import validate as validate_index
 from .index import write as write_index
 from .reader import read_tensors
-from .writer import shard_file_name, write_shards
+from .writer import RowSource, shard_file_name, write_shards
 
 __all__ = [
     "DType", "from_torch", "FORMAT_VERSION", "INDEX_FILE", "MAGIC", "merge_parts", "new_part",
-    "read_index", "validate_index", "write_index", "read_tensors", "shard_file_name", "write_shards",
+    "read_index", "validate_index", "write_index", "read_tensors", "RowSource", "shard_file_name",
+    "write_shards",
 ]

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -15,14 +17,46 @@ from .dtypes import DType, from_torch
 from .index import FORMAT_VERSION, new_part
 
 
+@dataclass
+class RowSource:
+    """A tensor produced in blocks of rows on demand, e.g. a table's rows gathered in bucket order:
+    the writer holds at most two blocks of ``write_block_bytes`` (one written, one being gathered),
+    never a second copy of the whole tensor. ``fetch(a, b)`` returns rows [a, b) as a CPU tensor."""
+
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    fetch: Callable[[int, int], torch.Tensor]
+
+    @property
+    def row_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.row_bytes * (self.shape[0] if self.shape else 1)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+Source = Union[torch.Tensor, RowSource]
+
+
 def shard_file_name(prefix: str, rank: int, part: int) -> str:
     return f"{prefix}-{rank}-{part}.safetensors"
 
 
-def _prepare(name: Any, tensor: Any) -> Tuple[str, torch.Tensor, DType]:
+def _prepare(name: Any, tensor: Any) -> Tuple[str, Source, DType]:
     if not isinstance(name, str) or not name or name == "__metadata__":
         raise UsageError(f"tensor name {name!r} is not usable: names are non-empty strings other "
                          f"than '__metadata__'", key=str(name))
+    if isinstance(tensor, RowSource):
+        if not tensor.shape:
+            raise UsageError(f"{name!r}: a RowSource needs at least one dimension", key=name)
+        return name, tensor, from_torch(tensor.dtype, key=name)
     if not isinstance(tensor, torch.Tensor):
         raise UsageError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor", key=name)
     dtype = from_torch(tensor.dtype, key=name)
@@ -124,30 +158,80 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
     offsets: List[int] = []
     addresses: List[int] = []
     lengths: List[int] = []
+    plain: List[int] = []
     for i, (name, t, _d) in enumerate(group):
+        if isinstance(t, RowSource):
+            continue
+        plain.append(i)
         base = t.data_ptr()
         for b, e in layout[name][0]:
             offsets.append(starts[i] + b)
             addresses.append(base + b)
             lengths.append(e - b)
 
+    crc_of: Dict[int, List[int]] = {}
     writer = _C.ShardWriter(path, durable)
     try:
         writer.reserve(size)
         writer.write_bytes(0, head)
         crcs = writer.write(np.asarray(offsets, dtype=np.uint64), np.asarray(addresses, dtype=np.uint64),
                             np.asarray(lengths, dtype=np.uint64), concurrency)
+        k = 0
+        for i in plain:
+            n = len(layout[group[i][0]][0])
+            crc_of[i] = [int(c) for c in crcs[k:k + n]]
+            k += n
+        for i, (name, t, _d) in enumerate(group):
+            if isinstance(t, RowSource):
+                crc_of[i] = []
+                for block, bounds in _blocks(name, t, layout[name][0]):
+                    base, first = block.data_ptr(), bounds[0][0]
+                    got = writer.write(np.asarray([starts[i] + b for b, _ in bounds], dtype=np.uint64),
+                                       np.asarray([base + b - first for b, _ in bounds], dtype=np.uint64),
+                                       np.asarray([e - b for b, e in bounds], dtype=np.uint64), concurrency)
+                    crc_of[i] += [int(c) for c in got]
         writer.commit()
     except BaseException:
         writer.abort()
         raise
 
-    k = 0
     for i, item in enumerate(group):
-        bounds, fields = layout[item[0]]
-        _describe(part, item, fname, starts[i], [int(c) for c in crcs[k:k + len(bounds)]], fields)
-        k += len(bounds)
+        _describe(part, item, fname, starts[i], crc_of[i], layout[item[0]][1])
     return size
+
+
+def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]) -> Iterator[Tuple[torch.Tensor, List[Tuple[int, int]]]]:
+    """(rows as a tensor, the segments they hold) for consecutive blocks of about write_block_bytes,
+    cut at segment ends; the next block is gathered while the caller writes the current one."""
+    row_bytes = src.row_bytes
+    if any(b % row_bytes or e % row_bytes for b, e in bounds if e > b):
+        raise UsageError(f"{name!r}: checksum segments must end on row boundaries ({row_bytes} bytes) "
+                         f"when its rows are produced in blocks", key=name)
+    limit = max(knobs.get("write_block_bytes"), row_bytes)
+    plan: List[List[Tuple[int, int]]] = [[]]
+    for b, e in bounds:
+        if plan[-1] and e - plan[-1][0][0] > limit:
+            plan.append([])
+        plan[-1].append((b, e))
+
+    def fetch(segs: List[Tuple[int, int]]) -> torch.Tensor:
+        a, z = segs[0][0] // row_bytes, segs[-1][1] // row_bytes
+        block = src.fetch(a, z).detach()
+        if block.device.type != "cpu":
+            block = block.cpu()
+        block = block.contiguous()
+        if block.dtype != src.dtype or tuple(block.shape) != (z - a,) + tuple(src.shape[1:]):
+            raise UsageError(f"{name!r}: fetch({a}, {z}) returned {block.dtype}{list(block.shape)}, expected "
+                             f"{src.dtype}{[z - a] + list(src.shape[1:])}", key=name)
+        return block
+
+    with ThreadPoolExecutor(1, thread_name_prefix="recsave-gather") as pool:
+        pending = pool.submit(fetch, plan[0])
+        for k, segs in enumerate(plan):
+            block = pending.result()
+            if k + 1 < len(plan):
+                pending = pool.submit(fetch, plan[k + 1])
+            yield block, segs
 
 
 def _describe(part: Dict[str, Any], item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
@@ -177,13 +261,16 @@ def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.T
     with storage.open_write(path) as f:
         f.write(head)
         for i, item in enumerate(group):
-            data = tensor_bytes(item[1])
             crcs = []
-            for b, e in layout[item[0]][0]:
-                piece = data[b:e]
-                crcs.append(_C.crc32c(piece))
-                if len(piece):
-                    f.write(memoryview(piece))
+            bounds = layout[item[0]][0]
+            blocks = _blocks(item[0], item[1], bounds) if isinstance(item[1], RowSource) else [(item[1], bounds)]
+            for block, segs in blocks:
+                data, first = tensor_bytes(block), segs[0][0]
+                for b, e in segs:
+                    piece = data[b - first:e - first]
+                    crcs.append(_C.crc32c(piece))
+                    if len(piece):
+                        f.write(memoryview(piece))
             described.append((item, starts[i], crcs))
     for item, start, crcs in described:
         _describe(part, item, fname, start, crcs, layout[item[0]][1])
