@@ -1,7 +1,8 @@
 """recsave: fast, safe checkpoints for recommender / CTR training in PyTorch."""
 from . import errors, knobs, partition
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                     FormatVersionError, RecsaveError, ShapeMismatchError, StorageError, UsageError)
+                     FormatVersionError, RecsaveError, ShapeMismatchError, StorageError, UsageError,
+                     WriterLockedError)
 from .hashtable import HashTable, split_sparse_dense_state_dict
 from .manager import CheckpointManager
 from .report import LoadedItem, LoadReport
@@ -12,5 +13,5 @@ __all__ = [
     "HashTable", "split_sparse_dense_state_dict", "Saver", "CheckpointManager", "LoadReport",
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
-    "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError",
+    "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
 ]

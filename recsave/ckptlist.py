@@ -39,8 +39,9 @@ def read(storage: Storage, output_dir: str) -> List[str]:
             raise CorruptCheckpointError(
                 f"{path}: line {n} {line!r} is not a checkpoint id (plain directory names only; "
                 f"'..' and paths are refused); repair the file", path=path)
-        if line not in ids:
-            ids.append(line)
+        if line in ids:  # a repeated id counts where it appears last (the last line is the latest)
+            ids.remove(line)
+        ids.append(line)
     return ids
 
 

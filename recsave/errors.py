@@ -18,6 +18,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageError",
     "UsageError",
+    "WriterLockedError",
 ]
 
 
@@ -69,6 +70,14 @@ class StorageError(RecsaveError, OSError):
         self.errno = errno
         self.filename = path
 
+    def __str__(self) -> str:  # OSError's "[Errno n] strerror: filename" would hide the message
+        return str(self.args[0]) if self.args else ""
+
 
 class UsageError(RecsaveError, ValueError):
     """An API was called with arguments it cannot use (wrong buffer, closed writer, bad id...)."""
+
+
+class WriterLockedError(RecsaveError, RuntimeError):
+    """Another Saver (this process or another one) holds the writer lock of the output directory;
+    close it, wait for it to finish, or save into another directory."""

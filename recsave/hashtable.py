@@ -280,6 +280,20 @@ class HashTable(torch.nn.Module):
         values = self._weight.index_select(0, rows_d).cpu()
         return values, {s: t.index_select(0, rows_d).cpu() for s, t in self._slots.items()}
 
+    def column_dtype(self, column: str) -> torch.dtype:
+        """dtype of the embedding ('embedding') or of a slot."""
+        return (self._weight if column == "embedding" else self._slots[column]).dtype
+
+    def row_fetcher(self, column: str, rows: torch.Tensor):
+        """fetch(a, b): CPU copies of `column` ('embedding' or a slot) at rows[a:b], for writers that
+        gather a table in blocks."""
+        storage = self._weight if column == "embedding" else self._slots[column]
+        rows_d = rows.to(self._device)
+
+        def fetch(a: int, b: int) -> torch.Tensor:
+            return storage.index_select(0, rows_d[a:b]).cpu()
+        return fetch
+
     def export(self, ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
         """One consistent snapshot: ids (row order unless given), their embedding rows and every slot."""
         if ids is None:

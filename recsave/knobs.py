@@ -33,8 +33,19 @@ _KNOBS: Dict[str, tuple] = {
     "max_index_bytes": ("RECSAVE_MAX_INDEX_BYTES", 256 << 20, int),
     # Seconds a collective of a save / load waits for the other ranks before raising.
     "collective_timeout_s": ("RECSAVE_COLLECTIVE_TIMEOUT_S", 300.0, float),
+    # Rows of a table are gathered and written in blocks of about this many bytes (two in flight).
+    "write_block_bytes": ("RECSAVE_WRITE_BLOCK_BYTES", 64 << 20, int),
     # Size of one in-memory chunk streamed to / from remote (fsspec) storage.
     "io_chunk_bytes": ("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int),
+    # Remote (fsspec) storage: retries of an operation after a transient failure (connection error,
+    # timeout, HTTP 5xx / throttling), the first backoff and the longest single backoff (seconds).
+    "io_retries": ("RECSAVE_IO_RETRIES", 5, int),
+    "io_retry_base_s": ("RECSAVE_IO_RETRY_BASE_S", 0.2, float),
+    "io_retry_max_s": ("RECSAVE_IO_RETRY_MAX_S", 10.0, float),
+    # Seconds after its last renewal that a writer lock of an output dir counts as abandoned.
+    "writer_lease_s": ("RECSAVE_WRITER_LEASE_S", 3600.0, float),
+    # Take the writer lock of output_dir when saving (one writing Saver per output dir).
+    "writer_lock": ("RECSAVE_WRITER_LOCK", True, _parse_bool),
 }
 
 _local = threading.local()

@@ -78,14 +78,16 @@ class CheckpointManager:
             return latest
         return self.saver.save(ckpt_id)
 
-    def restore(self, global_step: Optional[int] = None) -> int:
+    def restore(self, global_step: Optional[int] = None, fallback: bool = True) -> int:
         """Loads ``ckpt_<global_step>``, or the latest committed checkpoint; returns the global step.
-        With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing."""
+        With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing.
+        With `fallback` (and global_step None), a corrupt or incomplete latest checkpoint is skipped
+        with a warning and the previous committed one restored (see Saver.load)."""
         saver = self.saver
         if global_step is None:
             if saver.latest_checkpoint() is None:
                 return 0
-            report = saver.load()
+            report = saver.load(fallback=fallback)
         else:
             if not isinstance(global_step, int) or global_step < 0:
                 raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")

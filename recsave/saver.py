@@ -3,14 +3,17 @@ commits the checkpoint, rotates old ones, and loads them back (see loader.py).""
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from . import ckptlist, contents, dist, knobs, loader, partition, torchio
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UsageError
+from .errors import CorruptCheckpointError
+from .lock import WriterLock, hold as hold_writer_lock
 from .format import index as index_mod
-from .format.writer import write_shards
+from .format.writer import RowSource, write_shards
 from .hashtable import HashTable
 from .loadconf import SPARSE_OPTIM
 from .report import LoadPlan, LoadReport
@@ -27,15 +30,17 @@ MIN_SEGMENT_BYTES = 64 << 10
 
 def bucket_segment_ends(row_starts: Sequence[int], row_bytes: int, max_bytes: int) -> List[int]:
     """Checksum segment ends (bytes) for rows sorted by bucket: cut at bucket boundaries once a
-    segment holds MIN_SEGMENT_BYTES, and inside buckets every `max_bytes`."""
+    segment holds MIN_SEGMENT_BYTES, and inside buckets about every `max_bytes` (on row boundaries,
+    so rows can be produced in blocks)."""
     total = row_starts[-1] * row_bytes
     if total == 0:
         return [0]
+    step = max(row_bytes, max_bytes // row_bytes * row_bytes)  # every end on a row boundary
     ends: List[int] = []
     begin = 0
     for boundary in [r * row_bytes for r in row_starts[1:]]:
-        while boundary - begin > max_bytes:
-            begin += max_bytes
+        while boundary - begin > step:
+            begin += step
             ends.append(begin)
         if boundary - begin >= MIN_SEGMENT_BYTES or boundary == total:
             if boundary > begin:
@@ -81,6 +86,7 @@ class Saver:
         self._extras: Dict[str, Any] = {}
         self._io_states: Dict[str, Any] = {}
         self._extra_data: Dict[str, Any] = {}
+        self._writer_lock: Optional[WriterLock] = None  # taken by the first save (lock.py)
         if sparse_optim is not None:
             self._check_stateful(SPARSE_OPTIM, sparse_optim)
             self._extras[SPARSE_OPTIM] = sparse_optim
@@ -168,6 +174,7 @@ class Saver:
             pass
 
     def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
+        self._writer_lock = hold_writer_lock(self._writer_lock, self.storage, self.output_dir)
         listed = ckpt_id in ckptlist.read(self.storage, self.output_dir)
         if listed and self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
             raise CheckpointExistsError(
@@ -205,14 +212,19 @@ class Saver:
                 f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
                 f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
         order = torch.argsort(buckets, stable=True)
-        values, slots = table.gather_rows(rows[order])
         counts = torch.bincount(buckets - first, minlength=stop - first)
         row_starts = [0] + torch.cumsum(counts, 0).tolist()
-        tensors = {f"{name}@id": ids[order], f"{name}@embedding": values}
-        tensors.update({f"{name}@{s}": v for s, v in slots.items()})
+        # Embedding and slots are gathered in bucket order block by block while being written: the
+        # save never holds a second copy of the table.
+        sorted_rows = rows[order]
+        tensors: Dict[str, Any] = {f"{name}@id": ids[order]}
+        for column in ["embedding"] + table.slot_names():
+            shape = (ids.numel(), table.embedding_dim)
+            tensors[f"{name}@{column}"] = RowSource(table.column_dtype(column), shape,
+                                                    table.row_fetcher(column, sorted_rows))
         meta = {"buckets": {"first": first, "row_starts": row_starts}}
         seg_max = knobs.get("segment_bytes")
-        segments = {n: bucket_segment_ends(row_starts, t[:1].nbytes if t.shape[0] else 0, seg_max)
+        segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)
                     for n, t in tensors.items()}
         part = write_shards(ckpt_dir, tensors, rank=rank, concurrency=self.concurrency,
                             storage=self.storage, chunk_meta={t: meta for t in tensors},
@@ -250,20 +262,50 @@ class Saver:
         ckptlist.write(st, out, keep)
         ckptlist.collect_garbage(st, out, keep)
 
+    # ------------------------------------------------------------------------- writer lock: close
+    def close(self) -> None:
+        """Releases the writer lock of output_dir taken by the first save (also done when the Saver
+        is garbage-collected or the interpreter exits). A later save takes it again."""
+        if self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
+
     # -------------------------------------------------------------------------------------- load
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
              load_conf: Optional[Dict[str, Any]] = None, shard_id: Optional[int] = None,
-             direct_path: bool = False) -> LoadReport:
+             direct_path: bool = False, fallback: bool = False) -> LoadReport:
         """Loads a checkpoint into the model and the registered objects.
 
         `ckpt_path` is an output dir (its latest checkpoint, or `ckpt_id`) or, with `direct_path`,
         a checkpoint directory; default: this saver's output_dir. `load_conf` selects what to load
-        (DESIGN.md "Load / model-bank config")."""
+        (DESIGN.md "Load / model-bank config"). With `fallback`, when the latest checkpoint of an
+        output dir is corrupt or incomplete, the previous committed one is loaded instead (and so
+        on), with a warning naming the bad one."""
         conf = dict(load_conf or {})
         if ckpt_path is not None:
             conf["path"] = ckpt_path
         conf.setdefault("path", self.output_dir)
+        if fallback and ckpt_id is None and not direct_path:
+            return self._load_with_fallback(conf, shard_id)
         return loader.load_entries(self, [conf], shard_id=shard_id, ckpt_id=ckpt_id, direct_path=direct_path)
+
+    def _load_with_fallback(self, conf: Dict[str, Any], shard_id: Optional[int]) -> LoadReport:
+        """Loads the newest loadable committed checkpoint of the output dir conf["path"]."""
+        path = conf["path"]
+        st = get_storage(path)
+        if st.exists(st.join(path, index_mod.INDEX_FILE)) or not st.exists(st.join(path, ckptlist.LIST_FILE)):
+            return loader.load_entries(self, [conf], shard_id=shard_id)  # not an output dir
+        ids = ckptlist.read(st, path)
+        for n, ckpt_id in enumerate(reversed(ids)):
+            try:
+                return loader.load_entries(self, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                if n == len(ids) - 1:
+                    raise
+                warnings.warn(f"{st.join(path, ckpt_id)} cannot be loaded ({type(exc).__name__}: {exc}); "
+                              f"falling back to the previous committed checkpoint "
+                              f"{st.join(path, ids[-n - 2])}", RuntimeWarning, stacklevel=3)
+        return loader.load_entries(self, [conf], shard_id=shard_id)  # no ids: raises not found
 
     def load_by_config(self, ckpt_path: str, load_conf: Optional[Dict[str, Any]] = None,
                        shard_id: Optional[int] = None) -> LoadReport:

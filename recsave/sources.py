@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import ckptlist, contents, partition, torchio
-from .errors import CheckpointNotFoundError, ConfigError
+from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .format import index as index_mod
 from .format.reader import bytes_to_read, read_tensors
 from .loadconf import Contents
@@ -78,7 +78,16 @@ class CheckpointSource:
         data = read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage,
                             concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names},
                             out={f"{table}@{c}": t for c, t in (out or {}).items()})
-        return data[f"{table}@id"], {c: data[f"{table}@{c}"] for c in columns}
+        ids = data[f"{table}@id"]
+        if ranges is not None:  # the index's bucket offsets must agree with the ids they delimit
+            lo, hi = partition.bucket_range(rank, world, self.index["partition"]["num_buckets"])
+            buckets = partition.bucket_of(ids, self.index["partition"]["num_buckets"])
+            if bool(((buckets < lo) | (buckets >= hi)).any()):
+                raise CorruptCheckpointError(
+                    f"{self.ckpt_dir}: the bucket offsets of table {table!r} in the index disagree with its "
+                    f"ids (rank {rank} of {world} read ids of other buckets); the index is damaged — "
+                    f"restore from another checkpoint", path=self.ckpt_dir, key=table)
+        return ids, {c: data[f"{table}@{c}"] for c in columns}
 
     def read_pt(self, fname: str) -> Any:
         return torchio.load(self.storage, self.ckpt_dir, fname, self.index)

@@ -7,11 +7,15 @@ import abc
 import contextlib
 import errno as errno_mod
 import os
+import random
 import shutil
-from typing import IO, Iterator, List
+import time
+from typing import IO, Any, Callable, Iterator, List, Optional, TypeVar
 
 from . import _C, knobs
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+
+T = TypeVar("T")
 
 
 def _wrap_os_error(exc: OSError, path: str, what: str) -> StorageError:
@@ -143,7 +147,13 @@ class LocalStorage(Storage):
 
 class FsspecStorage(Storage):
     """Any fsspec file system. Object stores have no rename: a file is written by one put / one
-    multipart upload, which becomes visible only when complete."""
+    multipart upload, which becomes visible only when complete.
+
+    Every remote call goes through :meth:`_retry`: transient failures (connection errors, timeouts,
+    HTTP 5xx / throttling) are retried with exponential backoff and jitter (knobs ``io_retries``,
+    ``io_retry_base_s``, ``io_retry_max_s``), then reported as a StorageError naming the path, the
+    operation, the attempts and the last error. Permanent errors (not found, permission, other 4xx)
+    are not retried."""
 
     def __init__(self, url: str):
         import fsspec
@@ -156,19 +166,27 @@ class FsspecStorage(Storage):
         return "/".join([head.rstrip("/")] + [p.strip("/") for p in rest])
 
     def exists(self, path: str) -> bool:
-        return self._call(self.fs.exists, path, "checking")
+        # fsspec's exists() / isdir() answer False on any error; info() lets a transient failure be
+        # retried instead of read as "missing" (which would make a restore start from scratch).
+        return self._info_or_none(path, "checking") is not None
 
     def isdir(self, path: str) -> bool:
-        return self._call(self.fs.isdir, path, "checking")
+        info = self._info_or_none(path, "checking")
+        return info is not None and info.get("type") == "directory"
+
+    def _info_or_none(self, path: str, what: str) -> Optional[dict]:
+        try:
+            return self._retry(what, path, lambda: self.fs.info(path))
+        except FileNotFoundError:
+            return None
 
     def listdir(self, path: str) -> List[str]:
+        refresh = _accepts_refresh(self.fs)
         try:
-            entries = self.fs.ls(path, detail=False, refresh=True) if _accepts_refresh(self.fs) \
-                else self.fs.ls(path, detail=False)
+            entries = self._retry("listing", path, lambda: self.fs.ls(path, detail=False, refresh=True)
+                                  if refresh else self.fs.ls(path, detail=False))
         except FileNotFoundError:
             return []
-        except OSError as exc:
-            raise _wrap_os_error(exc, path, "listing") from exc
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def makedirs(self, path: str) -> None:
@@ -176,58 +194,227 @@ class FsspecStorage(Storage):
 
     def size(self, path: str) -> int:
         try:
-            info = self.fs.info(path)
+            info = self._retry("stat", path, lambda: self.fs.info(path))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path} does not exist", path=path) from None
-        except OSError as exc:
-            raise _wrap_os_error(exc, path, "stat") from exc
         return int(info["size"])
 
     def remove_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(path, recursive=True)
+            self._retry("removing", path, lambda: self.fs.rm(path, recursive=True))
 
     def remove_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(path)
+            self._retry("removing", path, lambda: self.fs.rm_file(path))
 
     def _read_raw(self, path: str, offset: int, length: int) -> bytes:
-        return self.fs.cat_file(path, start=offset, end=offset + length)
+        return self._retry("reading", path, lambda: self.fs.cat_file(path, start=offset, end=offset + length))
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self._call(lambda p: self.fs.pipe_file(p, data), path, "writing")
 
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
-        try:
-            f = self.fs.open(path, "wb", block_size=max(5 << 20, min(knobs.get("io_chunk_bytes"), 256 << 20)))
-        except OSError as exc:
-            raise _wrap_os_error(exc, path, "opening for writing") from exc
+        """A stream that publishes `path` only when the block exits without error. A transient
+        failure of the upload is retried by discarding the upload and writing the bytes again: the
+        buffers handed to write() are kept (by reference, not copied) and MUST NOT change until the
+        block exits."""
+        stream = _ReplayingWriter(self, path)
         ok = False
         try:
-            yield f
+            yield stream  # type: ignore[misc]
             ok = True
         finally:
             if ok:
-                try:
-                    f.close()
-                except OSError as exc:
-                    raise _wrap_os_error(exc, path, "writing") from exc
+                stream.commit()
             else:
-                with contextlib.suppress(Exception):
-                    if hasattr(f, "discard"):
-                        f.discard()  # abort a multipart upload instead of publishing a partial file
-                    else:
-                        f.close()
-                self.remove_file(path)
+                stream.abort()
+
+    def _open_upload(self, path: str) -> Any:
+        block = max(5 << 20, min(knobs.get("io_chunk_bytes"), 256 << 20))
+        return self.fs.open(path, "wb", block_size=block)
+
+    def _discard(self, f: Any, path: str) -> None:
+        """Drops an unfinished upload without publishing it (aborts a multipart upload)."""
+        with contextlib.suppress(Exception):
+            if hasattr(f, "discard"):
+                f.discard()
+            else:
+                f.close()
+        with contextlib.suppress(Exception):
+            self.remove_file(path)
 
     def _call(self, fn, path: str, what: str):
         try:
-            return fn(path)
+            return self._retry(what, path, lambda: fn(path))
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path} does not exist", path=path) from None
-        except OSError as exc:
-            raise _wrap_os_error(exc, path, what) from exc
+
+    def _retry(self, what: str, path: str, fn: Callable[[], T]) -> T:
+        """fn(), retried on transient errors. FileNotFoundError passes through (callers decide what a
+        missing file means); every other failure becomes a StorageError."""
+        attempts = max(0, int(knobs.get("io_retries"))) + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn()
+            except (FileNotFoundError, StorageError, CorruptCheckpointError):
+                raise
+            except Exception as exc:  # classified below; anything not transient is raised at once
+                if not is_transient(exc) or attempt == attempts:
+                    raise _failed(exc, path, what, attempt, transient=is_transient(exc)) from exc
+                time.sleep(backoff_s(attempt))
+        raise AssertionError("unreachable")
+
+
+class _ReplayingWriter:
+    """The file object of FsspecStorage.open_write: forwards writes to an fsspec upload and keeps
+    references to the written buffers, so that a transient failure can be retried by discarding
+    the upload and replaying them into a fresh one."""
+
+    def __init__(self, storage: FsspecStorage, path: str):
+        self._st, self._path = storage, path
+        self._pieces: List[Any] = []
+        self._f = self._st._retry("opening for writing", path, lambda: storage._open_upload(path))
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._pieces.append(view)
+        self._guarded(lambda: self._f.write(view), replayed=True)
+        return len(view)
+
+    def commit(self) -> None:
+        self._guarded(lambda: self._f.close(), replayed=False)
+        self._f = None
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._st._discard(self._f, self._path)
+            self._f = None
+
+    def _guarded(self, op: Callable[[], Any], *, replayed: bool) -> None:
+        """Runs op on the current upload; on a transient failure restarts the upload from the first
+        byte (with backoff) and runs op again (unless restarting `replayed` it already), up to
+        io_retries times."""
+        attempts = max(0, int(knobs.get("io_retries"))) + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                if attempt == 1:
+                    op()
+                else:
+                    self._restart()
+                    if not replayed:
+                        op()
+                return
+            except StorageError:
+                raise
+            except Exception as exc:  # classified below
+                transient = is_transient(exc) and not isinstance(exc, FileNotFoundError)
+                if not transient or attempt == attempts:
+                    self.abort()
+                    raise _failed(exc, self._path, "writing", attempt, transient=transient) from exc
+                time.sleep(backoff_s(attempt))
+
+    def _restart(self) -> None:
+        self._st._discard(self._f, self._path)
+        self._f = self._st._open_upload(self._path)
+        for piece in self._pieces:
+            self._f.write(piece)
+
+
+def backoff_s(attempt: int) -> float:
+    """Seconds to wait after failed attempt `attempt` (1-based): full jitter over an exponential
+    bound, capped by the io_retry_max_s knob."""
+    cap = float(knobs.get("io_retry_max_s"))
+    bound = min(cap, float(knobs.get("io_retry_base_s")) * (2 ** (attempt - 1)))
+    return random.uniform(bound / 2, bound)
+
+
+# errno values of permanent conditions: retrying cannot help.
+_PERMANENT_ERRNOS = {errno_mod.ENOENT, errno_mod.EACCES, errno_mod.EPERM, errno_mod.EINVAL, errno_mod.ENOSPC,
+                     errno_mod.EROFS, errno_mod.EEXIST, errno_mod.ENOTDIR, errno_mod.EISDIR,
+                     errno_mod.ENAMETOOLONG, getattr(errno_mod, "EDQUOT", errno_mod.ENOSPC),
+                     errno_mod.EFBIG, errno_mod.ENOTEMPTY}
+# errno values of conditions that pass: the store is busy, a connection dropped, a request timed out.
+_TRANSIENT_ERRNOS = {errno_mod.EIO, getattr(errno_mod, "EREMOTEIO", errno_mod.EIO), errno_mod.EAGAIN,
+                     errno_mod.EBUSY, errno_mod.ETIMEDOUT, errno_mod.ECONNRESET, errno_mod.ECONNREFUSED,
+                     errno_mod.ECONNABORTED, errno_mod.EPIPE, errno_mod.ENETUNREACH, errno_mod.EHOSTUNREACH,
+                     errno_mod.ENETDOWN}
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestLimitExceeded",
+                   "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
+                   "ServiceUnavailable", "InternalError", "503", "500"}
+_TRANSIENT_NAMES = {
+    # botocore
+    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+    "ConnectionError", "HTTPClientError", "IncompleteReadError", "ResponseStreamingError",
+    "ResponseParserError",
+    # aiohttp
+    "ClientConnectionError", "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError",
+    "ClientOSError", "ServerTimeoutError", "ServerConnectionError",
+    # fsspec / urllib3 / http.client
+    "FSTimeoutError", "ProtocolError", "IncompleteRead", "RemoteDisconnected",
+}
+
+
+def _http_status(exc: BaseException) -> Optional[int]:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return int(status) if isinstance(status, int) else None
+    status = getattr(exc, "status", None)  # aiohttp ClientResponseError
+    return status if isinstance(status, int) else None
+
+
+def _judge_one(exc: BaseException) -> Optional[bool]:
+    """True: transient, False: permanent, None: this exception alone does not say."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
+                        NotADirectoryError)):
+        return False
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError: judge by error code and HTTP status
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = _http_status(exc)
+        if code in _THROTTLE_CODES or (status is not None and (status >= 500 or status == 429)):
+            return True
+        return False
+    status = _http_status(exc)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    if isinstance(exc, (TimeoutError, ConnectionError)):  # asyncio.TimeoutError, socket.timeout too
+        return True
+    if any(k.__name__ in _TRANSIENT_NAMES for k in type(exc).__mro__):
+        return True
+    if isinstance(exc, OSError) and exc.errno is not None:
+        if exc.errno in _PERMANENT_ERRNOS:
+            return False
+        if exc.errno in _TRANSIENT_ERRNOS:
+            return True
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the failed remote operation may succeed. Looks at the exception and its
+    causes (s3fs translates a botocore ClientError into an OSError whose cause is the original)."""
+    seen = 0
+    cur: Optional[BaseException] = exc
+    while cur is not None and seen < 8:
+        verdict = _judge_one(cur)
+        if verdict is not None:
+            return verdict
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
+
+
+def _failed(exc: BaseException, path: str, what: str, attempts: int, *, transient: bool) -> StorageError:
+    err = getattr(exc, "errno", None)
+    detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    if transient:
+        hint = (f"gave up after {attempts} attempt(s) (knob io_retries={knobs.get('io_retries')}); "
+                f"check that the store is reachable")
+    else:
+        hint = f"not retried (a permanent error), attempt {attempts}"
+    return StorageError(f"{path}: {what} failed: {detail}; {hint}", path=path,
+                        errno=err if isinstance(err, int) else None)
 
 
 def _accepts_refresh(fs) -> bool:

@@ -232,6 +232,13 @@ def assert_jobs_equal(s1: Dict[str, Any], s2: Dict[str, Any]) -> None:
     assert s1["reader"] == s2["reader"]
 
 
+def listing(path) -> List[str]:
+    """Names in an output dir, without the writer lock file (held while a Saver lives)."""
+    from recsave.lock import LOCK_FILE
+
+    return sorted(n for n in os.listdir(path) if n != LOCK_FILE)
+
+
 def ckpt_files(path: str) -> List[str]:
     return sorted(os.listdir(path))
 

@@ -102,8 +102,10 @@ def _fs(url):
 
 def _ls(url):
     """Names directly under `url` (fresh listing)."""
+    from recsave.lock import LOCK_FILE
+
     storage = get_storage(url)
-    return storage.listdir(url)
+    return [n for n in storage.listdir(url) if n != LOCK_FILE]
 
 
 def _read(url):
@@ -168,6 +170,7 @@ def test_rotation_prunes_earlier_checkpoints_and_keeps_unrelated_objects(remote)
 
     if remote.startswith("s3://"):
         _clear_fs_caches()
+    first.saver.close()  # one writer per output dir
     second = make_job(out, max_keep=2)
     second.saver.load()
     second.train(1)
@@ -186,6 +189,7 @@ def test_uncommitted_leftover_is_not_latest_and_is_removed(remote):
     at_2 = job_state(job)
     # A crashed save: a shard file but no index, not listed.
     _write(f"{out}/ckpt_3/sparse-0-0.safetensors", b"partial")
+    job.saver.close()
     fresh = make_job(out)
     assert fresh.saver.latest_checkpoint() == f"{out}/ckpt_2"
     fresh.saver.load()

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import assert_jobs_equal, job_state, make_job
+from helpers import listing, assert_jobs_equal, job_state, make_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_job.py")
@@ -66,7 +66,8 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     first.train(K)  # autosaves ckpt_K
     assert _list(out) == f"ckpt_{K}\n"
     assert_jobs_equal(job_state(first), ref[K])
-    del first  # the first process "ends" here; the rest happens in another interpreter
+    first.saver.close()  # the first process "ends" here (releasing the writer lock) ...
+    del first  # ... and the rest happens in another interpreter
 
     result = tmp_path / "resumed.pt"
     rc, stdout, stderr = _wait(_spawn("resume", out, K, result))
@@ -131,7 +132,7 @@ def test_sigkill_during_save_keeps_the_last_checkpoint(tmp_path, killed, referen
     fresh.train(2)
     fresh.manager.save()
     assert _list(out) == "ckpt_5\nckpt_7\n"
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_5", "ckpt_7"]
+    assert listing(out) == ["checkpoint", "ckpt_5", "ckpt_7"]
     assert_jobs_equal(job_state(fresh), reference[7])
     fresh.train(3)  # autosaves ckpt_10
     assert _list(out) == "ckpt_5\nckpt_7\nckpt_10\n"
@@ -153,7 +154,7 @@ def test_restart_after_sigkill_saves_the_same_id_again(tmp_path, killed, referen
     assert job.manager.restore() == 5
     job.train(5)  # autosaves ckpt_10
     assert _list(out) == "ckpt_5\nckpt_10\n"
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_10", "ckpt_5"]
+    assert listing(out) == ["checkpoint", "ckpt_10", "ckpt_5"]
     check = make_job(out, save_interval=5)
     assert check.manager.restore() == 10
     assert_jobs_equal(job_state(check), reference[10])

@@ -17,7 +17,7 @@ import recsave
 from recsave import CheckpointExistsError, CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
 from recsave import _C
 
-from helpers import (Reader, assert_jobs_equal, assert_models_equal, assert_obj_equal, assert_states_equal,
+from helpers import (listing, Reader, assert_jobs_equal, assert_models_equal, assert_obj_equal, assert_states_equal,
                      ckpt_files, job_state, make_job, model_state, tables_of, train)
 
 TABLE_NAMES = ["item", "user"]
@@ -104,7 +104,7 @@ def test_on_disk_file_set_and_shard_contents(tmp_path):
     shards = [f for f in files if f.startswith("sparse-")]
     assert shards and all(re.fullmatch(r"sparse-0-\d+\.safetensors", f) for f in shards)
     assert set(files) - set(shards) == {"index", "model.pt", "extra.pt", "io_state_0.pt", "io_state_count"}
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_4"]  # no temporary files left anywhere
+    assert listing(out) == ["checkpoint", "ckpt_4"]  # no temporary files left anywhere
 
     index = _index(ckpt)
     assert index["magic"] == "recsave.index" and index["format_version"] == 1
@@ -147,7 +147,7 @@ def test_checkpoint_file_listing_and_max_keep(tmp_path):
         assert job.saver.latest_checkpoint() == paths[-1]
     assert _list_file(out) == "ckpt_3\nckpt_4\n"
     assert job.saver.checkpoints() == paths[2:]
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_3", "ckpt_4"]
+    assert listing(out) == ["checkpoint", "ckpt_3", "ckpt_4"]
 
 
 def test_max_keep_none_keeps_everything(tmp_path):
@@ -156,7 +156,7 @@ def test_max_keep_none_keeps_everything(tmp_path):
     for step in range(1, 5):
         job.saver.save(f"s{step}")
     assert _list_file(out) == "s1\ns2\ns3\ns4\n"
-    assert sorted(os.listdir(out)) == ["checkpoint", "s1", "s2", "s3", "s4"]
+    assert listing(out) == ["checkpoint", "s1", "s2", "s3", "s4"]
 
 
 def test_rotation_prunes_checkpoints_of_an_earlier_process_and_keeps_unrelated_files(tmp_path):
@@ -170,23 +170,25 @@ def test_rotation_prunes_checkpoints_of_an_earlier_process_and_keeps_unrelated_f
     (out / "logs" / "train.log").write_text("step 1")
     (out / "logs" / "index").write_text("not a checkpoint index")  # a file name recsave also uses
 
+    first.saver.close()  # one writer per output dir: the earlier process is gone
     second = make_job(str(out), max_keep=2)
     second.saver.load()
     second.train(1)
     latest = second.saver.save("ckpt_5")
     assert _list_file(out) == "ckpt_4\nckpt_5\n"
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_4", "ckpt_5", "logs", "notes.txt"]
+    assert listing(out) == ["checkpoint", "ckpt_4", "ckpt_5", "logs", "notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
     assert sorted(os.listdir(out / "logs")) == ["index", "train.log"]
     assert second.saver.latest_checkpoint() == latest
 
     # max_keep=1 never deletes the checkpoint just written, even when an earlier process listed
     # "later-looking" ids.
+    second.saver.close()
     third = make_job(str(out), max_keep=1)
     just = third.saver.save("ckpt_0")
     assert _list_file(out) == "ckpt_0\n"
     assert os.path.exists(os.path.join(just, "index"))
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_0", "logs", "notes.txt"]
+    assert listing(out) == ["checkpoint", "ckpt_0", "logs", "notes.txt"]
 
 
 def test_rotation_keeps_an_unrelated_empty_directory(tmp_path):
@@ -197,7 +199,7 @@ def test_rotation_keeps_an_unrelated_empty_directory(tmp_path):
     job.saver.save("ckpt_1")
     (out / "tensorboard").mkdir()
     job.saver.save("ckpt_2")
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_2", "tensorboard"]
+    assert listing(out) == ["checkpoint", "ckpt_2", "tensorboard"]
 
 
 def test_saving_a_committed_id_raises_and_keeps_it(tmp_path):
@@ -424,6 +426,7 @@ def test_uncommitted_leftovers_are_never_latest_and_are_removed_by_next_save(tmp
     os.makedirs(out / "ckpt_7")  # a crash while writing the first shard file
     (out / "ckpt_7" / "sparse-0-0.safetensors.tmp-12345").write_bytes(b"partial")
 
+    job.saver.close()
     fresh = make_job(str(out))
     assert fresh.saver.latest_checkpoint() == c2
     report = fresh.saver.load()
@@ -433,7 +436,7 @@ def test_uncommitted_leftovers_are_never_latest_and_are_removed_by_next_save(tmp
     fresh.train(1)
     c3 = fresh.saver.save("ckpt_3")
     assert _list_file(out) == "ckpt_2\nckpt_3\n"
-    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_2", "ckpt_3"]
+    assert listing(out) == ["checkpoint", "ckpt_2", "ckpt_3"]
     assert fresh.saver.checkpoints() == [c2, c3]
 
 
@@ -480,4 +483,4 @@ def test_manager_restore_with_nothing_committed_changes_nothing(tmp_path):
     before = job_state(fresh)
     assert fresh.manager.restore() == 0
     assert_jobs_equal(job_state(fresh), before)
-    assert sorted(os.listdir(out)) == ["ckpt_5"]
+    assert listing(out) == ["ckpt_5"]

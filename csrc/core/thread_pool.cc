@@ -1,5 +1,7 @@
 #include "core/thread_pool.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <exception>
 #include <memory>
@@ -91,11 +93,30 @@ void ThreadPool::parallel_for(int64_t n, int parallelism, const std::function<vo
   if (state->error) std::rethrow_exception(state->error);
 }
 
+namespace {
+
+// The shared pools. A forked child inherits this memory but not the worker threads (nor a mutex a
+// parent thread may have held), so the child starts a fresh registry and leaks the old one.
+struct PoolRegistry {
+  std::mutex mu;
+  std::vector<std::unique_ptr<ThreadPool>> pools;
+};
+std::atomic<PoolRegistry*> g_registry{nullptr};
+
+void reset_after_fork() { g_registry.store(new PoolRegistry()); }
+
+}  // namespace
+
 ThreadPool& shared_pool(int min_threads) {
-  static std::mutex mu;
-  static std::vector<std::unique_ptr<ThreadPool>> pools;
-  std::lock_guard<std::mutex> lock(mu);
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_registry.store(new PoolRegistry());
+    pthread_atfork(nullptr, nullptr, reset_after_fork);
+  });
+  PoolRegistry* registry = g_registry.load();
+  std::lock_guard<std::mutex> lock(registry->mu);
   if (min_threads < 1) min_threads = 1;
+  auto& pools = registry->pools;
   if (pools.empty() || pools.back()->size() < min_threads) {
     pools.push_back(std::make_unique<ThreadPool>(min_threads));
   }

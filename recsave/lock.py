@@ -1,0 +1,196 @@
+"""One writer per output directory: a lease file ``<output_dir>/.recsave-writer.lock``.
+
+The file holds JSON ``{"host", "pid", "token", "acquired_at", "renewed_at"}`` (times in seconds since
+the epoch). A Saver takes it on its first save (rank 0 only), renews it on every save and releases it
+when closed, garbage-collected or at interpreter exit. A lock is stale, and taken over with a
+warning, when its process is dead on this host or when it was not renewed for ``writer_lease_s``
+seconds. Locally the file is created with O_EXCL; on object stores (no exclusive create) the lock is
+written and read back, which is best effort.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+import warnings
+import weakref
+from typing import Any, Dict, Optional
+
+from . import knobs
+from .errors import CheckpointNotFoundError, WriterLockedError
+from .storage import Storage
+
+LOCK_FILE = ".recsave-writer.lock"
+MAX_LOCK_BYTES = 64 << 10
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class WriterLock:
+    """The writer lease of `output_dir` held by this process (one instance per holder)."""
+
+    def __init__(self, storage: Storage, output_dir: str):
+        self.storage, self.output_dir = storage, output_dir
+        self.path = storage.join(output_dir, LOCK_FILE)
+        self.token = uuid.uuid4().hex
+        self.held = False
+        self._acquired_at = 0.0
+        # Released at garbage collection or interpreter exit; must not reference self.
+        self._finalizer = weakref.finalize(self, _release, storage, self.path, self.token)
+        self._finalizer.detach()
+
+    # ------------------------------------------------------------------------------------ public
+    def acquire(self) -> None:
+        """Takes the lock (or renews it if held): raises WriterLockedError naming the holder."""
+        if self.held:
+            self.renew()
+            return
+        self.storage.makedirs(self.output_dir)
+        now = time.time()
+        self._acquired_at = now
+        for _ in range(3):
+            if self._create(self._record(now)):
+                break
+            raw, holder = self._read()
+            if raw is None:
+                continue  # released in between: try to create it again
+            if holder is not None and holder.get("token") == self.token:
+                break
+            why = self._stale(holder, raw)
+            if why is None:
+                raise WriterLockedError(
+                    f"{self.output_dir} is being written by another Saver ({_describe(holder)}; lock "
+                    f"file {self.path}); close that Saver or let it finish, save into another "
+                    f"output_dir, or delete the lock file if that writer is gone", path=self.path)
+            warnings.warn(f"{self.path}: taking over a stale writer lock ({why}; {_describe(holder)})",
+                          RuntimeWarning, stacklevel=4)
+            if self._replace(raw, self._record(now)):
+                break
+        else:
+            raise WriterLockedError(f"{self.path}: could not take the writer lock (it kept changing); "
+                                    f"another Saver is competing for {self.output_dir}", path=self.path)
+        self.held = True
+        self._finalizer = weakref.finalize(self, _release, self.storage, self.path, self.token)
+
+    def renew(self) -> None:
+        """Refreshes renewed_at; raises WriterLockedError if another writer took the lock over."""
+        raw, holder = self._read()
+        if holder is None or holder.get("token") != self.token:
+            self.held = False
+            self._finalizer.detach()
+            raise WriterLockedError(
+                f"{self.path}: this Saver lost the writer lock of {self.output_dir} (now "
+                f"{_describe(holder) if holder else 'released'}), probably because it was not "
+                f"renewed within writer_lease_s={knobs.get('writer_lease_s')} s; not saving",
+                path=self.path)
+        self.storage.write_atomic(self.path, _dumps(self._record(time.time())))
+
+    def release(self) -> None:
+        """Deletes the lock file if it is still ours. Idempotent."""
+        self.held = False
+        self._finalizer()
+
+    # ----------------------------------------------------------------------------------- details
+    def _record(self, now: float) -> Dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+                "acquired_at": self._acquired_at, "renewed_at": now}
+
+    def _create(self, record: Dict[str, Any]) -> bool:
+        """Creates the lock file if absent; whether this call created it."""
+        data = _dumps(record)
+        if self.storage.is_local:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        if self.storage.exists(self.path):
+            return False
+        self.storage.write_atomic(self.path, data)
+        _, back = self._read()  # best effort: the last of two racing writers wins, the other sees it
+        return back is not None and back.get("token") == self.token
+
+    def _replace(self, old_raw: bytes, record: Dict[str, Any]) -> bool:
+        """Overwrites a stale lock, if it still holds `old_raw`; whether we hold the lock now."""
+        raw, _ = self._read()
+        if raw is not None and raw != old_raw:
+            return False
+        self.storage.write_atomic(self.path, _dumps(record))
+        _, back = self._read()
+        return back is not None and back.get("token") == self.token
+
+    def _read(self):
+        """(raw bytes, parsed holder or None if unparseable); (None, None) when there is no lock."""
+        try:
+            raw = self.storage.read_bytes(self.path, MAX_LOCK_BYTES)
+        except (CheckpointNotFoundError, FileNotFoundError):
+            return None, None
+        try:
+            holder = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return raw, None
+        return raw, holder if isinstance(holder, dict) else None
+
+    def _stale(self, holder: Optional[Dict[str, Any]], raw: bytes) -> Optional[str]:
+        """Why the lock is abandoned, or None if its holder may be alive."""
+        lease = float(knobs.get("writer_lease_s"))
+        if holder is None:
+            return None if raw == b"" and self._young() else "the lock file is unreadable"
+        renewed = holder.get("renewed_at")
+        if isinstance(renewed, (int, float)) and time.time() - renewed > lease:
+            return f"not renewed for {time.time() - renewed:.0f} s > writer_lease_s={lease:g}"
+        pid = holder.get("pid")
+        if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+            return f"process {pid} on this host is dead"
+        return None
+
+    def _young(self) -> bool:
+        """An empty local lock file created within the last seconds is one being written now."""
+        try:
+            return self.storage.is_local and time.time() - os.stat(self.path).st_mtime < 5
+        except OSError:
+            return False
+
+
+def _dumps(record: Dict[str, Any]) -> bytes:
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def _describe(holder: Optional[Dict[str, Any]]) -> str:
+    if not holder:
+        return "holder unknown"
+    renewed = holder.get("renewed_at")
+    age = f", renewed {time.time() - renewed:.0f} s ago" if isinstance(renewed, (int, float)) else ""
+    return f"held by pid {holder.get('pid')} on host {holder.get('host')!r}{age}"
+
+
+def _release(storage: Storage, path: str, token: str) -> None:
+    """Removes the lock file if it still holds `token` (never raises: runs at exit / in GC)."""
+    try:
+        raw = storage.read_bytes(path, MAX_LOCK_BYTES)
+        if json.loads(raw.decode("utf-8")).get("token") == token:
+            storage.remove_file(path)
+    except Exception:  # nothing to do about it at exit; a stale lock is taken over later
+        pass
+
+
+def hold(current: Optional[WriterLock], storage: Storage, output_dir: str) -> Optional[WriterLock]:
+    """Acquires (first save) or renews (later saves) the writer lock; None when the knob
+    ``writer_lock`` is off."""
+    if not knobs.get("writer_lock"):
+        return current
+    lock = current or WriterLock(storage, output_dir)
+    lock.acquire()
+    return lock

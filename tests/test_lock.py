@@ -1,0 +1,217 @@
+"""One writer per output directory: the lease file `<output_dir>/.recsave-writer.lock`."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from recsave import knobs
+from recsave.errors import RecsaveError, WriterLockedError
+from recsave.lock import LOCK_FILE, WriterLock
+from recsave.storage import LocalStorage, get_storage
+
+from helpers import assert_jobs_equal, job_state, make_job
+
+@pytest.fixture(autouse=True)
+def _lock_on():
+    """These tests are about the lock: on whatever RECSAVE_WRITER_LOCK says."""
+    with knobs.override(writer_lock=True):
+        yield
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _lock(out) -> dict:
+    with open(os.path.join(out, LOCK_FILE)) as f:
+        return json.load(f)
+
+
+def _child(code: str, out: str, wait: bool = False) -> subprocess.Popen:
+    """A python process that runs `code` (with `out` bound), prints 'ready', then (with `wait`)
+    blocks until its stdin is closed."""
+    script = textwrap.dedent(code) + "\nprint('ready', flush=True)\n"
+    if wait:
+        script += "sys.stdin.read()\n"
+    env = dict(os.environ, RECSAVE_WRITER_LOCK="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, os\n" + script, out], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", proc.stderr.read()
+    return proc
+
+
+TAKE_LOCK = """
+from recsave.lock import WriterLock
+from recsave.storage import LocalStorage
+lock = WriterLock(LocalStorage(), sys.argv[1])
+lock.acquire()
+"""
+
+
+def test_second_saver_on_the_same_dir_is_refused_until_the_first_closes(tmp_path):
+    out = str(tmp_path / "run")
+    first = make_job(out)
+    first.train(2)
+    first.saver.save("ckpt_2")
+    holder = _lock(out)
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    assert set(holder) == {"host", "pid", "token", "acquired_at", "renewed_at"}
+
+    second = make_job(out)
+    second.train(3)
+    before = sorted(os.listdir(out))
+    with pytest.raises(WriterLockedError) as exc:
+        second.saver.save("ckpt_3")
+    assert isinstance(exc.value, RecsaveError) and isinstance(exc.value, RuntimeError)
+    assert f"pid {os.getpid()}" in str(exc.value) and out in str(exc.value)
+    assert sorted(os.listdir(out)) == before  # nothing written
+
+    first.saver.save("ckpt_4")  # renews: still ours
+    assert _lock(out)["token"] == holder["token"] and _lock(out)["renewed_at"] >= holder["renewed_at"]
+    first.saver.close()
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))
+    first.saver.close()  # idempotent
+    second.saver.save("ckpt_3")
+    assert _lock(out)["token"] != holder["token"]
+    with pytest.raises(WriterLockedError):
+        first.saver.save("ckpt_5")  # the first saver has to wait its turn now
+    second.saver.close()
+
+
+def test_lock_is_released_when_the_saver_is_garbage_collected(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.saver.save("ckpt_0")
+    assert os.path.exists(os.path.join(out, LOCK_FILE))
+    del job
+    gc.collect()
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))
+    make_job(out).saver.save("ckpt_1")
+
+
+def test_lock_is_released_at_exit(tmp_path):
+    out = str(tmp_path / "run")
+    proc = _child("""
+        from helpers import make_job
+        job = make_job(sys.argv[1])
+        job.saver.save("ckpt_0")
+        """, out)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert os.listdir(out) and not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+def test_lock_of_a_dead_process_is_taken_over(tmp_path):
+    out = str(tmp_path / "run")
+    proc = _child(TAKE_LOCK + "sys.stdout.write('ready\\n'); sys.stdout.flush(); os._exit(0)\n", out)
+    proc.wait(timeout=60)
+    dead = _lock(out)["pid"]
+    assert dead == proc.pid
+    job = make_job(out)
+    job.train(1)
+    with pytest.warns(RuntimeWarning, match=f"stale writer lock.*process {dead} on this host is dead"):
+        job.saver.save("ckpt_1")
+    assert _lock(out)["pid"] == os.getpid()
+    job.saver.close()
+
+
+def test_another_live_process_blocks_us(tmp_path):
+    out = str(tmp_path / "run")
+    proc = _child(TAKE_LOCK, out, wait=True)
+    try:
+        job = make_job(out)
+        with pytest.raises(WriterLockedError, match=f"pid {proc.pid} on host"):
+            job.saver.save("ckpt_1")
+        assert os.listdir(out) == [LOCK_FILE]
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    # The child released the lock at exit.
+    job.saver.save("ckpt_1")
+    job.saver.close()
+
+
+def test_an_expired_lease_is_taken_over(tmp_path):
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    old = time.time() - 100
+    with open(os.path.join(out, LOCK_FILE), "w") as f:
+        json.dump({"host": "other-host", "pid": 1, "token": "t", "acquired_at": old, "renewed_at": old}, f)
+    job = make_job(out)
+    with knobs.override(writer_lease_s=1000):
+        with pytest.raises(WriterLockedError, match="other-host"):
+            job.saver.save("ckpt_0")
+    with knobs.override(writer_lease_s=50):
+        with pytest.warns(RuntimeWarning, match="not renewed for"):
+            job.saver.save("ckpt_0")
+    job.saver.close()
+
+
+def test_a_saver_whose_lock_was_taken_over_stops_saving(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.saver.save("ckpt_0")
+    with open(os.path.join(out, LOCK_FILE), "w") as f:
+        json.dump({"host": "other-host", "pid": 1, "token": "t", "acquired_at": 0, "renewed_at": time.time()}, f)
+    with pytest.raises(WriterLockedError, match="lost the writer lock"):
+        job.saver.save("ckpt_1")
+    job.saver.close()
+    assert os.path.exists(os.path.join(out, LOCK_FILE))  # not ours: left alone
+
+
+def test_lock_file_is_invisible_to_listing_and_rotation(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=2)
+    for step in range(1, 5):
+        job.train(1)
+        job.saver.save(f"ckpt_{step}")
+    assert job.saver.checkpoints() == [os.path.join(out, f"ckpt_{s}") for s in (3, 4)]
+    assert sorted(os.listdir(out)) == [LOCK_FILE, "checkpoint", "ckpt_3", "ckpt_4"]
+    at_4 = job_state(job)
+    fresh = make_job(out)
+    fresh.saver.load()  # loading needs no lock
+    assert_jobs_equal(job_state(fresh), at_4)
+    job.saver.close()
+
+
+def test_remote_lock(tmp_path):
+    out = f"memory://recsave-lock-{uuid.uuid4().hex}/run"
+    first, second = make_job(out), make_job(out)
+    first.saver.save("ckpt_0")
+    st = get_storage(out)
+    assert LOCK_FILE in st.listdir(out)
+    with pytest.raises(WriterLockedError, match="pid"):
+        second.saver.save("ckpt_1")
+    first.saver.close()
+    assert LOCK_FILE not in st.listdir(out)
+    second.saver.save("ckpt_1")
+    second.saver.close()
+    st.remove_tree(out)
+
+
+def test_knob_turns_the_lock_off(tmp_path):
+    out = str(tmp_path / "run")
+    with knobs.override(writer_lock=False):
+        make_job(out).saver.save("ckpt_0")
+        make_job(out).saver.save("ckpt_1")
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+def test_two_lock_objects_race_for_one_dir(tmp_path):
+    out = str(tmp_path / "run")
+    a, b = WriterLock(LocalStorage(), out), WriterLock(LocalStorage(), out)
+    a.acquire()
+    with pytest.raises(WriterLockedError):
+        b.acquire()
+    a.release()
+    b.acquire()
+    b.release()
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))

@@ -1,0 +1,39 @@
+"""Short runs of the reliability tools in benchmarks/: SIGKILL during autosave (stress_crash.py) and
+corruption fuzzing of the reader (fuzz.py). Each runs as its own process (it forks jobs after
+importing torch, and this test process has used the C++ engine's thread pool already)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+def _run(script, args, tmp_path, timeout=300):
+    out = tmp_path / "summary.json"
+    env = dict(os.environ, RECSAVE_FSYNC="0")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_sigkill_during_autosave_never_loses_the_last_checkpoint(tmp_path):
+    s, text = _run("stress_crash.py", ["--trials", "20", "--seed", "7"], tmp_path)
+    assert s["trials"] == 20
+    assert s["failures"] == [], text
+    assert s["kills"] >= 10, text
+    point_kills = sum(n for name, n in s["kill_points"].items() if not name.startswith("delay"))
+    assert point_kills >= 5, text
+    assert s["restores_verified"] >= s["trials"] // 2, text
+
+
+def test_corrupted_checkpoints_raise_or_load_identical(tmp_path):
+    s, text = _run("fuzz.py", ["--mutations", "300", "--seed", "3"], tmp_path)
+    assert s["mutations"] == 300
+    assert s["failures"] == [], text
+    errors = sum(n for c in s["tally"].values() for k, n in c.items() if k.endswith(":error"))
+    assert errors > 300, text  # most mutations are detected (both loaders count)
