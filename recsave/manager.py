@@ -74,7 +74,8 @@ class CheckpointManager:
         """Saves ``ckpt_<global_step>`` now (returns the existing one if this step is saved already)."""
         ckpt_id = f"ckpt_{self._global_step}"
         latest = self.saver.latest_checkpoint()
-        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id:
+        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
+                and ckpt_id not in self.saver._damaged:
             return latest
         return self.saver.save(ckpt_id)
 

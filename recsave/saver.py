@@ -86,6 +86,7 @@ class Saver:
         self._extras: Dict[str, Any] = {}
         self._io_states: Dict[str, Any] = {}
         self._extra_data: Dict[str, Any] = {}
+        self._damaged: set = set()  # committed ids of output_dir found unloadable by a fallback load
         self._writer_lock: Optional[WriterLock] = None  # taken by the first save (lock.py)
         if sparse_optim is not None:
             self._check_stateful(SPARSE_OPTIM, sparse_optim)
@@ -175,7 +176,13 @@ class Saver:
 
     def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
         self._writer_lock = hold_writer_lock(self._writer_lock, self.storage, self.output_dir)
-        listed = ckpt_id in ckptlist.read(self.storage, self.output_dir)
+        listed_ids = ckptlist.read(self.storage, self.output_dir)
+        if ckpt_id in self._damaged and ckpt_id in listed_ids:
+            # A fallback restore skipped this damaged checkpoint: unlist it, then write it anew.
+            ckptlist.write(self.storage, self.output_dir, [i for i in listed_ids if i != ckpt_id])
+            listed_ids.remove(ckpt_id)
+        self._damaged.discard(ckpt_id)
+        listed = ckpt_id in listed_ids
         if listed and self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
             raise CheckpointExistsError(
                 f"{ckpt_dir} is a committed checkpoint already; save under another id or delete it first",
@@ -302,6 +309,8 @@ class Saver:
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 if n == len(ids) - 1:
                     raise
+                if path == self.output_dir:  # the next save of this id replaces it
+                    self._damaged.add(ckpt_id)
                 warnings.warn(f"{st.join(path, ckpt_id)} cannot be loaded ({type(exc).__name__}: {exc}); "
                               f"falling back to the previous committed checkpoint "
                               f"{st.join(path, ids[-n - 2])}", RuntimeWarning, stacklevel=3)

@@ -595,3 +595,21 @@ def test_s3_permanently_failing_endpoint_fails_the_save_and_keeps_the_previous(s
     s3fs.S3FileSystem.clear_instance_cache()
     assert _names(out) == ["checkpoint", "ckpt_2"]
     _assert_restores(out, at_2, 2)
+
+
+def test_training_on_after_a_fallback_replaces_the_damaged_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=3, max_keep=3)
+    job.train(6)  # ckpt_3, ckpt_6
+    _corrupt_latest(out, job)
+    job.saver.close()
+
+    fresh = make_job(out, save_interval=3, max_keep=3)
+    with pytest.warns(RuntimeWarning, match="ckpt_6"):
+        assert fresh.manager.restore() == 3
+    fresh.train(3)  # autosaves ckpt_6 again: the damaged one must be replaced, not returned
+    assert fresh.saver.latest_checkpoint() == os.path.join(out, "ckpt_6")
+    fresh.saver.close()
+    check = make_job(out, save_interval=3)
+    assert check.manager.restore(fallback=False) == 6
+    assert_jobs_equal(job_state(check), job_state(fresh))
