@@ -221,7 +221,7 @@ def _load_in_place(saver: "Saver", table: HashTable, src: Any, src_table: str, c
     if views is None:
         return False
     src.read_table(src_table, [columns[c] for c in columns], rank, world, saver.concurrency,
-                   out={columns[c]: views[c] for c in columns})
+                   out={columns[c]: views[c] for c in columns}, with_ids=False)
     return True
 
 

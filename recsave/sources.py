@@ -70,16 +70,18 @@ class CheckpointSource:
         return rows, cost
 
     def read_table(self, table: str, columns: Sequence[str], rank: int, world: int, concurrency: int,
-                   out: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """The table's ids (those rank `rank` of `world` owns) and the given columns; `out` maps
-        columns to destination tensors to read into (e.g. the table's storage)."""
+                   out: Optional[Dict[str, torch.Tensor]] = None,
+                   with_ids: bool = True) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
+        """The table's ids (those rank `rank` of `world` owns; None when not `with_ids`) and the
+        given columns; `out` maps columns to destination tensors to read into (e.g. the table's
+        storage)."""
         ranges = self.row_ranges(table, rank, world)
-        names = [f"{table}@id"] + [f"{table}@{c}" for c in columns]
+        names = ([f"{table}@id"] if with_ids else []) + [f"{table}@{c}" for c in columns]
         data = read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage,
                             concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names},
                             out={f"{table}@{c}": t for c, t in (out or {}).items()})
-        ids = data[f"{table}@id"]
-        if ranges is not None:  # the index's bucket offsets must agree with the ids they delimit
+        ids = data.get(f"{table}@id")
+        if ids is not None and ranges is not None:  # bucket offsets must agree with the ids they delimit
             lo, hi = partition.bucket_range(rank, world, self.index["partition"]["num_buckets"])
             buckets = partition.bucket_of(ids, self.index["partition"]["num_buckets"])
             if bool(((buckets < lo) | (buckets >= hi)).any()):
