@@ -25,9 +25,9 @@ def model_state(model: torch.nn.Module) -> Tuple[Dict[str, HashTable], Dict[str,
 def of_model(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
              extras: Mapping[str, Any], io_states: Mapping[str, Any]) -> Contents:
     return Contents(
-        tables={n: TableInfo(t.embedding_dim, _dtype_name(t.dtype), tuple(t.slot_names()), len(t))
+        tables={n: TableInfo(t.embedding_dim, dtype_name(t.dtype), tuple(t.slot_names()), len(t))
                 for n, t in tables.items()},
-        dense={n: (tuple(v.shape), _dtype_name(v.dtype)) for n, v in dense.items()},
+        dense={n: (tuple(v.shape), dtype_name(v.dtype)) for n, v in dense.items()},
         extras=set(extras), io_states=set(io_states))
 
 
@@ -36,9 +36,9 @@ def index_meta(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor
                rows: Mapping[str, int]) -> Dict[str, Any]:
     """The `meta` object of the index: what the checkpoint holds, readable without its data."""
     return {
-        "tables": {n: {"dim": t.embedding_dim, "dtype": _dtype_name(t.dtype), "slots": t.slot_names(),
+        "tables": {n: {"dim": t.embedding_dim, "dtype": dtype_name(t.dtype), "slots": t.slot_names(),
                        "rows": int(rows.get(n, 0))} for n, t in tables.items()},
-        "dense": {n: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for n, v in dense.items()},
+        "dense": {n: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for n, v in dense.items()},
         "extras": sorted(extras),
         "io_states": sorted(io_states),
         "io_state_count": world_size,
@@ -64,5 +64,6 @@ def of_index(index: Dict[str, Any], path: str) -> Contents:
     return Contents(tables=tables, dense=dense, extras=extras, io_states=io_states)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.float32 -> "float32", the name used in indexes and configs."""
     return str(dtype).replace("torch.", "")

@@ -6,7 +6,7 @@ table as (rows, values) pairs collected in backward, never as a dense [capacity,
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -203,9 +203,6 @@ class HashTable(torch.nn.Module):
             rows, grad = rows[keep], grad[keep]
         self._grads.append((rows, grad))
 
-    def has_grad(self) -> bool:
-        return bool(self._grads)
-
     def coalesced_grad(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(unique rows ascending, summed row gradients) of everything since the last zero_grad."""
         if not self._grads:
@@ -373,9 +370,6 @@ class HashTable(torch.nn.Module):
         self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
         for slot, t in slots.items():
             self._slots[slot][rows] = t.to(device=self._device, dtype=self._slots[slot].dtype)
-
-    def named_slots(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        yield from self._slots.items()
 
 
 def _grow(t: torch.Tensor, rows: int, fill: float = 0.0) -> torch.Tensor:

@@ -188,7 +188,7 @@ def _apply_tables(saver: "Saver", tables: Dict[str, HashTable], src: Any, plan: 
             continue
         table = tables[table_name]
         if world > 1:
-            table.set_partition(rank, world, getattr(src, "index", {}).get("partition", {}).get("num_buckets", 4096))
+            table.set_partition(rank, world, src.num_buckets)
         if has_embedding and _load_in_place(saver, table, src, src_table, columns, plan, rank, world):
             loaded_rows = len(table)
         else:
@@ -212,9 +212,8 @@ def _load_in_place(saver: "Saver", table: HashTable, src: Any, src_table: str, c
     """The restore fast path: a cleared CPU table whose shape and dtype match reads the checkpoint
     straight into its storage (no second copy of the table in memory). False: use the general path."""
     info = src.contents.tables.get(src_table)
-    if (not plan.conf.hashtable_clear or not isinstance(getattr(src, "index", None), dict)
-            or "partition" not in src.index or info is None or info.dim != table.embedding_dim
-            or info.dtype != str(table.dtype).replace("torch.", "")):
+    if (not plan.conf.hashtable_clear or src.kind != "checkpoint" or info is None
+            or info.dim != table.embedding_dim or info.dtype != contents.dtype_name(table.dtype)):
         return False
     ids, _ = src.read_table(src_table, [], rank, world, saver.concurrency)
     views = table.prepare_load(ids, list(columns))

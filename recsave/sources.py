@@ -43,13 +43,20 @@ class CheckpointSource:
     def io_state_count(self) -> int:
         return self.index["meta"].get("io_state_count", self.index["world_size"])
 
+    @property
+    def num_buckets(self) -> int:
+        """Buckets of the checkpoint's partition (needed to read it with several ranks)."""
+        if self.index["partition"] is None:
+            raise ConfigError(f"{self.ckpt_dir}: the checkpoint has no partition, so it cannot be loaded "
+                              f"by several ranks", path=self.ckpt_dir)
+        return self.index["partition"]["num_buckets"]
+
     def row_ranges(self, table: str, rank: int, world: int) -> Optional[List[Tuple[int, int]]]:
         """Logical rows of the table whose buckets rank `rank` of `world` owns (None: all rows)."""
         if world == 1:
             return None
         tensor = f"{table}@id"
-        num_buckets = self.index["partition"]["num_buckets"]
-        lo, hi = partition.bucket_range(rank, world, num_buckets)
+        lo, hi = partition.bucket_range(rank, world, self.num_buckets)
         ranges = []
         for chunk in self.index["tensors"][tensor]["chunks"]:
             b = chunk.get("buckets")
@@ -82,8 +89,8 @@ class CheckpointSource:
                             out={f"{table}@{c}": t for c, t in (out or {}).items()})
         ids = data.get(f"{table}@id")
         if ids is not None and ranges is not None:  # bucket offsets must agree with the ids they delimit
-            lo, hi = partition.bucket_range(rank, world, self.index["partition"]["num_buckets"])
-            buckets = partition.bucket_of(ids, self.index["partition"]["num_buckets"])
+            lo, hi = partition.bucket_range(rank, world, self.num_buckets)
+            buckets = partition.bucket_of(ids, self.num_buckets)
             if bool(((buckets < lo) | (buckets >= hi)).any()):
                 raise CorruptCheckpointError(
                     f"{self.ckpt_dir}: the bucket offsets of table {table!r} in the index disagree with its "
@@ -125,6 +132,7 @@ class ParquetBankSource:
         return self._pq.step
 
     io_state_count = 1
+    num_buckets = partition.DEFAULT_NUM_BUCKETS
 
     def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
         """Rows and decoded bytes per column (Parquet is compressed: the bytes fetched may be fewer).
@@ -135,12 +143,12 @@ class ParquetBankSource:
         dim = self.contents.tables[table].dim
         cost = {"id": rows * 8}
         for c in columns:
-            cost[c] = rows * dim * getattr(torch, self._pq.tables()[table].dtype).itemsize
+            cost[c] = rows * dim * getattr(torch, self.contents.tables[table].dtype).itemsize
         return rows, cost
 
     def read_table(self, table: str, columns: Sequence[str], rank: int, world: int,
                    concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        return self._pq.read_table(table, list(columns), rank, world)
+        return self._pq.read_table(table, list(columns), rank, world, self.num_buckets)
 
 
 def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = False):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from . import checks
 from .dtypes import BY_CODE, BY_NAME, DType

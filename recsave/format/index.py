@@ -4,7 +4,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import knobs
 from ..errors import CheckpointNotFoundError, FormatVersionError
@@ -285,12 +285,3 @@ def _no_index(directory: str, path: str) -> CheckpointNotFoundError:
     return CheckpointNotFoundError(
         f"{path} does not exist: {directory!r} is not a committed recsave checkpoint (no index); "
         f"check the path or pick a checkpoint listed in the output dir's 'checkpoint' file", path=path)
-
-
-def chunk_files(index: Dict[str, Any], names: Iterable[str]) -> List[str]:
-    """Files holding the chunks of the named tensors, in first-use order."""
-    seen: Dict[str, None] = {}
-    for name in names:
-        for chunk in index["tensors"][name]["chunks"]:
-            seen.setdefault(chunk["file"], None)
-    return list(seen)

@@ -378,7 +378,6 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     try:
         for name in wanted:
             t = tensors[name]
-            itemsize = _DTYPE_TABLE[t["dtype"]][0]
             shape = t["shape"]
             # Lengths were checked against the index sizes, and the files against the real sizes below,
             # so this allocation is bounded by bytes actually on disk.
