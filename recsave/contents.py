@@ -31,7 +31,7 @@ def of_model(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
         extras=set(extras), io_states=set(io_states))
 
 
-def index_meta(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
+def index_meta(tables: Mapping[str, Any], dense: Mapping[str, torch.Tensor],
                extras: Mapping[str, Any], io_states: Mapping[str, Any], world_size: int,
                rows: Mapping[str, int]) -> Dict[str, Any]:
     """The `meta` object of the index: what the checkpoint holds, readable without its data."""

@@ -47,7 +47,7 @@ def collective(world_size: int) -> bool:
     return world_size > 1 and initialized() and torch_dist.get_world_size() == world_size
 
 
-def _group():
+def recsave_group():
     """recsave's gloo group (CPU object collectives even when the default backend is NCCL)."""
     timeout = datetime.timedelta(seconds=float(knobs.get("collective_timeout_s")))
     key = (id(torch_dist.distributed_c10d._get_default_group()), timeout)
@@ -70,7 +70,7 @@ def _guard(what: str, fn: Callable[[], T]) -> T:
 
 def barrier(world_size: int) -> None:
     if collective(world_size):
-        group = _group()
+        group = recsave_group()
         _guard("barrier", lambda: torch_dist.monitored_barrier(group=group, wait_all_ranks=True))
 
 
@@ -78,7 +78,7 @@ def gather_objects(obj: Any, world_size: int) -> List[Any]:
     """Every rank's `obj`, in rank order (a list of one without collectives)."""
     if not collective(world_size):
         return [obj]
-    group = _group()
+    group = recsave_group()
     out: List[Any] = [None] * world_size
 
     def run():

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _C, knobs, partition
+from .idmap import make_id_map
 from .errors import ShapeMismatchError, UsageError
 
 _MIN_CAPACITY = 1024
@@ -39,16 +40,19 @@ class HashTable(torch.nn.Module):
         embedding_dim: width of each row.
         name: the table's name in checkpoints (defaults to its attribute path in the model).
         dtype: floating dtype of the rows.
-        device: where rows live (the id map is on the CPU).
+        device: where ids, rows and slots live. CPU tables use the C++ id map; tables on other
+            devices (CUDA) keep the id map on the device too (recsave.idmap.TensorIdMap).
         init_std: new rows are drawn from normal(0, init_std) ...
         seed: ... as a pure function of (seed, id, column), so restarts reproduce them exactly.
+
+        id_map: ``auto`` (the above), or ``cpu`` / ``tensor`` to force the C++ map or the torch-ops map.
 
     In training mode unseen ids are inserted; in eval mode they read as zeros and are not inserted.
     """
 
     def __init__(self, embedding_dim: int, name: Optional[str] = None, *, dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device | str] = None, init_std: float = 0.01,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, id_map: str = "auto"):
         super().__init__()
         if not isinstance(embedding_dim, int) or embedding_dim <= 0:
             raise UsageError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
@@ -62,7 +66,7 @@ class HashTable(torch.nn.Module):
         self.seed = int(seed) if seed is not None else 0
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._dtype = dtype
-        self._map = _C.IdMap(0)
+        self._map = make_id_map(self._device, id_map)
         self._weight = torch.empty(0, embedding_dim, dtype=dtype, device=self._device)
         self._slots: Dict[str, torch.Tensor] = {}
         self._slot_init: Dict[str, float] = {}
@@ -92,8 +96,7 @@ class HashTable(torch.nn.Module):
 
     def ids(self) -> torch.Tensor:
         """All ids, in row order (int64, CPU)."""
-        ids, _rows = self._map.export()
-        return torch.from_numpy(ids)
+        return self._map.export()[0].cpu()
 
     def clear(self) -> None:
         """Removes every id (storage is kept for reuse)."""
@@ -102,7 +105,7 @@ class HashTable(torch.nn.Module):
 
     def delete(self, ids: torch.Tensor) -> int:
         """Removes the given ids; returns how many were present."""
-        freed = torch.from_numpy(self._map.erase(_as_id_array(ids)))
+        freed = self._map.erase(_flat_ids(ids))
         freed = freed[freed >= 0]
         if freed.numel() and self._grads:
             # A freed row is reused by the next new id: pending gradients must not follow it there.
@@ -164,19 +167,18 @@ class HashTable(torch.nn.Module):
 
     # ---------------------------------------------------------------------------------- lookups
     def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor:
-        """Rows of flat int64 ids (CPU int64 tensor); -1 for absent ids unless `insert`."""
-        flat = _as_id_array(ids)
-        threads = knobs.get("concurrency")
+        """Rows of flat int64 ids (int64, on the id map's device: the CPU for CPU tables); -1 for
+        absent ids unless `insert`."""
+        flat = _flat_ids(ids)
         if not insert:
-            return torch.from_numpy(self._map.lookup(flat, threads))
+            return self._map.lookup(flat)
         if self._partition is not None:
-            self._check_owned(torch.from_numpy(flat))
-        rows, is_new, num_new = self._map.lookup_or_insert(flat, threads)
-        rows_t = torch.from_numpy(rows)
+            self._check_owned(flat)
+        rows, is_new, num_new = self._map.lookup_or_insert(flat)
         if num_new:
             self._ensure_capacity(self._map.row_capacity)
-            self._init_rows(torch.from_numpy(flat[is_new]), rows_t[torch.from_numpy(is_new)])
-        return rows_t
+            self._init_rows(flat.to(is_new.device)[is_new], rows[is_new])
+        return rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype != torch.int64:
@@ -269,7 +271,7 @@ class HashTable(torch.nn.Module):
     def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every live id, in row order (CPU int64)."""
         ids, rows = self._map.export()
-        return torch.from_numpy(ids), torch.from_numpy(rows)
+        return ids.cpu(), rows.cpu()
 
     def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment."""
@@ -315,7 +317,7 @@ class HashTable(torch.nn.Module):
         self._ensure_capacity(n)
         if self._partition is not None:
             self._check_owned(ids)
-        rows, _is_new, num_new = self._map.lookup_or_insert(_as_id_array(ids), knobs.get("concurrency"))
+        rows, _is_new, num_new = self._map.lookup_or_insert(_flat_ids(ids))
         if num_new != n:  # duplicates: rows are not 0..n-1
             self.clear()
             return None
@@ -379,10 +381,10 @@ def _grow(t: torch.Tensor, rows: int, fill: float = 0.0) -> torch.Tensor:
     return out
 
 
-def _as_id_array(ids: torch.Tensor):
+def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
         raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
-    return ids.detach().reshape(-1).cpu().contiguous().numpy()
+    return ids.detach().reshape(-1)
 
 
 def split_sparse_dense_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, "HashTable"], Dict[str, Any]]:

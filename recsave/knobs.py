@@ -92,3 +92,7 @@ def names() -> list:
     return sorted(_KNOBS)
 
 
+def current() -> Dict[str, Any]:
+    """Every knob's value as this thread sees it; ``override(**current())`` carries them into a
+    background thread (an async save writes with the knobs in force when it was started)."""
+    return {name: get(name) for name in _KNOBS}

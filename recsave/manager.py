@@ -9,6 +9,7 @@ from .report import LoadPlan, LoadReport
 from .saver import Saver
 
 GLOBAL_STEP = "global_step"
+ASYNC_MODES = ("disabled", "async", "async_pinned")
 
 
 class _StepState:
@@ -31,14 +32,20 @@ class CheckpointManager:
     """Drives a Saver from the training loop. Checkpoint ids are ``ckpt_<global_step>``.
 
     Call step() once per training step; every `save_interval` steps it saves (0 disables autosave).
+    `async_mode`: ``disabled`` saves synchronously; ``async`` makes autosaves Saver.async_save
+    calls (training waits only for the snapshot); ``async_pinned`` also stages CUDA tensors in
+    page-locked memory. Call wait() or close() at the end of training (save() waits by default).
     """
 
-    def __init__(self, saver: Saver, save_interval: int):
+    def __init__(self, saver: Saver, save_interval: int, async_mode: str = "disabled"):
         if not isinstance(saver, Saver):
             raise UsageError(f"saver must be a recsave.Saver, got {type(saver).__name__}")
         if not isinstance(save_interval, int) or save_interval < 0:
             raise UsageError(f"save_interval must be an int >= 0 (0: no autosave), got {save_interval!r}")
+        if async_mode not in ASYNC_MODES:
+            raise UsageError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
         self.saver = saver
+        self.async_mode = async_mode
         self._save_interval = save_interval
         self._global_step = 0
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
@@ -64,20 +71,43 @@ class CheckpointManager:
 
     def step(self) -> Optional[str]:
         """Advances the global step; saves when it reaches a multiple of save_interval (returns the
-        checkpoint path then, else None)."""
+        checkpoint path then, else None). In an async mode the save is only started: training waits
+        for the snapshot (and for the previous write, if it is still running)."""
         self._global_step += 1
         if self._save_interval and self._global_step % self._save_interval == 0:
-            return self.save()
+            return self.save(wait=False)
         return None
 
-    def save(self) -> str:
-        """Saves ``ckpt_<global_step>`` now (returns the existing one if this step is saved already)."""
+    def save(self, wait: bool = True) -> str:
+        """Saves ``ckpt_<global_step>`` now (returns the existing one if this step is saved already).
+        In an async mode, `wait` (default) waits until it is committed — the save at the end of
+        training; with wait=False it returns once the snapshot is taken."""
+        saver = self.saver
         ckpt_id = f"ckpt_{self._global_step}"
-        latest = self.saver.latest_checkpoint()
+        ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
+        if saver.pending_checkpoint == ckpt_id:  # written in the background already
+            if wait:
+                saver.wait()
+            return ckpt_dir
+        latest = saver.latest_checkpoint()
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
-                and ckpt_id not in self.saver._damaged:
+                and ckpt_id not in saver._damaged:
             return latest
-        return self.saver.save(ckpt_id)
+        if self.async_mode == "disabled":
+            return saver.save(ckpt_id)
+        saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned")
+        if wait:
+            saver.wait()
+        return ckpt_dir
+
+    def wait(self) -> Optional[str]:
+        """Waits for the background write of an async save; returns its path (None if none was
+        pending) or raises its error."""
+        return self.saver.wait()
+
+    def close(self) -> None:
+        """Waits for a background write (raising its error) and releases the Saver's resources."""
+        self.saver.close()
 
     def restore(self, global_step: Optional[int] = None, fallback: bool = True) -> int:
         """Loads ``ckpt_<global_step>``, or the latest committed checkpoint; returns the global step.
@@ -113,6 +143,7 @@ class CheckpointManager:
         """Warm start: applies bank entries in order (the last entry wins a name). Entries with
         ``is_dynamic: True`` are remembered for update_model_bank()."""
         plan = self.saver.plan_model_bank(entries)
+        self.saver._wait_pending(consume=False)
         report = loader.execute(self.saver, plan)
         self._bank = (list(entries), _versions(plan))
         return report

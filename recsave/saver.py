@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -14,9 +15,9 @@ from .errors import CorruptCheckpointError
 from .lock import WriterLock, hold as hold_writer_lock
 from .format import index as index_mod
 from .format.writer import RowSource, write_shards
-from .hashtable import HashTable
 from .loadconf import SPARSE_OPTIM
 from .report import LoadPlan, LoadReport
+from .snapshot import PinnedPair, SaveState, Stager, TableState, capture
 from .storage import Storage, get_storage
 
 MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
@@ -88,6 +89,9 @@ class Saver:
         self._extra_data: Dict[str, Any] = {}
         self._damaged: set = set()  # committed ids of output_dir found unloadable by a fallback load
         self._writer_lock: Optional[WriterLock] = None  # taken by the first save (lock.py)
+        self._stager: Optional[Stager] = None  # host buffers of async saves, reused
+        self._writer: Optional[ThreadPoolExecutor] = None  # runs async saves' writes, one at a time
+        self._pending: Optional[Tuple[str, Future]] = None  # (ckpt_id, write future) of async_save
         if sparse_optim is not None:
             self._check_stateful(SPARSE_OPTIM, sparse_optim)
             self._extras[SPARSE_OPTIM] = sparse_optim
@@ -144,21 +148,96 @@ class Saver:
         Order (docs/FORMAT.md section 5): shard files and io state of every rank, then on rank 0
         model.pt, extra.pt, the index (the commit point) and the `checkpoint` list, then pruning.
         On failure the partial directory is removed and the previous checkpoint stays latest.
+        A pending async_save is waited for first; if it failed, its error is raised here.
         """
         ckptlist.validate_id(ckpt_id)
+        self._wait_pending(consume=True)
         rank, world = dist.resolve(shard_id, shard_num)
+        return self._write_state(ckpt_id, self._capture(rank, world, None), rank, world)
+
+    def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
+                   pinned: bool = False) -> Tuple[Future, Future]:
+        """Saves like save(), but returns once the state is snapshotted: returns
+        ``(stage_future, write_future)``.
+
+        It first waits for the previous async write (raising its error, if any, instead of saving).
+        Then it copies every table (ids, embedding and all slots at one moment), the dense tensors,
+        extras and io states into host buffers reused from save to save (page-locked for CUDA
+        tensors with `pinned`), and hands the copy to a background thread that writes and commits
+        it. Training may change the model at once: the checkpoint holds the state at the call.
+        `stage_future` is done on return; `write_future` yields the checkpoint path, or the error
+        of the write, which is also raised by the next save / async_save, wait() or close(). Every
+        rank calls async_save in the same order (the writes run collectives on recsave's group).
+        The host copy costs memory of about the size of the tables and dense tensors.
+        """
+        ckptlist.validate_id(ckpt_id)
+        self._wait_pending(consume=True)
+        rank, world = dist.resolve(shard_id, shard_num)
+        if dist.collective(world):
+            dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
+        if self._stager is None or self._stager.pinned != pinned:
+            self._stager = Stager(pinned)
+        stage_future: Future = Future()
+        state = self._capture(rank, world, self._stager)
+        stage_future.set_result(None)
+        knob_values = knobs.current()  # overrides are per thread: carry them to the writer
+
+        def write() -> str:
+            with knobs.override(**knob_values):
+                return self._write_state(ckpt_id, state, rank, world)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="recsave-async-save")
+        write_future = self._writer.submit(write)
+        self._pending = (ckpt_id, write_future)
+        return stage_future, write_future
+
+    def wait(self) -> Optional[str]:
+        """Waits for the pending async write; returns its checkpoint path (None when nothing was
+        pending) or raises its error."""
+        return self._wait_pending(consume=True)
+
+    @property
+    def pending_checkpoint(self) -> Optional[str]:
+        """The id an async write is (or was last) writing, until wait() / the next save collects it."""
+        return self._pending[0] if self._pending is not None else None
+
+    def _wait_pending(self, consume: bool) -> Optional[str]:
+        """Waits for the async write. With `consume` its result is collected (its error raised);
+        without, an error stays pending for the next save / wait / close."""
+        if self._pending is None:
+            return None
+        ckpt_id, future = self._pending
+        exc = future.exception()
+        if not consume:
+            if exc is None:
+                self._pending = None
+            return None
+        self._pending = None
+        if exc is not None:
+            exc.add_note(f"(raised by the background write of async_save({ckpt_id!r}); the previous "
+                         f"committed checkpoint is still the latest)")
+            raise exc
+        return future.result()
+
+    def _capture(self, rank: int, world: int, stager: Optional[Stager]) -> SaveState:
+        tables, dense = contents.model_state(self.model)
+        if world > 1:
+            for table in tables.values():
+                table.set_partition(rank, world, self.num_buckets)
+        return capture(tables, dense, self._extras, self._io_states, stager)
+
+    def _write_state(self, ckpt_id: str, state: SaveState, rank: int, world: int) -> str:
         st, out = self.storage, self.output_dir
         ckpt_dir = st.join(out, ckpt_id)
         dist.run_everywhere(f"preparing {ckpt_dir}", lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
                             only_rank0=True, rank=rank)
         try:
             st.makedirs(ckpt_dir)
-            tables, dense = contents.model_state(self.model)
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
-                                       lambda: self._write_rank_files(ckpt_dir, tables, rank, world), world)
+                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world), world)
             parts = dist.gather_objects(mine, world)
             dist.run_everywhere(f"committing {ckpt_dir}",
-                                lambda: self._commit(ckpt_dir, ckpt_id, parts, tables, dense, world),
+                                lambda: self._commit(ckpt_dir, ckpt_id, parts, state, world),
                                 world, only_rank0=True, rank=rank)
         except BaseException:
             if rank == 0:
@@ -193,25 +272,22 @@ class Saver:
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
 
-    def _write_rank_files(self, ckpt_dir: str, tables: Dict[str, HashTable], rank: int,
-                          world: int) -> tuple:
+    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int) -> tuple:
         part = index_mod.new_part(rank)
         rows: Dict[str, int] = {}
-        for name in sorted(tables):
-            table_part, rows[name] = self._write_table(ckpt_dir, name, tables[name], rank, world,
+        for name in sorted(state.tables):
+            table_part, rows[name] = self._write_table(ckpt_dir, name, state.tables[name], rank, world,
                                                        first_part=len(part["files"]))
             part["files"].update(table_part["files"])
             part["tensors"].update(table_part["tensors"])
-        io_state = {n: obj.dump_io_state() for n, obj in self._io_states.items()}
-        part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank), io_state, rank)
+        part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank),
+                                                          state.io_state, rank)
         return part, rows
 
-    def _write_table(self, ckpt_dir: str, name: str, table: HashTable, rank: int, world: int,
+    def _write_table(self, ckpt_dir: str, name: str, table: TableState, rank: int, world: int,
                      first_part: int) -> tuple:
         """Writes one table's ids, embedding and slots with rows sorted by bucket."""
-        if world > 1:
-            table.set_partition(rank, world, self.num_buckets)
-        ids, rows = table.id_rows()
+        ids, rows = table.ids, table.rows
         buckets = partition.bucket_of(ids, self.num_buckets)
         first, stop = partition.bucket_range(rank, world, self.num_buckets)
         if world > 1 and bool(((buckets < first) | (buckets >= stop)).any()):
@@ -225,10 +301,11 @@ class Saver:
         # save never holds a second copy of the table.
         sorted_rows = rows[order]
         tensors: Dict[str, Any] = {f"{name}@id": ids[order]}
+        buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
         for column in ["embedding"] + table.slot_names():
             shape = (ids.numel(), table.embedding_dim)
             tensors[f"{name}@{column}"] = RowSource(table.column_dtype(column), shape,
-                                                    table.row_fetcher(column, sorted_rows))
+                                                    table.row_fetcher(column, sorted_rows, buffers))
         meta = {"buckets": {"first": first, "row_starts": row_starts}}
         seg_max = knobs.get("segment_bytes")
         segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)
@@ -238,8 +315,8 @@ class Saver:
                             first_part=first_part, segments=segments)
         return part, int(ids.numel())
 
-    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[tuple],
-                tables: Dict[str, HashTable], dense: Dict[str, torch.Tensor], world: int) -> None:
+    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[tuple], state: SaveState,
+                world: int) -> None:
         st = self.storage
         parts = [part for part, _ in gathered]
         rows: Dict[str, int] = {}
@@ -247,12 +324,12 @@ class Saver:
             for name, count in table_rows.items():
                 rows[name] = rows.get(name, 0) + count
         files = {
-            MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.detach().cpu() for n, t in dense.items()}, 0),
-            EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, {n: o.state_dict() for n, o in self._extras.items()}, 0),
+            MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.cpu() for n, t in state.dense.items()}, 0),
+            EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, state.extras, 0),
             IO_COUNT_FILE: torchio.save_bytes(st, ckpt_dir, IO_COUNT_FILE, f"{world}\n".encode(), 0),
         }
         m = _STEP_ID.match(ckpt_id)
-        meta = contents.index_meta(tables, dense, self._extras, self._io_states, world, rows)
+        meta = contents.index_meta(state.tables, state.dense, state.extras, state.io_state, world, rows)
         index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
                                       partition={"scheme": partition.SCHEME, "num_buckets": self.num_buckets},
                                       meta=meta)
@@ -271,11 +348,21 @@ class Saver:
 
     # ------------------------------------------------------------------------- writer lock: close
     def close(self) -> None:
-        """Releases the writer lock of output_dir taken by the first save (also done when the Saver
-        is garbage-collected or the interpreter exits). A later save takes it again."""
-        if self._writer_lock is not None:
-            self._writer_lock.release()
-            self._writer_lock = None
+        """Waits for a pending async write (raising its error), frees the async host buffers and
+        releases the writer lock of output_dir taken by the first save (the lock is also released
+        when the Saver is garbage-collected or the interpreter exits). A later save takes it again."""
+        try:
+            self._wait_pending(consume=True)
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            if self._stager is not None:
+                self._stager.release()
+                self._stager = None
+            if self._writer_lock is not None:
+                self._writer_lock.release()
+                self._writer_lock = None
 
     # -------------------------------------------------------------------------------------- load
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
@@ -287,7 +374,9 @@ class Saver:
         a checkpoint directory; default: this saver's output_dir. `load_conf` selects what to load
         (DESIGN.md "Load / model-bank config"). With `fallback`, when the latest checkpoint of an
         output dir is corrupt or incomplete, the previous committed one is loaded instead (and so
-        on), with a warning naming the bad one."""
+        on), with a warning naming the bad one. A pending async write is waited for first (its
+        error, if any, stays for the next save / wait / close)."""
+        self._wait_pending(consume=False)
         conf = dict(load_conf or {})
         if ckpt_path is not None:
             conf["path"] = ckpt_path
@@ -327,6 +416,7 @@ class Saver:
         """Applies bank entries in order; for a name given by several entries the last one wins."""
         if not isinstance(entries, (list, tuple)):
             raise ConfigError("model bank entries must be a list of dicts")
+        self._wait_pending(consume=False)
         return loader.load_entries(self, list(entries), shard_id=shard_id, require_path=True)
 
     def plan_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadPlan:

@@ -136,7 +136,7 @@ class Job:
 
 
 def make_job(output_dir: str, *, max_keep: Optional[int] = 3, save_interval: Optional[int] = None,
-             seed: int = 0, register: bool = True, **model_kw: Any) -> Job:
+             seed: int = 0, register: bool = True, async_mode: str = "disabled", **model_kw: Any) -> Job:
     """A model with its sparse Adagrad, a dense Adam registered as `dense_opt`, a Reader registered as
     io state `reader`, and (when save_interval is not None) a CheckpointManager."""
     model = CTR(seed=seed, **model_kw)
@@ -147,7 +147,7 @@ def make_job(output_dir: str, *, max_keep: Optional[int] = 3, save_interval: Opt
     if register:
         saver.register_for_checkpointing("dense_opt", dense_opt)
         saver.register_io_state("reader", reader)
-    manager = CheckpointManager(saver, save_interval) if save_interval is not None else None
+    manager = CheckpointManager(saver, save_interval, async_mode) if save_interval is not None else None
     return Job(model, sparse_opt, dense_opt, reader, saver, manager)
 
 

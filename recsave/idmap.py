@@ -1,0 +1,251 @@
+"""The id -> row maps behind HashTable, with one tensor interface.
+
+- ``CpuIdMap``: the C++ map of the extension (``recsave._C.IdMap``), for tables on the CPU.
+- ``TensorIdMap``: open addressing written in torch ops, so it runs on the table's own device (a
+  CUDA table keeps ids, rows and map on the GPU; every step is a batched tensor op, never a
+  per-id Python loop). It also runs on the CPU, which is how CPU-only CI tests its logic.
+
+Both follow the same contract (csrc/core/id_map.h): a new id takes the lowest row freed by
+erase() if any, else ``row_capacity`` (which then grows by one); new ids of a batch get rows in
+order of first occurrence; ``export`` lists (id, row) pairs by ascending row. So a table's rows,
+and therefore its checkpoints, do not depend on which map it uses.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import _C, knobs
+from .errors import UsageError
+
+# murmur3 fmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap).
+_FMIX_1 = 0xFF51AFD7ED558CCD - (1 << 64)
+_FMIX_2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+_EMPTY, _DELETED = -1, -2  # row values of a slot that holds no id
+_MAX_FILL = 0.5  # live ids + deleted markers per slot before the table is rebuilt larger
+
+
+class CpuIdMap:
+    """``recsave._C.IdMap`` with tensors in and out (CPU int64)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self._map = _C.IdMap(0)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    @property
+    def row_capacity(self) -> int:
+        return self._map.row_capacity
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self._map.lookup(_numpy_ids(ids), knobs.get("concurrency")))
+
+    def lookup_or_insert(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        rows, is_new, num_new = self._map.lookup_or_insert(_numpy_ids(ids), knobs.get("concurrency"))
+        return torch.from_numpy(rows), torch.from_numpy(is_new).bool(), int(num_new)
+
+    def erase(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self._map.erase(_numpy_ids(ids)))
+
+    def export(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        ids, rows = self._map.export()
+        return torch.from_numpy(ids), torch.from_numpy(rows)
+
+    def clear(self) -> None:
+        self._map.clear()
+
+
+class TensorIdMap:
+    """Open addressing with linear probing over power-of-two ``keys`` / ``rows`` tensors on
+    `device`. A slot is empty when its row is -1 and deleted when it is -2, so every int64 is a
+    valid id. Batches probe all their ids at once, one probe step per loop round; concurrent
+    inserts into one slot are settled by a claim array (one writer wins, the others probe on), so
+    the slot layout may vary between runs but the rows handed out never do."""
+
+    def __init__(self, device: torch.device | str = "cpu", capacity: int = 1024):
+        self.device = torch.device(device)
+        self._size = 0
+        self._deleted = 0
+        self._row_capacity = 0
+        self._free = torch.empty(0, dtype=torch.int64, device=self.device)  # ascending
+        self._allocate(_pow2(capacity))
+
+    def _allocate(self, capacity: int) -> None:
+        self._keys = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self._rows = torch.full((capacity,), _EMPTY, dtype=torch.int64, device=self.device)
+        self._claim = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self._mask = capacity - 1
+        self._deleted = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def row_capacity(self) -> int:
+        return self._row_capacity
+
+    @property
+    def slot_capacity(self) -> int:
+        return self._mask + 1
+
+    # ------------------------------------------------------------------------------- probing
+    def _home(self, ids: torch.Tensor) -> torch.Tensor:
+        h = ids ^ _lsr(ids, 33)
+        h = h * _FMIX_1
+        h = h ^ _lsr(h, 33)
+        h = h * _FMIX_2
+        h = h ^ _lsr(h, 33)
+        return h & self._mask
+
+    def _find(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(row, slot) of each id; -1 / -1 where absent."""
+        n = ids.numel()
+        rows = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        if n == 0 or self._size == 0:
+            return rows, slots
+        active = torch.arange(n, device=self.device)
+        keys, pos = ids, self._home(ids)
+        while active.numel():
+            slot_rows = self._rows[pos]
+            hit = (slot_rows >= 0) & (self._keys[pos] == keys)
+            rows[active[hit]] = slot_rows[hit]
+            slots[active[hit]] = pos[hit]
+            going = ~hit & (slot_rows != _EMPTY)  # an empty slot ends the probe: absent
+            active, keys, pos = active[going], keys[going], (pos[going] + 1) & self._mask
+        return rows, slots
+
+    def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Stores ids known to be absent (and distinct) with their rows; capacity must suffice."""
+        keys, vals, pos = ids, rows, self._home(ids)
+        while keys.numel():
+            open_ = self._rows[pos] < 0
+            # Every id at an open slot claims it; one claim per slot wins, the rest probe on.
+            ticket = torch.arange(keys.numel(), device=self.device)
+            self._claim[pos[open_]] = ticket[open_]
+            won = open_ & (self._claim[pos] == ticket)
+            self._claim[pos[open_]] = -1
+            won_pos = pos[won]
+            self._deleted -= int((self._rows[won_pos] == _DELETED).sum())
+            self._keys[won_pos] = keys[won]
+            self._rows[won_pos] = vals[won]
+            going = ~won
+            keys, vals, pos = keys[going], vals[going], (pos[going] + 1) & self._mask
+
+    def _make_room(self, extra: int) -> None:
+        capacity = self._mask + 1
+        if self._size + self._deleted + extra <= _MAX_FILL * capacity:
+            return
+        while (self._size + extra) > _MAX_FILL * capacity / 2:  # rebuilt table starts <= 1/4 full
+            capacity *= 2
+        live = self._rows >= 0
+        ids, rows = self._keys[live], self._rows[live]
+        self._allocate(capacity)
+        self._place(ids, rows)
+
+    # --------------------------------------------------------------------------------- batches
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Row of each id, -1 where absent."""
+        return self._find(self._ids(ids))[0]
+
+    def lookup_or_insert(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """(rows, is_new, num_new): absent ids are inserted; is_new marks each new id's first
+        occurrence in the batch."""
+        ids = self._ids(ids)
+        rows = self._find(ids)[0]
+        is_new = torch.zeros(ids.numel(), dtype=torch.bool, device=self.device)
+        missing = (rows < 0).nonzero().squeeze(1)
+        if missing.numel() == 0:
+            return rows, is_new, 0
+        unique, inverse, first = _first_occurrences(ids[missing])
+        order = torch.argsort(first)  # new ids in order of first occurrence
+        count = unique.numel()
+        reused = min(count, self._free.numel())
+        assigned = torch.cat([self._free[:reused],
+                              torch.arange(self._row_capacity, self._row_capacity + count - reused,
+                                           device=self.device)])
+        self._make_room(count)
+        self._place(unique[order], assigned)
+        self._free = self._free[reused:]
+        self._row_capacity += count - reused
+        self._size += count
+        row_of_unique = torch.empty_like(assigned)
+        row_of_unique[order] = assigned
+        rows[missing] = row_of_unique[inverse]
+        is_new[missing[first]] = True
+        return rows, is_new, count
+
+    def erase(self, ids: torch.Tensor) -> torch.Tensor:
+        """Removes ids; returns the freed row of each id's first occurrence, -1 elsewhere."""
+        ids = self._ids(ids)
+        rows, slots = self._find(ids)
+        freed = torch.full_like(rows, -1)
+        present = (rows >= 0).nonzero().squeeze(1)
+        if present.numel() == 0:
+            return freed
+        _unique, _inverse, first = _first_occurrences(ids[present])
+        at = present[first]
+        freed[at] = rows[at]
+        self._rows[slots[at]] = _DELETED
+        self._size -= at.numel()
+        self._deleted += at.numel()
+        self._free = torch.sort(torch.cat([self._free, rows[at]])).values
+        return freed
+
+    def export(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every live id, by ascending row."""
+        live = self._rows >= 0
+        ids, rows = self._keys[live], self._rows[live]
+        order = torch.argsort(rows)
+        return ids[order], rows[order]
+
+    def clear(self) -> None:
+        self._rows.fill_(_EMPTY)
+        self._size = self._deleted = self._row_capacity = 0
+        self._free = self._free[:0]
+
+    def _ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+            raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
+        return ids.detach().reshape(-1).to(self.device)
+
+
+def _first_occurrences(ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unique ids, inverse, position of each unique id's first occurrence in `ids`)."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    positions = torch.arange(ids.numel(), device=ids.device)
+    first = torch.full((unique.numel(),), ids.numel(), dtype=torch.int64, device=ids.device)
+    first.scatter_reduce_(0, inverse, positions, reduce="amin")
+    return unique, inverse, first
+
+
+def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < max(n, 2):
+        p *= 2
+    return p
+
+
+def _numpy_ids(ids: torch.Tensor):
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
+    return ids.detach().reshape(-1).cpu().contiguous().numpy()
+
+
+def make_id_map(device: torch.device, kind: str = "auto"):
+    """The map for a table on `device`: ``auto`` picks the C++ map on the CPU and TensorIdMap
+    elsewhere; ``cpu`` / ``tensor`` force one."""
+    if kind not in ("auto", "cpu", "tensor"):
+        raise UsageError(f"id_map must be 'auto', 'cpu' or 'tensor', got {kind!r}")
+    if kind == "cpu" or (kind == "auto" and device.type == "cpu"):
+        return CpuIdMap()
+    return TensorIdMap(device)

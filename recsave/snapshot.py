@@ -1,0 +1,163 @@
+"""What a save writes, captured at one moment: every table's ids with the storage its rows index,
+the dense tensors, the registered extras and io states.
+
+A synchronous save captures *live* state (no copies: nothing changes while it writes). An async
+save captures into host buffers (``Stager``), so training may go on while the copy is written;
+updates made after the capture never reach the checkpoint. Both write the same bytes.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+
+from .hashtable import HashTable
+
+
+@dataclass
+class TableState:
+    """One table at one moment: ids with their rows (row order, CPU) and the storage those rows
+    index for the embedding and every slot (live tensors, or staged host copies)."""
+
+    embedding_dim: int
+    dtype: torch.dtype
+    ids: torch.Tensor
+    rows: torch.Tensor
+    columns: Dict[str, torch.Tensor]
+
+    def slot_names(self) -> List[str]:
+        return sorted(c for c in self.columns if c != "embedding")
+
+    def column_dtype(self, column: str) -> torch.dtype:
+        return self.columns[column].dtype
+
+    def row_fetcher(self, column: str, rows: torch.Tensor,
+                    buffers: Optional["PinnedPair"] = None) -> Callable[[int, int], torch.Tensor]:
+        """fetch(a, b): `column` at rows[a:b] as a CPU tensor. Device storage is gathered on the
+        device and copied through `buffers` (pinned, double-buffered) on a side stream."""
+        storage = self.columns[column]
+        if storage.device.type == "cpu":
+            return lambda a, b: storage.index_select(0, rows[a:b])
+        return DeviceGather(storage, rows, buffers or PinnedPair())
+
+
+@dataclass
+class SaveState:
+    tables: Dict[str, TableState]
+    dense: Dict[str, torch.Tensor]
+    extras: Dict[str, Any]  # name -> state_dict()
+    io_state: Dict[str, Any]  # name -> dump_io_state()
+
+
+class Stager:
+    """Host buffers an async save copies the state into, reused from one save to the next (a save
+    waits for the previous write before staging). With `pinned`, copies of CUDA tensors go to
+    page-locked memory, which the D2H copy fills at full bus speed."""
+
+    def __init__(self, pinned: bool = False):
+        self.pinned = pinned
+        self._buffers: Dict[Any, torch.Tensor] = {}
+        self._device_copies = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def stage(self, key: Any, src: torch.Tensor, room: Optional[int] = None) -> torch.Tensor:
+        """A host copy of `src` in the buffer reused under `key`, allocated for `room` elements (at
+        least src's): tables pass their storage's capacity, so the buffer lasts until the table
+        doubles. Without `room` the buffer has src's exact size (torch.save writes whole buffers)."""
+        src = src.detach()
+        pin = self.pinned and src.device.type == "cuda"
+        need = src.numel()
+        size = need if room is None else max(room, need)
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != src.dtype or buf.is_pinned() != pin or buf.numel() < need \
+                or (room is None and buf.numel() != need):
+            self._buffers.pop(key, None)  # free the old one before allocating its successor
+            buf = torch.empty(size, dtype=src.dtype, pin_memory=pin)
+            self._buffers[key] = buf
+        out = buf[:need].view(src.shape)
+        out.copy_(src, non_blocking=pin)
+        self._device_copies |= src.device.type == "cuda"
+        return out
+
+    def finish(self) -> None:
+        """Waits for the non-blocking device copies issued by stage()."""
+        if self._device_copies:
+            torch.cuda.synchronize()
+            self._device_copies = False
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
+            extras: Mapping[str, Any], io_states: Mapping[str, Any],
+            stager: Optional[Stager] = None) -> SaveState:
+    """The state a save writes. Without a stager it refers to the live tensors and objects; with
+    one, tables and dense tensors are copied into its buffers and extras / io states deep-copied."""
+    states: Dict[str, TableState] = {}
+    for name, table in tables.items():
+        ids, rows = table.id_rows()
+        columns = {"embedding": table._weight}
+        columns.update({s: table._slots[s] for s in table.slot_names()})
+        if stager is not None:
+            used = table._map.row_capacity  # rows beyond it hold nothing
+            columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
+        states[name] = TableState(table.embedding_dim, table.dtype, ids, rows, columns)
+    if stager is None:
+        dense_state = {n: t.detach() for n, t in dense.items()}
+        extra_state = {n: o.state_dict() for n, o in extras.items()}
+        io_state = {n: o.dump_io_state() for n, o in io_states.items()}
+    else:
+        dense_state = {n: stager.stage(("dense", n), t) for n, t in dense.items()}
+        extra_state = copy.deepcopy({n: o.state_dict() for n, o in extras.items()})
+        io_state = copy.deepcopy({n: o.dump_io_state() for n, o in io_states.items()})
+        stager.finish()
+    return SaveState(states, dense_state, extra_state, io_state)
+
+
+class PinnedPair:
+    """Two page-locked host buffers, alternated: block k is copied into one while the writer
+    still writes block k-1 from the other. The writer asks for block k+1 only after block k-1 is
+    written (format/writer.py `_blocks`), so two are enough."""
+
+    def __init__(self) -> None:
+        self._buffers: List[Optional[torch.Tensor]] = [None, None]
+        self._next = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next buffer (uint8, at least `nbytes`)."""
+        k = self._next
+        self._next ^= 1
+        buf = self._buffers[k]
+        if buf is None or buf.numel() < nbytes:
+            self._buffers[k] = buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes]
+
+
+class DeviceGather:
+    """fetch(a, b) for a column on a CUDA device: gathers rows[a:b] on the device, copies them into
+    a pinned buffer on a side stream and returns that buffer as a CPU tensor."""
+
+    def __init__(self, storage: torch.Tensor, rows: torch.Tensor, buffers: PinnedPair):
+        self.storage = storage
+        self.buffers = buffers
+        self.stream = torch.cuda.Stream(device=storage.device)
+        # Work already queued on the training stream (e.g. an optimizer step) comes first.
+        self.stream.wait_stream(torch.cuda.current_stream(storage.device))
+        with torch.cuda.stream(self.stream):
+            self.rows = rows.to(storage.device, non_blocking=False)
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        shape = (b - a,) + tuple(self.storage.shape[1:])
+        row_bytes = self.storage.element_size() * self.storage[0].numel() if self.storage.shape[0] else 0
+        out = self.buffers.take((b - a) * row_bytes).view(self.storage.dtype).view(shape)
+        with torch.cuda.stream(self.stream):
+            block = self.storage.index_select(0, self.rows[a:b])
+            out.copy_(block, non_blocking=True)
+        self.stream.synchronize()
+        return out

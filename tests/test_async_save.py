@@ -1,0 +1,221 @@
+"""Saver.async_save and CheckpointManager(async_mode=...): the checkpoint holds the state at the
+call, byte-identical to a synchronous save; background failures surface; the manager's modes."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+
+import pytest
+import torch
+
+from helpers import assert_jobs_equal, job_state, make_job
+from recsave import CheckpointManager, HashTable, Saver, knobs
+from recsave import saver as saver_mod
+from recsave.errors import StorageError, UsageError
+from recsave.optim import SparseAdagrad
+from test_faults import faulty, inject  # noqa: F401  (fixture)
+
+
+def _files(ckpt_dir: str) -> dict:
+    """Every file's bytes; the index's creation time blanked (the only field that may differ)."""
+    files = {n: open(os.path.join(ckpt_dir, n), "rb").read() for n in sorted(os.listdir(ckpt_dir))}
+    files["index"] = re.sub(rb'"created_at":"[^"]*"', b'"created_at":""', files["index"])
+    return files
+
+
+@pytest.mark.parametrize("knob_values", [{}, {"segment_bytes": 4096, "write_block_bytes": 8192}])
+def test_async_and_sync_checkpoints_are_byte_identical(tmp_path, knob_values):
+    a, b = make_job(str(tmp_path / "sync")), make_job(str(tmp_path / "async"))
+    a.train(4)
+    b.train(4)
+    with knobs.override(**knob_values):  # overrides are per thread: the writer thread must see them
+        sync_dir = a.saver.save("ckpt_4")
+        stage, write = b.saver.async_save("ckpt_4")
+    assert stage.done() and stage.result() is None
+    assert write.result(timeout=60) == str(tmp_path / "async" / "ckpt_4")
+    sync_files, async_files = _files(sync_dir), _files(write.result())
+    assert sorted(sync_files) == sorted(async_files)
+    assert len([n for n in sync_files if n.startswith("sparse-")]) >= 1
+    for name in sync_files:
+        assert sync_files[name] == async_files[name], name
+    if knob_values:
+        assert b'"segments"' in async_files["index"] or b"4096" in async_files["index"]
+    a.saver.close()
+    b.saver.close()
+
+
+class _Gate:
+    """Holds the background write at its start until released, so training provably runs between
+    the snapshot and the write."""
+
+    def __init__(self, monkeypatch):
+        self.started, self.release = threading.Event(), threading.Event()
+        real = saver_mod.write_shards
+
+        def gated(*args, **kw):
+            self.started.set()
+            assert self.release.wait(60)
+            return real(*args, **kw)
+        monkeypatch.setattr(saver_mod, "write_shards", gated)
+
+
+def test_snapshot_is_exact_while_training_changes_the_model(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.train(3)
+    at_3 = job_state(job)
+    gate = _Gate(monkeypatch)
+    stage, write = job.saver.async_save("ckpt_3")
+    assert stage.done() and gate.started.wait(60) and not write.done()
+    job.train(6)  # new ids (tables grow and reallocate), optimizer and dense updates
+    job.model.user.delete(job.model.user.ids()[:10])
+    gate.release.set()
+    assert write.result(timeout=60).endswith("ckpt_3")
+    after = job_state(job)
+    with pytest.raises(AssertionError):
+        assert_jobs_equal(after, at_3)  # training did change the model...
+    fresh = make_job(out)
+    fresh.saver.load()
+    assert_jobs_equal(job_state(fresh), at_3)  # ...but not the checkpoint
+
+
+def test_training_concurrently_with_an_unhindered_write(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.train(2)
+    expected = {}
+    for step in (2, 4, 6):
+        expected[step] = job_state(job)
+        _, write = job.saver.async_save(f"ckpt_{step}")
+        job.train(2)  # runs while the write goes on (or after it finished: both must be exact)
+        write.result(timeout=60)
+    for step, state in expected.items():
+        fresh = make_job(out)
+        fresh.saver.load(ckpt_id=f"ckpt_{step}")
+        assert_jobs_equal(job_state(fresh), state)
+    job.saver.close()
+
+
+def test_staging_buffers_are_reused_between_saves(tmp_path):
+    job = make_job(str(tmp_path / "run"))
+    job.train(2)
+    job.saver.async_save("ckpt_2")
+    job.saver.wait()
+    ptrs = {k: b.data_ptr() for k, b in job.saver._stager._buffers.items()}
+    job.train(1)  # few new ids: the headroom of the table buffers absorbs them
+    job.saver.async_save("ckpt_3")
+    job.saver.wait()
+    assert {k: b.data_ptr() for k, b in job.saver._stager._buffers.items()} == ptrs
+    job.saver.close()
+    assert job.saver._stager is None
+
+
+def _enospc():
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("surface", ["next_save", "wait", "close"])
+def test_a_failed_background_write_is_reported_and_the_previous_checkpoint_stays_latest(faulty, surface):
+    out = f"{faulty}/run"
+    job = make_job(out)
+    job.train(2)
+    job.saver.save("ckpt_2")
+    at_2 = job_state(job)
+    job.train(1)
+    inject("open", _enospc, times=100, path_contains="sparse-")
+    _, write = job.saver.async_save("ckpt_3")
+    with pytest.raises(StorageError) as exc:
+        write.result(timeout=60)
+    assert exc.value.errno == errno.ENOSPC
+    assert job.saver.checkpoints() == [f"{out}/ckpt_2"]
+    job.saver.load()  # a load waits for the write but leaves its error for the next save
+    assert_jobs_equal(job_state(job), at_2)
+    with pytest.raises(StorageError) as again:
+        {"next_save": lambda: job.saver.save("ckpt_4"), "wait": job.saver.wait,
+         "close": job.saver.close}[surface]()
+    assert again.value is exc.value
+    assert any("async_save('ckpt_3')" in note for note in again.value.__notes__)
+    from test_faults import FaultyFS
+    FaultyFS.rules = []
+    assert job.saver.wait() is None  # reported once
+    job.saver.save("ckpt_4")
+    assert job.saver.checkpoints() == [f"{out}/ckpt_2", f"{out}/ckpt_4"]
+
+
+def test_a_load_waits_for_the_pending_write(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.train(2)
+    job.saver.save("ckpt_2")
+    job.train(2)
+    at_4 = job_state(job)
+    gate = _Gate(monkeypatch)
+    job.saver.async_save("ckpt_4")
+    assert gate.started.wait(60)
+    threading.Timer(0.2, gate.release.set).start()
+    job.train(1)
+    report = job.saver.load()
+    assert report.step == 4 and report.checkpoints[-1].endswith("ckpt_4")
+    assert_jobs_equal(job_state(job), at_4)
+
+
+@pytest.mark.parametrize("mode", ["async", "async_pinned"])
+def test_manager_autosaves_in_the_background(tmp_path, mode):
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, async_mode=mode)
+    states = {}
+    for step in range(1, 7):
+        job.train(1)
+        if step % 2 == 0:
+            states[step] = job_state(job)
+    job.train(1)
+    final = job.manager.save()  # forced at the end of training: waits until committed
+    states[7] = job_state(job)
+    assert final.endswith("ckpt_7") and job.saver.pending_checkpoint is None
+    assert [p.rsplit("/", 1)[-1] for p in job.saver.checkpoints()] == ["ckpt_4", "ckpt_6", "ckpt_7"]
+    for step in (4, 6, 7):
+        fresh = make_job(out, save_interval=2)
+        assert fresh.manager.restore(step) == step
+        assert_jobs_equal(job_state(fresh), states[step])
+    job.manager.close()
+
+
+def test_manager_rejects_an_unknown_async_mode(tmp_path):
+    saver = Saver(torch.nn.Linear(2, 2), output_dir=str(tmp_path))
+    with pytest.raises(UsageError, match="async_mode must be one of"):
+        CheckpointManager(saver, 2, async_mode="background")
+
+
+def test_manager_save_of_a_step_being_written_waits_for_it(tmp_path, monkeypatch):
+    job = make_job(str(tmp_path / "run"), save_interval=0, async_mode="async")
+    job.train(2)
+    gate = _Gate(monkeypatch)
+    path = job.manager.save(wait=False)
+    assert gate.started.wait(60) and job.saver.pending_checkpoint == "ckpt_2"
+    threading.Timer(0.2, gate.release.set).start()
+    assert job.manager.save() == path  # same step: no second save, waits for the first
+    assert job.saver.checkpoints() == [path]
+    assert job.manager.wait() is None
+
+
+def test_tables_with_the_tensor_id_map_save_async_like_sync(tmp_path):
+    def model():
+        m = torch.nn.Module()
+        m.t = HashTable(4, name="t", id_map="tensor", seed=3)
+        return m
+    a, b = model(), model()
+    opts = [SparseAdagrad(m, lr=0.1) for m in (a, b)]
+    for m, opt in zip((a, b), opts):
+        m.t(torch.arange(-500, 500, 3)).sum().backward()
+        opt.step()
+    Saver(a, opts[0], output_dir=str(tmp_path / "a")).save("ckpt_1")
+    _, write = Saver(b, opts[1], output_dir=str(tmp_path / "b")).async_save("ckpt_1")
+    assert _files(str(tmp_path / "a" / "ckpt_1")) == _files(write.result(timeout=60))
+    c = model()
+    Saver(c, SparseAdagrad(c, lr=0.1), output_dir=str(tmp_path / "b")).load()
+    ids = torch.arange(-500, 500, 3)
+    (_, va, sa), (_, vc, sc) = a.t.export(ids), c.t.export(ids)
+    assert torch.equal(va, vc) and sa.keys() == sc.keys() == {"adagrad_acc"}
+    assert torch.equal(sa["adagrad_acc"], sc["adagrad_acc"])

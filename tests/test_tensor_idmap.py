@@ -1,0 +1,106 @@
+"""recsave.idmap.TensorIdMap (the torch-ops map CUDA tables use) against the dict reference and the
+C++ map, run here on the CPU; and HashTable training with either map giving identical tables."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from recsave import HashTable
+from recsave.errors import UsageError
+from recsave.idmap import CpuIdMap, TensorIdMap, make_id_map
+from recsave.optim import SparseAdagrad
+from test_idmap import EXTREMES, Oracle
+
+
+def _check_export(m, oracle):
+    ids, rows = m.export()
+    want_ids, want_rows = oracle.export()
+    assert ids.tolist() == want_ids.tolist() and rows.tolist() == want_rows.tolist()
+    assert len(m) == len(oracle.map) and m.row_capacity == oracle.row_capacity
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_rounds_against_dict(seed):
+    rng = np.random.default_rng(seed)
+    m, oracle = TensorIdMap("cpu", capacity=4), Oracle()
+    for rnd in range(80):
+        pool = 3000 if (rnd // 20) % 2 == 0 else 1 << 62  # churn, then growth
+        n = 20_000 if rnd % 25 == 24 else int(rng.integers(0, 2000))
+        ids = rng.integers(-pool, pool, size=n, dtype=np.int64)
+        extremes = rng.random(n) < 0.02
+        ids[extremes] = rng.choice(np.array(EXTREMES, dtype=np.int64), size=int(extremes.sum()))
+
+        rows, is_new, num_new = m.lookup_or_insert(torch.from_numpy(ids))
+        want_rows, want_new, want_num = oracle.lookup_or_insert(ids)
+        assert rows.tolist() == want_rows.tolist()
+        assert is_new.tolist() == want_new.tolist() and num_new == want_num
+
+        er = np.concatenate([rng.choice(ids, size=min(n, int(rng.integers(0, 700)))) if n else
+                             np.empty(0, np.int64), rng.integers(-pool, pool, size=50, dtype=np.int64)])
+        assert m.erase(torch.from_numpy(er)).tolist() == oracle.erase(er).tolist()
+        probe = np.concatenate([ids, er])
+        assert m.lookup(torch.from_numpy(probe)).tolist() == oracle.lookup(probe).tolist()
+        if rnd % 10 == 0:
+            _check_export(m, oracle)
+        if rnd == 60:
+            m.clear()
+            oracle.__init__()
+    _check_export(m, oracle)
+
+
+def test_deleted_slots_are_reused_and_the_table_stays_bounded():
+    m = TensorIdMap("cpu", capacity=64)
+    for k in range(200):  # insert and erase 50 ids per round: deleted markers must not pile up
+        ids = torch.arange(k * 50, k * 50 + 50)
+        rows, _, num_new = m.lookup_or_insert(ids)
+        assert num_new == 50 and sorted(rows.tolist()) == list(range(50))
+        assert m.erase(ids).tolist() == rows.tolist()
+    assert len(m) == 0 and m.row_capacity == 50
+    assert m.slot_capacity <= 512
+
+
+def test_matches_the_cpp_map_on_one_sequence():
+    rng = np.random.default_rng(3)
+    a, b = CpuIdMap(), TensorIdMap("cpu")
+    for _ in range(30):
+        ids = torch.from_numpy(rng.integers(-5000, 5000, size=3000, dtype=np.int64))
+        for x, y in zip(a.lookup_or_insert(ids), b.lookup_or_insert(ids)):
+            assert (x == y).all() if isinstance(x, torch.Tensor) else x == y
+        gone = ids[:500]
+        assert torch.equal(a.erase(gone), b.erase(gone))
+    for x, y in zip(a.export(), b.export()):
+        assert torch.equal(x, y)
+
+
+def test_make_id_map_choices():
+    assert isinstance(make_id_map(torch.device("cpu")), CpuIdMap)
+    assert isinstance(make_id_map(torch.device("cpu"), "tensor"), TensorIdMap)
+    with pytest.raises(UsageError, match="id_map must be"):
+        make_id_map(torch.device("cpu"), "gpu")
+    with pytest.raises(UsageError, match="int64"):
+        TensorIdMap().lookup(torch.zeros(3, dtype=torch.int32))
+
+
+def _train(id_map: str) -> HashTable:
+    torch.manual_seed(0)
+    table = HashTable(8, name="t", id_map=id_map, seed=5)
+    opt = SparseAdagrad([table], lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(20):
+        ids = torch.randint(-300, 300, (64, 3), generator=gen)
+        table(ids).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 7 == 6:
+            table.delete(torch.arange(-50, 0))
+    return table
+
+
+def test_hashtable_trains_identically_with_either_map():
+    a, b = _train("cpu"), _train("tensor")
+    ids_a, va, sa = a.export()
+    ids_b, vb, sb = b.export()
+    assert torch.equal(ids_a, ids_b) and torch.equal(va, vb)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(a.id_rows()[1], b.id_rows()[1])
