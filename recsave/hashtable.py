@@ -307,11 +307,9 @@ class HashTable(torch.nn.Module):
     def prepare_load(self, ids: torch.Tensor, columns: List[str]) -> Optional[Dict[str, torch.Tensor]]:
         """Restore in place: clears the table, makes `ids` rows 0..n-1 and returns, for each of
         `columns` ('embedding' and / or slot names), the storage rows [0, n) to read the checkpoint
-        straight into — no second copy of the table. Columns not listed get their initial values.
-        Returns None (table left cleared) when this is not possible: rows not on the CPU, or
-        duplicate ids."""
-        if self._device.type != "cpu":
-            return None
+        straight into — no second copy of the table (views on the table's device: a CUDA table's
+        are filled by host-to-device copies). Columns not listed get their initial values.
+        Returns None (table left cleared) when this is not possible: duplicate ids."""
         self.clear()
         n = ids.numel()
         self._ensure_capacity(n)
@@ -325,7 +323,7 @@ class HashTable(torch.nn.Module):
             if slot != "embedding" and slot not in self._slots:
                 self.add_slot(slot)
         if "embedding" not in columns:
-            self._weight[:n] = self.initial_rows(ids).to(self._dtype)
+            self._weight[:n] = self.initial_rows(ids).to(device=self._device, dtype=self._dtype)
         for slot, storage in self._slots.items():
             if slot not in columns:
                 storage[:n] = self._slot_init[slot]

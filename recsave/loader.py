@@ -14,6 +14,7 @@ from .errors import ConfigError
 from .hashtable import HashTable
 from .loadconf import SPARSE_OPTIM, Plan
 from .report import LoadedItem, LoadPlan, LoadReport, PlannedItem
+from .devcopy import HostToDevice
 from .sources import open_source
 
 if TYPE_CHECKING:
@@ -219,8 +220,16 @@ def _load_in_place(saver: "Saver", table: HashTable, src: Any, src_table: str, c
     views = table.prepare_load(ids, list(columns))
     if views is None:
         return False
-    src.read_table(src_table, [columns[c] for c in columns], rank, world, saver.concurrency,
-                   out={columns[c]: views[c] for c in columns}, with_ids=False)
+    if all(v.device.type == "cpu" for v in views.values()):
+        src.read_table(src_table, [columns[c] for c in columns], rank, world, saver.concurrency,
+                       out={columns[c]: views[c] for c in columns}, with_ids=False)
+    else:
+        with HostToDevice() as h2d:  # column k+1 is read while column k is copied to the device
+            for column, view in views.items():
+                host = h2d.buffer(view)
+                src.read_table(src_table, [columns[column]], rank, world, saver.concurrency,
+                               out={columns[column]: host}, with_ids=False)
+                h2d.copy(view, host)
     return True
 
 

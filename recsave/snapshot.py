@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
+from .devcopy import DeviceGather, PinnedPair
 from .hashtable import HashTable
 
 
@@ -34,7 +35,7 @@ class TableState:
         return self.columns[column].dtype
 
     def row_fetcher(self, column: str, rows: torch.Tensor,
-                    buffers: Optional["PinnedPair"] = None) -> Callable[[int, int], torch.Tensor]:
+                    buffers: Optional[PinnedPair] = None) -> Callable[[int, int], torch.Tensor]:
         """fetch(a, b): `column` at rows[a:b] as a CPU tensor. Device storage is gathered on the
         device and copied through `buffers` (pinned, double-buffered) on a side stream."""
         storage = self.columns[column]
@@ -118,46 +119,3 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
         io_state = copy.deepcopy({n: o.dump_io_state() for n, o in io_states.items()})
         stager.finish()
     return SaveState(states, dense_state, extra_state, io_state)
-
-
-class PinnedPair:
-    """Two page-locked host buffers, alternated: block k is copied into one while the writer
-    still writes block k-1 from the other. The writer asks for block k+1 only after block k-1 is
-    written (format/writer.py `_blocks`), so two are enough."""
-
-    def __init__(self) -> None:
-        self._buffers: List[Optional[torch.Tensor]] = [None, None]
-        self._next = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """The next buffer (uint8, at least `nbytes`)."""
-        k = self._next
-        self._next ^= 1
-        buf = self._buffers[k]
-        if buf is None or buf.numel() < nbytes:
-            self._buffers[k] = buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return buf[:nbytes]
-
-
-class DeviceGather:
-    """fetch(a, b) for a column on a CUDA device: gathers rows[a:b] on the device, copies them into
-    a pinned buffer on a side stream and returns that buffer as a CPU tensor."""
-
-    def __init__(self, storage: torch.Tensor, rows: torch.Tensor, buffers: PinnedPair):
-        self.storage = storage
-        self.buffers = buffers
-        self.stream = torch.cuda.Stream(device=storage.device)
-        # Work already queued on the training stream (e.g. an optimizer step) comes first.
-        self.stream.wait_stream(torch.cuda.current_stream(storage.device))
-        with torch.cuda.stream(self.stream):
-            self.rows = rows.to(storage.device, non_blocking=False)
-
-    def __call__(self, a: int, b: int) -> torch.Tensor:
-        shape = (b - a,) + tuple(self.storage.shape[1:])
-        row_bytes = self.storage.element_size() * self.storage[0].numel() if self.storage.shape[0] else 0
-        out = self.buffers.take((b - a) * row_bytes).view(self.storage.dtype).view(shape)
-        with torch.cuda.stream(self.stream):
-            block = self.storage.index_select(0, self.rows[a:b])
-            out.copy_(block, non_blocking=True)
-        self.stream.synchronize()
-        return out

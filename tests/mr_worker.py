@@ -101,6 +101,20 @@ def main():
                 # Skip interpreter teardown: with a peer gone, gloo's background threads can abort the
                 # process while static destructors run, which would hide the exit code under test.
                 os._exit(3)
+    elif scenario == "async_save":
+        fill(model, rank, world)
+        reader.position = 1000 + rank
+        _, write = saver.async_save("ckpt_1")
+        # Training goes on while the write runs: the tables change and the default group is busy
+        # with the job's own collectives; neither may reach the checkpoint or disturb its writes.
+        ids = global_ids()
+        mine = ids[partition.owner_of(ids, world) == rank]
+        for _ in range(3):
+            model.user.load_rows(mine, expected_rows(mine, 7.0), clear=False)
+            dist.all_reduce(torch.ones(1000))
+        reader.position = -1
+        write.result(timeout=60)
+        saver.close()
     elif scenario == "load":
         report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None)
         out = {"bytes_read": report.bytes_read, "rows_read": report.rows_read, "position": reader.position}

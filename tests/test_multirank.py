@@ -32,10 +32,11 @@ def run_ranks(scenario, world, work_dir, env_extra=None, timeout=120):
     return [p.returncode for p in procs], outs
 
 
-@pytest.mark.parametrize("save_world,scheme", [(2, "local"), (4, "file")])
-def test_save_with_n_ranks_load_with_m(tmp_path, save_world, scheme, monkeypatch):
+@pytest.mark.parametrize("save_world,scheme,how", [(2, "local", "save"), (4, "file", "save"),
+                                                  (2, "local", "async_save")])
+def test_save_with_n_ranks_load_with_m(tmp_path, save_world, scheme, how, monkeypatch):
     monkeypatch.setenv("OUT_SCHEME", scheme)
-    codes, outs = run_ranks("save", save_world, tmp_path)
+    codes, outs = run_ranks(how, save_world, tmp_path)
     assert codes == [0] * save_world, outs
     index = read_index(str(tmp_path / "out" / "ckpt_1"))
     assert index["world_size"] == save_world
