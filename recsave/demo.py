@@ -64,7 +64,8 @@ class ClickReader:
         self.position = int(state["position"])
 
 
-def build(output_dir: str, with_context: bool = False, save_interval: int = 50, max_keep: int = 3):
+def build(output_dir: str, with_context: bool = False, save_interval: int = 50, max_keep: int = 3,
+          async_mode: str = "disabled"):
     torch.manual_seed(0)
     model = CTR(with_context)
     sparse_opt = SparseAdagrad(model, lr=0.2)
@@ -73,7 +74,7 @@ def build(output_dir: str, with_context: bool = False, save_interval: int = 50, 
     saver = Saver(model, sparse_optim=sparse_opt, output_dir=output_dir, max_keep=max_keep)
     saver.register_for_checkpointing("dense_opt", dense_opt)
     saver.register_io_state("train_reader", reader)
-    return model, sparse_opt, dense_opt, reader, CheckpointManager(saver, save_interval=save_interval)
+    return model, sparse_opt, dense_opt, reader, CheckpointManager(saver, save_interval, async_mode)
 
 
 def train(model, sparse_opt, dense_opt, reader, mgr, until: int, kill_at: int = -1, ctx: bool = False) -> float:
@@ -91,7 +92,8 @@ def train(model, sparse_opt, dense_opt, reader, mgr, until: int, kill_at: int = 
         recent.append(loss.item())
         path = mgr.step()
         if path:
-            print(f"  step {mgr.global_step:4d}  loss {sum(recent) / len(recent):.4f}  saved {os.path.basename(path)}"
+            how = "" if mgr.async_mode == "disabled" else " (async: snapshot taken, writing behind)"
+            print(f"  step {mgr.global_step:4d}  loss {sum(recent) / len(recent):.4f}  saved {os.path.basename(path)}{how}"
                   f"  ({len(model.user)} users, {len(model.item)} items)", flush=True)
             recent = []
         if mgr.global_step == kill_at:
@@ -107,13 +109,15 @@ def stage_train(output_dir: str, steps: int, kill_at: int) -> None:
 
 
 def stage_resume(output_dir: str, steps: int) -> None:
-    model, so, do, reader, mgr = build(output_dir)
+    # The resumed run saves asynchronously: autosaves cost training only a snapshot.
+    model, so, do, reader, mgr = build(output_dir, async_mode="async")
     step = mgr.restore()
     print(f"  restored {os.path.basename(mgr.saver.latest_checkpoint())}: global_step {step}, reader at "
           f"batch {reader.position}, {len(model.user)} users, {len(model.item)} items", flush=True)
     print(f"  {mgr.last_report.summary()}", flush=True)
     train(model, so, do, reader, mgr, steps)
-    mgr.save()
+    mgr.save()  # the final save waits until committed
+    mgr.close()
     print(f"  finished at step {mgr.global_step}; committed: "
           f"{[os.path.basename(p) for p in mgr.saver.checkpoints()]}", flush=True)
 
