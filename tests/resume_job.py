@@ -10,7 +10,8 @@
                                                is "signal N" or "exit N"
 
 Kill points: after_first_shard (one shard file written), after_model_pt, before_index (model.pt and
-extra.pt written), after_index (index written, the `checkpoint` list not yet rewritten).
+extra.pt written), after_index (index written, the `checkpoint` list not yet rewritten); with an
+``async-`` prefix, the same inside the background write of an async save.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import recsave.torchio  # noqa: E402
 from helpers import job_state, make_job  # noqa: E402
 
 KILL_POINTS = ("after_first_shard", "after_model_pt", "before_index", "after_index")
+# The same points inside the background write of an async save (CheckpointManager async_mode).
+ASYNC_KILL_POINTS = ("async-after_first_shard", "async-after_index")
 
 
 def _die() -> None:
@@ -69,10 +72,13 @@ def install_kill_point(point: str) -> None:
 
 
 def kill_run(point: str, out: str) -> int:
-    job = make_job(out, save_interval=5, max_keep=3)
+    mode = "async" if point.startswith("async-") else "disabled"
+    job = make_job(out, save_interval=5, max_keep=3, async_mode=mode)
     job.train(5)
-    install_kill_point(point)
+    job.manager.wait()  # ckpt_5 is committed before the kill point is armed
+    install_kill_point(point.removeprefix("async-"))
     job.train(5)
+    job.manager.wait()  # an async save of ckpt_10 is killed in its background thread
     print(f"kill point {point} was never reached", file=sys.stderr)
     return 3
 
@@ -80,7 +86,7 @@ def kill_run(point: str, out: str) -> int:
 def kill_all(base: str) -> int:
     # torch.optim imports torch._dynamo on first use (seconds): do it once, before forking.
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
-    for point in KILL_POINTS:
+    for point in KILL_POINTS + ASYNC_KILL_POINTS:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
