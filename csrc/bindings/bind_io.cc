@@ -27,7 +27,9 @@ void require_1d(const py::array& a, const char* name, py::ssize_t n) {
   }
 }
 
-uint32_t crc_of_buffer(const py::buffer& data, uint32_t crc, bool portable) {
+using CrcFn = uint32_t (*)(uint32_t, const void*, size_t);
+
+uint32_t crc_of_buffer(const py::buffer& data, uint32_t crc, CrcFn fn) {
   py::buffer_info info = data.request();
   if (!PyBuffer_IsContiguous(info.view(), 'C')) {
     throw recsave::Error(ErrorKind::kInvalid, "", "crc32c needs a C-contiguous buffer");
@@ -35,8 +37,7 @@ uint32_t crc_of_buffer(const py::buffer& data, uint32_t crc, bool portable) {
   const void* ptr = info.ptr;
   size_t n = static_cast<size_t>(info.size * info.itemsize);
   py::gil_scoped_release nogil;
-  if (portable) return recsave::crc32c_portable(crc, ptr, n);
-  return recsave::crc32c(crc, ptr, n);
+  return fn(crc, ptr, n);
 }
 
 std::vector<recsave::WriteItem> write_items(const U64Array& offsets, const U64Array& addresses,
@@ -58,21 +59,23 @@ std::vector<recsave::WriteItem> write_items(const U64Array& offsets, const U64Ar
 }  // namespace
 
 void bind_io(py::module_& m) {
-  m.def("crc32c", [](const py::buffer& data, uint32_t crc) { return crc_of_buffer(data, crc, false); },
+  m.def("crc32c", [](const py::buffer& data, uint32_t crc) { return crc_of_buffer(data, crc, recsave::crc32c); },
         py::arg("data"), py::arg("crc") = 0,
         "CRC32C of a contiguous buffer, extending `crc` (the CRC of the preceding bytes).");
-  m.def("crc32c_portable", [](const py::buffer& data, uint32_t crc) { return crc_of_buffer(data, crc, true); },
+  m.def("crc32c_portable",
+        [](const py::buffer& data, uint32_t crc) { return crc_of_buffer(data, crc, recsave::crc32c_portable); },
         py::arg("data"), py::arg("crc") = 0, "CRC32C through the portable table path.");
   m.def("crc32c_hardware", [](const py::buffer& data, uint32_t crc) {
         if (!recsave::crc32c_hardware_available()) {
           throw recsave::Error(ErrorKind::kInvalid, "", "this CPU has no SSE4.2 crc32 instruction");
         }
-        py::buffer_info info = data.request();
-        const void* ptr = info.ptr;
-        size_t n = static_cast<size_t>(info.size * info.itemsize);
-        py::gil_scoped_release nogil;
-        return recsave::crc32c_hardware(crc, ptr, n);
-      }, py::arg("data"), py::arg("crc") = 0, "CRC32C through the SSE4.2 path (x86-64 only).");
+        return crc_of_buffer(data, crc, recsave::crc32c_hardware);
+      }, py::arg("data"), py::arg("crc") = 0,
+      "CRC32C through the fastest x86-64 kernel the CPU has (SSE4.2, with PCLMULQDQ folding if present).");
+  m.def("crc32c_combine", &recsave::crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+        "CRC32C of A followed by B from crc32c(A), crc32c(B) and len(B).");
+  m.def("crc32c_kernel", [] { return recsave::crc32c_kernel_name(recsave::crc32c_selected_kernel()); },
+        "The kernel crc32c() uses: 'pclmul', 'sse4.2' or 'portable'.");
   m.def("crc32c_address", [](uint64_t address, uint64_t length, uint32_t crc) {
         py::gil_scoped_release nogil;
         return recsave::crc32c(crc, reinterpret_cast<const void*>(static_cast<uintptr_t>(address)), length);

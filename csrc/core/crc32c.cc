@@ -5,7 +5,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define RECSAVE_CRC_X86 1
-#include <nmmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace recsave {
@@ -56,113 +56,197 @@ uint32_t portable_update(uint32_t reg, const uint8_t* p, size_t n) {
 
 #ifdef RECSAVE_CRC_X86
 
-// Stream lengths for the three-way interleave. A register that has consumed `len` bytes is moved
-// past the `len` bytes of the next stream by multiplying by x^(8*len) mod P ("shifting"), which is
-// linear in the register: a 4x256 table per length applies it a byte of the register at a time.
-constexpr size_t kLong = 8192;
-constexpr size_t kShort = 256;
-
-struct ShiftTable {
-  uint32_t t[4][256];
-  explicit ShiftTable(size_t zeros) {
-    // Image of each single-bit register value after `zeros` zero bytes, then tables by linearity.
-    uint32_t basis[32];
-    static const uint8_t kZeros[kLong] = {};
-    for (int bit = 0; bit < 32; ++bit) basis[bit] = portable_update(1u << bit, kZeros, zeros);
-    for (int k = 0; k < 4; ++k) {
-      for (uint32_t b = 0; b < 256; ++b) {
-        uint32_t v = 0;
-        for (int i = 0; i < 8; ++i)
-          if (b & (1u << i)) v ^= basis[8 * k + i];
-        t[k][b] = v;
-      }
-    }
-  }
-  uint32_t shift(uint32_t reg) const {
-    return t[0][reg & 0xFF] ^ t[1][(reg >> 8) & 0xFF] ^ t[2][(reg >> 16) & 0xFF] ^ t[3][reg >> 24];
-  }
-};
-
-const ShiftTable& long_shift() {
-  static const ShiftTable table(kLong);
-  return table;
-}
-const ShiftTable& short_shift() {
-  static const ShiftTable table(kShort);
-  return table;
-}
-
-// Runs three streams of `len` bytes side by side while at least 3*len bytes remain, then folds
-// them into c0 with two shifts.
-__attribute__((target("sse4.2"))) void interleave3(uint64_t& c0, const uint8_t*& p, size_t& n,
-                                                   size_t len, const ShiftTable& shift) {
-  while (n >= 3 * len) {
-    uint64_t c1 = 0, c2 = 0;
-    const uint8_t* end = p + len;
-    do {
-      uint64_t w0, w1, w2;
-      std::memcpy(&w0, p, 8);
-      std::memcpy(&w1, p + len, 8);
-      std::memcpy(&w2, p + 2 * len, 8);
-      c0 = _mm_crc32_u64(c0, w0);
-      c1 = _mm_crc32_u64(c1, w1);
-      c2 = _mm_crc32_u64(c2, w2);
-      p += 8;
-    } while (p < end);
-    c0 = shift.shift(static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
-    c0 = shift.shift(static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c2);
-    p += 2 * len;
-    n -= 3 * len;
-  }
-}
-
-__attribute__((target("sse4.2"))) uint32_t hardware_update(uint32_t reg, const uint8_t* p,
-                                                           size_t n) {
-  uint64_t c0 = reg;
-  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
-    c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *p++);
-    --n;
-  }
-  interleave3(c0, p, n, kLong, long_shift());
-  interleave3(c0, p, n, kShort, short_shift());
+// The `crc32` instruction, 8 bytes at a time: about one byte per cycle less than the folding kernel
+// reaches, but no setup, so it also finishes the folding kernel's last bytes.
+__attribute__((target("sse4.2"))) inline uint32_t sse42_update(uint32_t reg, const uint8_t* p, size_t n) {
+  uint64_t c = reg;
   while (n >= 8) {
     uint64_t w;
     std::memcpy(&w, p, 8);
-    c0 = _mm_crc32_u64(c0, w);
+    c = _mm_crc32_u64(c, w);
     p += 8;
     n -= 8;
   }
-  while (n--) c0 = _mm_crc32_u8(static_cast<uint32_t>(c0), *p++);
-  return static_cast<uint32_t>(c0);
+  while (n--) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  return static_cast<uint32_t>(c);
 }
 
-bool detect_hardware() {
-  if (const char* force = std::getenv("RECSAVE_CRC32C_PORTABLE")) {
-    if (force[0] && force[0] != '0') return false;
+// ---- Folding by carry-less multiplication -------------------------------------------------------
+//
+// Notation: the CRC register after bytes M from register r is (r * x^(8|M|) + M * x^32) mod P, where
+// the first bit of M (bit 0 of byte 0) is its highest-degree coefficient. A 16-byte block loaded into
+// an XMM register therefore holds a polynomial whose bit k is the coefficient of x^(127-k): its low
+// qword is the high-degree half. XORing r into the first 4 bytes of M accounts for r, so the register
+// after M is just M * x^32 mod P, and any X with X == M (mod P) gives the same register: the 16 bytes
+// of X run through `crc32` from register 0.
+//
+// Folding keeps such an X for the bytes consumed so far. Consuming a block B that lies D bits later:
+// X' = X * x^D + B. With X = lo * x^64 + hi, X * x^D == lo * (x^(D+64) mod P) + hi * (x^D mod P),
+// each a 64 x 32-bit carry-less product that fits 128 bits, so no reduction is needed until the end.
+// PCLMULQDQ of two qwords read in this bit order yields the product times x; a 32-bit constant c
+// held in the low dword of a qword stands for c * x^32. Hence the constants x^(D+64-33) and
+// x^(D-33) mod P, in CRC-register form (bit k is the coefficient of x^(31-k)).
+
+// x^d mod P in CRC-register form.
+constexpr uint32_t xpow_mod(uint64_t d) {
+  uint32_t r = 0x80000000u;  // x^0
+  for (uint64_t i = 0; i < d; ++i) r = (r >> 1) ^ (kPoly & (0u - (r & 1u)));
+  return r;
+}
+
+constexpr int kLanes = 4;                   // independent accumulators: hide PCLMULQDQ latency
+constexpr size_t kStride = 16 * kLanes;     // bytes consumed per loop iteration
+constexpr size_t kFoldMin = 256;            // shorter buffers go through `crc32` directly
+constexpr uint64_t kFarLo = xpow_mod(8 * kStride + 31), kFarHi = xpow_mod(8 * kStride - 33);
+constexpr uint64_t kNearLo = xpow_mod(128 + 31), kNearHi = xpow_mod(128 - 33);
+
+// X * x^D + next, for the distance D whose constants `k` holds (low qword for lo, high for hi).
+__attribute__((target("sse4.2,pclmul"))) inline __m128i fold(__m128i x, __m128i k, __m128i next) {
+  __m128i lo = _mm_clmulepi64_si128(x, k, 0x00);
+  __m128i hi = _mm_clmulepi64_si128(x, k, 0x11);
+  return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+// The 16 bytes at p + i, also stored at d + i (16-byte aligned, bypassing the cache) when kCopy.
+template <bool kCopy>
+__attribute__((target("sse4.2,pclmul"))) inline __m128i take16(const uint8_t* p, uint8_t* d, size_t i) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+  if (kCopy) _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), v);
+  return v;
+}
+
+// Advances `reg` over n >= kFoldMin bytes at p, copying them to d when kCopy (d 16-byte aligned).
+// Returns the register after the whole 16-byte blocks; p, d and n are moved past them.
+template <bool kCopy>
+__attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_blocks(uint32_t reg, const uint8_t*& p, uint8_t*& d,
+                                                                size_t& n) {
+  const __m128i far = _mm_set_epi64x(static_cast<long long>(kFarHi), static_cast<long long>(kFarLo));
+  const __m128i near = _mm_set_epi64x(static_cast<long long>(kNearHi), static_cast<long long>(kNearLo));
+  // Lane i holds the blocks at 16*i + kStride*j; each folds over the kStride bytes to its next block.
+  __m128i a0 = _mm_xor_si128(take16<kCopy>(p, d, 0), _mm_cvtsi32_si128(static_cast<int>(reg)));
+  __m128i a1 = take16<kCopy>(p, d, 16), a2 = take16<kCopy>(p, d, 32), a3 = take16<kCopy>(p, d, 48);
+  size_t i = kStride;
+  for (; n - i >= kStride; i += kStride) {
+    a0 = fold(a0, far, take16<kCopy>(p, d, i));
+    a1 = fold(a1, far, take16<kCopy>(p, d, i + 16));
+    a2 = fold(a2, far, take16<kCopy>(p, d, i + 32));
+    a3 = fold(a3, far, take16<kCopy>(p, d, i + 48));
   }
+  // The lanes are consecutive 16-byte blocks now: fold them into one, then the whole blocks left.
+  __m128i x = fold(fold(fold(a0, near, a1), near, a2), near, a3);
+  for (; n - i >= 16; i += 16) x = fold(x, near, take16<kCopy>(p, d, i));
+  p += i, n -= i;
+  if (kCopy) d += i;
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
+  return static_cast<uint32_t>(_mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1))));
+}
+
+__attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_update(uint32_t reg, const uint8_t* p, size_t n) {
+  if (n >= kFoldMin) {
+    uint8_t* unused = nullptr;
+    reg = pclmul_blocks<false>(reg, p, unused, n);
+  }
+  return sse42_update(reg, p, n);
+}
+
+__attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_copy(uint32_t reg, uint8_t* d, const uint8_t* p,
+                                                              size_t n) {
+  // Bytes up to a 16-byte boundary of the destination, the aligned blocks, then the tail.
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
+  if (n < kFoldMin + head) {
+    std::memcpy(d, p, n);
+    return sse42_update(reg, p, n);
+  }
+  std::memcpy(d, p, head);
+  reg = sse42_update(reg, p, head);
+  p += head, d += head, n -= head;
+  reg = pclmul_blocks<true>(reg, p, d, n);
+  _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
+  std::memcpy(d, p, n);
+  return sse42_update(reg, p, n);
+}
+
+bool cpu_has(Crc32cKernel kernel) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("sse4.2");
+  switch (kernel) {
+    case Crc32cKernel::kPortable: return true;
+    case Crc32cKernel::kSse42: return __builtin_cpu_supports("sse4.2");
+    case Crc32cKernel::kPclmul: return __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul");
+  }
+  return false;
 }
 
 #else
 
-bool detect_hardware() { return false; }
-uint32_t hardware_update(uint32_t reg, const uint8_t* p, size_t n) { return portable_update(reg, p, n); }
+bool cpu_has(Crc32cKernel kernel) { return kernel == Crc32cKernel::kPortable; }
 
 #endif
 
-bool use_hardware() {
-  static const bool hw = [] {
-    bool ok = detect_hardware();
+// Raw register update through `kernel` (which the CPU must support).
+uint32_t update_with(Crc32cKernel kernel, uint32_t reg, const uint8_t* p, size_t n) {
+  switch (kernel) {
 #ifdef RECSAVE_CRC_X86
-    if (ok) {  // build the shift tables before threads race to first use
-      long_shift();
-      short_shift();
-    }
+    case Crc32cKernel::kPclmul: return pclmul_update(reg, p, n);
+    case Crc32cKernel::kSse42: return sse42_update(reg, p, n);
 #endif
-    return ok;
+    default: return portable_update(reg, p, n);
+  }
+}
+
+uint32_t copy_with(Crc32cKernel kernel, uint32_t reg, uint8_t* d, const uint8_t* p, size_t n) {
+#ifdef RECSAVE_CRC_X86
+  if (kernel == Crc32cKernel::kPclmul) return pclmul_copy(reg, d, p, n);
+#endif
+  std::memcpy(d, p, n);
+  return update_with(kernel, reg, p, n);
+}
+
+// Products modulo P in CRC-register form, for combining: bit k of a register is the coefficient of
+// x^(31-k), so multiplying by x is one step of the bitwise CRC.
+uint32_t times_x(uint32_t a) { return (a >> 1) ^ (kPoly & (0u - (a & 1u))); }
+
+uint32_t multiply_mod(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (int i = 0; i < 32; ++i, b = times_x(b)) {  // b is now (original b) * x^i
+    if (a & (0x80000000u >> i)) product ^= b;
+  }
+  return product;
+}
+
+// x^(8n) mod P: a product of x^(2^k) mod P over the bits k of 8n.
+uint32_t x_pow_8n(uint64_t n) {
+  struct Squares {
+    uint32_t x2k[67];  // x^(2^k) mod P; 8n < 2^67
+    Squares() {
+      x2k[0] = 0x40000000u;  // x^1
+      for (int k = 1; k < 67; ++k) x2k[k] = multiply_mod(x2k[k - 1], x2k[k - 1]);
+    }
+  };
+  static const Squares squares;
+  uint32_t result = 0x80000000u;  // x^0
+  for (int k = 3; n; ++k, n >>= 1) {
+    if (n & 1) result = multiply_mod(result, squares.x2k[k]);
+  }
+  return result;
+}
+
+Crc32cKernel best_hardware() {
+  static const Crc32cKernel best = cpu_has(Crc32cKernel::kPclmul) ? Crc32cKernel::kPclmul
+                                   : cpu_has(Crc32cKernel::kSse42) ? Crc32cKernel::kSse42
+                                                                   : Crc32cKernel::kPortable;
+  return best;
+}
+
+Crc32cKernel selected() {
+  static const Crc32cKernel kernel = [] {
+    if (const char* force = std::getenv("RECSAVE_CRC32C_PORTABLE")) {
+      if (force[0] && force[0] != '0') return Crc32cKernel::kPortable;
+    }
+    portable_tables();  // build the tables before threads race to first use
+    x_pow_8n(1);
+    return best_hardware();
   }();
-  return hw;
+  return kernel;
 }
 
 }  // namespace
@@ -172,22 +256,42 @@ uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n) {
 }
 
 uint32_t crc32c_hardware(uint32_t crc, const void* data, size_t n) {
-  return ~hardware_update(~crc, static_cast<const uint8_t*>(data), n);
+  return ~update_with(best_hardware(), ~crc, static_cast<const uint8_t*>(data), n);
 }
 
-bool crc32c_hardware_available() {
-#ifdef RECSAVE_CRC_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("sse4.2");
-#else
-  return false;
-#endif
-}
+bool crc32c_hardware_available() { return best_hardware() != Crc32cKernel::kPortable; }
 
 uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
-  return use_hardware() ? crc32c_hardware(crc, data, n) : crc32c_portable(crc, data, n);
+  return ~update_with(selected(), ~crc, static_cast<const uint8_t*>(data), n);
 }
 
-const char* crc32c_implementation() { return use_hardware() ? "sse4.2" : "portable"; }
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  // With inversion, crc(A B) = ~(raw(~crc_a, B)) and raw is linear, so the initial registers cancel
+  // out: crc(A B) = crc_a * x^(8|B|) + crc_b.
+  return multiply_mod(crc_a, x_pow_8n(len_b)) ^ crc_b;
+}
+
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n) {
+  return ~copy_with(selected(), ~crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+}
+
+const char* crc32c_implementation() { return selected() == Crc32cKernel::kPortable ? "portable" : "sse4.2"; }
+
+bool crc32c_kernel_available(Crc32cKernel kernel) { return cpu_has(kernel); }
+
+uint32_t crc32c_with(Crc32cKernel kernel, uint32_t crc, const void* data, size_t n) {
+  return ~update_with(kernel, ~crc, static_cast<const uint8_t*>(data), n);
+}
+
+const char* crc32c_kernel_name(Crc32cKernel kernel) {
+  switch (kernel) {
+    case Crc32cKernel::kPclmul: return "pclmul";
+    case Crc32cKernel::kSse42: return "sse4.2";
+    case Crc32cKernel::kPortable: return "portable";
+  }
+  return "unknown";
+}
+
+Crc32cKernel crc32c_selected_kernel() { return selected(); }
 
 }  // namespace recsave

@@ -1,6 +1,11 @@
 // CRC32C (Castagnoli, reflected polynomial 0x82F63B78), as used by iSCSI, ext4, RocksDB and GCS.
-// Two implementations, chosen once at run time: the SSE4.2 `crc32` instruction over three
-// interleaved streams (hides the instruction's 3-cycle latency), and a portable slicing-by-8 table.
+// Kernels, the fastest one the CPU supports chosen once at run time:
+//   pclmul   x86-64 with SSE4.2 and PCLMULQDQ: buffers of 256 bytes and more are folded 64 bytes at a
+//            time by carry-less multiplication (four independent 128-bit accumulators), the remainder
+//            goes through the `crc32` instruction.
+//   sse4.2   x86-64 with SSE4.2 only: the `crc32` instruction, 8 bytes at a time.
+//   portable everywhere: slicing-by-8 tables.
+// RECSAVE_CRC32C_PORTABLE=1 in the environment forces the portable kernel (read once, at first use).
 #pragma once
 
 #include <cstddef>
@@ -17,7 +22,23 @@ uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n);
 uint32_t crc32c_hardware(uint32_t crc, const void* data, size_t n);  // requires crc32c_hardware_available()
 bool crc32c_hardware_available();
 
-// "sse4.2" or "portable": the path crc32c() dispatches to.
+// The CRC32C of A followed by B, from crc_a = crc32c(0, A), crc_b = crc32c(0, B) and len_b = |B|:
+// lets threads checksum pieces of one range independently.
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
+// Copies n bytes from src to dst (which must not overlap) and returns crc32c(crc, src, n), in one
+// pass. With the pclmul kernel the stores bypass the cache (streaming stores, fenced before
+// returning): meant for large destinations that are not read again soon.
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n);
+
+// "sse4.2" (any x86 hardware kernel) or "portable": the path crc32c() dispatches to.
 const char* crc32c_implementation();
+
+// Every kernel on its own, for tests and benchmarks.
+enum class Crc32cKernel { kPortable, kSse42, kPclmul };
+bool crc32c_kernel_available(Crc32cKernel kernel);                                   // on this CPU
+uint32_t crc32c_with(Crc32cKernel kernel, uint32_t crc, const void* data, size_t n);  // requires it
+const char* crc32c_kernel_name(Crc32cKernel kernel);                                 // "pclmul", ...
+Crc32cKernel crc32c_selected_kernel();                                               // what crc32c() uses
 
 }  // namespace recsave

@@ -6,8 +6,14 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <numeric>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#endif
 
 #include "core/crc32c.h"
 #include "core/errors.h"
@@ -16,9 +22,79 @@
 namespace recsave {
 namespace {
 
-// Bytes moved per system call: large enough to amortise the call, small enough that the checksum
-// of a piece runs while it is still in cache.
-constexpr uint64_t kPiece = 4ull << 20;
+// Work is split into units of at most kUnit bytes of one item, so every thread has a share even when
+// the items are few and large; the CRCs of an item's units are combined afterwards.
+constexpr uint64_t kUnit = 1ull << 20;
+// A writer checksums then writes pieces this small, so the system call copies them out of the cache.
+constexpr uint64_t kWritePiece = 256ull << 10;
+// A reader reads pieces of this size into a per-thread buffer that stays in the L2 cache, then copies
+// them into place with streaming stores while checksumming in the same pass: the destination is
+// written once, without first being read into the cache, and the CRC costs no extra memory pass.
+// Items up to kDirectMax bytes are read straight into place instead.
+constexpr uint64_t kBouncePiece = 128ull << 10;
+constexpr uint64_t kDirectMax = 64ull << 10;
+
+struct Unit {
+  size_t item;
+  uint64_t begin;   // relative to the item
+  uint64_t length;
+};
+
+// Units of every item in order (a zero-length item has one empty unit); first[i] is item i's first.
+template <typename Item>
+std::vector<Unit> split_units(const Item* items, size_t n, std::vector<size_t>& first) {
+  std::vector<Unit> units;
+  first.assign(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    first[i] = units.size();
+    uint64_t begin = 0;
+    do {
+      uint64_t len = std::min(kUnit, items[i].length - begin);
+      units.push_back({i, begin, len});
+      begin += len;
+    } while (begin < items[i].length);
+  }
+  first[n] = units.size();
+  return units;
+}
+
+// CRC of a whole item from the CRCs of its units.
+uint32_t combine_units(const std::vector<Unit>& units, const std::vector<uint32_t>& crcs, size_t from,
+                       size_t to) {
+  uint32_t crc = crcs[from];
+  for (size_t u = from + 1; u < to; ++u) crc = crc32c_combine(crc, crcs[u], units[u].length);
+  return crc;
+}
+
+uint8_t* bounce_buffer() {
+  thread_local std::unique_ptr<uint8_t[]> buffer(new uint8_t[kBouncePiece]);
+  return buffer.get();
+}
+
+// memcpy with streaming stores (the destination is not brought into the cache).
+void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__x86_64__) || defined(_M_X64)
+  size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (n >= head + 256) {
+    std::memcpy(dst, src, head);
+    size_t i = head;
+    for (; n - i >= 64; i += 64) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    _mm_sfence();
+    std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
 
 std::string parent_dir(const std::string& path) {
   auto slash = path.find_last_of('/');
@@ -79,33 +155,37 @@ void ShardWriter::write(const WriteItem* items, size_t n, uint32_t* crcs_out, in
     }
   }
 
+  std::vector<size_t> first;
+  const std::vector<Unit> units = split_units(items, n, first);
+  std::vector<uint32_t> crcs(units.size());
   const int fd = fd_;
   const std::string& name = temp_path_;
-  shared_pool(threads).parallel_for(static_cast<int64_t>(n), threads, [&](int64_t i) {
-    const WriteItem& it = items[i];
-    const uint8_t* src = static_cast<const uint8_t*>(it.src);
+  shared_pool(threads).parallel_for(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
+    const Unit& unit = units[u];
+    const WriteItem& it = items[unit.item];
+    const uint8_t* src = static_cast<const uint8_t*>(it.src) + unit.begin;
+    const uint64_t at = it.offset + unit.begin;
     uint32_t crc = 0;
-    uint64_t done = 0;
-    while (done < it.length) {
-      uint64_t piece = std::min(kPiece, it.length - done);
+    for (uint64_t done = 0; done < unit.length;) {
+      uint64_t piece = std::min(kWritePiece, unit.length - done);
       crc = crc32c(crc, src + done, piece);
-      uint64_t put = 0;
-      while (put < piece) {
-        ssize_t rc = ::pwrite(fd, src + done + put, piece - put, static_cast<off_t>(it.offset + done + put));
+      for (uint64_t put = 0; put < piece;) {
+        ssize_t rc = ::pwrite(fd, src + done + put, piece - put, static_cast<off_t>(at + done + put));
         if (rc < 0) {
           if (errno == EINTR) continue;
-          throw_errno(name, "write of " + describe_range(it.offset + done + put, piece - put));
+          throw_errno(name, "write of " + describe_range(at + done + put, piece - put));
         }
         if (rc == 0) {
-          throw Error(ErrorKind::kIo, name, "write returned 0 for " + describe_range(it.offset + done + put, piece - put));
+          throw Error(ErrorKind::kIo, name, "write returned 0 for " + describe_range(at + done + put, piece - put));
         }
         put += static_cast<uint64_t>(rc);
       }
       done += piece;
       bytes_written_.fetch_add(piece, std::memory_order_relaxed);
     }
-    crcs_out[i] = crc;
+    crcs[u] = crc;
   });
+  for (size_t i = 0; i < n; ++i) crcs_out[i] = combine_units(units, crcs, first[i], first[i + 1]);
 }
 
 void ShardWriter::commit() {
@@ -206,37 +286,59 @@ void ShardReader::read(const ReadItem* items, size_t n, bool verify, int threads
     }
     if (it.length && !it.dst) throw Error(ErrorKind::kInvalid, path_, "null destination buffer");
   }
-  const int fd = fd_;
-  shared_pool(threads).parallel_for(static_cast<int64_t>(n), threads, [&](int64_t i) {
-    const ReadItem& it = items[i];
-    uint8_t* dst = static_cast<uint8_t*>(it.dst);
+  std::vector<size_t> first;
+  const std::vector<Unit> units = split_units(items, n, first);
+  std::vector<uint32_t> crcs(units.size());
+  shared_pool(threads).parallel_for(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
+    const Unit& unit = units[u];
+    const ReadItem& it = items[unit.item];
+    uint8_t* dst = static_cast<uint8_t*>(it.dst) + unit.begin;
+    const uint64_t at = it.offset + unit.begin;
+    if (it.length <= kDirectMax) {
+      read_exact(dst, unit.length, at, it);
+      crcs[u] = verify ? crc32c(0, dst, unit.length) : 0;
+      return;
+    }
+    uint8_t* bounce = bounce_buffer();
     uint32_t crc = 0;
-    uint64_t done = 0;
-    while (done < it.length) {
-      uint64_t piece = std::min(kPiece, it.length - done);
-      uint64_t got = 0;
-      while (got < piece) {
-        ssize_t rc = ::pread(fd, dst + done + got, piece - got, static_cast<off_t>(it.offset + done + got));
-        if (rc < 0) {
-          if (errno == EINTR) continue;
-          throw_errno(path_, "read of " + describe_range(it.offset + done + got, piece - got));
-        }
-        if (rc == 0) {
-          throw Error(ErrorKind::kCorrupt, path_,
-                      "unexpected end of file reading " + describe_range(it.offset, it.length) +
-                          " (the file was truncated)");
-        }
-        got += static_cast<uint64_t>(rc);
+    for (uint64_t done = 0; done < unit.length;) {
+      uint64_t piece = std::min(kBouncePiece, unit.length - done);
+      read_exact(bounce, piece, at + done, it);
+      if (verify) {
+        crc = crc32c_copy(crc, dst + done, bounce, piece);
+      } else {
+        copy_streaming(dst + done, bounce, piece);
       }
-      if (verify) crc = crc32c(crc, dst + done, piece);
       done += piece;
     }
-    if (verify && crc != it.expected_crc) {
+    crcs[u] = crc;
+  });
+  if (!verify) return;
+  for (size_t i = 0; i < n; ++i) {
+    const ReadItem& it = items[i];
+    uint32_t crc = combine_units(units, crcs, first[i], first[i + 1]);
+    if (crc != it.expected_crc) {
       char buf[96];
       std::snprintf(buf, sizeof buf, "CRC32C mismatch: expected %08x, found %08x", it.expected_crc, crc);
       throw Error(ErrorKind::kCorrupt, path_, std::string(buf) + " in " + describe_range(it.offset, it.length));
     }
-  });
+  }
+}
+
+void ShardReader::read_exact(uint8_t* dst, uint64_t length, uint64_t at, const ReadItem& item) const {
+  for (uint64_t got = 0; got < length;) {
+    ssize_t rc = ::pread(fd_, dst + got, length - got, static_cast<off_t>(at + got));
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      throw_errno(path_, "read of " + describe_range(at + got, length - got));
+    }
+    if (rc == 0) {
+      throw Error(ErrorKind::kCorrupt, path_,
+                  "unexpected end of file reading " + describe_range(item.offset, item.length) +
+                      " (the file was truncated)");
+    }
+    got += static_cast<uint64_t>(rc);
+  }
 }
 
 void fsync_directory(const std::string& dir) {

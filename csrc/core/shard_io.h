@@ -36,8 +36,9 @@ class ShardWriter {
   // without fallocate support are tolerated.
   void reserve(uint64_t size);
 
-  // Writes every item at its offset, on up to `threads` threads (one item is written by one thread,
-  // in pieces), and stores each item's CRC32C in crcs_out[i]. Overlapping items are rejected.
+  // Writes every item at its offset, on up to `threads` threads (items are cut into 1 MiB units that
+  // threads take in turn), and stores each item's CRC32C in crcs_out[i]. Overlapping items are
+  // rejected.
   void write(const WriteItem* items, size_t n, uint32_t* crcs_out, int threads);
 
   // fsync (when durable), close, rename to `path`, fsync the directory (when durable).
@@ -74,13 +75,19 @@ class ShardReader {
   // file is shorter than 8 bytes, N > max_header_bytes, or 8 + N exceeds the file.
   std::string read_header(uint64_t max_header_bytes) const;
 
-  // Reads every item into its buffer on up to `threads` threads; when `verify`, each item's CRC32C
-  // must equal expected_crc. A range beyond the file is kBounds, a mismatch or a short read kCorrupt.
+  // Reads every item into its buffer on up to `threads` threads (items are cut into 1 MiB units that
+  // threads take in turn); when `verify`, each item's CRC32C must equal expected_crc. A range beyond
+  // the file is kBounds, a mismatch or a short read kCorrupt (the first mismatching item is named;
+  // every item is read before checksums are compared). Buffers of items over 64 KiB are written
+  // with streaming stores, so they are not left in the CPU cache.
   void read(const ReadItem* items, size_t n, bool verify, int threads) const;
 
   void close() noexcept;
 
  private:
+  // Reads exactly `length` bytes at file offset `at` into dst (part of `item`, named in errors).
+  void read_exact(uint8_t* dst, uint64_t length, uint64_t at, const ReadItem& item) const;
+
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;

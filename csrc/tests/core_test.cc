@@ -57,24 +57,96 @@ void check_vectors(CrcFn crc) {
   CHECK(crc(crc(0, "1234", 4), "56789", 5) == 0xE3069283u);
 }
 
+// Known CRCs of longer inputs (computed with google-crc32c), long enough for every kernel's main loop.
+void check_long_vectors(CrcFn crc) {
+  std::vector<uint8_t> buf((1 << 20) + 13);
+  CHECK(crc(0, buf.data(), 1 << 20) == 0x14298C12u);  // 1 MiB of zeros
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 31 + 7);
+  CHECK(crc(0, buf.data(), buf.size()) == 0x35EE8E1Au);
+  std::string digits;
+  for (int i = 0; i < 1000; ++i) digits += "123456789";
+  CHECK(crc(0, digits.data(), digits.size()) == 0xD601351Du);
+}
+
+const recsave::Crc32cKernel kKernels[] = {recsave::Crc32cKernel::kPortable, recsave::Crc32cKernel::kSse42,
+                                          recsave::Crc32cKernel::kPclmul};
+recsave::Crc32cKernel g_kernel;  // the kernel check_vectors() runs through crc_with_kernel
+uint32_t crc_with_kernel(uint32_t crc, const void* data, size_t n) {
+  return recsave::crc32c_with(g_kernel, crc, data, n);
+}
+
 void test_crc() {
   check_vectors(recsave::crc32c_portable);
   check_vectors(recsave::crc32c);
+  check_long_vectors(recsave::crc32c_portable);
+  check_long_vectors(recsave::crc32c);
   if (recsave::crc32c_hardware_available()) {
     check_vectors(recsave::crc32c_hardware);
-    // The interleaved paths (>= 3*256 and >= 3*8192 bytes) at every alignment and many lengths.
-    std::mt19937_64 rng(7);
-    std::vector<uint8_t> big(200000);
-    for (auto& b : big) b = static_cast<uint8_t>(rng());
-    const size_t lengths[] = {0, 1, 7, 8, 767, 768, 769, 24575, 24576, 24577, 50000, 199990};
-    for (size_t off = 0; off < 8; ++off) {
-      for (size_t len : lengths) {
-        CHECK(recsave::crc32c_hardware(0, big.data() + off, len) ==
-              recsave::crc32c_portable(0, big.data() + off, len));
+    check_long_vectors(recsave::crc32c_hardware);
+  }
+  std::mt19937_64 rng(7);
+  std::vector<uint8_t> big((16 << 20) + 64);
+  for (auto& b : big) b = static_cast<uint8_t>(rng());
+  for (auto kernel : kKernels) {
+    if (!recsave::crc32c_kernel_available(kernel)) {
+      std::printf("crc32c: kernel %s not available on this CPU\n", recsave::crc32c_kernel_name(kernel));
+      continue;
+    }
+    g_kernel = kernel;
+    check_vectors(crc_with_kernel);
+    check_long_vectors(crc_with_kernel);
+    if (kernel == recsave::Crc32cKernel::kPortable) continue;
+    // Every length 0..4096 at 16 start alignments, against the portable kernel.
+    bool all_equal = true;
+    for (size_t off = 0; off < 16; ++off) {
+      for (size_t len = 0; len <= 4096; ++len) {
+        uint32_t seed = static_cast<uint32_t>(len * 2654435761u);
+        all_equal = all_equal && recsave::crc32c_with(kernel, seed, big.data() + off, len) ==
+                                     recsave::crc32c_portable(seed, big.data() + off, len);
       }
     }
+    CHECK(all_equal);
+    // Large buffers at odd starts and lengths.
+    for (int trial = 0; trial < 4; ++trial) {
+      size_t off = rng() % 64, len = (16 << 20) - rng() % 4096;
+      CHECK(recsave::crc32c_with(kernel, 0, big.data() + off, len) ==
+            recsave::crc32c_portable(0, big.data() + off, len));
+    }
   }
-  std::printf("crc32c: implementation %s\n", recsave::crc32c_implementation());
+  // Extending piece by piece equals the whole, and combining independent pieces does too.
+  const size_t whole_len = 3 << 20;
+  const uint32_t whole = recsave::crc32c_portable(0, big.data(), whole_len);
+  for (int trial = 0; trial < 200; ++trial) {
+    size_t cut = trial < 3 ? (trial == 0 ? 0 : trial == 1 ? whole_len : 1) : rng() % (whole_len + 1);
+    uint32_t a = recsave::crc32c(0, big.data(), cut);
+    uint32_t b = recsave::crc32c(0, big.data() + cut, whole_len - cut);
+    CHECK(recsave::crc32c(a, big.data() + cut, whole_len - cut) == whole);
+    CHECK(recsave::crc32c_combine(a, b, whole_len - cut) == whole);
+  }
+  CHECK(recsave::crc32c_combine(0xE3069283u, 0, 0) == 0xE3069283u);
+  // Copy and checksum in one pass: every length 0..1100 at mixed alignments, then large copies; the
+  // bytes around the destination stay untouched.
+  bool copies_ok = true;
+  std::vector<uint8_t> dst((4 << 20) + 256);
+  for (size_t len = 0; len <= 1100; ++len) {
+    size_t src_off = len % 7, dst_off = 32 + len % 13;
+    std::memset(dst.data(), 0xA5, len + 96);
+    uint32_t got = recsave::crc32c_copy(17, dst.data() + dst_off, big.data() + src_off, len);
+    copies_ok = copies_ok && got == recsave::crc32c_portable(17, big.data() + src_off, len) &&
+                std::memcmp(dst.data() + dst_off, big.data() + src_off, len) == 0 &&
+                dst[dst_off - 1] == 0xA5 && dst[dst_off + len] == 0xA5;
+  }
+  for (size_t dst_off : {0, 1, 8, 15, 16}) {
+    size_t len = (4 << 20) - dst_off * 3;
+    std::memset(dst.data(), 0xA5, dst.size());
+    uint32_t got = recsave::crc32c_copy(0, dst.data() + dst_off, big.data() + 5, len);
+    copies_ok = copies_ok && got == recsave::crc32c_portable(0, big.data() + 5, len) &&
+                std::memcmp(dst.data() + dst_off, big.data() + 5, len) == 0 && dst[dst_off + len] == 0xA5 &&
+                (dst_off == 0 || dst[dst_off - 1] == 0xA5);
+  }
+  CHECK(copies_ok);
+  std::printf("crc32c: implementation %s, kernel %s\n", recsave::crc32c_implementation(),
+              recsave::crc32c_kernel_name(recsave::crc32c_selected_kernel()));
 }
 
 void test_thread_pool() {
@@ -147,6 +219,84 @@ void test_shard_io(const std::string& dir) {
   CHECK(throws_kind(recsave::ErrorKind::kIo, [&] { recsave::ShardReader missing(dir + "/nope"); }));
 }
 
+// Items cut into units across threads: sizes around the 1 MiB unit and the 64 KiB direct-read limit,
+// unaligned buffers, corruption inside a long item, a file truncated under an open reader.
+void test_shard_units(const std::string& dir) {
+  std::string path = dir + "/units.bin";
+  const size_t sizes[] = {(1 << 20) + 1, 1 << 20, (64 << 10) + 1, 64 << 10, 5, 0, (3 << 20) - 7, 300000};
+  std::mt19937_64 rng(5);
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<recsave::WriteItem> items;
+  uint64_t offset = 0;
+  for (size_t len : sizes) {
+    data.emplace_back(len + 1);
+    for (auto& x : data.back()) x = static_cast<uint8_t>(rng());
+    items.push_back({offset, data.back().data() + 1, len});  // sources at odd addresses
+    offset += len;
+  }
+  std::vector<uint32_t> crcs(items.size());
+  {
+    recsave::ShardWriter w(path, false);
+    w.write(items.data(), items.size(), crcs.data(), 3);
+    w.commit();
+  }
+  bool crcs_ok = true;
+  for (size_t i = 0; i < items.size(); ++i) crcs_ok = crcs_ok && crcs[i] == recsave::crc32c(0, items[i].src, sizes[i]);
+  CHECK(crcs_ok);
+
+  for (bool verify : {true, false}) {
+    for (int threads : {1, 2, 5}) {
+      std::vector<std::vector<uint8_t>> out;
+      std::vector<recsave::ReadItem> reads;
+      for (size_t i = 0; i < items.size(); ++i) {
+        out.emplace_back(sizes[i] + 3, 0xEE);
+        reads.push_back({items[i].offset, out.back().data() + 3, sizes[i], crcs[i]});  // unaligned
+      }
+      recsave::ShardReader r(path);
+      r.read(reads.data(), reads.size(), verify, threads);
+      bool same = true;
+      for (size_t i = 0; i < items.size(); ++i) {
+        same = same && std::memcmp(out[i].data() + 3, items[i].src, sizes[i]) == 0 && out[i][2] == 0xEE;
+      }
+      CHECK(same);
+    }
+  }
+
+  // One flipped byte deep inside the (3 MiB - 7)-byte item: found with verify, named by its range.
+  const size_t victim = 6;
+  {
+    FILE* f = std::fopen(path.c_str(), "r+b");
+    CHECK(f != nullptr);
+    std::fseek(f, static_cast<long>(items[victim].offset + (2 << 20) + 12345), SEEK_SET);
+    int c = std::fgetc(f);
+    std::fseek(f, static_cast<long>(items[victim].offset + (2 << 20) + 12345), SEEK_SET);
+    std::fputc(c ^ 0x40, f);
+    std::fclose(f);
+  }
+  std::vector<uint8_t> buf(sizes[victim]);
+  recsave::ReadItem all{items[victim].offset, buf.data(), sizes[victim], crcs[victim]};
+  recsave::ReadItem other{items[0].offset, buf.data(), sizes[0], crcs[0]};
+  recsave::ReadItem both[2] = {other, all};
+  {
+    recsave::ShardReader r(path);
+    std::string message;
+    try {
+      r.read(both, 2, true, 4);
+    } catch (const recsave::Error& e) {
+      message = e.what();
+      CHECK(e.kind() == recsave::ErrorKind::kCorrupt);
+    }
+    CHECK(message.find("CRC32C mismatch") != std::string::npos);
+    CHECK(message.find(std::to_string(items[victim].offset)) != std::string::npos);
+    r.read(&all, 1, false, 4);  // without verify the bytes are simply delivered
+  }
+  {  // Truncated after the reader opened it (and checked the size): a short read is kCorrupt.
+    recsave::ShardReader r(path);
+    CHECK(::truncate(path.c_str(), static_cast<off_t>(items[victim].offset + 1000)) == 0);
+    CHECK(throws_kind(recsave::ErrorKind::kCorrupt, [&] { r.read(&all, 1, true, 2); }));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -157,6 +307,7 @@ int main() {
   test_crc();
   test_thread_pool();
   test_shard_io(dir);
+  test_shard_units(dir);
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);
   if (failures) {
