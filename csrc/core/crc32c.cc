@@ -94,9 +94,10 @@ constexpr uint32_t xpow_mod(uint64_t d) {
   return r;
 }
 
-constexpr int kLanes = 4;                   // independent accumulators: hide PCLMULQDQ latency
-constexpr size_t kStride = 16 * kLanes;     // bytes consumed per loop iteration
-constexpr size_t kFoldMin = 256;            // shorter buffers go through `crc32` directly
+// Independent accumulators: enough to cover PCLMULQDQ's latency (up to 7 cycles) at one per cycle.
+constexpr int kLanes = 8;
+constexpr size_t kStride = 16 * kLanes;  // bytes consumed per loop iteration
+constexpr size_t kFoldMin = 256;         // shorter buffers go through `crc32` directly
 constexpr uint64_t kFarLo = xpow_mod(8 * kStride + 31), kFarHi = xpow_mod(8 * kStride - 33);
 constexpr uint64_t kNearLo = xpow_mod(128 + 31), kNearHi = xpow_mod(128 - 33);
 
@@ -122,18 +123,20 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_blocks(uint32_t reg, co
                                                                 size_t& n) {
   const __m128i far = _mm_set_epi64x(static_cast<long long>(kFarHi), static_cast<long long>(kFarLo));
   const __m128i near = _mm_set_epi64x(static_cast<long long>(kNearHi), static_cast<long long>(kNearLo));
-  // Lane i holds the blocks at 16*i + kStride*j; each folds over the kStride bytes to its next block.
-  __m128i a0 = _mm_xor_si128(take16<kCopy>(p, d, 0), _mm_cvtsi32_si128(static_cast<int>(reg)));
-  __m128i a1 = take16<kCopy>(p, d, 16), a2 = take16<kCopy>(p, d, 32), a3 = take16<kCopy>(p, d, 48);
+  // Lane l holds the blocks at 16*l + kStride*j; each folds over the kStride bytes to its next block.
+  __m128i a[kLanes];
+#pragma GCC unroll 8
+  for (int l = 0; l < kLanes; ++l) a[l] = take16<kCopy>(p, d, 16 * l);
+  a[0] = _mm_xor_si128(a[0], _mm_cvtsi32_si128(static_cast<int>(reg)));
   size_t i = kStride;
   for (; n - i >= kStride; i += kStride) {
-    a0 = fold(a0, far, take16<kCopy>(p, d, i));
-    a1 = fold(a1, far, take16<kCopy>(p, d, i + 16));
-    a2 = fold(a2, far, take16<kCopy>(p, d, i + 32));
-    a3 = fold(a3, far, take16<kCopy>(p, d, i + 48));
+#pragma GCC unroll 8
+    for (int l = 0; l < kLanes; ++l) a[l] = fold(a[l], far, take16<kCopy>(p, d, i + 16 * l));
   }
   // The lanes are consecutive 16-byte blocks now: fold them into one, then the whole blocks left.
-  __m128i x = fold(fold(fold(a0, near, a1), near, a2), near, a3);
+  __m128i x = a[0];
+#pragma GCC unroll 8
+  for (int l = 1; l < kLanes; ++l) x = fold(x, near, a[l]);
   for (; n - i >= 16; i += 16) x = fold(x, near, take16<kCopy>(p, d, i));
   p += i, n -= i;
   if (kCopy) d += i;

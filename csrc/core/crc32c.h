@@ -1,8 +1,8 @@
 // CRC32C (Castagnoli, reflected polynomial 0x82F63B78), as used by iSCSI, ext4, RocksDB and GCS.
 // Kernels, the fastest one the CPU supports chosen once at run time:
-//   pclmul   x86-64 with SSE4.2 and PCLMULQDQ: buffers of 256 bytes and more are folded 64 bytes at a
-//            time by carry-less multiplication (four independent 128-bit accumulators), the remainder
-//            goes through the `crc32` instruction.
+//   pclmul   x86-64 with SSE4.2 and PCLMULQDQ: buffers of 256 bytes and more are folded 128 bytes
+//            at a time by carry-less multiplication (eight independent 128-bit accumulators), the
+//            remainder goes through the `crc32` instruction.
 //   sse4.2   x86-64 with SSE4.2 only: the `crc32` instruction, 8 bytes at a time.
 //   portable everywhere: slicing-by-8 tables.
 // RECSAVE_CRC32C_PORTABLE=1 in the environment forces the portable kernel (read once, at first use).
