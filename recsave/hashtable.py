@@ -12,6 +12,7 @@ import torch
 
 from . import _C, knobs, partition
 from .idmap import make_id_map
+from .memhint import advise_hugepages
 from .errors import ShapeMismatchError, UsageError
 
 _MIN_CAPACITY = 1024
@@ -227,7 +228,7 @@ class HashTable(torch.nn.Module):
         new_cap = max(rows, 2 * cap, _MIN_CAPACITY)  # doubling: amortised O(1) copies per row
         self._weight = _grow(self._weight, new_cap)
         for slot, storage in self._slots.items():
-            self._slots[slot] = _grow(storage, new_cap, self._slot_init[slot])
+            self._slots[slot] = _grow(storage, new_cap)
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows these ids get when inserted: normal(0, init_std) as a pure function of (seed, id,
@@ -372,10 +373,12 @@ class HashTable(torch.nn.Module):
             self._slots[slot][rows] = t.to(device=self._device, dtype=self._slots[slot].dtype)
 
 
-def _grow(t: torch.Tensor, rows: int, fill: float = 0.0) -> torch.Tensor:
+def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
+    # New rows are left uninitialised: a row is written (_init_rows, a load) when an id takes it,
+    # and nothing reads rows no id has taken — filling them would only add a pass over memory.
     out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    advise_hugepages(out)
     out[: t.shape[0]] = t
-    out[t.shape[0]:] = fill
     return out
 
 

@@ -44,6 +44,8 @@ _KNOBS: Dict[str, tuple] = {
     "io_retry_max_s": ("RECSAVE_IO_RETRY_MAX_S", 10.0, float),
     # Seconds after its last renewal that a writer lock of an output dir counts as abandoned.
     "writer_lease_s": ("RECSAVE_WRITER_LEASE_S", 3600.0, float),
+    # Back large table storage with transparent huge pages (madvise; faster first fill).
+    "hugepages": ("RECSAVE_HUGEPAGES", True, _parse_bool),
     # Take the writer lock of output_dir when saving (one writing Saver per output dir).
     "writer_lock": ("RECSAVE_WRITER_LOCK", True, _parse_bool),
 }

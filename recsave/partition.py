@@ -47,6 +47,13 @@ def bucket_of(ids: torch.Tensor, num_buckets: int = DEFAULT_NUM_BUCKETS) -> torc
     return out.view(ids.shape)
 
 
+def stable_order(keys: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Stable argsort of keys in [0, num_keys) (e.g. buckets): sorting them as the narrowest integer
+    type that holds them is several times faster than sorting int64."""
+    dtype = torch.int16 if num_keys <= 1 << 15 else torch.int32 if num_keys <= 1 << 31 else torch.int64
+    return torch.sort(keys.to(dtype), stable=True).indices
+
+
 def bucket_range(rank: int, world_size: int, num_buckets: int = DEFAULT_NUM_BUCKETS) -> Tuple[int, int]:
     """[first, stop) buckets owned by `rank` of `world_size`."""
     if world_size < 1 or not 0 <= rank < world_size:

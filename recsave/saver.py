@@ -294,7 +294,7 @@ class Saver:
             raise UsageError(
                 f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
                 f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
-        order = torch.argsort(buckets, stable=True)
+        order = partition.stable_order(buckets - first, stop - first)
         counts = torch.bincount(buckets - first, minlength=stop - first)
         row_starts = [0] + torch.cumsum(counts, 0).tolist()
         # Embedding and slots are gathered in bucket order block by block while being written: the

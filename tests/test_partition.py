@@ -107,3 +107,9 @@ def test_io_state_reshards_through_load_io_states(tmp_path, monkeypatch):
     # The table got rank 1's share of the ids, and is now a shard.
     assert sorted(fresh.t.ids().tolist()) == [i for i in range(10) if partition.owner_of(torch.tensor([i]), 3).item() == 1]
     assert fresh.t.partition == (1, 3, 4096)
+
+
+@pytest.mark.parametrize("num_keys", [1, 4096, 1 << 15, 70_000])
+def test_stable_order_matches_a_stable_argsort(num_keys):
+    keys = torch.randint(0, num_keys, (50_000,), generator=torch.Generator().manual_seed(num_keys))
+    assert torch.equal(partition.stable_order(keys, num_keys), torch.argsort(keys, stable=True))
