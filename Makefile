@@ -36,8 +36,11 @@ test-cpp:
 demo: setup
 	$(PY) -m recsave.demo
 
+# recsave against torch.save / DCP / safetensors / raw I/O on a >= 2 GB state, then the id map and
+# training-step benchmark (benchmarks/README.md; `pip install -e ".[bench]"` for compare.py --sweep's plot).
 bench: setup
-	$(PY) benchmarks/engine.py
+	$(PY) benchmarks/compare.py
+	$(PY) benchmarks/hashtable.py
 
 clean:
 	rm -rf build dist *.egg-info recsave/_C*.so

@@ -387,3 +387,121 @@ def rounds_order(items: List[Any], round_no: int) -> List[Any]:
         return []
     k = round_no % len(items)
     return items[k:] + items[:k]
+
+
+# ------------------------------------------------------------------------------------------------
+# Page-cache residency, machine quietness, fits, merged result files
+
+def cached_fraction(path: str) -> Optional[float]:
+    """Share of the bytes of `path` (a file, or every file under a directory) that sit in the page
+    cache right now (mincore on a read-only mapping; nothing is read). None where it cannot tell."""
+    import ctypes
+    import mmap
+
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = resident = 0
+    for name in files:
+        size = os.path.getsize(name)
+        if size == 0:
+            continue
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                pages = (size + page - 1) // page
+                vec = (ctypes.c_ubyte * pages)()
+                if libc.mincore(addr, size, vec) != 0:
+                    return None
+                resident += sum(b & 1 for b in bytes(vec)) * page
+                total += pages * page
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return resident / total if total else None
+
+
+def others_cpu_share(seconds: float = 2.0) -> float:
+    """CPUs' worth of work (1.0 = one full core) all processes did over the next `seconds`; call it
+    while this process idles to see how busy the machine is."""
+    busy0, t0 = system_busy_seconds(), time.perf_counter()
+    time.sleep(seconds)
+    return (system_busy_seconds() - busy0) / (time.perf_counter() - t0)
+
+
+def wait_until_quiet(max_wait_s: float, threshold: float = 0.2, window_s: float = 3.0) -> Dict[str, Any]:
+    """Samples how busy the machine is; while it is above `threshold` CPUs, waits (at most
+    `max_wait_s`), logging what it sees. Returns {"busy_cpus", "waited_s", "quiet"}."""
+    start = time.perf_counter()
+    busy = others_cpu_share(window_s)
+    while busy > threshold and time.perf_counter() - start < max_wait_s:
+        log(f"machine busy: other processes use {busy:.2f} CPUs; waiting for it to quiet down "
+            f"({time.perf_counter() - start:.0f} of {max_wait_s:.0f} s)")
+        time.sleep(10)
+        busy = others_cpu_share(window_s)
+    return {"busy_cpus": busy, "waited_s": time.perf_counter() - start, "quiet": busy <= threshold}
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> Dict[str, float]:
+    """Least-squares y = intercept + slope * x and its R^2 (nan where undefined)."""
+    n = len(xs)
+    nan = float("nan")
+    if n < 2:
+        return {"slope": nan, "intercept": nan, "r2": nan}
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return {"slope": nan, "intercept": nan, "r2": nan}
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
+    return {"slope": slope, "intercept": intercept, "r2": 1 - ss_res / ss_tot if ss_tot > 0 else nan}
+
+
+def update_json(path: str, key: str, obj: Any) -> Dict[str, Any]:
+    """Sets `key` of the JSON object in `path` (created if absent or unreadable) to `obj`, keeping
+    the other keys, and writes it back atomically; returns the whole object."""
+    data: Dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            loaded = json.load(f)
+        if isinstance(loaded, dict):
+            data = loaded
+    data[key] = obj
+    write_json(path, data)
+    return data
+
+
+def write_text(path: str, text: str) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def git_revision() -> Optional[str]:
+    """The checkout's commit, with "+dirty" when tracked files have uncommitted changes."""
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO_ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
