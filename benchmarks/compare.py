@@ -90,7 +90,7 @@ OVERHEADS = [
     ("save: Saver vs engine (both fsync off)", ("save", "saver"), ("save", "engine"), None),
     ("load: Saver vs engine (both verify)", ("load", "saver"), ("load", "engine_verify"), None),
 ]
-RSS_BUDGET = 256 << 20  # peak RSS above the state (DESIGN.md)
+RSS_BUDGET = 256 * C.MB  # peak RSS above the state (DESIGN.md), in the MB (1e6 bytes) the tables print
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,9 +229,12 @@ def _patch_no_verify() -> List[int]:
 
 def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     import resource
+
+    import numpy as np
     import torch
 
-    E._warm_up()
+    with np.errstate(all="ignore"):  # engine's warm-up sums uninitialised memory
+        E._warm_up()
     kind, method, layout = spec["kind"], spec["method"], spec["layout"]
     nbytes = E.payload_bytes(layout)
     state = model = dest = None
@@ -330,7 +333,8 @@ def run_rounds(args: argparse.Namespace, tmp: str, layout: Layout, methods: Dict
                 res = C.run_isolated(worker, dict(base, kind="save", method=method, path=out[method]),
                                      timeout=timeout, preload=PRELOAD)
                 samples[("save", method)].append(res)
-                C.log(f"{tag}[round {r + 1}/{repeats}] save {method:16s} {C.gbps(res['nbytes'], res['seconds']):6.2f} GB/s"
+                speed = C.gbps(res["nbytes"], res["seconds"])
+                C.log(f"{tag}[round {r + 1}/{repeats}] save {method:16s} {speed:6.2f} GB/s"
                       f"  RSS over state {res['rss_over_state'] / C.MB:6.0f} MB")
                 if method not in {LOAD[m][2] for m in loads}:
                     remove(out[method])
@@ -346,7 +350,8 @@ def run_rounds(args: argparse.Namespace, tmp: str, layout: Layout, methods: Dict
                     failures.append(f"load {method}: round trip mismatch in {res['check']['mismatched']}")
                 if res.get("verify_patched_calls") == 0:
                     failures.append("load saver_noverify: the verify=False patch was not applied (sources.py changed?)")
-                C.log(f"{tag}[round {r + 1}/{repeats}] load {method:16s} {C.gbps(res['nbytes'], res['seconds']):6.2f} GB/s"
+                speed = C.gbps(res["nbytes"], res["seconds"])
+                C.log(f"{tag}[round {r + 1}/{repeats}] load {method:16s} {speed:6.2f} GB/s"
                       f"  RSS over state {res['rss_over_state'] / C.MB:6.0f} MB  page cache "
                       f"{C.fmt_num(None if cached is None else 100 * cached, 0)} %"
                       + ("" if "check" not in res else "  round trip " + ("ok" if res["check"]["ok"] else "MISMATCH")))
@@ -532,7 +537,8 @@ def run_default(args: argparse.Namespace, tmp: str, drop: bool, busy: float) -> 
     ratios, overheads = ratio_rows(summary)
     d = {"config": {k: v for k, v in vars(args).items() if k not in ("json",)},
          "payload_bytes": E.payload_bytes(layout), "rows_per_table": layout[0][2][0], "layout": layout,
-         "machine": C.machine_info(tmp), "commit": args.commit, "reads": reads_label(samples), "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+         "machine": C.machine_info(tmp), "commit": args.commit, "reads": reads_label(samples),
+         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
          "results": [{"kind": k, "method": m, "label": KINDS[k][m][0], "note": KINDS[k][m][1], **summary[(k, m)],
                       "samples": samples[(k, m)]} for k, t in KINDS.items() for m in t if (k, m) in summary],
          "ratios": ratios, "overheads": overheads, "failures": failures,
@@ -556,11 +562,10 @@ def run_sweep(args: argparse.Namespace, tmp: str, drop: bool) -> Dict[str, Any]:
     out = []
     for kind, table in KINDS.items():
         for method in methods[kind]:
-            points = [None if (kind, method) not in s else
-                      {"payload_gb": n / C.GB, "median_s": s[(kind, method)]["median_s"],
-                       "median_gbps": s[(kind, method)]["median_gbps"], "min_s": s[(kind, method)]["min_s"],
-                       "max_s": s[(kind, method)]["max_s"], "rss_over_state_max": s[(kind, method)]["rss_over_state_max"],
-                       "seconds": [x["seconds"] for x in smp[(kind, method)]]}
+            key = (kind, method)
+            points = [None if key not in s else
+                      {"payload_gb": n / C.GB, "seconds": [x["seconds"] for x in smp[key]],
+                       **{f: s[key][f] for f in ("median_s", "median_gbps", "min_s", "max_s", "rss_over_state_max")}}
                       for n, s, smp in per_size]
             xs = [p["payload_gb"] for p in points if p for _ in p["seconds"]]
             ys = [t for p in points if p for t in p["seconds"]]
@@ -568,7 +573,7 @@ def run_sweep(args: argparse.Namespace, tmp: str, drop: bool) -> Dict[str, Any]:
             out.append({"kind": kind, "method": method, "label": table[method][0], "points": points,
                         "fit": C.linear_fit(xs, ys),
                         "spread_pct": 100 * (max(per_gb) - min(per_gb)) / C.median(per_gb) if per_gb else None})
-    return {"sizes_gb": args.sizes, "repeats": args.sweep_repeats, "commit": args.commit, "config": {k: v for k, v in vars(args).items()},
+    return {"sizes_gb": args.sizes, "repeats": args.sweep_repeats, "commit": args.commit, "config": dict(vars(args)),
             "reads": reads_label(all_samples), "others_cpu_share_median": noise_of(all_samples),
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "methods": out, "failures": failures}
 

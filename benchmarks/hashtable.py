@@ -82,14 +82,15 @@ def idmap_rows(args: argparse.Namespace, threads: int, batches: List[np.ndarray]
         return m
 
     rows.append(("insert new ids into an empty map (growth included)", n,
-                 Measured(lambda m: m.lookup_or_insert(ids, threads), reps, lambda: _C.IdMap(0)), "IdMap.lookup_or_insert"))
+                 Measured(lambda fresh: fresh.lookup_or_insert(ids, threads), reps, lambda: _C.IdMap(0)),
+                 "IdMap.lookup_or_insert"))
 
     def reserved() -> Any:
         m = _C.IdMap(0)
         m.reserve(n)
         return m
     rows.append(("insert new ids into a reserved map", n,
-                 Measured(lambda m: m.lookup_or_insert(ids, threads), reps, reserved), "IdMap.reserve first"))
+                 Measured(lambda fresh: fresh.lookup_or_insert(ids, threads), reps, reserved), "IdMap.reserve first"))
     m = filled()
     rows.append(("lookup present ids, random order", n, Measured(lambda _: m.lookup(shuffled, threads), reps),
                  "IdMap.lookup; the budget row"))
@@ -102,16 +103,16 @@ def idmap_rows(args: argparse.Namespace, threads: int, batches: List[np.ndarray]
     rows.append(("lookup_ptr zipf batches into a preallocated tensor", batch_ids,
                  Measured(lambda _: [m.lookup_ptr(b.ctypes.data, b.size, out.data_ptr(), threads) for b in batches],
                           reps), "no output allocation"))
-    del m
+    m = None  # free the map before the table below builds its own
     table = recsave.HashTable(args.table_dim, name="bench")
     if table.prepare_load(torch.from_numpy(ids), ["embedding"]) is None:
         raise RuntimeError("HashTable.prepare_load refused the ids")
     tbatches = [torch.from_numpy(b) for b in batches]
-    rows.append((f"HashTable.lookup(insert=True), zipf batches", batch_ids,
+    rows.append(("HashTable.lookup(insert=True), zipf batches", batch_ids,
                  Measured(lambda _: [table.lookup(b, insert=True) for b in tbatches], reps), "public API, tensors"))
-    rows.append((f"HashTable.lookup(insert=False), zipf batches", batch_ids,
+    rows.append(("HashTable.lookup(insert=False), zipf batches", batch_ids,
                  Measured(lambda _: [table.lookup(b, insert=False) for b in tbatches], reps), "public API, tensors"))
-    del table
+    table = None
     if threads == 1:
         keys = np.sort(ids)
         rows.append(("reference: np.searchsorted over sorted ids, random order", n,
@@ -122,7 +123,7 @@ def idmap_rows(args: argparse.Namespace, threads: int, batches: List[np.ndarray]
         tm.lookup_or_insert(torch.from_numpy(ids))
         rows.append(("reference: recsave TensorIdMap (torch ops) lookup, zipf batches", batch_ids,
                      Measured(lambda _: [tm.lookup(b) for b in tbatches], reps), "device map, run on the CPU"))
-        del tm
+        tm = None
     except Exception as exc:  # noqa: BLE001 - optional row
         C.log(f"TensorIdMap row skipped: {type(exc).__name__}: {exc}")
     return [{"threads": threads, "op": op, "ids_per_op": k, "seconds": x.seconds, "median_s": C.median(x.seconds),
@@ -302,12 +303,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     lookup_batches = [table_ids[zipf_ranks(rng, args.ids, args.alpha, n_batch)] for _ in range(args.batches)]
     # Training ids: ranks scattered over [0, vocab) by a fixed permutation (nn.Embedding needs ids < vocab).
     scatter = torch.from_numpy(rng.permutation(args.vocab))
-    train_batches = [scatter[torch.from_numpy(zipf_ranks(rng, args.vocab, args.alpha, n_batch))].view(args.batch, args.fields)
-                     for _ in range(args.batches)]
+    train_batches = [scatter[torch.from_numpy(zipf_ranks(rng, args.vocab, args.alpha, n_batch))]
+                     .view(args.batch, args.fields) for _ in range(args.batches)]
     labels = [torch.from_numpy(rng.random(args.batch) < 0.25).float() for _ in range(args.batches)]
     res: Dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"},
                            "machine": C.machine_info(C.RESULTS_DIR if os.path.isdir(C.RESULTS_DIR) else C.REPO_ROOT),
-                           "commit": C.git_revision(), "busy_before_cpus": quiet["busy_cpus"], "idmap": [], "train": [], "budgets": []}
+                           "commit": C.git_revision(), "busy_before_cpus": quiet["busy_cpus"],
+                           "idmap": [], "train": [], "budgets": []}
     for threads in args.threads:
         torch.set_num_threads(threads)
         with knobs.override(concurrency=threads):
