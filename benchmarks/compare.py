@@ -260,11 +260,12 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
         out = _save(method, spec, state, model) if kind == "save" else _load(method, spec, layout, dest)
     res = m.result()
     res.update(nbytes=nbytes, prefault_s=prefault_s, torch_threads=torch.get_num_threads())
-    if method == "dd":  # the work is dd's: its CPU and its peak RSS
+    if method == "dd":  # the work is dd's: its CPU. Its peak RSS is not known: the child's ru_maxrss
+        # counts the worker's pages before the exec, so the RSS columns show n/a.
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime
         res.update(nbytes=spec["dd_count"] * (64 << 20), cpu_s=cpu, others_cpu_s=max(0.0, res["others_cpu_s"] - cpu),
-                   rss_delta=children.ru_maxrss * 1024)
+                   rss_delta=0)
     res["rss_over_state"] = res["rss_delta"] - (nbytes if kind == "load" else 0)
     if patched is not None:
         res["verify_patched_calls"] = patched[0]
@@ -410,7 +411,8 @@ def main_table(summary: Dict[Tuple[str, str], Dict[str, Any]]) -> Tuple[List[str
             cached = s.get("cached_fraction_median")
             rows.append([kind, spec[0], C.fmt_num(s["median_gbps"]),
                          f"{C.fmt_num(s['worst_gbps'])}-{C.fmt_num(s['best_gbps'])}", C.fmt_num(s["median_s"], 3),
-                         *rel, C.fmt_num(s["cpu_per_wall_median"]), C.fmt_num(s["rss_over_state_max"] / C.MB, 0),
+                         *rel, C.fmt_num(s["cpu_per_wall_median"]),
+                         "n/a" if method == "dd" else C.fmt_num(s["rss_over_state_max"] / C.MB, 0),
                          "" if cached is None else f"{100 * cached:.0f} %", spec[1]])
     return headers, rows
 
