@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _C, knobs, partition
-from .idmap import make_id_map
+from .idmap import flat_ids, make_id_map
 from .memhint import advise_hugepages
 from .errors import ShapeMismatchError, UsageError
 
@@ -106,7 +106,7 @@ class HashTable(torch.nn.Module):
 
     def delete(self, ids: torch.Tensor) -> int:
         """Removes the given ids; returns how many were present."""
-        freed = self._map.erase(_flat_ids(ids))
+        freed = self._map.erase(flat_ids(ids))
         freed = freed[freed >= 0]
         if freed.numel() and self._grads:
             # A freed row is reused by the next new id: pending gradients must not follow it there.
@@ -170,7 +170,7 @@ class HashTable(torch.nn.Module):
     def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor:
         """Rows of flat int64 ids (int64, on the id map's device: the CPU for CPU tables); -1 for
         absent ids unless `insert`."""
-        flat = _flat_ids(ids)
+        flat = flat_ids(ids)
         if not insert:
             return self._map.lookup(flat)
         if self._partition is not None:
@@ -280,19 +280,10 @@ class HashTable(torch.nn.Module):
         values = self._weight.index_select(0, rows_d).cpu()
         return values, {s: t.index_select(0, rows_d).cpu() for s, t in self._slots.items()}
 
-    def column_dtype(self, column: str) -> torch.dtype:
-        """dtype of the embedding ('embedding') or of a slot."""
-        return (self._weight if column == "embedding" else self._slots[column]).dtype
-
-    def row_fetcher(self, column: str, rows: torch.Tensor):
-        """fetch(a, b): CPU copies of `column` ('embedding' or a slot) at rows[a:b], for writers that
-        gather a table in blocks."""
-        storage = self._weight if column == "embedding" else self._slots[column]
-        rows_d = rows.to(self._device)
-
-        def fetch(a: int, b: int) -> torch.Tensor:
-            return storage.index_select(0, rows_d[a:b]).cpu()
-        return fetch
+    def columns(self) -> Dict[str, torch.Tensor]:
+        """The whole storage of the embedding ('embedding') and of every slot: row r of each belongs
+        to the id mapped to r; rows from row_capacity on hold nothing yet."""
+        return {"embedding": self._weight, **{s: self._slots[s] for s in self.slot_names()}}
 
     def export(self, ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
         """One consistent snapshot: ids (row order unless given), their embedding rows and every slot."""
@@ -316,7 +307,7 @@ class HashTable(torch.nn.Module):
         self._ensure_capacity(n)
         if self._partition is not None:
             self._check_owned(ids)
-        rows, _is_new, num_new = self._map.lookup_or_insert(_flat_ids(ids))
+        rows, _is_new, num_new = self._map.lookup_or_insert(flat_ids(ids))
         if num_new != n:  # duplicates: rows are not 0..n-1
             self.clear()
             return None
@@ -380,12 +371,6 @@ def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
     advise_hugepages(out)
     out[: t.shape[0]] = t
     return out
-
-
-def _flat_ids(ids: torch.Tensor) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
-        raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
-    return ids.detach().reshape(-1)
 
 
 def split_sparse_dense_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, "HashTable"], Dict[str, Any]]:

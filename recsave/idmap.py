@@ -42,14 +42,14 @@ class CpuIdMap:
         return self._map.row_capacity
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self._map.lookup(_numpy_ids(ids), knobs.get("concurrency")))
+        return torch.from_numpy(self._map.lookup(_host_array(ids), knobs.get("concurrency")))
 
     def lookup_or_insert(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        rows, is_new, num_new = self._map.lookup_or_insert(_numpy_ids(ids), knobs.get("concurrency"))
+        rows, is_new, num_new = self._map.lookup_or_insert(_host_array(ids), knobs.get("concurrency"))
         return torch.from_numpy(rows), torch.from_numpy(is_new).bool(), int(num_new)
 
     def erase(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self._map.erase(_numpy_ids(ids)))
+        return torch.from_numpy(self._map.erase(_host_array(ids)))
 
     def export(self) -> Tuple[torch.Tensor, torch.Tensor]:
         ids, rows = self._map.export()
@@ -209,9 +209,19 @@ class TensorIdMap:
         self._free = self._free[:0]
 
     def _ids(self, ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
-            raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
-        return ids.detach().reshape(-1).to(self.device)
+        return flat_ids(ids).to(self.device)
+
+
+def flat_ids(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` as a flat int64 tensor (a view where possible); UsageError for anything else."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
+    return ids.detach().reshape(-1)
+
+
+def _host_array(ids: torch.Tensor):
+    """The ids as a contiguous int64 numpy array for the C++ map (no copy for CPU tensors)."""
+    return flat_ids(ids).cpu().contiguous().numpy()
 
 
 def _first_occurrences(ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,12 +243,6 @@ def _pow2(n: int) -> int:
     while p < max(n, 2):
         p *= 2
     return p
-
-
-def _numpy_ids(ids: torch.Tensor):
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
-        raise UsageError(f"ids must be an int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
-    return ids.detach().reshape(-1).cpu().contiguous().numpy()
 
 
 def make_id_map(device: torch.device, kind: str = "auto"):

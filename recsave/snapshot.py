@@ -103,10 +103,9 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
     states: Dict[str, TableState] = {}
     for name, table in tables.items():
         ids, rows = table.id_rows()
-        columns = {"embedding": table._weight}
-        columns.update({s: table._slots[s] for s in table.slot_names()})
+        columns = table.columns()
         if stager is not None:
-            used = table._map.row_capacity  # rows beyond it hold nothing
+            used = len(table.weight)  # row_capacity: rows beyond it hold nothing
             columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
         states[name] = TableState(table.embedding_dim, table.dtype, ids, rows, columns)
     if stager is None:
