@@ -505,3 +505,12 @@ def git_revision() -> Optional[str]:
     except (OSError, subprocess.CalledProcessError):
         return None
     return rev + ("+dirty" if dirty else "")
+
+
+def finish(summary: Dict[str, Any], json_path: Optional[str]) -> int:
+    """The exit status of a reliability run (1 when `summary["failures"]` lists any), after writing
+    the summary to `json_path` when given."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=1, default=str)
+    return 1 if summary["failures"] else 0

@@ -42,6 +42,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TESTS = os.path.join(ROOT, "tests")
+
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402  (benchmarks/_common.py)
+
 LATEST, OLDER = "ckpt_4", "ckpt_2"
 RESULT = "@@RESULT "
 READY = "@@READY "
@@ -782,10 +786,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     s = run(args.mutations, args.seed, args.workers, args.asan, args.timeout, args.verbose)
     print_summary(s)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(s, f, indent=1, default=str)
-    return 1 if s["failures"] else 0
+    return C.finish(s, args.json)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ for p in (TESTS, ROOT):
 
 os.environ.setdefault("RECSAVE_FSYNC", "0")  # SIGKILL keeps the page cache: fsync adds nothing here
 
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402  (benchmarks/_common.py)
+
 import torch  # noqa: E402
 
 import recsave  # noqa: E402
@@ -472,10 +475,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     s = run(args.trials, args.seed, args.save_interval, horizon=args.horizon, verbose=args.verbose)
     print_summary(s)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(s, f, indent=1, default=str)
-    return 1 if s["failures"] else 0
+    return C.finish(s, args.json)
 
 
 if __name__ == "__main__":
