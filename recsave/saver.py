@@ -177,9 +177,9 @@ class Saver:
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
-        stage_future: Future = Future()
         state = self._capture(rank, world, self._stager)
-        stage_future.set_result(None)
+        stage_future: Future = Future()
+        stage_future.set_result(None)  # staging is done on this thread, before returning
         knob_values = knobs.current()  # overrides are per thread: carry them to the writer
 
         def write() -> str:
