@@ -1,0 +1,118 @@
+"""compare.py's methods: the table of save / load methods it measures (raw numpy, dd, torch.save,
+DCP, safetensors, the recsave engine and Saver) and their operations, run in a fresh worker process."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import engine as E  # raw, torch, safetensors and engine operations are engine.py's
+from _compare_state import Layout
+
+PRELOAD = ["numpy", "torch", "torch.distributed.checkpoint", "recsave", "recsave.format", "safetensors.torch"]
+
+# method -> (label, note, family, durable, output name)
+SAVE = {
+    "raw": ("raw write (ndarray.tofile)", "physical limit, no fsync", "raw", False, "raw.bin"),
+    "raw_fsync": ("raw write + fsync", "file + directory fsync", "raw", True, "raw_fsync.bin"),
+    "dd": ("dd bs=64M conv=fdatasync", "zeros, durable: the disk's limit", "raw", True, "dd.bin"),
+    "torch": ("torch.save", "no fsync", "torch", False, "state.pt"),
+    "dcp": ("DCP save, sync_files=False", "torch.distributed.checkpoint, 1 process", "dcp", False, "dcp"),
+    "dcp_fsync": ("DCP save (default: sync_files)", "durable", "dcp", True, "dcp_fsync"),
+    "safetensors": ("safetensors save_file", "no fsync", "safetensors", False, "state.safetensors"),
+    "engine": ("recsave engine write_shards, fsync off", "CRC32C computed", "engine", False, "engine"),
+    "engine_fsync": ("recsave engine write_shards, fsync on", "durable", "engine", True, "engine_fsync"),
+    "saver": ("recsave Saver.save, fsync off", "HashTable model, whole API", "saver", False, "saver"),
+    "saver_fsync": ("recsave Saver.save (default: fsync on)", "durable", "saver", True, "saver_fsync"),
+}
+# method -> (label, note, save method whose output it reads)
+LOAD = {
+    "raw": ("raw read (readinto)", "physical limit", "raw"),
+    "torch": ("torch.load(weights_only=True)", "", "torch"),
+    "dcp": ("DCP load into preallocated tensors", "", "dcp"),
+    "safetensors": ("safetensors load_file(backend=pread)", "", "safetensors"),
+    "engine_verify": ("recsave engine read_tensors, verify", "", "engine"),
+    "engine_noverify": ("recsave engine read_tensors, no verify", "", "engine"),
+    "saver": ("recsave Saver.load into a fresh model", "id map rebuilt, CRC verified", "saver"),
+    "saver_noverify": ("recsave Saver.load, checksums off", "patched in: not an option", "saver"),
+}
+KINDS = {"save": SAVE, "load": LOAD}
+FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
+SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver",
+                 "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver"]
+
+
+def selected(only: Optional[str], default: Optional[List[str]] = None) -> Dict[str, List[str]]:
+    """kind -> methods; loads pull in the save whose output they read."""
+    wanted = set(only.split(",")) if only and only != "all" else set(default or [])
+    methods = {k: [m for m in t if not wanted or f"{k}:{m}" in wanted] for k, t in KINDS.items()}
+    unknown = wanted - {f"{k}:{m}" for k, t in KINDS.items() for m in t}
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known: "
+                         f"{', '.join(f'{k}:{m}' for k, t in KINDS.items() for m in t)}")
+    for m in methods["load"]:
+        if LOAD[m][2] not in methods["save"]:
+            methods["save"].append(LOAD[m][2])
+    return methods
+
+
+# ------------------------------------------------------------------------------------------------
+# Operations (inside a fresh worker process; only these are timed)
+
+def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> None:
+    path = spec["path"]
+    if method in ("raw", "raw_fsync", "torch", "safetensors"):
+        E._save(method, spec, state)
+    elif method in ("engine", "engine_fsync"):
+        E._save(method.replace("engine", "recsave"), spec, state)
+    elif method == "dd":
+        import subprocess
+        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={spec['dd_count']}",
+                        "conv=fdatasync", "status=none"], check=True)
+    elif method in ("dcp", "dcp_fsync"):
+        import warnings
+        import torch.distributed.checkpoint as dcp
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=method == "dcp_fsync"))
+    elif method in ("saver", "saver_fsync"):
+        from recsave import knobs
+        with knobs.override(fsync=method == "saver_fsync"):
+            spec["saver"].save("ckpt_1")
+    else:
+        raise ValueError(method)
+
+
+def run_load(method: str, spec: Dict[str, Any], layout: Layout, dest: Any) -> Any:
+    if method in ("raw", "torch", "safetensors"):
+        return E._load(method, spec, layout)
+    if method in ("engine_verify", "engine_noverify"):
+        return E._load(method.replace("engine", "recsave"), spec, layout)
+    if method == "dcp":
+        import warnings
+        import torch.distributed.checkpoint as dcp
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(dest, checkpoint_id=spec["path"])
+        return dest
+    if method in ("saver", "saver_noverify"):
+        return spec["saver"].load()
+    raise ValueError(method)
+
+
+def patch_saver_no_verify() -> List[int]:
+    """Saver.load always verifies; for the checksum-overhead row, make the reads it does skip the
+    CRC (recsave.sources.read_tensors with verify=False). Returns a call counter: [0] = not applied."""
+    import recsave.sources as sources
+
+    calls = [0]
+    original = getattr(sources, "read_tensors", None)
+    if original is None:
+        return calls
+
+    def unverified(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        kwargs["verify"] = False
+        return original(*args, **kwargs)
+
+    sources.read_tensors = unverified
+    return calls
+
