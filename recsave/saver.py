@@ -14,7 +14,7 @@ from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError,
 from .errors import CorruptCheckpointError
 from .lock import WriterLock, hold as hold_writer_lock
 from .format import index as index_mod
-from .format.writer import RowSource, write_shards
+from .format.writer import write_shards
 from .loadconf import SPARSE_OPTIM
 from .report import LoadPlan, LoadReport
 from .snapshot import PinnedPair, SaveState, Stager, TableState, capture
@@ -297,15 +297,13 @@ class Saver:
         order = partition.stable_order(buckets - first, stop - first)
         counts = torch.bincount(buckets - first, minlength=stop - first)
         row_starts = [0] + torch.cumsum(counts, 0).tolist()
-        # Embedding and slots are gathered in bucket order block by block while being written: the
-        # save never holds a second copy of the table.
+        # Embedding and slots are gathered in bucket order by the engine's writer threads as they
+        # write (device tables block by block): the save never holds a second copy of the table.
         sorted_rows = rows[order]
         tensors: Dict[str, Any] = {f"{name}@id": ids[order]}
         buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
         for column in ["embedding"] + table.slot_names():
-            shape = (ids.numel(), table.embedding_dim)
-            tensors[f"{name}@{column}"] = RowSource(table.column_dtype(column), shape,
-                                                    table.row_fetcher(column, sorted_rows, buffers))
+            tensors[f"{name}@{column}"] = table.row_source(column, sorted_rows, buffers)
         meta = {"buckets": {"first": first, "row_starts": row_starts}}
         seg_max = knobs.get("segment_bytes")
         segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)

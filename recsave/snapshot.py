@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
 from .devcopy import DeviceGather, PinnedPair
+from .format.writer import RowSource
 from .hashtable import HashTable
 
 
@@ -31,17 +32,15 @@ class TableState:
     def slot_names(self) -> List[str]:
         return sorted(c for c in self.columns if c != "embedding")
 
-    def column_dtype(self, column: str) -> torch.dtype:
-        return self.columns[column].dtype
-
-    def row_fetcher(self, column: str, rows: torch.Tensor,
-                    buffers: Optional[PinnedPair] = None) -> Callable[[int, int], torch.Tensor]:
-        """fetch(a, b): `column` at rows[a:b] as a CPU tensor. Device storage is gathered on the
-        device and copied through `buffers` (pinned, double-buffered) on a side stream."""
+    def row_source(self, column: str, rows: torch.Tensor, buffers: Optional[PinnedPair] = None) -> RowSource:
+        """`column` at `rows` (CPU int64) without copying it: the engine gathers CPU storage as it
+        writes; device storage is gathered on the device and copied through `buffers` (pinned,
+        double-buffered) on a side stream."""
         storage = self.columns[column]
         if storage.device.type == "cpu":
-            return lambda a, b: storage.index_select(0, rows[a:b])
-        return DeviceGather(storage, rows, buffers or PinnedPair())
+            return RowSource.take(storage, rows)
+        return RowSource(storage.dtype, (rows.numel(),) + tuple(storage.shape[1:]),
+                         DeviceGather(storage, rows, buffers or PinnedPair()))
 
 
 @dataclass

@@ -100,3 +100,43 @@ def test_row_source_is_written_in_bounded_blocks(tmp_path, where):
     with pytest.raises(recsave.errors.UsageError, match="row boundaries"):
         fmt.write_shards(url, {"z": RowSource(torch.float32, (10, 6), fetch)}, segments={"z": [100, 240]},
                          storage=storage)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 6), (torch.int8, 3), (torch.bfloat16, 64)])
+def test_taken_rows_are_the_bytes_of_the_permuted_tensor(tmp_path, where, dtype, width):
+    """RowSource.take(storage, rows): the engine gathers the rows on its threads (locally) or they
+    are fetched in blocks (streams); either way the file is that of storage[rows], CRCs included."""
+    from recsave.format import RowSource
+
+    g = torch.Generator().manual_seed(width)
+    storage = (torch.randn(500, width, generator=g) * 50).to(dtype)
+    rows = torch.randint(0, 400, (1200,), generator=g)  # repeats, and storage rows never taken
+    ends = [r * storage[0].nbytes for r in (1, 2, 300, 301, 1200)]
+    root = tmp_path if where == "local" else None
+    parts = {}
+    for kind, src in (("taken", RowSource.take(storage, rows)), ("plain", storage[rows])):
+        url = str(root / kind) if root else _url(tmp_path, "memory")
+        st = get_storage(url)
+        st.makedirs(url)
+        with recsave.knobs.override(write_block_bytes=storage[0].nbytes * 50):
+            parts[kind] = fmt.write_shards(url, {"x": src, "y": torch.arange(7)}, segments={"x": ends}, storage=st)
+        fname = fmt.shard_file_name("sparse", 0, 0)
+        parts[kind + "-bytes"] = st.read_bytes(st.join(url, fname), 1 << 20)
+    assert parts["taken"] == parts["plain"]
+    assert parts["taken-bytes"] == parts["plain-bytes"]
+    assert len(parts["taken"]["tensors"]["x"]["chunks"][0]["crc32c"]) == 5
+
+
+def test_taken_rows_refuse_bad_sources_and_leave_nothing(tmp_path):
+    from recsave.format import RowSource
+
+    storage = torch.randn(10, 4)
+    with pytest.raises(recsave.errors.UsageError, match="contiguous CPU"):
+        RowSource.take(storage.t(), torch.arange(3))
+    with pytest.raises(recsave.errors.UsageError, match="1-D"):
+        RowSource.take(storage, torch.zeros(2, 2, dtype=torch.int64))
+    for bad in (-1, 10):
+        with pytest.raises(recsave.errors.UsageError, match="outside the 10 rows"):
+            fmt.write_shards(str(tmp_path), {"x": RowSource.take(storage, torch.tensor([0, bad, 2]))})
+        assert list(tmp_path.iterdir()) == []

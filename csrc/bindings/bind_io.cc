@@ -110,6 +110,29 @@ void bind_io(py::module_& m) {
         return crcs;
       }, py::arg("offsets"), py::arg("addresses"), py::arg("lengths"), py::arg("threads") = 1,
       "Writes len(offsets) items (raw source addresses) at their offsets; returns their CRC32Cs.")
+      .def("write_gathered", [](recsave::ShardWriter& w, const U64Array& offsets, const U64Array& bases,
+                                const U64Array& base_rows, const U64Array& row_bytes,
+                                const U64Array& rows_addresses, const U64Array& num_rows, int threads) {
+        require_1d(offsets, "offsets", -1);
+        py::ssize_t n = offsets.shape(0);
+        for (const auto* a : {&bases, &base_rows, &row_bytes, &rows_addresses, &num_rows}) require_1d(*a, "gather arrays", n);
+        std::vector<recsave::GatherItem> items(n);
+        for (py::ssize_t i = 0; i < n; ++i) {
+          items[i] = {offsets.at(i), reinterpret_cast<const void*>(static_cast<uintptr_t>(bases.at(i))),
+                      base_rows.at(i), row_bytes.at(i),
+                      reinterpret_cast<const int64_t*>(static_cast<uintptr_t>(rows_addresses.at(i))), num_rows.at(i)};
+        }
+        py::array_t<uint32_t> crcs(n);
+        uint32_t* out = crcs.mutable_data();
+        {
+          py::gil_scoped_release nogil;
+          w.write_gathered(items.data(), items.size(), out, threads);
+        }
+        return crcs;
+      }, py::arg("offsets"), py::arg("bases"), py::arg("base_rows"), py::arg("row_bytes"),
+      py::arg("rows_addresses"), py::arg("num_rows"), py::arg("threads") = 1,
+      "Writes item i = the num_rows[i] rows (int64 indexes at rows_addresses[i]) of the row-major matrix "
+      "at bases[i] (base_rows[i] rows of row_bytes[i] bytes) back to back at offsets[i]; returns their CRC32Cs.")
       .def("write_bytes", [](recsave::ShardWriter& w, uint64_t offset, const py::buffer& data) {
         py::buffer_info info = data.request();
         recsave::WriteItem item{offset, info.ptr, static_cast<uint64_t>(info.size * info.itemsize)};

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace recsave {
 
@@ -14,6 +16,18 @@ struct WriteItem {
   uint64_t offset;   // byte offset in the file
   const void* src;   // `length` readable bytes
   uint64_t length;
+};
+
+// Rows of a row-major matrix written back to back: rows[0..num_rows) index `base`, which holds
+// base_rows rows of row_bytes bytes each. Lets a caller write a table's rows in another order
+// (e.g. by bucket) without first building that permuted copy.
+struct GatherItem {
+  uint64_t offset;      // byte offset in the file
+  const void* base;     // base_rows * row_bytes readable bytes
+  uint64_t base_rows;
+  uint64_t row_bytes;
+  const int64_t* rows;  // num_rows indexes into base, each in [0, base_rows)
+  uint64_t num_rows;
 };
 
 struct ReadItem {
@@ -41,6 +55,12 @@ class ShardWriter {
   // rejected.
   void write(const WriteItem* items, size_t n, uint32_t* crcs_out, int threads);
 
+  // Writes every gather item at its offset like write(), gathering the rows on the worker threads:
+  // each thread copies rows into a small cache-resident buffer, checksums it and writes it, so the
+  // bytes are read from memory once and no permuted copy of the matrix exists. A row index outside
+  // [0, base_rows) is rejected (kInvalid) before anything is written.
+  void write_gathered(const GatherItem* items, size_t n, uint32_t* crcs_out, int threads);
+
   // fsync (when durable), close, rename to `path`, fsync the directory (when durable).
   void commit();
   // Closes and unlinks the temporary file. Never throws; a no-op after commit().
@@ -51,6 +71,12 @@ class ShardWriter {
   uint64_t bytes_written() const { return bytes_written_.load(); }
 
  private:
+  // Throws unless the ranges [offset, offset + length) are valid and disjoint (two threads writing the
+  // same bytes would make the file depend on timing).
+  void check_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges) const;
+  // pwrite of all `length` bytes at `at`.
+  void put(const uint8_t* src, uint64_t length, uint64_t at);
+
   std::string path_;
   std::string temp_path_;
   bool durable_;

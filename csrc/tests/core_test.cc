@@ -297,6 +297,76 @@ void test_shard_units(const std::string& dir) {
   }
 }
 
+// Rows gathered by the writer threads: the file holds the permuted rows, each item's CRC is that of
+// its bytes; rows of several sizes (one byte, around the 256 KiB piece, larger than a 1 MiB unit),
+// repeated and empty row lists; an index outside the source is refused before anything is written.
+void test_write_gathered(const std::string& dir) {
+  std::mt19937_64 rng(9);
+  struct Matrix {
+    uint64_t rows, row_bytes;
+    std::vector<uint8_t> data;
+    std::vector<int64_t> order;
+  };
+  std::vector<Matrix> mats = {{1000, 256, {}, {}}, {7, 1, {}, {}}, {5, (256 << 10) + 3, {}, {}},
+                              {3, (1 << 20) + 17, {}, {}}, {4, 8, {}, {}}};
+  for (auto& m : mats) {
+    m.data.resize(m.rows * m.row_bytes);
+    for (auto& x : m.data) x = static_cast<uint8_t>(rng());
+    for (uint64_t k = 0; k < 2 * m.rows + 1; ++k) m.order.push_back(static_cast<int64_t>(rng() % m.rows));
+  }
+  mats.back().order.clear();  // an empty row list: an empty item
+  std::vector<recsave::GatherItem> items;
+  std::vector<std::vector<uint8_t>> expected;
+  uint64_t offset = 3;  // unaligned file offsets
+  for (auto& m : mats) {
+    // Two items per matrix: the first row and the rest, as a caller splits rows at segment ends.
+    uint64_t cut = std::min<uint64_t>(1, m.order.size());
+    for (auto [from, to] : {std::pair<uint64_t, uint64_t>{0, cut}, {cut, m.order.size()}}) {
+      items.push_back({offset, m.data.data(), m.rows, m.row_bytes, m.order.data() + from, to - from});
+      expected.emplace_back();
+      for (uint64_t k = from; k < to; ++k) {
+        const uint8_t* row = m.data.data() + m.order[k] * m.row_bytes;
+        expected.back().insert(expected.back().end(), row, row + m.row_bytes);
+      }
+      offset += expected.back().size();
+    }
+  }
+  std::string path = dir + "/gathered.bin";
+  std::vector<uint32_t> crcs(items.size());
+  {
+    recsave::ShardWriter w(path, false);
+    w.write_gathered(items.data(), items.size(), crcs.data(), 3);
+    CHECK(w.bytes_written() == offset - 3);
+    w.commit();
+  }
+  recsave::ShardReader r(path);
+  CHECK(r.size() == offset);
+  bool same = true;
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::vector<uint8_t> got(expected[i].size());
+    recsave::ReadItem read{items[i].offset, got.data(), got.size(), crcs[i]};
+    r.read(&read, 1, true, 2);
+    same = same && got == expected[i] &&
+           crcs[i] == recsave::crc32c(0, expected[i].data(), expected[i].size());
+  }
+  CHECK(same);
+
+  const Matrix& m = mats[0];
+  for (int64_t bad : {int64_t{-1}, static_cast<int64_t>(m.rows)}) {
+    std::vector<int64_t> order = {0, 1, bad};
+    recsave::GatherItem item{0, m.data.data(), m.rows, m.row_bytes, order.data(), order.size()};
+    recsave::ShardWriter w(dir + "/bad.bin", false);
+    CHECK(throws_kind(recsave::ErrorKind::kInvalid, [&] { w.write_gathered(&item, 1, crcs.data(), 2); }));
+    CHECK(w.bytes_written() == 0);
+  }
+  {  // overlapping gathered items
+    recsave::GatherItem two[2] = {{0, m.data.data(), m.rows, m.row_bytes, m.order.data(), 4},
+                                  {3 * m.row_bytes, m.data.data(), m.rows, m.row_bytes, m.order.data(), 4}};
+    recsave::ShardWriter w(dir + "/overlap-gather.bin", false);
+    CHECK(throws_kind(recsave::ErrorKind::kInvalid, [&] { w.write_gathered(two, 2, crcs.data(), 2); }));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -308,6 +378,7 @@ int main() {
   test_thread_pool();
   test_shard_io(dir);
   test_shard_units(dir);
+  test_write_gathered(dir);
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);
   if (failures) {

@@ -19,13 +19,30 @@ from .index import FORMAT_VERSION, new_part
 
 @dataclass
 class RowSource:
-    """A tensor produced in blocks of rows on demand, e.g. a table's rows gathered in bucket order:
-    the writer holds at most two blocks of ``write_block_bytes`` (one written, one being gathered),
-    never a second copy of the whole tensor. ``fetch(a, b)`` returns rows [a, b) as a CPU tensor."""
+    """A tensor whose rows are taken from another one on demand, e.g. a table's rows in bucket order,
+    so a save never holds a second copy of the whole tensor.
+
+    ``RowSource.take(storage, rows)`` (CPU) is ``storage[rows]``: the engine gathers the rows itself
+    on its writer threads, each through a small cache-resident buffer it checksums and writes. Any
+    other source gives ``fetch(a, b)``, rows [a, b) as a CPU tensor; the writer then holds at most
+    two blocks of ``write_block_bytes`` (one written, one being fetched)."""
 
     dtype: torch.dtype
     shape: Tuple[int, ...]
     fetch: Callable[[int, int], torch.Tensor]
+    storage: Optional[torch.Tensor] = None  # set by take(): the matrix `rows` index
+    rows: Optional[torch.Tensor] = None
+
+    @classmethod
+    def take(cls, storage: torch.Tensor, rows: torch.Tensor) -> "RowSource":
+        """``storage[rows]`` for a contiguous CPU matrix and int64 row indexes, without the copy."""
+        if storage.device.type != "cpu" or storage.dim() < 1 or not storage.is_contiguous():
+            raise UsageError("RowSource.take needs a contiguous CPU tensor with at least one dimension")
+        rows = rows.to(torch.int64).contiguous()
+        if rows.dim() != 1 or rows.device.type != "cpu":
+            raise UsageError("RowSource.take needs a 1-D CPU tensor of row indexes")
+        return cls(storage.dtype, (rows.numel(),) + tuple(storage.shape[1:]),
+                   lambda a, b: storage.index_select(0, rows[a:b]), storage, rows)
 
     @property
     def row_bytes(self) -> int:
@@ -169,6 +186,7 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
             addresses.append(base + b)
             lengths.append(e - b)
 
+    taken = [i for i, (_n, t, _d) in enumerate(group) if isinstance(t, RowSource) and t.storage is not None]
     crc_of: Dict[int, List[int]] = {}
     writer = _C.ShardWriter(path, durable)
     try:
@@ -176,13 +194,12 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
         writer.write_bytes(0, head)
         crcs = writer.write(np.asarray(offsets, dtype=np.uint64), np.asarray(addresses, dtype=np.uint64),
                             np.asarray(lengths, dtype=np.uint64), concurrency)
-        k = 0
-        for i in plain:
-            n = len(layout[group[i][0]][0])
-            crc_of[i] = [int(c) for c in crcs[k:k + n]]
-            k += n
+        _split_crcs(crc_of, crcs, plain, [len(layout[group[i][0]][0]) for i in plain])
+        if taken:
+            crcs = _write_taken(writer, [(group[i][0], group[i][1], starts[i]) for i in taken], layout, concurrency)
+            _split_crcs(crc_of, crcs, taken, [len(layout[group[i][0]][0]) for i in taken])
         for i, (name, t, _d) in enumerate(group):
-            if isinstance(t, RowSource):
+            if isinstance(t, RowSource) and t.storage is None:
                 crc_of[i] = []
                 for block, bounds in _blocks(name, t, layout[name][0]):
                     base, first = block.data_ptr(), bounds[0][0]
@@ -200,13 +217,43 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
     return size
 
 
+def _split_crcs(crc_of: Dict[int, List[int]], crcs: np.ndarray, which: List[int], counts: List[int]) -> None:
+    """Hands the CRCs of one engine call back to the tensors (positions `which`, counts[k] each)."""
+    k = 0
+    for i, n in zip(which, counts):
+        crc_of[i] = [int(c) for c in crcs[k:k + n]]
+        k += n
+
+
+def _check_row_aligned(name: str, row_bytes: int, bounds: List[Tuple[int, int]]) -> None:
+    if any(b % row_bytes or e % row_bytes for b, e in bounds if e > b):
+        raise UsageError(f"{name!r}: checksum segments must end on row boundaries ({row_bytes} bytes) "
+                         f"when its rows are taken from another tensor", key=name)
+
+
+def _write_taken(writer: Any, sources: List[Tuple[str, RowSource, int]], layout: Dict[str, Layout],
+                 concurrency: int) -> np.ndarray:
+    """One engine call writing every segment of the RowSource.take sources, gathered on its threads."""
+    cols: List[List[np.ndarray]] = [[] for _ in range(6)]  # offset, base, base rows, row bytes, rows at, rows
+    for name, src, start in sources:
+        rb = src.row_bytes
+        bounds = layout[name][0]
+        _check_row_aligned(name, rb, bounds)
+        seg = np.asarray(bounds, dtype=np.uint64).reshape(-1, 2)
+        first_row, count = seg[:, 0] // rb, (seg[:, 1] - seg[:, 0]) // rb
+        same = np.ones(len(seg), dtype=np.uint64)
+        values = (start + seg[:, 0], same * src.storage.data_ptr(), same * src.storage.shape[0], same * rb,
+                  src.rows.data_ptr() + first_row * 8, count)
+        for col, v in zip(cols, values):
+            col.append(v)
+    return writer.write_gathered(*(np.concatenate(c) for c in cols), concurrency)
+
+
 def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]) -> Iterator[Tuple[torch.Tensor, List[Tuple[int, int]]]]:
     """(rows as a tensor, the segments they hold) for consecutive blocks of about write_block_bytes,
     cut at segment ends; the next block is gathered while the caller writes the current one."""
     row_bytes = src.row_bytes
-    if any(b % row_bytes or e % row_bytes for b, e in bounds if e > b):
-        raise UsageError(f"{name!r}: checksum segments must end on row boundaries ({row_bytes} bytes) "
-                         f"when its rows are produced in blocks", key=name)
+    _check_row_aligned(name, row_bytes, bounds)
     limit = max(knobs.get("write_block_bytes"), row_bytes)
     plan: List[List[Tuple[int, int]]] = [[]]
     for b, e in bounds:
