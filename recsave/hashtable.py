@@ -6,7 +6,9 @@ table as (rows, values) pairs collected in backward, never as a dense [capacity,
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from contextlib import nullcontext
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -296,21 +298,23 @@ class HashTable(torch.nn.Module):
         values, slots = self.gather_rows(rows)
         return ids, values, slots
 
-    def prepare_load(self, ids: torch.Tensor, columns: List[str]) -> Optional[Dict[str, torch.Tensor]]:
+    def prepare_load(self, ids: torch.Tensor, columns: List[str],
+                     fill: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None,
+                     ) -> Optional[Dict[str, torch.Tensor]]:
         """Restore in place: clears the table, makes `ids` rows 0..n-1 and returns, for each of
         `columns` ('embedding' and / or slot names), the storage rows [0, n) to read the checkpoint
         straight into — no second copy of the table (views on the table's device: a CUDA table's
         are filled by host-to-device copies). Columns not listed get their initial values.
-        Returns None (table left cleared) when this is not possible: duplicate ids."""
+
+        `fill(views)`, when given, fills the views on another thread while the id map is rebuilt
+        (a restore reads the checkpoint while hashing the ids); if it raises, the table is left
+        cleared and its error propagates. Returns None (table left cleared) when this is not
+        possible: duplicate ids."""
         self.clear()
         n = ids.numel()
         self._ensure_capacity(n)
         if self._partition is not None:
             self._check_owned(ids)
-        rows, _is_new, num_new = self._map.lookup_or_insert(flat_ids(ids))
-        if num_new != n:  # duplicates: rows are not 0..n-1
-            self.clear()
-            return None
         for slot in columns:
             if slot != "embedding" and slot not in self._slots:
                 self.add_slot(slot)
@@ -320,6 +324,20 @@ class HashTable(torch.nn.Module):
             if slot not in columns:
                 storage[:n] = self._slot_init[slot]
         views = {c: (self._weight if c == "embedding" else self._slots[c])[:n] for c in columns}
+        # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
+        with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
+            filled = pool.submit(fill, views) if pool else None
+            try:
+                num_new = self._map.lookup_or_insert(flat_ids(ids))[2]
+            except BaseException:
+                self.clear()
+                raise
+        error = filled.exception() if filled else None
+        if error is not None or num_new != n:  # num_new < n: duplicates, rows are not 0..n-1
+            self.clear()
+            if error is not None:
+                raise error
+            return None
         return views
 
     def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:

@@ -217,20 +217,21 @@ def _load_in_place(saver: "Saver", table: HashTable, src: Any, src_table: str, c
             or info.dim != table.embedding_dim or info.dtype != contents.dtype_name(table.dtype)):
         return False
     ids, _ = src.read_table(src_table, [], rank, world, saver.concurrency)
-    views = table.prepare_load(ids, list(columns))
-    if views is None:
-        return False
-    if all(v.device.type == "cpu" for v in views.values()):
-        src.read_table(src_table, [columns[c] for c in columns], rank, world, saver.concurrency,
-                       out={columns[c]: views[c] for c in columns}, with_ids=False)
-    else:
+
+    def fill(views: Dict[str, torch.Tensor]) -> None:
+        if all(v.device.type == "cpu" for v in views.values()):
+            src.read_table(src_table, [columns[c] for c in columns], rank, world, saver.concurrency,
+                           out={columns[c]: views[c] for c in columns}, with_ids=False)
+            return
         with HostToDevice() as h2d:  # column k+1 is read while column k is copied to the device
             for column, view in views.items():
                 host = h2d.buffer(view)
                 src.read_table(src_table, [columns[column]], rank, world, saver.concurrency,
                                out={columns[column]: host}, with_ids=False)
                 h2d.copy(view, host)
-    return True
+
+    # The columns are read while the id map is rebuilt from the ids.
+    return table.prepare_load(ids, list(columns), fill) is not None
 
 
 def _apply_small(saver: "Saver", dense: Dict[str, torch.Tensor], src: Any, won: Dict[str, Tuple[str, str]],

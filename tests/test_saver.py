@@ -484,3 +484,37 @@ def test_manager_restore_with_nothing_committed_changes_nothing(tmp_path):
     assert fresh.manager.restore() == 0
     assert_jobs_equal(job_state(fresh), before)
     assert listing(out) == ["ckpt_5"]
+
+
+def test_in_place_restore_fills_storage_while_the_id_map_is_rebuilt():
+    """HashTable.prepare_load(ids, columns, fill): fill runs on another thread and has finished when
+    prepare_load returns; a failing fill or duplicate ids leave the table empty."""
+    import threading
+
+    table = recsave.HashTable(4, name="t")
+    table.add_slot("acc", 0.5)
+    ids = torch.tensor([7, -3, 2 ** 62, 11])
+    seen = {}
+
+    def fill(views):
+        seen["thread"] = threading.get_ident()
+        seen["shapes"] = {c: tuple(v.shape) for c, v in views.items()}
+        views["embedding"].copy_(torch.arange(16.0).view(4, 4))
+
+    views = table.prepare_load(ids, ["embedding"], fill)
+    assert seen["thread"] != threading.get_ident() and seen["shapes"] == {"embedding": (4, 4)}
+    assert set(views) == {"embedding"} and len(table) == 4
+    assert torch.equal(table.lookup(ids, insert=False), torch.arange(4))
+    assert torch.equal(table.weight[:4], torch.arange(16.0).view(4, 4))
+    assert torch.equal(table.slot("acc")[:4], torch.full((4, 4), 0.5))  # unlisted: initial values
+
+    def broken(views):
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        table.prepare_load(ids, ["embedding", "acc"], broken)
+    assert len(table) == 0
+
+    filled = []
+    assert table.prepare_load(torch.tensor([1, 2, 1]), ["embedding"], lambda v: filled.append(True)) is None
+    assert filled == [True] and len(table) == 0

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+
+import numpy as np
 from typing import Any, List, Optional, Sequence
 
 from ..errors import CorruptCheckpointError
@@ -26,6 +28,26 @@ def as_int(value: Any, what: str, path: Optional[str], key: Optional[str] = None
     if type(value) is not int or not lo <= value <= hi:
         raise corrupt(path, f"{what} must be an integer in [{lo}, {hi}], found {value!r}", key)
     return value
+
+
+def as_ints(values: Any, what: str, path: Optional[str], key: Optional[str] = None, *,
+            lo: int = 0, hi: int = MAX_ELEMENT_BYTES, increasing: Optional[str] = None) -> List[int]:
+    """A list of integers in [lo, hi], optionally increasing ("strictly" or "weakly"). Index lists
+    run to tens of thousands of entries (checksums, segment ends, bucket starts): the common valid
+    case is checked in bulk, and only a failing list is walked for the precise message."""
+    if not isinstance(values, list):
+        raise corrupt(path, f"{what}s must be a list, found {type(values).__name__}", key)
+    if values and set(map(type, values)) == {int} and lo <= min(values) and max(values) <= hi:
+        if increasing is None or len(values) < 2:
+            return values
+        steps = np.diff(np.asarray(values, dtype=np.int64))  # in range: at most 2**62
+        if (steps > 0).all() if increasing == "strictly" else (steps >= 0).all():
+            return values
+    for i, v in enumerate(values):
+        as_int(v, what, path, key, lo=lo, hi=hi)
+        if increasing and i and (v < values[i - 1] or (v == values[i - 1] and increasing == "strictly")):
+            raise corrupt(path, f"{what}s must increase {increasing}, found {values[i - 1]} then {v}", key)
+    return values
 
 
 def as_shape(value: Any, path: Optional[str], key: Optional[str] = None) -> List[int]:

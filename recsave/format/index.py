@@ -181,11 +181,7 @@ def _validate_tensor(name: str, entry: Any, files: Dict[str, Any],
 
 
 def _validate_segments(chunk: Dict[str, Any], length: int, path: str, name: str) -> None:
-    crcs = chunk.get("crc32c")
-    if not isinstance(crcs, list):
-        raise checks.corrupt(path, "chunk crc32c must be a list", name)
-    for v in crcs:
-        checks.as_int(v, "crc32c value", path, name, hi=0xFFFFFFFF)
+    crcs = checks.as_ints(chunk.get("crc32c"), "crc32c value", path, name, hi=0xFFFFFFFF)
     has_uniform, has_explicit = "segment_bytes" in chunk, "segments" in chunk
     if has_uniform == has_explicit:
         raise checks.corrupt(path, "chunk needs exactly one of segment_bytes and segments", name)
@@ -193,17 +189,13 @@ def _validate_segments(chunk: Dict[str, Any], length: int, path: str, name: str)
         step = checks.as_int(chunk["segment_bytes"], "segment_bytes", path, name, lo=1)
         expected = max(1, -(-length // step))
     else:
-        ends = chunk["segments"]
-        if not isinstance(ends, list) or not ends:
+        ends = checks.as_ints(chunk["segments"], "segment end", path, name, hi=length, increasing="strictly")
+        if not ends:
             raise checks.corrupt(path, "segments must be a non-empty list", name)
-        prev = 0
-        for e in ends:
-            e = checks.as_int(e, "segment end", path, name, lo=prev, hi=length)
-            if e == prev and length:
-                raise checks.corrupt(path, "segment ends must be strictly increasing", name)
-            prev = e
-        if prev != length or (length == 0 and len(ends) != 1):
-            raise checks.corrupt(path, f"segments end at {prev}, chunk length is {length}", name)
+        if length and ends[0] == 0:
+            raise checks.corrupt(path, "segment ends must be strictly increasing from 0", name)
+        if ends[-1] != length or (length == 0 and len(ends) != 1):
+            raise checks.corrupt(path, f"segments end at {ends[-1]}, chunk length is {length}", name)
         expected = len(ends)
     if len(crcs) != expected:
         raise checks.corrupt(path, f"{len(crcs)} crc32c values for {expected} segments", name)
@@ -218,13 +210,10 @@ def _validate_buckets(buckets: Any, chunk: Dict[str, Any], path: str, name: str)
     checks.as_int(buckets.get("first"), "first bucket", path, name)
     rows = chunk.get("rows")
     nrows = rows[1] - rows[0] if rows else 0
-    prev = 0
-    starts = buckets["row_starts"]
-    for i, r in enumerate(starts):
-        prev = checks.as_int(r, "bucket row start", path, name, lo=prev, hi=nrows)
-        if i == 0 and r != 0:
-            raise checks.corrupt(path, "bucket row_starts must begin at 0", name)
-    if not starts or prev != nrows:
+    starts = checks.as_ints(buckets["row_starts"], "bucket row start", path, name, hi=nrows, increasing="weakly")
+    if starts and starts[0] != 0:
+        raise checks.corrupt(path, "bucket row_starts must begin at 0", name)
+    if not starts or starts[-1] != nrows:
         raise checks.corrupt(path, f"bucket row_starts must end at the chunk's {nrows} rows", name)
 
 
