@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, TypeVar
 
 from .errors import UsageError
+
+T = TypeVar("T")
 
 
 def _parse_bool(text: str) -> bool:
@@ -98,3 +100,14 @@ def current() -> Dict[str, Any]:
     """Every knob's value as this thread sees it; ``override(**current())`` carries them into a
     background thread (an async save writes with the knobs in force when it was started)."""
     return {name: get(name) for name in _KNOBS}
+
+
+def carried(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` bound to the knob values this thread sees now, to run on another thread (overrides are
+    per thread; an async save writes with the knobs in force when it was started)."""
+    values = current()
+
+    def run(*args: Any, **kwargs: Any) -> T:
+        with override(**values):
+            return fn(*args, **kwargs)
+    return run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,7 +15,7 @@ from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError,
 from .errors import CorruptCheckpointError
 from .lock import WriterLock, hold as hold_writer_lock
 from .format import index as index_mod
-from .format.writer import write_shards
+from .format.writer import RowSource, write_shards
 from .loadconf import SPARSE_OPTIM
 from .report import LoadPlan, LoadReport
 from .snapshot import PinnedPair, SaveState, Stager, TableState, capture
@@ -54,6 +55,15 @@ def bucket_segment_ends(row_starts: Sequence[int], row_bytes: int, max_bytes: in
 
 def io_state_file(rank: int) -> str:
     return f"io_state_{rank}.pt"
+
+
+@dataclass
+class _TableLayout:
+    """One table's tensors in bucket order, as write_shards takes them."""
+    tensors: Dict[str, Any]
+    meta: Dict[str, Any]  # chunk fields: the bucket row starts
+    segments: Dict[str, List[int]]
+    num_rows: int
 
 
 class Saver:
@@ -180,14 +190,9 @@ class Saver:
         state = self._capture(rank, world, self._stager)
         stage_future: Future = Future()
         stage_future.set_result(None)  # staging is done on this thread, before returning
-        knob_values = knobs.current()  # overrides are per thread: carry them to the writer
-
-        def write() -> str:
-            with knobs.override(**knob_values):
-                return self._write_state(ckpt_id, state, rank, world)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="recsave-async-save")
-        write_future = self._writer.submit(write)
+        write_future = self._writer.submit(knobs.carried(self._write_state), ckpt_id, state, rank, world)
         self._pending = (ckpt_id, write_future)
         return stage_future, write_future
 
@@ -275,18 +280,26 @@ class Saver:
     def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int) -> tuple:
         part = index_mod.new_part(rank)
         rows: Dict[str, int] = {}
-        for name in sorted(state.tables):
-            table_part, rows[name] = self._write_table(ckpt_dir, name, state.tables[name], rank, world,
-                                                       first_part=len(part["files"]))
-            part["files"].update(table_part["files"])
-            part["tensors"].update(table_part["tensors"])
+        names = sorted(state.tables)
+        # The next table's bucket order is computed while this one is written (two in memory at most).
+        with ThreadPoolExecutor(1, thread_name_prefix="recsave-order") as pool:
+            layout_of = knobs.carried(self._bucket_layout)
+            order = lambda k: pool.submit(layout_of, names[k], state.tables[names[k]], rank, world)  # noqa: E731
+            upcoming = order(0) if names else None
+            for k, name in enumerate(names):
+                layout = upcoming.result()
+                upcoming = order(k + 1) if k + 1 < len(names) else None
+                table_part = self._write_table(ckpt_dir, layout, rank, first_part=len(part["files"]))
+                rows[name] = layout.num_rows
+                part["files"].update(table_part["files"])
+                part["tensors"].update(table_part["tensors"])
         part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank),
                                                           state.io_state, rank)
         return part, rows
 
-    def _write_table(self, ckpt_dir: str, name: str, table: TableState, rank: int, world: int,
-                     first_part: int) -> tuple:
-        """Writes one table's ids, embedding and slots with rows sorted by bucket."""
+    def _bucket_layout(self, name: str, table: TableState, rank: int, world: int) -> "_TableLayout":
+        """A table's tensors with rows sorted by bucket: ids, embedding and slots as sources the
+        writer gathers as it writes (never a second copy of the table)."""
         ids, rows = table.ids, table.rows
         buckets = partition.bucket_of(ids, self.num_buckets)
         first, stop = partition.bucket_range(rank, world, self.num_buckets)
@@ -297,21 +310,22 @@ class Saver:
         order = partition.stable_order(buckets - first, stop - first)
         counts = torch.bincount(buckets - first, minlength=stop - first)
         row_starts = [0] + torch.cumsum(counts, 0).tolist()
-        # Embedding and slots are gathered in bucket order by the engine's writer threads as they
-        # write (device tables block by block): the save never holds a second copy of the table.
         sorted_rows = rows[order]
-        tensors: Dict[str, Any] = {f"{name}@id": ids[order]}
+        tensors: Dict[str, Any] = {f"{name}@id": RowSource.take(ids, order)}
         buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
         for column in ["embedding"] + table.slot_names():
             tensors[f"{name}@{column}"] = table.row_source(column, sorted_rows, buffers)
-        meta = {"buckets": {"first": first, "row_starts": row_starts}}
         seg_max = knobs.get("segment_bytes")
         segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)
                     for n, t in tensors.items()}
-        part = write_shards(ckpt_dir, tensors, rank=rank, concurrency=self.concurrency,
-                            storage=self.storage, chunk_meta={t: meta for t in tensors},
-                            first_part=first_part, segments=segments)
-        return part, int(ids.numel())
+        return _TableLayout(tensors, {"buckets": {"first": first, "row_starts": row_starts}}, segments,
+                            int(ids.numel()))
+
+    def _write_table(self, ckpt_dir: str, layout: "_TableLayout", rank: int, first_part: int) -> Dict[str, Any]:
+        """Writes one table's files (the engine gathers embedding and slots in bucket order)."""
+        return write_shards(ckpt_dir, layout.tensors, rank=rank, concurrency=self.concurrency,
+                            storage=self.storage, chunk_meta={t: layout.meta for t in layout.tensors},
+                            first_part=first_part, segments=layout.segments)
 
     def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[tuple], state: SaveState,
                 world: int) -> None:
