@@ -223,14 +223,14 @@ class HashTable(torch.nn.Module):
         self._grads.clear()
 
     # --------------------------------------------------------------------------- storage growth
-    def _ensure_capacity(self, rows: int) -> None:
+    def _ensure_capacity(self, rows: int, huge_pages: bool = True) -> None:
         cap = self._weight.shape[0]
         if rows <= cap:
             return
         new_cap = max(rows, 2 * cap, _MIN_CAPACITY)  # doubling: amortised O(1) copies per row
-        self._weight = _grow(self._weight, new_cap)
+        self._weight = _grow(self._weight, new_cap, huge_pages)
         for slot, storage in self._slots.items():
-            self._slots[slot] = _grow(storage, new_cap)
+            self._slots[slot] = _grow(storage, new_cap, huge_pages)
 
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows these ids get when inserted: normal(0, init_std) as a pure function of (seed, id,
@@ -312,7 +312,10 @@ class HashTable(torch.nn.Module):
         possible: duplicate ids."""
         self.clear()
         n = ids.numel()
-        self._ensure_capacity(n)
+        # Filled on 4 KB pages (a huge page is zeroed whole before the read overwrites it: an extra
+        # pass over memory), advised for huge pages after the fill.
+        self._ensure_capacity(n, huge_pages=False)
+        self._map.reserve(n)
         if self._partition is not None:
             self._check_owned(ids)
         for slot in columns:
@@ -338,6 +341,8 @@ class HashTable(torch.nn.Module):
             if error is not None:
                 raise error
             return None
+        for storage in [self._weight, *self._slots.values()]:
+            advise_hugepages(storage)
         return views
 
     def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:
@@ -382,11 +387,12 @@ class HashTable(torch.nn.Module):
             self._slots[slot][rows] = t.to(device=self._device, dtype=self._slots[slot].dtype)
 
 
-def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
+def _grow(t: torch.Tensor, rows: int, huge_pages: bool = True) -> torch.Tensor:
     # New rows are left uninitialised: a row is written (_init_rows, a load) when an id takes it,
     # and nothing reads rows no id has taken — filling them would only add a pass over memory.
     out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    advise_hugepages(out)
+    if huge_pages:
+        advise_hugepages(out)
     out[: t.shape[0]] = t
     return out
 

@@ -58,6 +58,10 @@ class CpuIdMap:
     def clear(self) -> None:
         self._map.clear()
 
+    def reserve(self, n: int) -> None:
+        """Room for `n` ids without growing (a restore knows its count up front)."""
+        self._map.reserve(n)
+
 
 class TensorIdMap:
     """Open addressing with linear probing over power-of-two ``keys`` / ``rows`` tensors on
@@ -207,6 +211,10 @@ class TensorIdMap:
         self._rows.fill_(_EMPTY)
         self._size = self._deleted = self._row_capacity = 0
         self._free = self._free[:0]
+
+    def reserve(self, n: int) -> None:
+        """Room for `n` ids without growing."""
+        self._make_room(max(0, n - self._size))
 
     def _ids(self, ids: torch.Tensor) -> torch.Tensor:
         return flat_ids(ids).to(self.device)

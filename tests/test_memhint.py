@@ -44,3 +44,41 @@ def test_large_fresh_tensors_get_huge_pages_unless_turned_off(enabled):
 def test_small_and_device_tensors_are_left_alone():
     advise_hugepages(torch.empty(1024))  # below the threshold: no call, no error
     advise_hugepages(torch.empty(0))
+
+
+def _vm_flags(ptr: int) -> list:
+    """VmFlags of the mapping holding address ptr (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="transparent huge pages are not in madvise mode here")
+@pytest.mark.parametrize("enabled", [True, False])
+def test_restored_table_storage_is_advised_after_the_fill(enabled):
+    """A restore fills fresh storage on 4 KB pages (no huge page zeroed and then overwritten) and
+    advises it for huge pages afterwards; a table growing in training advises before touching."""
+    from recsave import HashTable
+
+    with knobs.override(hugepages=enabled):
+        table = HashTable(64, name="t")
+        seen = {}
+
+        def fill(views):
+            seen["during"] = _vm_flags(views["embedding"].data_ptr() + (32 << 20))
+            views["embedding"].fill_(1.0)
+
+        views = table.prepare_load(torch.arange(300_000), ["embedding"], fill)
+        after = _vm_flags(views["embedding"].data_ptr() + (32 << 20))
+        grown = HashTable(64, name="g")
+        grown.lookup(torch.arange(300_000), insert=True)
+        in_training = _vm_flags(grown.weight.data_ptr() + (32 << 20))
+    assert "hg" not in seen["during"]
+    assert ("hg" in after) == enabled and ("hg" in in_training) == enabled

@@ -395,7 +395,9 @@ int64_t IdMap::lookup_or_insert(const int64_t* ids, int64_t n, int64_t* rows_out
   if (is_new_out != nullptr) std::memset(is_new_out, 0, static_cast<size_t>(n));
 
   int64_t num_new = 0;
-  if (threads == 1 || n < 2 * kMinIdsPerThread) {
+  // Into an empty map (a restore, a table's first batch) every id misses: a parallel lookup first
+  // would be a wasted pass.
+  if (threads == 1 || n < 2 * kMinIdsPerThread || size_ == 0) {
     // One sequential pass; the same result as the two phases below. Hits are probed with local
     // copies of the table fields (stores to rows_out could alias the members), refreshed after
     // each insert since it may rehash.

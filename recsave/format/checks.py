@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import re
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
-from typing import Any, List, Optional, Sequence
 
 from ..errors import CorruptCheckpointError
 
