@@ -35,7 +35,9 @@ _KNOBS: Dict[str, tuple] = {
     "max_index_bytes": ("RECSAVE_MAX_INDEX_BYTES", 256 << 20, int),
     # Seconds a collective of a save / load waits for the other ranks before raising.
     "collective_timeout_s": ("RECSAVE_COLLECTIVE_TIMEOUT_S", 300.0, float),
-    # Rows of a table are gathered and written in blocks of about this many bytes (two in flight).
+    # Rows of a GPU table, or of any table saved to remote storage, are gathered and written in
+    # blocks of about this many bytes (two in flight). CPU tables saved to local disk are gathered
+    # by the engine's writer threads through 256 KiB buffers of their own.
     "write_block_bytes": ("RECSAVE_WRITE_BLOCK_BYTES", 64 << 20, int),
     # Size of one in-memory chunk streamed to / from remote (fsspec) storage.
     "io_chunk_bytes": ("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int),
@@ -46,7 +48,8 @@ _KNOBS: Dict[str, tuple] = {
     "io_retry_max_s": ("RECSAVE_IO_RETRY_MAX_S", 10.0, float),
     # Seconds after its last renewal that a writer lock of an output dir counts as abandoned.
     "writer_lease_s": ("RECSAVE_WRITER_LEASE_S", 3600.0, float),
-    # Back large table storage with transparent huge pages (madvise; faster first fill).
+    # Back large table storage with transparent huge pages (madvise): fewer TLB misses on random
+    # row access (lookups, the bucket-order gather of a save).
     "hugepages": ("RECSAVE_HUGEPAGES", True, _parse_bool),
     # Take the writer lock of output_dir when saving (one writing Saver per output dir).
     "writer_lock": ("RECSAVE_WRITER_LOCK", True, _parse_bool),

@@ -300,17 +300,21 @@ class Saver:
     def _bucket_layout(self, name: str, table: TableState, rank: int, world: int) -> "_TableLayout":
         """A table's tensors with rows sorted by bucket: ids, embedding and slots as sources the
         writer gathers as it writes (never a second copy of the table)."""
-        ids, rows = table.ids, table.rows
-        buckets = partition.bucket_of(ids, self.num_buckets)
+        # Peak memory here grows with the table's rows: temporaries are few and freed early.
+        ids, rows = table.id_rows()
         first, stop = partition.bucket_range(rank, world, self.num_buckets)
-        if world > 1 and bool(((buckets < first) | (buckets >= stop)).any()):
+        keys = partition.bucket_of(ids, self.num_buckets).sub_(first)  # bucket - first
+        if world > 1 and bool(((keys < 0) | (keys >= stop - first)).any()):
             raise UsageError(
                 f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
                 f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
-        order = partition.stable_order(buckets - first, stop - first)
-        counts = torch.bincount(buckets - first, minlength=stop - first)
-        row_starts = [0] + torch.cumsum(counts, 0).tolist()
-        sorted_rows = rows[order]
+        order = partition.stable_order(keys, stop - first)
+        row_starts = [0] + torch.cumsum(torch.bincount(keys, minlength=stop - first), 0).tolist()
+        del keys
+        # Ids come in row order with distinct rows: a table that never freed a row has rows 0..n-1,
+        # and its rows in bucket order are the order itself.
+        dense = rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1
+        sorted_rows = order if dense else rows[order]
         tensors: Dict[str, Any] = {f"{name}@id": RowSource.take(ids, order)}
         buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
         for column in ["embedding"] + table.slot_names():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -21,13 +21,21 @@ from .hashtable import HashTable
 @dataclass
 class TableState:
     """One table at one moment: ids with their rows (row order, CPU) and the storage those rows
-    index for the embedding and every slot (live tensors, or staged host copies)."""
+    index for the embedding and every slot (live tensors, or staged host copies). A live state
+    exports ids and rows from `table` when asked (a save holds one table's, not every table's)."""
 
     embedding_dim: int
     dtype: torch.dtype
-    ids: torch.Tensor
-    rows: torch.Tensor
     columns: Dict[str, torch.Tensor]
+    ids: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+    table: Optional[HashTable] = None
+
+    def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None:
+            return self.table.id_rows()
+        assert self.ids is not None and self.rows is not None
+        return self.ids, self.rows
 
     def slot_names(self) -> List[str]:
         return sorted(c for c in self.columns if c != "embedding")
@@ -101,12 +109,14 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
     one, tables and dense tensors are copied into its buffers and extras / io states deep-copied."""
     states: Dict[str, TableState] = {}
     for name, table in tables.items():
-        ids, rows = table.id_rows()
         columns = table.columns()
-        if stager is not None:
-            used = len(table.weight)  # row_capacity: rows beyond it hold nothing
-            columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
-        states[name] = TableState(table.embedding_dim, table.dtype, ids, rows, columns)
+        if stager is None:
+            states[name] = TableState(table.embedding_dim, table.dtype, columns, table=table)
+            continue
+        ids, rows = table.id_rows()
+        used = len(table.weight)  # row_capacity: rows beyond it hold nothing
+        columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
+        states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows)
     if stager is None:
         dense_state = {n: t.detach() for n, t in dense.items()}
         extra_state = {n: o.state_dict() for n, o in extras.items()}
