@@ -16,8 +16,8 @@ def _thp_mode() -> str:
         return "unavailable"
 
 
-def _anon_huge_kb(ptr: int) -> int:
-    """AnonHugePages of the mapping holding address ptr (/proc/self/smaps)."""
+def _smaps_field(ptr: int, field: str) -> list:
+    """The values of `field` (e.g. "VmFlags:") for the mapping holding address ptr (/proc/self/smaps)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -25,9 +25,15 @@ def _anon_huge_kb(ptr: int) -> int:
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= ptr < hi
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    return 0
+            elif inside and line.startswith(field):
+                return line.split()[1:]
+    return []
+
+
+def _anon_huge_kb(ptr: int) -> int:
+    """AnonHugePages of the mapping holding address ptr."""
+    values = _smaps_field(ptr, "AnonHugePages:")
+    return int(values[0]) if values else 0
 
 
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="transparent huge pages are not in madvise mode here")
@@ -47,17 +53,7 @@ def test_small_and_device_tensors_are_left_alone():
 
 
 def _vm_flags(ptr: int) -> list:
-    """VmFlags of the mapping holding address ptr (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    return []
+    return _smaps_field(ptr, "VmFlags:")
 
 
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="transparent huge pages are not in madvise mode here")

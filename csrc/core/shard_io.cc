@@ -36,26 +36,34 @@ constexpr uint64_t kDirectMax = 64ull << 10;
 
 struct Unit {
   size_t item;
-  uint64_t begin;   // relative to the item
+  uint64_t begin;   // relative to the item, in the item's own measure (bytes, or rows of a gather)
   uint64_t length;
 };
 
-// Units of every item in order (a zero-length item has one empty unit); first[i] is item i's first.
-template <typename Item>
-std::vector<Unit> split_units(const Item* items, size_t n, std::vector<size_t>& first) {
+// Units of every item in order, at most `step` long, where extent_of(i) is {item i's length, step}
+// (a zero-length item has one empty unit); first[i] is item i's first unit.
+template <typename ExtentOf>
+std::vector<Unit> split_units(size_t n, ExtentOf extent_of, std::vector<size_t>& first) {
   std::vector<Unit> units;
   first.assign(n + 1, 0);
   for (size_t i = 0; i < n; ++i) {
     first[i] = units.size();
+    const auto [length, step] = extent_of(i);
     uint64_t begin = 0;
     do {
-      uint64_t len = std::min(kUnit, items[i].length - begin);
+      uint64_t len = std::min(step, length - begin);
       units.push_back({i, begin, len});
       begin += len;
-    } while (begin < items[i].length);
+    } while (begin < length);
   }
   first[n] = units.size();
   return units;
+}
+
+// Byte units of items with a `length`.
+template <typename Item>
+std::vector<Unit> split_units(const Item* items, size_t n, std::vector<size_t>& first) {
+  return split_units(n, [items](size_t i) { return std::pair<uint64_t, uint64_t>{items[i].length, kUnit}; }, first);
 }
 
 // CRC of a whole item from the CRCs of its units [from, to); length_of(u) is unit u's byte count.
@@ -221,31 +229,17 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
   check_ranges(std::move(ranges));
 
   // Units of about kUnit bytes, in whole rows (a row larger than kUnit is a unit of its own).
-  struct RowUnit {
-    size_t item;
-    uint64_t first_row;
-    uint64_t num_rows;
-  };
-  std::vector<RowUnit> units;
-  std::vector<size_t> first(n + 1, 0);
-  for (size_t i = 0; i < n; ++i) {
-    first[i] = units.size();
-    const uint64_t per_unit = std::max<uint64_t>(1, kUnit / items[i].row_bytes);
-    uint64_t r = 0;
-    do {
-      uint64_t k = std::min(per_unit, items[i].num_rows - r);
-      units.push_back({i, r, k});
-      r += k;
-    } while (r < items[i].num_rows);
-  }
-  first[n] = units.size();
+  std::vector<size_t> first;
+  const std::vector<Unit> units = split_units(n, [items](size_t i) {
+    return std::pair<uint64_t, uint64_t>{items[i].num_rows, std::max<uint64_t>(1, kUnit / items[i].row_bytes)};
+  }, first);
 
   std::vector<uint32_t> crcs(units.size());
   shared_pool(threads).parallel_for(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
-    const RowUnit& unit = units[u];
+    const Unit& unit = units[u];  // begin, length: rows
     const GatherItem& it = items[unit.item];
     const uint8_t* base = static_cast<const uint8_t*>(it.base);
-    const int64_t* rows = it.rows + unit.first_row;
+    const int64_t* rows = it.rows + unit.begin;
     const uint64_t rb = it.row_bytes;
     const uint64_t per_piece = std::max<uint64_t>(1, kWritePiece / rb);
     thread_local std::vector<uint8_t> buffer;
@@ -254,11 +248,11 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
     // Rows are random reads from memory: prefetching a few ahead keeps several misses in flight.
     constexpr uint64_t kAhead = 8;
     uint32_t crc = 0;
-    uint64_t at = it.offset + unit.first_row * rb;
-    for (uint64_t done = 0; done < unit.num_rows;) {
-      const uint64_t k = std::min(per_piece, unit.num_rows - done);
+    uint64_t at = it.offset + unit.begin * rb;
+    for (uint64_t done = 0; done < unit.length;) {
+      const uint64_t k = std::min(per_piece, unit.length - done);
       for (uint64_t j = 0; j < k; ++j) {
-        if (done + j + kAhead < unit.num_rows) {
+        if (done + j + kAhead < unit.length) {
           const uint8_t* ahead = base + static_cast<uint64_t>(rows[done + j + kAhead]) * rb;
           for (uint64_t line = 0; line < std::min<uint64_t>(rb, 256); line += 64) __builtin_prefetch(ahead + line);
         }
@@ -273,7 +267,7 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
   });
   for (size_t i = 0; i < n; ++i) {
     crcs_out[i] = combine_units(crcs, first[i], first[i + 1],
-                                [&](size_t u) { return units[u].num_rows * items[units[u].item].row_bytes; });
+                                [&](size_t u) { return units[u].length * items[units[u].item].row_bytes; });
   }
 }
 
