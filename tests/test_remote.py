@@ -2,6 +2,7 @@
 real moto_server on 127.0.0.1 (started here; if it cannot start, the S3 tests fail — never skip)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -58,6 +59,9 @@ def moto_server(tmp_path_factory):
     try:
         yield url
     finally:
+        # Savers a test left unclosed release their S3 writer lock in a finalizer: run those now,
+        # while the server answers; at interpreter exit they would wait on a dead endpoint.
+        gc.collect()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
