@@ -2,7 +2,9 @@
 
 The file holds JSON ``{"host", "pid", "token", "acquired_at", "renewed_at"}`` (times in seconds since
 the epoch). A Saver takes it on its first save (rank 0 only), renews it on every save and releases it
-when closed, garbage-collected or at interpreter exit. A lock is stale, and taken over with a
+when closed, garbage-collected or at interpreter exit (those two are bounded: one attempt on a
+helper thread, given up after ``lock_release_timeout_s``, so a gone endpoint cannot hang the
+interpreter's exit; the lock is then taken over as stale later). A lock is stale, and taken over with a
 warning, when its process is dead on this host or when it was not renewed for ``writer_lease_s``
 seconds. Locally the file is created with O_EXCL; on object stores (no exclusive create) the lock is
 written and read back, which is best effort.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 import warnings
@@ -96,9 +99,10 @@ class WriterLock:
         self.storage.write_atomic(self.path, _dumps(self._record(time.time())))
 
     def release(self) -> None:
-        """Deletes the lock file if it is still ours. Idempotent."""
+        """Deletes the lock file if it is still ours (with the usual io_retries). Idempotent."""
         self.held = False
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            _release_now(self.storage, self.path, self.token)
 
     # ----------------------------------------------------------------------------------- details
     def _record(self, now: float) -> Dict[str, Any]:
@@ -176,14 +180,37 @@ def _describe(holder: Optional[Dict[str, Any]]) -> str:
     return f"held by pid {holder.get('pid')} on host {holder.get('host')!r}{age}"
 
 
-def _release(storage: Storage, path: str, token: str) -> None:
-    """Removes the lock file if it still holds `token` (never raises: runs at exit / in GC)."""
+def _release_now(storage: Storage, path: str, token: str) -> bool:
+    """Removes the lock file if it still holds `token`; whether that worked (never raises)."""
     try:
         raw = storage.read_bytes(path, MAX_LOCK_BYTES)
         if json.loads(raw.decode("utf-8")).get("token") == token:
             storage.remove_file(path)
-    except Exception:  # nothing to do about it at exit; a stale lock is taken over later
-        pass
+        return True
+    except CheckpointNotFoundError:
+        return True
+    except Exception:  # nothing to do about it here; a stale lock is taken over later
+        return False
+
+
+def _release(storage: Storage, path: str, token: str) -> None:
+    """The finalizer (garbage collection, interpreter exit): one attempt, bounded in time.
+
+    On remote storage it runs on a daemon thread, which this thread waits for at most
+    ``lock_release_timeout_s``: with the endpoint gone, botocore's timeouts times io_retries could
+    block exit for minutes, and a collection that happens on fsspec's own event-loop thread would
+    otherwise wait on itself."""
+    if storage.is_local:
+        _release_now(storage, path, token)
+        return
+
+    def once() -> None:
+        with knobs.override(io_retries=0):
+            _release_now(storage, path, token)
+
+    worker = threading.Thread(target=once, name="recsave-lock-release", daemon=True)
+    worker.start()
+    worker.join(max(0.0, float(knobs.get("lock_release_timeout_s"))))
 
 
 def hold(current: Optional[WriterLock], storage: Storage, output_dir: str) -> Optional[WriterLock]:

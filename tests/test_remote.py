@@ -2,24 +2,31 @@
 real moto_server on 127.0.0.1 (started here; if it cannot start, the S3 tests fail — never skip)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 import uuid
+from typing import Iterator, Tuple
 
 import fsspec
 import pytest
 
 from recsave import CorruptCheckpointError
+from recsave.lock import LOCK_FILE
 from recsave.storage import get_storage
 
 from helpers import assert_jobs_equal, job_state, make_job, same_bits, train
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
           "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -30,45 +37,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def moto_server(tmp_path_factory):
-    """A moto S3 server on a free local port; s3fs / botocore reach it through AWS_ENDPOINT_URL
-    (read by botocore >= 1.31 when a client is made, so every S3FileSystem uses it)."""
+@contextlib.contextmanager
+def _running_moto(tmp_dir) -> Iterator[Tuple[str, subprocess.Popen]]:
+    """A moto S3 server on a free local port: (its URL, its process)."""
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "moto.server"]
     port = _free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    log = tmp_dir / "moto.log"
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd + ["-H", "127.0.0.1", "-p", str(port)], stdout=log_file,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"moto_server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1).read()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto_server did not answer on {url} within 60 s:\n{log.read_text()}")
-            time.sleep(0.1)
-    saved = {k: os.environ.get(k) for k in list(S3_ENV) + ["AWS_ENDPOINT_URL"]}
-    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=url)
     try:
-        yield url
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"moto_server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                urllib.request.urlopen(url + "/moto-api/", timeout=1).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not answer on {url} within 60 s:\n{log.read_text()}")
+                time.sleep(0.1)
+        yield url, proc
     finally:
-        # Savers a test left unclosed release their S3 writer lock in a finalizer: run those now,
-        # while the server answers; at interpreter exit they would wait on a dead endpoint.
-        gc.collect()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)  # in case a test stopped it
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    """The session's moto server; s3fs / botocore reach it through AWS_ENDPOINT_URL (read by
+    botocore >= 1.31 when a client is made, so every S3FileSystem uses it)."""
+    with _running_moto(tmp_path_factory.mktemp("moto")) as (url, _):
+        saved = {k: os.environ.get(k) for k in list(S3_ENV) + ["AWS_ENDPOINT_URL"]}
+        os.environ.update(S3_ENV, AWS_ENDPOINT_URL=url)
+        try:
+            yield url
+        finally:
+            # Savers a test left unclosed release their S3 writer lock in a finalizer: run those
+            # now, while the server answers, rather than give each the release timeout at exit.
+            gc.collect()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _clear_fs_caches():
@@ -106,8 +123,6 @@ def _fs(url):
 
 def _ls(url):
     """Names directly under `url` (fresh listing)."""
-    from recsave.lock import LOCK_FILE
-
     storage = get_storage(url)
     return [n for n in storage.listdir(url) if n != LOCK_FILE]
 
@@ -276,3 +291,41 @@ def test_resharding_load_reads_only_owned_buckets(remote, monkeypatch):
     index = read_index(f"{out}/ckpt_6", get_storage(out))
     sparse = sum(c["length"] for t in index["tensors"].values() for c in t["chunks"])
     assert report.bytes_read - sum(i.nbytes for n, i in report.loaded.items() if i.category == "dense") < sparse * 0.5
+
+
+@pytest.mark.s3
+def test_exit_is_not_held_up_by_a_hung_endpoint(tmp_path):
+    """An unclosed Saver's S3 writer lock is released at interpreter exit. With the server hung
+    (stopped: connections are accepted by the kernel and never answered), the exit gives up after
+    lock_release_timeout_s instead of waiting out botocore's timeouts times io_retries; the lock is
+    left behind, to be taken over as stale."""
+    with _running_moto(tmp_path) as (url, server):
+        env = dict(os.environ, **S3_ENV, AWS_ENDPOINT_URL=url, RECSAVE_WRITER_LOCK="1",
+                   RECSAVE_LOCK_RELEASE_TIMEOUT_S="2", PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+        bucket = f"recsave-{uuid.uuid4().hex[:16]}"
+        child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import sys, s3fs
+            from helpers import make_job
+            s3fs.S3FileSystem().mkdir("{bucket}")
+            job = make_job("s3://{bucket}/run")
+            job.saver.save("ckpt_0")
+            print("ready", flush=True)
+            sys.stdin.read()
+            """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, cwd=ROOT)
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            child.stdin.close()
+            assert child.wait(timeout=60) == 0, child.stderr.read()
+            took = time.monotonic() - started
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert took < 30, f"exit took {took:.1f} s with the endpoint hung"
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key=S3_ENV["AWS_ACCESS_KEY_ID"], secret=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                               client_kwargs={"endpoint_url": url, "region_name": "us-east-1"},
+                               skip_instance_cache=True)
+        assert fs.exists(f"{bucket}/run/{LOCK_FILE}")  # left behind, taken over as stale later
