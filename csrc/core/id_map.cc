@@ -79,34 +79,37 @@ void check_batch(const char* what, int64_t n, const void* in, const void* out, b
   }
 }
 
-// Runs f(begin, end) over [0, n) split in up to `threads` contiguous chunks, on std::threads for
-// large batches. f must not throw. If a thread cannot be started its chunk runs inline.
+// Runs f(k) for k in [0, t): k = 0 on this thread, the others on std::threads. f must not throw.
+// If a thread cannot be started, its part runs inline.
 template <typename F>
-void parallel_for(int64_t n, int threads, const F& f) {
-  int64_t t = std::min<int64_t>({threads, kMaxThreads, n / kMinIdsPerThread});
+void run_parts(int64_t t, const F& f) {
   if (t <= 1) {
-    f(int64_t{0}, n);
+    f(int64_t{0});
     return;
   }
-  const int64_t chunk = (n + t - 1) / t;
   std::vector<std::thread> workers;
-  int64_t started = 1;  // chunk 0 runs on this thread
+  int64_t started = 1;  // part 0 runs on this thread
   try {
     workers.reserve(static_cast<size_t>(t - 1));
-    for (; started < t; ++started) {
-      const int64_t b = started * chunk, e = std::min(n, b + chunk);
-      if (b >= e) break;
-      workers.emplace_back([&f, b, e] { f(b, e); });
-    }
+    for (; started < t; ++started) workers.emplace_back([&f, started] { f(started); });
   } catch (...) {
-    // Out of threads: the remaining chunks run below on this thread.
+    // Out of threads: the remaining parts run below on this thread.
   }
-  f(int64_t{0}, std::min(n, chunk));
-  for (int64_t k = started; k < t; ++k) {
-    const int64_t b = k * chunk, e = std::min(n, b + chunk);
-    if (b < e) f(b, e);
-  }
+  f(int64_t{0});
+  for (int64_t k = started; k < t; ++k) f(k);
   for (auto& w : workers) w.join();
+}
+
+// Runs f(begin, end) over [0, n) split in up to `threads` contiguous chunks, on std::threads for
+// large batches. f must not throw.
+template <typename F>
+void parallel_for(int64_t n, int threads, const F& f) {
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>({threads, kMaxThreads, n / kMinIdsPerThread}));
+  const int64_t chunk = (n + t - 1) / t;
+  run_parts(t, [&](int64_t k) {
+    const int64_t b = std::min(n, k * chunk), e = std::min(n, b + chunk);
+    if (b < e || k == 0) f(b, e);
+  });
 }
 
 // Calls body(i, hash(ids[i])) for i in [0, n), having prefetched addr(hash) kPrefetch ids ahead.
@@ -387,16 +390,113 @@ void IdMap::lookup(const int64_t* ids, int64_t n, int64_t* rows_out, int threads
                [&](int64_t b, int64_t e) { lookup_range(ids + b, e - b, rows_out + b); });
 }
 
+bool IdMap::insert_fresh(const int64_t* ids, int64_t n, int threads) {
+  reserve(n);
+  // The slot array is cut into `parts` ranges; part k inserts the ids whose home slot lies in
+  // range k and never writes outside it, so the threads share no slot and need no atomics. An id
+  // whose probe would run past its range's end (or wrap) waits for the sequential pass after
+  // them, which probes across ranges as usual. Every part reads all ids: hashing is cheap next to
+  // the cache miss of an insert.
+  // Parts beyond the cores only add scans of the ids: no more than the hardware runs at once.
+  const uint64_t capacity = mask_ + 1;
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  const int64_t parts = std::min<int64_t>(
+      {threads, cores, kMaxThreads, n / kMinIdsPerThread, static_cast<int64_t>(capacity / 4096)});
+  if (parts < 2) return false;
+  Slot* s = slots_.get();
+  const int shift = shift_;
+  struct Part {
+    std::vector<int64_t> overflow;  // positions of ids left for the sequential pass
+    int64_t inserted = 0;
+    bool repeat = false;            // an id of this part appears twice
+    bool out_of_memory = false;
+  };
+  std::vector<Part> result(static_cast<size_t>(parts));
+  run_parts(parts, [&](int64_t k) {
+    Part& part = result[static_cast<size_t>(k)];
+    const uint64_t lo = capacity / parts * k;
+    const uint64_t hi = k + 1 == parts ? capacity : capacity / parts * (k + 1);
+    const uint64_t width = hi - lo;
+    // Ids are taken in blocks: the ones of this range are picked without branches (half or more
+    // of them belong elsewhere: a branch per id would mispredict), then inserted with their home
+    // slots prefetched kPrefetch ahead.
+    constexpr int64_t kBlock = 2048;
+    int64_t pos[kBlock];
+    uint64_t home[kBlock];
+    try {
+      for (int64_t b = 0; b < n; b += kBlock) {
+        const int64_t e = std::min(n, b + kBlock);
+        int64_t mine = 0;
+        for (int64_t i = b; i < e; ++i) {
+          const uint64_t h = slot_hash(ids[i]) >> shift;
+          pos[mine] = i;
+          home[mine] = h;
+          mine += (h - lo) < width;  // unsigned: false below lo too
+        }
+        for (int64_t j = 0; j < std::min<int64_t>(mine, kPrefetch); ++j) prefetch(s + home[j]);
+        for (int64_t j = 0; j < mine; ++j) {
+          if (j + kPrefetch < mine) prefetch(s + home[j + kPrefetch]);
+          const int64_t key = ids[pos[j]];
+          uint64_t idx = home[j];
+          for (; idx < hi && s[idx].row >= 0; ++idx) {
+            if (s[idx].key == key) {
+              part.repeat = true;
+              return;
+            }
+          }
+          if (idx == hi) {
+            part.overflow.push_back(pos[j]);
+            continue;
+          }
+          s[idx].key = key;
+          s[idx].row = pos[j];
+          ++part.inserted;
+        }
+      }
+    } catch (const std::bad_alloc&) {
+      part.out_of_memory = true;
+    }
+  });
+
+  bool repeat = false, out_of_memory = false;
+  for (const Part& part : result) {
+    size_ += part.inserted;
+    repeat = repeat || part.repeat;
+    out_of_memory = out_of_memory || part.out_of_memory;
+  }
+  for (const Part& part : result) {
+    for (size_t j = 0; !repeat && j < part.overflow.size(); ++j) {
+      const int64_t pos = part.overflow[j];
+      repeat = !insert_unique(ids[pos], slot_hash(ids[pos]), pos);
+    }
+  }
+  if (repeat || out_of_memory) {
+    clear();
+    if (out_of_memory) throw std::bad_alloc();
+    return false;
+  }
+  row_capacity_ = n;
+  return true;
+}
+
 int64_t IdMap::lookup_or_insert(const int64_t* ids, int64_t n, int64_t* rows_out,
                                 uint8_t* is_new_out, int threads) {
   check_batch("lookup_or_insert", n, ids, rows_out, true);
   check_threads("lookup_or_insert", threads);
   if (n == 0) return 0;
-  if (is_new_out != nullptr) std::memset(is_new_out, 0, static_cast<size_t>(n));
 
+  // A fresh map (a restore, a table's first batch): every id misses, so a lookup phase would be a
+  // wasted pass; distinct ids are inserted on several threads.
+  const bool fresh = size_ == 0 && row_capacity_ == 0;
+  if (fresh && threads > 1 && n >= 2 * kMinIdsPerThread && insert_fresh(ids, n, threads)) {
+    parallel_for(n, threads, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) rows_out[i] = i;
+      if (is_new_out != nullptr) std::memset(is_new_out + b, 1, static_cast<size_t>(e - b));
+    });
+    return n;
+  }
+  if (is_new_out != nullptr) std::memset(is_new_out, 0, static_cast<size_t>(n));
   int64_t num_new = 0;
-  // Into an empty map (a restore, a table's first batch) every id misses: a parallel lookup first
-  // would be a wasted pass.
   if (threads == 1 || n < 2 * kMinIdsPerThread || size_ == 0) {
     // One sequential pass; the same result as the two phases below. Hits are probed with local
     // copies of the table fields (stores to rows_out could alias the members), refreshed after

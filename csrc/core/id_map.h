@@ -13,6 +13,8 @@
 // Thread safety: const methods may run concurrently with each other; any non-const call needs
 // exclusive access (the Python binding adds a reader/writer lock). Batch methods parallelise
 // internally (up to `threads` std::threads; batches below ~64K ids run on the calling thread).
+// lookup_or_insert parallelises its inserts only into a fresh map (a restore); elsewhere the new
+// ids are inserted by one thread, in batch order.
 //
 // Errors: every batch method throws std::invalid_argument for n < 0, threads < 1, or a null
 // pointer with n > 0 (n == 0 with null pointers is a no-op). Growth past 2^56 slots throws
@@ -135,6 +137,10 @@ class IdMap {
   // Removes `key`; returns its row or -1. Does not touch the free list.
   int64_t remove(int64_t key, uint64_t hash);
   int64_t allocate_row();
+  // lookup_or_insert into a fresh map (no ids, no rows ever handed out) on `threads` threads,
+  // assuming distinct ids: id i gets row i. Returns false, with the map fresh again, when an id
+  // repeats (the caller then takes the sequential path, which numbers repeats).
+  bool insert_fresh(const int64_t* ids, int64_t n, int threads);
   void lookup_range(const int64_t* ids, int64_t n, int64_t* rows_out) const;
 
   std::unique_ptr<Slot, SlotFree> slots_;

@@ -471,6 +471,71 @@ void test_insert_with_rows() {
 
 // Ids that all share one `mix64(id) % 4096` bucket (what one rank of a 4096-bucket job sees),
 // plus structured ids, must still spread over the slots.
+// Inverse of the map's murmur3 fmix64 slot hash: the id whose slot hash is `h`.
+int64_t id_with_slot_hash(uint64_t h) {
+  h = unxorshift(h, 33);
+  h *= inverse_odd(0xc4ceb9fe1a85ec53ULL);
+  h = unxorshift(h, 33);
+  h *= inverse_odd(0xff51afd7ed558ccdULL);
+  return static_cast<int64_t>(unxorshift(h, 33));
+}
+
+// lookup_or_insert into a fresh map with threads > 1 inserts in parallel (slot ranges per
+// thread); it must give what the oracle gives, including ids whose probe runs past a range's end
+// or wraps, and repeated ids (which fall back to the sequential path).
+void test_fresh_parallel_insert() {
+  std::mt19937_64 rng(5);
+  const int64_t n = g_small ? 100000 : 600000;
+  const int64_t capacity = [&] {
+    IdMap probe;
+    probe.reserve(n);
+    return probe.capacity();
+  }();
+  const int shift = 64 - (63 - __builtin_clzll(static_cast<uint64_t>(capacity)));
+  // 40 ids homed in the last 4 slots before each range boundary for 2 and 4 threads, and before
+  // the array's end: their probes must leave their range.
+  Vec crowded;
+  for (int64_t boundary : {capacity / 4, capacity / 2, capacity * 3 / 4, capacity}) {
+    for (int j = 0; j < 40; ++j) {
+      const uint64_t home = static_cast<uint64_t>(boundary - 1 - j % 4);
+      crowded.push_back(id_with_slot_hash((home << shift) | (rng() >> (64 - shift))));
+    }
+  }
+  Vec distinct(static_cast<size_t>(n));
+  for (auto& id : distinct) id = static_cast<int64_t>(rng());
+  std::shuffle(crowded.begin(), crowded.end(), rng);
+  std::copy(crowded.begin(), crowded.end(), distinct.begin() + n / 3);
+  Vec repeated = distinct;
+  repeated[static_cast<size_t>(n - 1)] = crowded[7];  // a repeat among the overflowing ids
+  Vec repeated_early = distinct;
+  repeated_early[static_cast<size_t>(n / 2)] = distinct[5];
+
+  for (const Vec* ids : {&distinct, &repeated, &repeated_early}) {
+    Oracle o;
+    Vec want_rows;
+    std::vector<uint8_t> want_new;
+    const int64_t want = o.lookup_or_insert(*ids, &want_rows, &want_new);
+    for (int threads : {1, 2, 3, 4, 8}) {
+      IdMap m;
+      Vec rows(static_cast<size_t>(n));
+      std::vector<uint8_t> is_new(static_cast<size_t>(n), 7);
+      CHECK_EQ(m.lookup_or_insert(ids->data(), n, rows.data(), is_new.data(), threads), want);
+      CHECK(rows == want_rows);
+      CHECK(is_new == want_new);
+      check_against_oracle(m, o);
+      Vec got(static_cast<size_t>(n));
+      m.lookup(ids->data(), n, got.data(), threads);
+      CHECK(got == want_rows);
+      // The map goes on as usual: the next new id takes the next row.
+      const int64_t extra = static_cast<int64_t>(rng());
+      int64_t row = -1;
+      m.lookup_or_insert(&extra, 1, &row, nullptr, threads);
+      CHECK_EQ(row, want);
+    }
+  }
+  CHECK(distinct.size() == static_cast<size_t>(n));
+}
+
 void test_hash_quality() {
   std::mt19937_64 rng(99);
   const int64_t n = g_small ? (1 << 16) : (1 << 20);
@@ -526,11 +591,19 @@ void bench() {
     m.lookup_or_insert(ids.data(), n, rows.data(), is_new.data());
     report("lookup_or_insert, 4M new ids, from empty", seconds_since(t0));
   }
+  for (int threads : {2, 4}) {
+    IdMap m;
+    m.reserve(n);
+    auto t0 = std::chrono::steady_clock::now();
+    m.lookup_or_insert(ids.data(), n, rows.data(), is_new.data(), threads);
+    std::string label = "lookup_or_insert, 4M new ids, reserved, threads=" + std::to_string(threads);
+    report(label.c_str(), seconds_since(t0));
+  }
   IdMap m;
   m.reserve(n);
   auto t0 = std::chrono::steady_clock::now();
   m.lookup_or_insert(ids.data(), n, rows.data(), is_new.data());
-  report("lookup_or_insert, 4M new ids, reserved", seconds_since(t0));
+  report("lookup_or_insert, 4M new ids, reserved, threads=1", seconds_since(t0));
   const IdMap::Stats st = m.stats();
   std::printf("  table: %lld slots (load %.2f), mean probe %.3f\n",
               static_cast<long long>(st.capacity),
@@ -606,6 +679,7 @@ int main(int argc, char** argv) {
   test_determinism();
   test_growth_and_reserve();
   test_insert_with_rows();
+  test_fresh_parallel_insert();
   test_hash_quality();
   if (g_failures > 0) {
     std::fprintf(stderr, "id_map_test: %d check(s) FAILED\n", g_failures);
