@@ -15,6 +15,7 @@ from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError,
 from .errors import CorruptCheckpointError
 from .lock import WriterLock, hold as hold_writer_lock
 from .format import index as index_mod
+from .format.commits import DeferredCommits
 from .format.writer import RowSource, write_shards
 from .loadconf import SPARSE_OPTIM
 from .report import LoadPlan, LoadReport
@@ -281,15 +282,17 @@ class Saver:
         part = index_mod.new_part(rank)
         rows: Dict[str, int] = {}
         names = sorted(state.tables)
-        # The next table's bucket order is computed while this one is written (two in memory at most).
-        with ThreadPoolExecutor(1, thread_name_prefix="recsave-order") as pool:
+        # The next table's bucket order is computed while this one is written (two in memory at
+        # most). Durable files are fsynced and renamed together when the block exits, before the
+        # commit point (format/commits.py).
+        with ThreadPoolExecutor(1, thread_name_prefix="recsave-order") as pool, DeferredCommits() as commits:
             layout_of = knobs.carried(self._bucket_layout)
             order = lambda k: pool.submit(layout_of, names[k], state.tables[names[k]], rank, world)  # noqa: E731
             upcoming = order(0) if names else None
             for k, name in enumerate(names):
                 layout = upcoming.result()
                 upcoming = order(k + 1) if k + 1 < len(names) else None
-                table_part = self._write_table(ckpt_dir, layout, rank, first_part=len(part["files"]))
+                table_part = self._write_table(ckpt_dir, layout, rank, len(part["files"]), commits)
                 rows[name] = layout.num_rows
                 part["files"].update(table_part["files"])
                 part["tensors"].update(table_part["tensors"])
@@ -325,11 +328,12 @@ class Saver:
         return _TableLayout(tensors, {"buckets": {"first": first, "row_starts": row_starts}}, segments,
                             int(ids.numel()))
 
-    def _write_table(self, ckpt_dir: str, layout: "_TableLayout", rank: int, first_part: int) -> Dict[str, Any]:
+    def _write_table(self, ckpt_dir: str, layout: "_TableLayout", rank: int, first_part: int,
+                     commits: DeferredCommits) -> Dict[str, Any]:
         """Writes one table's files (the engine gathers embedding and slots in bucket order)."""
         return write_shards(ckpt_dir, layout.tensors, rank=rank, concurrency=self.concurrency,
                             storage=self.storage, chunk_meta={t: layout.meta for t in layout.tensors},
-                            first_part=first_part, segments=layout.segments)
+                            first_part=first_part, segments=layout.segments, commits=commits)
 
     def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[tuple], state: SaveState,
                 world: int) -> None:

@@ -136,6 +136,35 @@ def test_on_disk_file_set_and_shard_contents(tmp_path):
     assert io_state == {"reader": {"offset": 4}}
 
 
+def test_durable_save_commits_every_table_file_or_none(tmp_path):
+    """With fsync on, a save's shard files are fsynced and renamed together before the index: a
+    file that cannot be committed fails the save, which leaves no file of it behind."""
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=4)
+    with recsave.knobs.override(fsync=True):
+        first = job.saver.save("ckpt_4")
+        state = job_state(job)
+        job.train(2)
+        # The second table's file of the next save cannot be renamed into place.
+        blocker = out / "ckpt_6" / "sparse-0-1.safetensors"
+        real_prepare = job.saver._prepare_dir
+
+        def prepare_then_block(ckpt_dir, ckpt_id):
+            real_prepare(ckpt_dir, ckpt_id)
+            blocker.mkdir(parents=True)
+            (blocker / "x").write_bytes(b"x")
+        job.saver._prepare_dir = prepare_then_block
+        with pytest.raises(recsave.RecsaveError, match="sparse-0-1.safetensors"):
+            job.saver.save("ckpt_6")
+    assert listing(out) == ["checkpoint", "ckpt_4"]
+    assert _list_file(out).split() == ["ckpt_4"]
+    assert sorted(f for f in ckpt_files(first) if f.startswith("sparse-")) == [
+        "sparse-0-0.safetensors", "sparse-0-1.safetensors"]
+    fresh = make_job(str(out))
+    fresh.saver.load()
+    assert_jobs_equal(job_state(fresh), state)
+
+
 # ------------------------------------------------------------------------ checkpoint list, rotation
 def test_checkpoint_file_listing_and_max_keep(tmp_path):
     out = tmp_path / "run"

@@ -13,6 +13,7 @@ from .. import _C, knobs
 from ..errors import UsageError
 from ..storage import Storage
 from . import header
+from .commits import DeferredCommits
 from .dtypes import DType, from_torch
 from .index import FORMAT_VERSION, new_part
 
@@ -103,7 +104,8 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                  durable: Optional[bool] = None,
                  chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None,
                  storage: Optional[Storage] = None, first_part: int = 0,
-                 segments: Optional[Mapping[str, Sequence[int]]] = None) -> Dict[str, Any]:
+                 segments: Optional[Mapping[str, Sequence[int]]] = None,
+                 commits: Optional[DeferredCommits] = None) -> Dict[str, Any]:
     """Writes `tensors` into `<directory>/<prefix>-<rank>-<part>.safetensors` files and returns the
     index part describing them (docs/FORMAT.md section 3). Each file appears atomically; if anything
     fails, every file this call created is removed before the error propagates.
@@ -113,6 +115,9 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     explicit checksum segment ends (byte offsets, e.g. at bucket boundaries) instead of uniform
     `segment_bytes` pieces. With a non-local
     `storage` the bytes are streamed through it (fsspec) instead of the engine's positional writes.
+
+    With `commits`, durable local files are queued there instead of committed (fsync, rename): they
+    are in place and durable only after ``commits.wait()`` (format/commits.py).
     """
     concurrency = concurrency or knobs.get("concurrency")
     max_shard_bytes = max_shard_bytes or knobs.get("max_shard_bytes")
@@ -129,7 +134,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
             fname = shard_file_name(prefix, rank, part_no)
             if storage is None or storage.is_local:
                 path = os.path.join(directory, fname)
-                size = _write_file(path, group, part, fname, concurrency, layout, durable)
+                size = _write_file(path, group, part, fname, concurrency, layout, durable, commits)
             else:
                 path = storage.join(directory, fname)
                 size = _stream_file(storage, path, group, part, fname, layout)
@@ -169,7 +174,8 @@ def _segment_layout(t: torch.Tensor, segment_bytes: int, ends: Optional[Sequence
 
 
 def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], part: Dict[str, Any],
-                fname: str, concurrency: int, layout: Dict[str, Layout], durable: bool) -> int:
+                fname: str, concurrency: int, layout: Dict[str, Layout], durable: bool,
+                commits: Optional[DeferredCommits]) -> int:
     head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
     size = len(head) + sum(t.nbytes for _, t, _ in group)
     offsets: List[int] = []
@@ -207,7 +213,10 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
                                        np.asarray([base + b - first for b, _ in bounds], dtype=np.uint64),
                                        np.asarray([e - b for b, e in bounds], dtype=np.uint64), concurrency)
                     crc_of[i] += [int(c) for c in got]
-        writer.commit()
+        if durable and commits is not None:
+            commits.submit(writer)  # fsynced together with the caller's other files
+        else:
+            writer.commit()
     except BaseException:
         writer.abort()
         raise

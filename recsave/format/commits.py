@@ -1,0 +1,76 @@
+"""Commits of durable shard files (fsync, rename into place, directory fsync), held back and then
+run together.
+
+A save writes one file per table; an fsync per file as soon as it is written makes every file wait
+for its own journal commit and device cache flush (about 0.3-1 s each on a virtual disk), during
+which the disk takes no new writes. Files written with the writeback hint (the engine's durable
+mode) have their pages on the way to disk already; their fsyncs issued together at the end are
+merged by the file system into few journal commits and flushes. Measured on the 2 GB benchmark
+state (4 tables): 5.2-5.8 s with an fsync per file, 4.3-4.9 s together.
+
+Until :meth:`DeferredCommits.wait` returns, the files are neither durable nor under their names:
+callers wait before anything that makes them part of a checkpoint (the index, the commit point).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, List, Optional, Type
+
+# Queued files committed at once when this many wait (each holds an open descriptor).
+MAX_QUEUED = 64
+# fsyncs in flight together.
+MAX_THREADS = 16
+
+
+def _commit(writer: Any) -> None:
+    try:
+        writer.commit()
+    except BaseException:
+        writer.abort()  # removes the temporary file
+        raise
+
+
+class DeferredCommits:
+    """Queues written `_C.ShardWriter`s and commits them together.
+
+    Used as a context manager: leaving the block without an error commits every queued file (the
+    first failure is raised once all have finished; a failed file's temporary is removed). Leaving
+    it with an error aborts the queued files instead, so nothing is renamed into place while the
+    caller cleans up."""
+
+    def __init__(self) -> None:
+        self._queued: List[Any] = []
+
+    def submit(self, writer: Any) -> None:
+        """Queues `writer`'s commit (it must have been written completely)."""
+        self._queued.append(writer)
+        if len(self._queued) >= MAX_QUEUED:
+            self.wait()
+
+    def wait(self) -> None:
+        """Commits every queued file; raises the first failure after all have finished."""
+        queued, self._queued = self._queued, []
+        if not queued:
+            return
+        with ThreadPoolExecutor(min(len(queued), MAX_THREADS), thread_name_prefix="recsave-commit") as pool:
+            futures = [pool.submit(_commit, w) for w in queued]
+        first = next((e for e in (f.exception() for f in futures) if e is not None), None)
+        if first is not None:
+            raise first
+
+    def abort(self) -> None:
+        """Drops the queued files (their temporaries are removed)."""
+        queued, self._queued = self._queued, []
+        for writer in queued:
+            writer.abort()
+
+    def __enter__(self) -> "DeferredCommits":
+        return self
+
+    def __exit__(self, kind: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        if kind is None:
+            self.wait()
+        else:
+            self.abort()
