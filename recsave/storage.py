@@ -68,6 +68,14 @@ class Storage(abc.ABC):
     def open_write(self, path: str) -> "contextlib.AbstractContextManager[IO[bytes]]":
         """A writable file that becomes visible at `path` only if the block exits without error."""
 
+    def write_stream(self, path: str, produce: Callable[[IO[bytes]], None]) -> None:
+        """Publishes at `path` the bytes `produce(f)` writes to `f`, only if it returns. Remote
+        storage retries a transient upload failure by running `produce` again from the start, so
+        it must write the same bytes every time; nothing written is kept (`produce` may reuse its
+        buffers, and memory stays at what it holds itself)."""
+        with self.open_write(path) as f:
+            produce(f)
+
     def read_bytes(self, path: str, limit: int) -> bytes:
         """The whole file, refusing files over `limit` bytes before reading them."""
         size = self.size(path)
@@ -230,6 +238,25 @@ class FsspecStorage(Storage):
             else:
                 stream.abort()
 
+    def write_stream(self, path: str, produce: Callable[[IO[bytes]], None]) -> None:
+        attempts = max(0, int(knobs.get("io_retries"))) + 1
+        for attempt in range(1, attempts + 1):
+            upload = _Upload(self._retry("opening for writing", path, lambda: self._open_upload(path)))
+            try:
+                produce(upload)  # type: ignore[arg-type]
+                upload.close()
+                return
+            except _UploadError as failed:
+                self._discard(upload.f, path)
+                exc = failed.__cause__
+                transient = is_transient(exc) and not isinstance(exc, FileNotFoundError)
+                if not transient or attempt == attempts:
+                    raise _failed(exc, path, "writing", attempt, transient=transient) from exc
+            except BaseException:  # the producer's own error: not the store's, not retried
+                self._discard(upload.f, path)
+                raise
+            time.sleep(backoff_s(attempt))
+
     def _open_upload(self, path: str) -> Any:
         block = max(5 << 20, min(knobs.get("io_chunk_bytes"), 256 << 20))
         return self.fs.open(path, "wb", block_size=block)
@@ -264,6 +291,30 @@ class FsspecStorage(Storage):
                     raise _failed(exc, path, what, attempt, transient=is_transient(exc)) from exc
                 time.sleep(backoff_s(attempt))
         raise AssertionError("unreachable")
+
+
+class _UploadError(Exception):
+    """An upload call failed (the cause): tells the store's failures from the producer's."""
+
+
+class _Upload:
+    """The file object write_stream hands its producer: an fsspec upload whose failures are
+    marked as such."""
+
+    def __init__(self, f: Any):
+        self.f = f
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except Exception as exc:
+            raise _UploadError() from exc
+
+    def close(self) -> None:
+        try:
+            self.f.close()
+        except Exception as exc:
+            raise _UploadError() from exc
 
 
 class _ReplayingWriter:

@@ -310,6 +310,46 @@ def test_streaming_write_replays_after_a_transient_failure(faulty):
     assert st.read_range(path, 0, 10000) == b"".join(pieces)
 
 
+def test_write_stream_retries_by_producing_again_and_keeps_no_buffer(faulty):
+    """A retried upload runs the producer again: a producer that reuses one buffer for every piece
+    (as the CUDA gather does with its pinned buffers) still publishes the right bytes."""
+    path = f"{faulty}/big"
+    st = get_storage(path)
+    runs = []
+
+    def produce(f):
+        runs.append(1)
+        buf = bytearray(1000)
+        for i in range(10):
+            buf[:] = bytes([i]) * 1000
+            f.write(memoryview(buf))
+
+    inject("write", ConnectionResetError, times=1, skip=4)  # the 5th write fails
+    inject("close", TimeoutError, times=1)
+    st.write_stream(path, produce)
+    assert len(runs) == 3
+    assert st.read_range(path, 0, 10000) == b"".join(bytes([i]) * 1000 for i in range(10))
+
+
+def test_write_stream_does_not_retry_the_producers_own_error_or_a_permanent_one(faulty):
+    path = f"{faulty}/big"
+    st = get_storage(path)
+    runs = []
+
+    def failing_producer(f):
+        runs.append(1)
+        f.write(b"partial")
+        raise KeyError("source gone")
+
+    with pytest.raises(KeyError):
+        st.write_stream(path, failing_producer)
+    assert len(runs) == 1 and not st.exists(path)
+    inject("write", lambda: PermissionError(errno.EACCES, "denied"), times=100)
+    with pytest.raises(StorageError, match="not retried"):
+        st.write_stream(path, lambda f: f.write(b"x" * 100))
+    assert not st.exists(path)
+
+
 @pytest.mark.parametrize("failing", ["write", "close"])
 def test_failed_streaming_write_publishes_nothing(faulty, failing):
     path = f"{faulty}/big"

@@ -310,11 +310,14 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
 def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.Tensor, DType]],
                  part: Dict[str, Any], fname: str, layout: Dict[str, Layout]) -> int:
     """Writes one shard file sequentially through a storage stream: the file system buffers at most
-    one upload part, and the tensors are handed over as views, never copied whole."""
+    one upload part, and the tensors are handed over as views, never copied whole. A retried
+    upload gathers the rows again (nothing written is kept for a replay)."""
     head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
     size = len(head) + sum(t.nbytes for _, t, _ in group)
-    described = []
-    with storage.open_write(path) as f:
+    described: List[Tuple[Any, int, List[int]]] = []
+
+    def produce(f: Any) -> None:
+        described.clear()
         f.write(head)
         for i, item in enumerate(group):
             crcs = []
@@ -328,6 +331,8 @@ def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.T
                     if len(piece):
                         f.write(memoryview(piece))
             described.append((item, starts[i], crcs))
+
+    storage.write_stream(path, produce)
     for item, start, crcs in described:
         _describe(part, item, fname, start, crcs, layout[item[0]][1])
     return size
