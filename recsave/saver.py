@@ -220,8 +220,12 @@ class Saver:
             return None
         self._pending = None
         if exc is not None:
-            exc.add_note(f"(raised by the background write of async_save({ckpt_id!r}); the previous "
-                         f"committed checkpoint is still the latest)")
+            note = (f"(raised by the background write of async_save({ckpt_id!r}); the previous "
+                    f"committed checkpoint is still the latest)")
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(note)
+            else:
+                exc.__notes__ = [*getattr(exc, "__notes__", []), note]
             raise exc
         return future.result()
 
