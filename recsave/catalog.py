@@ -11,6 +11,7 @@ from . import _C, ckptlist, knobs, torchio
 from .errors import RecsaveError
 from .format import index as index_mod
 from .format.reader import check_listed_file
+from .lock import hold as hold_writer_lock
 from .sources import CheckpointSource, open_source
 from .storage import get_storage
 
@@ -101,6 +102,14 @@ def _verify_shard(src: CheckpointSource, fname: str) -> None:
 
 
 def collect_garbage(output_dir: str) -> List[str]:
-    """Removes uncommitted leftovers (and pruned checkpoints) of an output dir; returns their names."""
+    """Removes uncommitted leftovers (and pruned checkpoints) of an output dir; returns their names.
+
+    Takes the output dir's writer lock first (knob ``writer_lock``): a save in progress looks like
+    a leftover, so while a Saver holds the lock this raises WriterLockedError and removes nothing."""
     storage = get_storage(output_dir)
-    return ckptlist.collect_garbage(storage, output_dir, ckptlist.read(storage, output_dir))
+    lock = hold_writer_lock(None, storage, output_dir)
+    try:
+        return ckptlist.collect_garbage(storage, output_dir, ckptlist.read(storage, output_dir))
+    finally:
+        if lock is not None:
+            lock.release()

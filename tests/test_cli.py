@@ -3,7 +3,10 @@ import os
 
 import pytest
 
+import recsave
 from recsave.cli import main
+from recsave.lock import LOCK_FILE, WriterLock
+from recsave.storage import LocalStorage
 
 from helpers import make_job
 
@@ -59,6 +62,25 @@ def test_gc_removes_only_leftovers(output_dir, capsys):
     assert main(["gc", str(output_dir)]) == 0
     assert "removed 1 directory: ckpt_9" in capsys.readouterr().out
     assert sorted(os.listdir(output_dir)) == ["checkpoint", "ckpt_2", "ckpt_4", "notes"]
+
+
+def test_gc_refuses_while_a_saver_holds_the_output_dir(output_dir, capsys):
+    """A save in progress looks like a leftover: gc leaves the dir alone while the lock is held."""
+    (output_dir / "ckpt_9").mkdir()
+    (output_dir / "ckpt_9" / "sparse-0-0.safetensors.tmp-1-0").write_bytes(b"being written")
+    with recsave.knobs.override(writer_lock=True):
+        lock = WriterLock(LocalStorage(), str(output_dir))
+        lock.acquire()
+        try:
+            assert main(["gc", str(output_dir)]) == 2
+            err = capsys.readouterr().err
+            assert "being written by another Saver" in err and str(output_dir) in err
+            assert (output_dir / "ckpt_9").is_dir()
+        finally:
+            lock.release()
+        assert main(["gc", str(output_dir)]) == 0
+        assert not (output_dir / "ckpt_9").exists()
+        assert not (output_dir / LOCK_FILE).exists()  # gc released the lock it took
 
 
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
