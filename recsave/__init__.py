@@ -1,8 +1,8 @@
 """recsave: fast, safe checkpoints for recommender / CTR training in PyTorch."""
 from . import errors, knobs, partition
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                     FormatVersionError, RecsaveError, ShapeMismatchError, StorageError, UsageError,
-                     WriterLockedError)
+                     FormatVersionError, RankFailedError, RecsaveError, ShapeMismatchError, StorageError,
+                     UsageError, WriterLockedError)
 from .hashtable import HashTable, split_sparse_dense_state_dict
 from .manager import CheckpointManager
 from .report import LoadedItem, LoadReport
@@ -14,4 +14,5 @@ __all__ = [
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
+    "RankFailedError",
 ]

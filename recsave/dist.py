@@ -14,14 +14,10 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch.distributed as torch_dist
 
 from . import knobs
-from .errors import RecsaveError, UsageError
+from .errors import RankFailedError, RecsaveError, UsageError
 
 T = TypeVar("T")
 _groups: dict = {}
-
-
-class RankFailedError(RecsaveError, RuntimeError):
-    """Another rank failed (raised an error, died, or timed out) during a collective save or load."""
 
 
 def initialized() -> bool:

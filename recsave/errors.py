@@ -19,6 +19,7 @@ __all__ = [
     "StorageError",
     "UsageError",
     "WriterLockedError",
+    "RankFailedError",
 ]
 
 
@@ -81,3 +82,7 @@ class UsageError(RecsaveError, ValueError):
 class WriterLockedError(RecsaveError, RuntimeError):
     """Another Saver (this process or another one) holds the writer lock of the output directory;
     close it, wait for it to finish, or save into another directory."""
+
+
+class RankFailedError(RecsaveError, RuntimeError):
+    """Another rank failed (raised an error, died, or timed out) during a collective save or load."""

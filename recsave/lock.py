@@ -214,8 +214,8 @@ def _release(storage: Storage, path: str, token: str) -> None:
 
 
 def hold(current: Optional[WriterLock], storage: Storage, output_dir: str) -> Optional[WriterLock]:
-    """Acquires (first save) or renews (later saves) the writer lock; None when the knob
-    ``writer_lock`` is off."""
+    """Acquires (first save) or renews (later saves) the writer lock and returns it; when the knob
+    ``writer_lock`` is off, returns `current` untouched (None if no lock was taken before)."""
     if not knobs.get("writer_lock"):
         return current
     lock = current or WriterLock(storage, output_dir)

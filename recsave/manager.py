@@ -79,7 +79,11 @@ class CheckpointManager:
         return None
 
     def save(self, wait: bool = True) -> str:
-        """Saves ``ckpt_<global_step>`` now (returns the existing one if this step is saved already).
+        """Saves ``ckpt_<global_step>`` now; returns its path. If the latest checkpoint (or the one
+        being written in the background) is this step already, returns it without saving again; an
+        older committed checkpoint of this step (after restoring an earlier step) raises
+        CheckpointExistsError.
+
         In an async mode, `wait` (default) waits until it is committed — the save at the end of
         training; with wait=False it returns once the snapshot is taken."""
         saver = self.saver

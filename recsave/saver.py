@@ -204,7 +204,9 @@ class Saver:
 
     @property
     def pending_checkpoint(self) -> Optional[str]:
-        """The id an async write is (or was last) writing, until wait() / the next save collects it."""
+        """The id an async write is (or was last) writing, until wait(), the next save or a load
+        after its success collects it (a failed write stays pending for the next save / wait /
+        close to raise)."""
         return self._pending[0] if self._pending is not None else None
 
     def _wait_pending(self, consume: bool) -> Optional[str]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recsave import _C
+from recsave.errors import UsageError
 
 I64_MIN = np.iinfo(np.int64).min
 I64_MAX = np.iinfo(np.int64).max
@@ -195,9 +196,9 @@ def test_reserve_avoids_rehash_and_clear_resets_rows():
     assert m.lookup(np.array([0, 1, -50_000])).tolist() == [-1, -1, -1]
     rows, _, _ = m.lookup_or_insert(np.array([42, 43]))
     assert rows.tolist() == [0, 1]
-    with pytest.raises(ValueError, match="reserve"):
+    with pytest.raises(UsageError, match="reserve"):  # a RecsaveError and a ValueError
         m.reserve(-1)
-    with pytest.raises(ValueError, match="initial_capacity"):
+    with pytest.raises(UsageError, match="initial_capacity"):
         _C.IdMap(-1)
 
 

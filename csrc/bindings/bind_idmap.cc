@@ -5,7 +5,8 @@
 // hashing work. Since released-GIL calls are no longer serialised by Python, each IdMap carries a
 // reader/writer lock: lookups share it, mutations hold it alone, so Python threads (say, a
 // checkpoint exporting in the background while training inserts) can share one map safely.
-// std::invalid_argument / std::length_error from the core surface as ValueError.
+// std::invalid_argument / std::length_error from the core surface as recsave.errors.UsageError
+// (a ValueError; translated in module.cc).
 #include "bindings/bind_idmap.h"
 
 #include <pybind11/numpy.h>
@@ -173,7 +174,7 @@ run concurrently, mutations one at a time.)doc")
         const int64_t* pr = rows.data();
         writing(self, [&](recsave::IdMap& map) { map.insert_with_rows(pi, pr, n, threads); });
       }, py::arg("ids"), py::arg("rows"), py::arg("threads") = 1,
-      "Bulk load (restore): ids new and unique, rows >= 0, unique and unused. ValueError names "
+      "Bulk load (restore): ids new and unique, rows >= 0, unique and unused. UsageError names "
       "the offending id / row and leaves the map unchanged.")
       .def("clear", [](PyIdMap& self) {
         writing(self, [](recsave::IdMap& map) { map.clear(); });

@@ -2,6 +2,8 @@
 // C++ errors become recsave.errors classes; everything else lives in bind_*.cc.
 #include <pybind11/pybind11.h>
 
+#include <stdexcept>
+
 #include "bindings/bind_idmap.h"
 #include "bindings/bind_io.h"
 #include "bindings/bind_table.h"
@@ -29,6 +31,12 @@ void raise_recsave_error(const recsave::Error& e) {
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
 }
 
+// UsageError is also a ValueError: what pybind11 would have raised for these.
+void raise_usage_error(const char* what) {
+  py::object exc = py::module_::import("recsave.errors").attr("UsageError")(py::str(what));
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -38,6 +46,10 @@ PYBIND11_MODULE(_C, m) {
       if (p) std::rethrow_exception(p);
     } catch (const recsave::Error& e) {
       raise_recsave_error(e);
+    } catch (const std::invalid_argument& e) {  // the id map's argument checks
+      raise_usage_error(e.what());
+    } catch (const std::length_error& e) {      // an id map past its maximum size
+      raise_usage_error(e.what());
     }
   });
   bind_io(m);
