@@ -331,12 +331,12 @@ class HashTable(torch.nn.Module):
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
             filled = pool.submit(fill, views) if pool else None
             try:
-                num_new = self._map.lookup_or_insert(flat_ids(ids))[2]
+                distinct = self._map.load_distinct(flat_ids(ids))
             except BaseException:
                 self.clear()
                 raise
         error = filled.exception() if filled else None
-        if error is not None or num_new != n:  # num_new < n: duplicates, rows are not 0..n-1
+        if error is not None or not distinct:  # a repeated id: rows cannot be 0..n-1
             self.clear()
             if error is not None:
                 raise error

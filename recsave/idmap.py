@@ -12,6 +12,7 @@ and therefore its checkpoints, do not depend on which map it uses.
 """
 from __future__ import annotations
 
+import os
 from typing import Tuple
 
 import torch
@@ -50,6 +51,11 @@ class CpuIdMap:
 
     def erase(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self._map.erase(_host_array(ids)))
+
+    def load_distinct(self, ids: torch.Tensor) -> bool:
+        """Restore into an empty map: ids[i] gets row i (several threads, one range of slots
+        each); False, leaving the map empty, if an id repeats."""
+        return bool(self._map.load_distinct(_host_array(ids), min(knobs.get("concurrency"), usable_cores())))
 
     def export(self) -> Tuple[torch.Tensor, torch.Tensor]:
         ids, rows = self._map.export()
@@ -216,8 +222,27 @@ class TensorIdMap:
         """Room for `n` ids without growing."""
         self._make_room(max(0, n - self._size))
 
+    def load_distinct(self, ids: torch.Tensor) -> bool:
+        """Restore into an empty map: ids[i] gets row i; False, leaving the map empty, if an id
+        repeats."""
+        if self._size or self._row_capacity:
+            raise UsageError(f"load_distinct needs an empty map ({self._size} ids, row capacity "
+                             f"{self._row_capacity}); clear() it first")
+        if self.lookup_or_insert(ids)[2] == flat_ids(ids).numel():
+            return True
+        self.clear()
+        return False
+
     def _ids(self, ids: torch.Tensor) -> torch.Tensor:
         return flat_ids(ids).to(self.device)
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def flat_ids(ids: torch.Tensor) -> torch.Tensor:

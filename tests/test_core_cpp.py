@@ -14,6 +14,8 @@ FLAVOURS = {
     "optimized": ["-O2"],
     "sanitized": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                   "-fno-omit-frame-pointer"],
+    # Data races between the engine's and the id map's worker threads.
+    "threads": ["-O1", "-g", "-fsanitize=thread"],
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -40,6 +42,7 @@ def test_cpp_core(tmp_path, test_src, core_objects):
     exe = tmp_path / "t"
     _compile([*FLAVOURS[flavour], test_src, *objects, "-o", str(exe)], cwd=tmp_path)
     # Small sizes and no throughput measurement: the suite checks behaviour, benchmarks measure speed.
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1", TMPDIR=str(tmp_path), RECSAVE_IDMAP_TEST_SMALL="1")
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1", TSAN_OPTIONS="halt_on_error=1", TMPDIR=str(tmp_path),
+               RECSAVE_IDMAP_TEST_SMALL="1")
     proc = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from recsave import HashTable
+from recsave import HashTable, knobs
 from recsave.errors import UsageError
 from recsave.idmap import CpuIdMap, TensorIdMap, make_id_map
 from recsave.optim import SparseAdagrad
@@ -71,6 +71,30 @@ def test_matches_the_cpp_map_on_one_sequence():
         assert torch.equal(a.erase(gone), b.erase(gone))
     for x, y in zip(a.export(), b.export()):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("make", [CpuIdMap, lambda: TensorIdMap("cpu")], ids=["cpp", "tensor"])
+def test_load_distinct_restores_rows_in_order_or_refuses_repeats(make):
+    rng = np.random.default_rng(4)
+    ids = torch.from_numpy(rng.permutation(np.arange(-150_000, 150_000, dtype=np.int64) * 7919))
+    m = make()
+    with knobs.override(concurrency=4):  # 300k ids: the C++ map inserts on several threads
+        assert m.load_distinct(ids) is True
+    assert torch.equal(m.lookup(ids), torch.arange(ids.numel()))
+    assert len(m) == m.row_capacity == ids.numel()
+    new = torch.tensor([123456789], dtype=torch.int64)
+    assert m.lookup_or_insert(new)[0].tolist() == [ids.numel()]
+    with pytest.raises(UsageError, match="empty"):
+        m.load_distinct(ids[:3])
+
+    repeated = ids.clone()
+    repeated[-1] = repeated[10]
+    r = make()
+    with knobs.override(concurrency=4):
+        assert r.load_distinct(repeated) is False
+    assert len(r) == 0 and r.row_capacity == 0
+    assert (r.lookup(ids[:100]) == -1).all()
+    assert r.load_distinct(ids[:1000]) is True and r.lookup(ids[:3]).tolist() == [0, 1, 2]
 
 
 def test_make_id_map_choices():

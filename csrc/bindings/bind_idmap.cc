@@ -162,6 +162,15 @@ run concurrently, mutations one at a time.)doc")
         });
         return py::make_tuple(to_numpy(std::move(ids)), to_numpy(std::move(rows)));
       }, py::arg("threads") = 1, "(ids, rows) of every entry, sorted by row.")
+      .def("load_distinct", [](PyIdMap& self, const I64Array& ids, int threads) {
+        const int64_t n = length_1d(ids, "load_distinct", "ids");
+        const int64_t* in = ids.data();
+        bool ok = false;
+        writing(self, [&](recsave::IdMap& map) { ok = map.load_distinct(in, n, threads); });
+        return ok;
+      }, py::arg("ids"), py::arg("threads") = 1,
+      "Restore into an empty map: ids[i] gets row i, inserted by up to `threads` threads (cap it at "
+      "the cores you may use). False, leaving the map empty, if an id repeats.")
       .def("insert_with_rows", [](PyIdMap& self, const I64Array& ids, const I64Array& rows,
                                   int threads) {
         const int64_t n = length_1d(ids, "insert_with_rows", "ids");

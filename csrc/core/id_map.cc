@@ -390,22 +390,46 @@ void IdMap::lookup(const int64_t* ids, int64_t n, int64_t* rows_out, int threads
                [&](int64_t b, int64_t e) { lookup_range(ids + b, e - b, rows_out + b); });
 }
 
-bool IdMap::insert_fresh(const int64_t* ids, int64_t n, int threads) {
+bool IdMap::load_distinct(const int64_t* ids, int64_t n, int threads) {
+  check_batch("load_distinct", n, ids, ids, false);
+  check_threads("load_distinct", threads);
+  if (size_ != 0 || row_capacity_ != 0) {
+    throw std::invalid_argument("IdMap.load_distinct: the map is not empty (" + std::to_string(size_) +
+                                " ids, row capacity " + std::to_string(row_capacity_) +
+                                "); clear() it first");
+  }
+  if (n == 0) return true;
   reserve(n);
+  const int64_t parts = std::min<int64_t>(
+      {threads, kMaxThreads, n / kMinIdsPerThread, static_cast<int64_t>((mask_ + 1) / 4096)});
+  if (parts >= 2) {
+    if (!insert_parts(ids, n, parts)) return false;
+  } else {
+    bool repeat = false;
+    pipelined(
+        ids, n, [this](uint64_t h) { return slots_.get() + home(h); },
+        [&](int64_t i, uint64_t h) {
+          if (!repeat) repeat = !insert_unique(ids[i], h, i);
+        });
+    if (repeat) {
+      clear();
+      return false;
+    }
+  }
+  row_capacity_ = n;
+  return true;
+}
+
+bool IdMap::insert_parts(const int64_t* ids, int64_t n, int64_t parts) {
   // The slot array is cut into `parts` ranges; part k inserts the ids whose home slot lies in
   // range k and never writes outside it, so the threads share no slot and need no atomics. An id
   // whose probe would run past its range's end (or wrap) waits for the sequential pass after
   // them, which probes across ranges as usual. Every part reads all ids: hashing is cheap next to
   // the cache miss of an insert.
-  // Parts beyond the cores only add scans of the ids: no more than the hardware runs at once.
   const uint64_t capacity = mask_ + 1;
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  const int64_t parts = std::min<int64_t>(
-      {threads, cores, kMaxThreads, n / kMinIdsPerThread, static_cast<int64_t>(capacity / 4096)});
-  if (parts < 2) return false;
   Slot* s = slots_.get();
   const int shift = shift_;
-  struct Part {
+  struct alignas(64) Part {  // one cache line each: the parts' counters are not shared
     std::vector<int64_t> overflow;  // positions of ids left for the sequential pass
     int64_t inserted = 0;
     bool repeat = false;            // an id of this part appears twice
@@ -423,6 +447,7 @@ bool IdMap::insert_fresh(const int64_t* ids, int64_t n, int threads) {
     constexpr int64_t kBlock = 2048;
     int64_t pos[kBlock];
     uint64_t home[kBlock];
+    int64_t inserted = 0;
     try {
       for (int64_t b = 0; b < n; b += kBlock) {
         const int64_t e = std::min(n, b + kBlock);
@@ -441,6 +466,7 @@ bool IdMap::insert_fresh(const int64_t* ids, int64_t n, int threads) {
           for (; idx < hi && s[idx].row >= 0; ++idx) {
             if (s[idx].key == key) {
               part.repeat = true;
+              part.inserted = inserted;
               return;
             }
           }
@@ -450,12 +476,13 @@ bool IdMap::insert_fresh(const int64_t* ids, int64_t n, int threads) {
           }
           s[idx].key = key;
           s[idx].row = pos[j];
-          ++part.inserted;
+          ++inserted;
         }
       }
     } catch (const std::bad_alloc&) {
       part.out_of_memory = true;
     }
+    part.inserted = inserted;
   });
 
   bool repeat = false, out_of_memory = false;
@@ -475,7 +502,6 @@ bool IdMap::insert_fresh(const int64_t* ids, int64_t n, int threads) {
     if (out_of_memory) throw std::bad_alloc();
     return false;
   }
-  row_capacity_ = n;
   return true;
 }
 
@@ -485,18 +511,10 @@ int64_t IdMap::lookup_or_insert(const int64_t* ids, int64_t n, int64_t* rows_out
   check_threads("lookup_or_insert", threads);
   if (n == 0) return 0;
 
-  // A fresh map (a restore, a table's first batch): every id misses, so a lookup phase would be a
-  // wasted pass; distinct ids are inserted on several threads.
-  const bool fresh = size_ == 0 && row_capacity_ == 0;
-  if (fresh && threads > 1 && n >= 2 * kMinIdsPerThread && insert_fresh(ids, n, threads)) {
-    parallel_for(n, threads, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) rows_out[i] = i;
-      if (is_new_out != nullptr) std::memset(is_new_out + b, 1, static_cast<size_t>(e - b));
-    });
-    return n;
-  }
   if (is_new_out != nullptr) std::memset(is_new_out, 0, static_cast<size_t>(n));
   int64_t num_new = 0;
+  // Into an empty map (a table's first batch) every id misses: a parallel lookup first would be
+  // a wasted pass.
   if (threads == 1 || n < 2 * kMinIdsPerThread || size_ == 0) {
     // One sequential pass; the same result as the two phases below. Hits are probed with local
     // copies of the table fields (stores to rows_out could alias the members), refreshed after

@@ -13,13 +13,13 @@
 // Thread safety: const methods may run concurrently with each other; any non-const call needs
 // exclusive access (the Python binding adds a reader/writer lock). Batch methods parallelise
 // internally (up to `threads` std::threads; batches below ~64K ids run on the calling thread).
-// lookup_or_insert parallelises its inserts only into a fresh map (a restore); elsewhere the new
-// ids are inserted by one thread, in batch order.
+// New ids are inserted by one thread, in batch order, except by load_distinct (a restore).
 //
 // Errors: every batch method throws std::invalid_argument for n < 0, threads < 1, or a null
 // pointer with n > 0 (n == 0 with null pointers is a no-op). Growth past 2^56 slots throws
 // std::length_error. If memory runs out (std::bad_alloc) in lookup_or_insert, the ids inserted
-// before that stay inserted; insert_with_rows and erase allocate before changing anything.
+// before that stay inserted; insert_with_rows and erase allocate before changing anything, and
+// load_distinct leaves the map empty.
 #ifndef RECSAVE_CORE_ID_MAP_H_
 #define RECSAVE_CORE_ID_MAP_H_
 
@@ -88,6 +88,12 @@ class IdMap {
   int64_t lookup_or_insert(const int64_t* ids, int64_t n, int64_t* rows_out, uint8_t* is_new_out,
                            int threads = 1);
 
+  // Restore into an empty map (no ids, no rows ever handed out; throws std::invalid_argument
+  // otherwise): ids[i] gets row i. Returns false, leaving the map empty, if an id repeats. Up to
+  // `threads` threads insert at once, each into its own range of slots; the caller caps
+  // `threads` at the cores it may use (every thread reads all n ids).
+  bool load_distinct(const int64_t* ids, int64_t n, int threads = 1);
+
   // Removes ids; rows_out (may be null) gets the freed row or -1 if absent (also for repeated
   // occurrences of an id within the batch: only the first removes). Returns the number removed.
   int64_t erase(const int64_t* ids, int64_t n, int64_t* rows_out);
@@ -137,10 +143,9 @@ class IdMap {
   // Removes `key`; returns its row or -1. Does not touch the free list.
   int64_t remove(int64_t key, uint64_t hash);
   int64_t allocate_row();
-  // lookup_or_insert into a fresh map (no ids, no rows ever handed out) on `threads` threads,
-  // assuming distinct ids: id i gets row i. Returns false, with the map fresh again, when an id
-  // repeats (the caller then takes the sequential path, which numbers repeats).
-  bool insert_fresh(const int64_t* ids, int64_t n, int threads);
+  // load_distinct's inserts on `parts` >= 2 threads into a map reserved for n ids; false (map
+  // cleared) when an id repeats.
+  bool insert_parts(const int64_t* ids, int64_t n, int64_t parts);
   void lookup_range(const int64_t* ids, int64_t n, int64_t* rows_out) const;
 
   std::unique_ptr<Slot, SlotFree> slots_;

@@ -480,25 +480,28 @@ int64_t id_with_slot_hash(uint64_t h) {
   return static_cast<int64_t>(unxorshift(h, 33));
 }
 
-// lookup_or_insert into a fresh map with threads > 1 inserts in parallel (slot ranges per
-// thread); it must give what the oracle gives, including ids whose probe runs past a range's end
-// or wraps, and repeated ids (which fall back to the sequential path).
-void test_fresh_parallel_insert() {
+// load_distinct (a restore) inserts on several threads, each into its own range of slots. It must
+// give ids[i] row i, including for ids whose probe runs past a range's end or wraps around the
+// array, and refuse repeated ids leaving the map empty.
+void test_load_distinct() {
   std::mt19937_64 rng(5);
-  const int64_t n = g_small ? 100000 : 600000;
+  const int64_t n = 300000;  // >= 8 * 32768: up to 8 parts
   const int64_t capacity = [&] {
     IdMap probe;
     probe.reserve(n);
     return probe.capacity();
   }();
   const int shift = 64 - (63 - __builtin_clzll(static_cast<uint64_t>(capacity)));
-  // 40 ids homed in the last 4 slots before each range boundary for 2 and 4 threads, and before
-  // the array's end: their probes must leave their range.
+  // 12 ids homed in the last 4 slots before every range boundary of 2, 3, 4 and 8 parts (and the
+  // array's end): their probes must leave their range.
   Vec crowded;
-  for (int64_t boundary : {capacity / 4, capacity / 2, capacity * 3 / 4, capacity}) {
-    for (int j = 0; j < 40; ++j) {
-      const uint64_t home = static_cast<uint64_t>(boundary - 1 - j % 4);
-      crowded.push_back(id_with_slot_hash((home << shift) | (rng() >> (64 - shift))));
+  for (int64_t parts : {2, 3, 4, 8}) {
+    for (int64_t k = 1; k <= parts; ++k) {
+      const int64_t boundary = k == parts ? capacity : capacity / parts * k;
+      for (int j = 0; j < 12; ++j) {
+        const uint64_t home = static_cast<uint64_t>(boundary - 1 - j % 4);
+        crowded.push_back(id_with_slot_hash((home << shift) | (rng() >> (64 - shift))));
+      }
     }
   }
   Vec distinct(static_cast<size_t>(n));
@@ -509,31 +512,39 @@ void test_fresh_parallel_insert() {
   repeated[static_cast<size_t>(n - 1)] = crowded[7];  // a repeat among the overflowing ids
   Vec repeated_early = distinct;
   repeated_early[static_cast<size_t>(n / 2)] = distinct[5];
+  Vec iota(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) iota[static_cast<size_t>(i)] = i;
 
-  for (const Vec* ids : {&distinct, &repeated, &repeated_early}) {
-    Oracle o;
-    Vec want_rows;
-    std::vector<uint8_t> want_new;
-    const int64_t want = o.lookup_or_insert(*ids, &want_rows, &want_new);
-    for (int threads : {1, 2, 3, 4, 8}) {
-      IdMap m;
-      Vec rows(static_cast<size_t>(n));
-      std::vector<uint8_t> is_new(static_cast<size_t>(n), 7);
-      CHECK_EQ(m.lookup_or_insert(ids->data(), n, rows.data(), is_new.data(), threads), want);
-      CHECK(rows == want_rows);
-      CHECK(is_new == want_new);
-      check_against_oracle(m, o);
-      Vec got(static_cast<size_t>(n));
-      m.lookup(ids->data(), n, got.data(), threads);
-      CHECK(got == want_rows);
-      // The map goes on as usual: the next new id takes the next row.
-      const int64_t extra = static_cast<int64_t>(rng());
-      int64_t row = -1;
-      m.lookup_or_insert(&extra, 1, &row, nullptr, threads);
-      CHECK_EQ(row, want);
+  for (int threads : {1, 2, 3, 4, 8}) {
+    IdMap m;
+    CHECK(m.load_distinct(distinct.data(), n, threads));
+    CHECK_EQ(m.size(), n);
+    CHECK_EQ(m.row_capacity(), n);
+    CHECK_EQ(m.free_rows(), int64_t{0});
+    Vec got(static_cast<size_t>(n));
+    m.lookup(distinct.data(), n, got.data(), threads);
+    CHECK(got == iota);
+    Items items = export_all(m);
+    CHECK(items.ids == distinct && items.rows == iota);
+    const int64_t extra = static_cast<int64_t>(rng());  // the map goes on as usual
+    int64_t row = -1;
+    m.lookup_or_insert(&extra, 1, &row, nullptr, threads);
+    CHECK_EQ(row, n);
+    CHECK_THROWS(std::invalid_argument, "not empty", m.load_distinct(distinct.data(), 1, threads));
+
+    for (const Vec* bad : {&repeated, &repeated_early}) {
+      IdMap r;
+      CHECK(!r.load_distinct(bad->data(), n, threads));
+      CHECK_EQ(r.size(), int64_t{0});
+      CHECK_EQ(r.row_capacity(), int64_t{0});
+      r.lookup(distinct.data(), n, got.data(), threads);
+      CHECK(std::all_of(got.begin(), got.end(), [](int64_t v) { return v == -1; }));
+      CHECK(r.load_distinct(distinct.data(), n, threads));  // usable again
     }
   }
-  CHECK(distinct.size() == static_cast<size_t>(n));
+  IdMap empty;
+  CHECK(empty.load_distinct(nullptr, 0, 4));
+  CHECK_THROWS(std::invalid_argument, "threads", empty.load_distinct(distinct.data(), 1, 0));
 }
 
 void test_hash_quality() {
@@ -591,19 +602,19 @@ void bench() {
     m.lookup_or_insert(ids.data(), n, rows.data(), is_new.data());
     report("lookup_or_insert, 4M new ids, from empty", seconds_since(t0));
   }
-  for (int threads : {2, 4}) {
+  for (int threads : {1, 2, 4}) {
     IdMap m;
-    m.reserve(n);
+    m.reserve(n);  // as a restore does before reading
     auto t0 = std::chrono::steady_clock::now();
-    m.lookup_or_insert(ids.data(), n, rows.data(), is_new.data(), threads);
-    std::string label = "lookup_or_insert, 4M new ids, reserved, threads=" + std::to_string(threads);
+    CHECK(m.load_distinct(ids.data(), n, threads));
+    std::string label = "load_distinct (restore), 4M ids, reserved, threads=" + std::to_string(threads);
     report(label.c_str(), seconds_since(t0));
   }
   IdMap m;
   m.reserve(n);
   auto t0 = std::chrono::steady_clock::now();
   m.lookup_or_insert(ids.data(), n, rows.data(), is_new.data());
-  report("lookup_or_insert, 4M new ids, reserved, threads=1", seconds_since(t0));
+  report("lookup_or_insert, 4M new ids, reserved", seconds_since(t0));
   const IdMap::Stats st = m.stats();
   std::printf("  table: %lld slots (load %.2f), mean probe %.3f\n",
               static_cast<long long>(st.capacity),
@@ -679,7 +690,7 @@ int main(int argc, char** argv) {
   test_determinism();
   test_growth_and_reserve();
   test_insert_with_rows();
-  test_fresh_parallel_insert();
+  test_load_distinct();
   test_hash_quality();
   if (g_failures > 0) {
     std::fprintf(stderr, "id_map_test: %d check(s) FAILED\n", g_failures);
