@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import ckptlist, contents, dist, knobs, loader, partition, torchio
+from . import ckptlist, contents, dist, knobs, loader, partition, threads, torchio
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UsageError
 from .errors import CorruptCheckpointError
 from .lock import WriterLock, hold as hold_writer_lock
@@ -290,18 +291,25 @@ class Saver:
         names = sorted(state.tables)
         # The next table's bucket order is computed while this one is written (two in memory at
         # most). Durable files are fsynced and renamed together when the block exits, before the
-        # commit point (format/commits.py).
-        with ThreadPoolExecutor(1, thread_name_prefix="recsave-order") as pool, DeferredCommits() as commits:
+        # commit point (format/commits.py). Plain threads (recsave/threads.py): an async save may
+        # be writing at interpreter exit.
+        with DeferredCommits() as commits:
             layout_of = knobs.carried(self._bucket_layout)
-            order = lambda k: pool.submit(layout_of, names[k], state.tables[names[k]], rank, world)  # noqa: E731
+            order = lambda k: threads.start(layout_of, names[k], state.tables[names[k]], rank, world,  # noqa: E731
+                                            name="recsave-order")
             upcoming = order(0) if names else None
-            for k, name in enumerate(names):
-                layout = upcoming.result()
-                upcoming = order(k + 1) if k + 1 < len(names) else None
-                table_part = self._write_table(ckpt_dir, layout, rank, len(part["files"]), commits)
-                rows[name] = layout.num_rows
-                part["files"].update(table_part["files"])
-                part["tensors"].update(table_part["tensors"])
+            try:
+                for k, name in enumerate(names):
+                    layout = upcoming.result()
+                    upcoming = order(k + 1) if k + 1 < len(names) else None
+                    table_part = self._write_table(ckpt_dir, layout, rank, len(part["files"]), commits)
+                    rows[name] = layout.num_rows
+                    part["files"].update(table_part["files"])
+                    part["tensors"].update(table_part["tensors"])
+            except BaseException:
+                if upcoming is not None:  # nothing reads the tables after the save returns
+                    futures_wait([upcoming])
+                raise
         part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank),
                                                           state.io_state, rank)
         return part, rows

@@ -223,3 +223,37 @@ def test_tables_with_the_tensor_id_map_save_async_like_sync(tmp_path):
     (_, va, sa), (_, vc, sc) = a.t.export(ids), c.t.export(ids)
     assert torch.equal(va, vc) and sa.keys() == sc.keys() == {"adagrad_acc"}
     assert torch.equal(sa["adagrad_acc"], sc["adagrad_acc"])
+
+
+EXIT_DURING_WRITE = """
+import sys, time, torch
+from recsave import HashTable, Saver
+table = HashTable(16, name="big")
+table.lookup(torch.arange(1_500_000, dtype=torch.int64) * 3, insert=True)
+model = torch.nn.ModuleDict({"big": table})
+saver = Saver(model, output_dir=sys.argv[1])
+saver.async_save("ckpt_1")
+time.sleep(float(sys.argv[2]))
+print("main thread ends", flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
+def test_a_write_running_when_the_script_ends_still_commits(tmp_path, delay):
+    """The script's main thread ends while the background write runs (early, in the middle, at
+    the fsyncs): Python joins the writer, which must still finish and commit (no executor may
+    refuse its work at shutdown)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "run")
+    env = dict(os.environ, RECSAVE_FSYNC="1", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", EXIT_DURING_WRITE, out, str(delay)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    with open(os.path.join(out, "checkpoint")) as f:
+        assert f.read().split() == ["ckpt_1"]
+    table = HashTable(16, name="big")
+    Saver(torch.nn.ModuleDict({"big": table}), output_dir=out).load()
+    assert len(table) == 1_500_000

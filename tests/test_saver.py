@@ -165,6 +165,26 @@ def test_durable_save_commits_every_table_file_or_none(tmp_path):
     assert_jobs_equal(job_state(fresh), state)
 
 
+def test_durable_save_fsyncs_the_table_files_together_after_writing_all(tmp_path, monkeypatch):
+    from recsave.format import commits as commits_mod
+
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=4)
+    seen = []
+    real_commit = commits_mod._commit
+
+    def spy(writer):
+        seen.append(sorted(os.listdir(out / "ckpt_4")))
+        real_commit(writer)
+    monkeypatch.setattr(commits_mod, "_commit", spy)
+    with recsave.knobs.override(fsync=True):
+        job.saver.save("ckpt_4")
+    assert len(seen) == len(TABLE_NAMES)  # one file per table, all committed by DeferredCommits
+    # When the first commit starts, every table's file is written (under its temporary name) and
+    # none is in place yet.
+    assert len(seen[0]) == len(TABLE_NAMES) and all(".tmp-" in f for f in seen[0])
+
+
 # ------------------------------------------------------------------------ checkpoint list, rotation
 def test_checkpoint_file_listing_and_max_keep(tmp_path):
     out = tmp_path / "run"

@@ -13,9 +13,12 @@ callers wait before anything that makes them part of a checkpoint (the index, th
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import wait as futures_wait
 from types import TracebackType
 from typing import Any, List, Optional, Type
+
+from .. import threads
 
 # Queued files committed at once when this many wait (each holds an open descriptor).
 MAX_QUEUED = 64
@@ -49,13 +52,33 @@ class DeferredCommits:
             self.wait()
 
     def wait(self) -> None:
-        """Commits every queued file; raises the first failure after all have finished."""
+        """Commits every queued file; raises the first failure after all have finished. An
+        interrupt while waiting still lets every queued commit finish before it propagates (no
+        file is renamed into place while the caller cleans up)."""
         queued, self._queued = self._queued, []
         if not queued:
             return
-        with ThreadPoolExecutor(min(len(queued), MAX_THREADS), thread_name_prefix="recsave-commit") as pool:
-            futures = [pool.submit(_commit, w) for w in queued]
-        first = next((e for e in (f.exception() for f in futures) if e is not None), None)
+        errors: List[Optional[BaseException]] = [None] * len(queued)
+        todo = iter(range(len(queued)))
+        take = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with take:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    _commit(queued[i])
+                except BaseException as exc:  # reported below, after every commit has finished
+                    errors[i] = exc
+
+        workers = [threads.start(worker, name="recsave-commit") for _ in range(min(len(queued), MAX_THREADS))]
+        try:
+            futures_wait(workers)
+        finally:
+            futures_wait(workers)
+        first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
 
