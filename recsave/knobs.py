@@ -48,8 +48,9 @@ _KNOBS: Dict[str, tuple] = {
     "io_retry_max_s": ("RECSAVE_IO_RETRY_MAX_S", 10.0, float),
     # Seconds after its last renewal that a writer lock of an output dir counts as abandoned.
     "writer_lease_s": ("RECSAVE_WRITER_LEASE_S", 3600.0, float),
-    # Seconds a remote writer lock's release at garbage collection / interpreter exit may take
-    # (one attempt, no retries) before it is given up and left to be taken over as stale.
+    # Seconds interpreter exit (or a new acquire of the same lock) waits for a remote writer lock's
+    # release by a collected Saver (one attempt, no retries) before leaving it to be taken over
+    # as stale.
     "lock_release_timeout_s": ("RECSAVE_LOCK_RELEASE_TIMEOUT_S", 10.0, float),
     # Back large table storage with transparent huge pages (madvise): fewer TLB misses on random
     # row access (lookups, the bucket-order gather of a save).

@@ -2,9 +2,9 @@
 
 The file holds JSON ``{"host", "pid", "token", "acquired_at", "renewed_at"}`` (times in seconds since
 the epoch). A Saver takes it on its first save (rank 0 only), renews it on every save and releases it
-when closed, garbage-collected or at interpreter exit (those two are bounded: one attempt on a
-helper thread, given up after ``lock_release_timeout_s``, so a gone endpoint cannot hang the
-interpreter's exit; the lock is then taken over as stale later). A lock is stale, and taken over with a
+when closed, garbage-collected or at interpreter exit (those two make one attempt, on a helper
+thread for remote storage; exit waits for it at most ``lock_release_timeout_s``, so a gone
+endpoint cannot hang the interpreter; the lock is then taken over as stale later). A lock is stale, and taken over with a
 warning, when its process is dead on this host or when it was not renewed for ``writer_lease_s``
 seconds. Locally the file is created with O_EXCL; on object stores (no exclusive create) the lock is
 written and read back, which is best effort.
@@ -58,6 +58,7 @@ class WriterLock:
         if self.held:
             self.renew()
             return
+        _wait_for_release(self.path)  # a collected Saver of this process may be releasing it
         self.storage.makedirs(self.output_dir)
         now = time.time()
         self._acquired_at = now
@@ -193,24 +194,51 @@ def _release_now(storage: Storage, path: str, token: str) -> bool:
         return False
 
 
-def _release(storage: Storage, path: str, token: str) -> None:
-    """The finalizer (garbage collection, interpreter exit): one attempt, bounded in time.
+# Remote releases still running, by lock path: a new acquire() of the same path waits for them.
+_releasing: Dict[str, threading.Thread] = {}
 
-    On remote storage it runs on a daemon thread, which this thread waits for at most
-    ``lock_release_timeout_s``: with the endpoint gone, botocore's timeouts times io_retries could
-    block exit for minutes, and a collection that happens on fsspec's own event-loop thread would
-    otherwise wait on itself."""
+
+def _release(storage: Storage, path: str, token: str) -> None:
+    """The finalizer (garbage collection, interpreter exit): one attempt (no io_retries).
+
+    On remote storage it runs on a daemon thread: a collection does not wait for it (it may run
+    on any thread, fsspec's event-loop thread included, whose I/O the release needs), and
+    interpreter exit waits at most ``lock_release_timeout_s`` (with the endpoint gone, botocore's
+    timeouts could otherwise block exit for minutes)."""
     if storage.is_local:
         _release_now(storage, path, token)
         return
 
     def once() -> None:
-        with knobs.override(io_retries=0):
-            _release_now(storage, path, token)
+        try:
+            with knobs.override(io_retries=0):
+                _release_now(storage, path, token)
+        finally:
+            if _releasing.get(path) is threading.current_thread():
+                del _releasing[path]
 
     worker = threading.Thread(target=once, name="recsave-lock-release", daemon=True)
-    worker.start()
-    worker.join(max(0.0, float(knobs.get("lock_release_timeout_s"))))
+    _releasing[path] = worker
+    try:
+        worker.start()
+    except RuntimeError:  # no new threads at this point of shutdown (Python 3.12.0-3.12.2)
+        _releasing.pop(path, None)
+        with knobs.override(io_retries=0):
+            _release_now(storage, path, token)
+        return
+    if getattr(weakref.finalize, "_shutdown", False):  # running from the interpreter's exit
+        worker.join(_release_timeout_s())
+
+
+def _wait_for_release(path: str) -> None:
+    """Waits (bounded) for a release of `path` still running on its thread."""
+    worker = _releasing.get(path)
+    if worker is not None:
+        worker.join(_release_timeout_s())
+
+
+def _release_timeout_s() -> float:
+    return max(0.0, float(knobs.get("lock_release_timeout_s")))
 
 
 def hold(current: Optional[WriterLock], storage: Storage, output_dir: str) -> Optional[WriterLock]:

@@ -215,3 +215,29 @@ def test_two_lock_objects_race_for_one_dir(tmp_path):
     b.acquire()
     b.release()
     assert not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+def test_a_new_writer_waits_for_a_collected_savers_remote_release(monkeypatch):
+    """A collected Saver releases its remote lock on a helper thread without blocking the
+    collection; a new writer of the same dir in this process waits for that release instead of
+    finding this pid's lock and refusing."""
+    from recsave import lock as lock_mod
+
+    out = f"memory://recsave-lock-{uuid.uuid4().hex}/run"
+    storage = get_storage(out)
+    first = WriterLock(storage, out)
+    first.acquire()
+    real = lock_mod._release_now
+
+    def slow_release(*args):
+        time.sleep(0.5)
+        return real(*args)
+    monkeypatch.setattr(lock_mod, "_release_now", slow_release)
+    started = time.monotonic()
+    first._finalizer()  # what garbage collection runs
+    assert time.monotonic() - started < 0.4  # the collection does not wait for the release
+    second = WriterLock(storage, out)
+    second.acquire()
+    assert json.loads(storage.read_bytes(second.path, 1 << 16))["token"] == second.token
+    second.release()
+    assert not storage.exists(second.path)

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -313,15 +314,19 @@ def test_exit_is_not_held_up_by_a_hung_endpoint(tmp_path):
             sys.stdin.read()
             """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=env, cwd=ROOT)
-        assert child.stdout.readline().strip() == "ready", child.stderr.read()
-        os.kill(server.pid, signal.SIGSTOP)
         try:
+            assert select.select([child.stdout], [], [], 120)[0], "the child did not get ready in 120 s"
+            assert child.stdout.readline().strip() == "ready", child.stderr.read()
+            os.kill(server.pid, signal.SIGSTOP)
             started = time.monotonic()
             child.stdin.close()
             assert child.wait(timeout=60) == 0, child.stderr.read()
             took = time.monotonic() - started
         finally:
             os.kill(server.pid, signal.SIGCONT)
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         assert took < 30, f"exit took {took:.1f} s with the endpoint hung"
         import s3fs
 
