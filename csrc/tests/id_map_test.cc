@@ -469,8 +469,6 @@ void test_insert_with_rows() {
   CHECK_EQ(big.row_capacity(), 2 * n - 1);
 }
 
-// Ids that all share one `mix64(id) % 4096` bucket (what one rank of a 4096-bucket job sees),
-// plus structured ids, must still spread over the slots.
 // Inverse of the map's murmur3 fmix64 slot hash: the id whose slot hash is `h`.
 int64_t id_with_slot_hash(uint64_t h) {
   h = unxorshift(h, 33);
@@ -547,6 +545,8 @@ void test_load_distinct() {
   CHECK_THROWS(std::invalid_argument, "threads", empty.load_distinct(distinct.data(), 1, 0));
 }
 
+// Ids that all share one `mix64(id) % 4096` bucket (what one rank of a 4096-bucket job sees),
+// plus structured ids, must still spread over the slots.
 void test_hash_quality() {
   std::mt19937_64 rng(99);
   const int64_t n = g_small ? (1 << 16) : (1 << 20);
