@@ -91,6 +91,10 @@ def idmap_rows(args: argparse.Namespace, threads: int, batches: List[np.ndarray]
         return m
     rows.append(("insert new ids into a reserved map", n,
                  Measured(lambda fresh: fresh.lookup_or_insert(ids, threads), reps, reserved), "IdMap.reserve first"))
+    if hasattr(_C.IdMap, "load_distinct"):
+        rows.append(("restore: ids[i] -> row i into a reserved map", n,
+                     Measured(lambda fresh: fresh.load_distinct(ids, threads), reps, reserved),
+                     "IdMap.load_distinct (HashTable.prepare_load)"))
     m = filled()
     rows.append(("lookup present ids, random order", n, Measured(lambda _: m.lookup(shuffled, threads), reps),
                  "IdMap.lookup; the budget row"))
