@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from . import _C, ckptlist, knobs, torchio
-from .errors import RecsaveError
+from .errors import CorruptCheckpointError, RecsaveError
 from .format import index as index_mod
 from .format.reader import check_listed_file
 from .lock import hold as hold_writer_lock
@@ -97,8 +97,9 @@ def _verify_shard(src: CheckpointSource, fname: str) -> None:
                                                     dtype=np.uint8), value)
                     pos += n
                 if value != crc:
-                    raise RecsaveError(f"{path}: tensor {name!r}: CRC32C mismatch in bytes "
-                                       f"[{chunk['offset'] + b}, {chunk['offset'] + e})", path=path, key=name)
+                    raise CorruptCheckpointError(f"{path}: tensor {name!r}: CRC32C mismatch in bytes "
+                                                 f"[{chunk['offset'] + b}, {chunk['offset'] + e})",
+                                                 path=path, key=name)
 
 
 def collect_garbage(output_dir: str) -> List[str]:

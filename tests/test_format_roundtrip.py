@@ -162,8 +162,13 @@ def test_merge_rejects_conflicting_parts():
     a["tensors"]["x"] = {"dtype": "float32", "shape": [2, 3], "chunks": []}
     b = fmt.new_part(1)
     b["tensors"]["x"] = {"dtype": "float32", "shape": [2, 4], "chunks": []}
-    with pytest.raises(ValueError, match="differs between ranks"):
+    with pytest.raises(UsageError, match="differs between ranks"):  # also a ValueError
         fmt.merge_parts([a, b])
+    c = fmt.new_part(1)
+    a["files"]["sparse-0-0.safetensors"] = {"size": 8, "rank": 0}
+    c["files"]["sparse-0-0.safetensors"] = {"size": 8, "rank": 1}
+    with pytest.raises(UsageError, match="described by two index parts"):
+        fmt.merge_parts([a, c])
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import knobs
-from ..errors import CheckpointNotFoundError, FormatVersionError
+from ..errors import CheckpointNotFoundError, FormatVersionError, UsageError
 from ..version import __version__
 from . import checks
 from .dtypes import from_name
@@ -38,7 +38,9 @@ def merge_parts(parts: Sequence[Dict[str, Any]], *, step: Optional[int] = None,
     for part in ordered:
         for name, entry in part["files"].items():
             if name in files:
-                raise ValueError(f"file {name!r} is described by two index parts")
+                raise UsageError(f"file {name!r} is described by two index parts (ranks "
+                                 f"{files[name].get('rank')} and {part['rank']}); give each rank its own "
+                                 f"file names")
             files[name] = dict(entry)
         for name, entry in part["tensors"].items():
             merged = tensors.get(name)
@@ -48,8 +50,9 @@ def merge_parts(parts: Sequence[Dict[str, Any]], *, step: Optional[int] = None,
                 continue
             if merged["dtype"] != entry["dtype"] or merged["shape"][1:] != entry["shape"][1:] \
                     or not entry["shape"]:
-                raise ValueError(f"tensor {name!r} differs between ranks: {merged['dtype']} "
-                                 f"{merged['shape']} vs {entry['dtype']} {entry['shape']}")
+                raise UsageError(f"tensor {name!r} differs between ranks: {merged['dtype']} "
+                                 f"{merged['shape']} vs {entry['dtype']} {entry['shape']}; every rank "
+                                 f"must hold the table with the same dim and dtype", key=name)
             base = merged["shape"][0]
             for chunk in entry["chunks"]:
                 c = dict(chunk)
