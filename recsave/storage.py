@@ -223,20 +223,13 @@ class FsspecStorage(Storage):
 
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
-        """A stream that publishes `path` only when the block exits without error. A transient
-        failure of the upload is retried by discarding the upload and writing the bytes again: the
-        buffers handed to write() are kept (by reference, not copied) and MUST NOT change until the
-        block exits."""
-        stream = _ReplayingWriter(self, path)
-        ok = False
-        try:
-            yield stream  # type: ignore[misc]
-            ok = True
-        finally:
-            if ok:
-                stream.commit()
-            else:
-                stream.abort()
+        """A stream that publishes `path` only when the block exits without error. The buffers
+        handed to write() are kept (by reference, not copied) and uploaded by write_stream as the
+        block exits, which retries a transient failure by uploading them again: they MUST NOT
+        change until the block exits. Shard files use write_stream itself, which keeps nothing."""
+        pieces = _Pieces()
+        yield pieces  # type: ignore[misc]
+        self.write_stream(path, pieces.write_to)
 
     def write_stream(self, path: str, produce: Callable[[IO[bytes]], None]) -> None:
         attempts = max(0, int(knobs.get("io_retries"))) + 1
@@ -317,59 +310,20 @@ class _Upload:
             raise _UploadError() from exc
 
 
-class _ReplayingWriter:
-    """The file object of FsspecStorage.open_write: forwards writes to an fsspec upload and keeps
-    references to the written buffers, so that a transient failure can be retried by discarding
-    the upload and replaying them into a fresh one."""
+class _Pieces:
+    """The file object of FsspecStorage.open_write: keeps references to the written buffers."""
 
-    def __init__(self, storage: FsspecStorage, path: str):
-        self._st, self._path = storage, path
-        self._pieces: List[Any] = []
-        self._f = self._st._retry("opening for writing", path, lambda: storage._open_upload(path))
+    def __init__(self) -> None:
+        self._views: List[memoryview] = []
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._pieces.append(view)
-        self._guarded(lambda: self._f.write(view), replayed=True)
+        self._views.append(view)
         return len(view)
 
-    def commit(self) -> None:
-        self._guarded(lambda: self._f.close(), replayed=False)
-        self._f = None
-
-    def abort(self) -> None:
-        if self._f is not None:
-            self._st._discard(self._f, self._path)
-            self._f = None
-
-    def _guarded(self, op: Callable[[], Any], *, replayed: bool) -> None:
-        """Runs op on the current upload; on a transient failure restarts the upload from the first
-        byte (with backoff) and runs op again (unless restarting `replayed` it already), up to
-        io_retries times."""
-        attempts = max(0, int(knobs.get("io_retries"))) + 1
-        for attempt in range(1, attempts + 1):
-            try:
-                if attempt == 1:
-                    op()
-                else:
-                    self._restart()
-                    if not replayed:
-                        op()
-                return
-            except StorageError:
-                raise
-            except Exception as exc:  # classified below
-                transient = is_transient(exc) and not isinstance(exc, FileNotFoundError)
-                if not transient or attempt == attempts:
-                    self.abort()
-                    raise _failed(exc, self._path, "writing", attempt, transient=transient) from exc
-                time.sleep(backoff_s(attempt))
-
-    def _restart(self) -> None:
-        self._st._discard(self._f, self._path)
-        self._f = self._st._open_upload(self._path)
-        for piece in self._pieces:
-            self._f.write(piece)
+    def write_to(self, f: IO[bytes]) -> None:
+        for view in self._views:
+            f.write(view)
 
 
 def backoff_s(attempt: int) -> float:
