@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 import warnings
 import weakref
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, Optional
 
-from . import knobs
+from . import knobs, threads
 from .errors import CheckpointNotFoundError, WriterLockedError
 from .storage import Storage
 
@@ -194,8 +195,8 @@ def _release_now(storage: Storage, path: str, token: str) -> bool:
         return False
 
 
-# Remote releases still running, by lock path: a new acquire() of the same path waits for them.
-_releasing: Dict[str, threading.Thread] = {}
+# Remote releases started by finalizers, by lock path: a new acquire() of the path waits for it.
+_releasing: Dict[str, Future] = {}
 
 
 def _release(storage: Storage, path: str, token: str) -> None:
@@ -205,36 +206,23 @@ def _release(storage: Storage, path: str, token: str) -> None:
     on any thread, fsspec's event-loop thread included, whose I/O the release needs), and
     interpreter exit waits at most ``lock_release_timeout_s`` (with the endpoint gone, botocore's
     timeouts could otherwise block exit for minutes)."""
-    if storage.is_local:
-        _release_now(storage, path, token)
-        return
-
     def once() -> None:
-        try:
-            with knobs.override(io_retries=0):
-                _release_now(storage, path, token)
-        finally:
-            if _releasing.get(path) is threading.current_thread():
-                del _releasing[path]
-
-    worker = threading.Thread(target=once, name="recsave-lock-release", daemon=True)
-    _releasing[path] = worker
-    try:
-        worker.start()
-    except RuntimeError:  # no new threads at this point of shutdown (Python 3.12.0-3.12.2)
-        _releasing.pop(path, None)
         with knobs.override(io_retries=0):
             _release_now(storage, path, token)
+
+    if storage.is_local:
+        once()
         return
+    release = _releasing[path] = threads.start(once, name="recsave-lock-release", daemon=True)
     if getattr(weakref.finalize, "_shutdown", False):  # running from the interpreter's exit
-        worker.join(_release_timeout_s())
+        futures_wait([release], timeout=_release_timeout_s())
 
 
 def _wait_for_release(path: str) -> None:
-    """Waits (bounded) for a release of `path` still running on its thread."""
-    worker = _releasing.get(path)
-    if worker is not None:
-        worker.join(_release_timeout_s())
+    """Waits (bounded) for a finalizer's release of `path` that may still be running."""
+    release = _releasing.pop(path, None)
+    if release is not None:
+        futures_wait([release], timeout=_release_timeout_s())
 
 
 def _release_timeout_s() -> float:

@@ -14,9 +14,10 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
-def start(fn: Callable[..., T], *args: Any, name: str) -> "Future[T]":
-    """Runs ``fn(*args)`` on a new (non-daemon) thread; returns a Future of its result or error.
-    If no thread can be started (a shutting-down interpreter, a thread limit), runs it inline."""
+def start(fn: Callable[..., T], *args: Any, name: str, daemon: bool = False) -> "Future[T]":
+    """Runs ``fn(*args)`` on a new thread (by default one the interpreter's exit waits for);
+    returns a Future of its result or error. If no thread can be started (a shutting-down
+    interpreter, a thread limit), runs it inline."""
     future: "Future[T]" = Future()
 
     def run() -> None:
@@ -28,7 +29,7 @@ def start(fn: Callable[..., T], *args: Any, name: str) -> "Future[T]":
             future.set_exception(exc)
 
     try:
-        threading.Thread(target=run, name=name).start()
+        threading.Thread(target=run, name=name, daemon=daemon).start()
     except RuntimeError:
         run()
     return future

@@ -510,8 +510,8 @@ int64_t IdMap::lookup_or_insert(const int64_t* ids, int64_t n, int64_t* rows_out
   check_batch("lookup_or_insert", n, ids, rows_out, true);
   check_threads("lookup_or_insert", threads);
   if (n == 0) return 0;
-
   if (is_new_out != nullptr) std::memset(is_new_out, 0, static_cast<size_t>(n));
+
   int64_t num_new = 0;
   // Into an empty map (a table's first batch) every id misses: a parallel lookup first would be
   // a wasted pass.

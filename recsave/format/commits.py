@@ -76,8 +76,9 @@ class DeferredCommits:
         workers = [threads.start(worker, name="recsave-commit") for _ in range(min(len(queued), MAX_THREADS))]
         try:
             futures_wait(workers)
-        finally:
+        except BaseException:  # an interrupt: the started commits finish before it propagates
             futures_wait(workers)
+            raise
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
