@@ -34,7 +34,7 @@ test-cpp:
 	    csrc/core/shard_io.cc csrc/core/thread_pool.cc -o build/core_test && build/core_test
 
 demo: setup
-	$(PY) -m recsave.demo
+	$(PY) -m recsave.tools.demo
 
 # recsave against torch.save / DCP / safetensors / raw I/O on a >= 2 GB state, then the id map and
 # training-step benchmark (benchmarks/README.md; `pip install -e ".[bench]"` for compare.py --sweep's plot).

@@ -100,8 +100,8 @@ def run_load(method: str, spec: Dict[str, Any], layout: Layout, dest: Any) -> An
 
 def patch_saver_no_verify() -> List[int]:
     """Saver.load always verifies; for the checksum-overhead row, make the reads it does skip the
-    CRC (recsave.sources.read_tensors with verify=False). Returns a call counter: [0] = not applied."""
-    import recsave.sources as sources
+    CRC (recsave.load.sources.read_tensors with verify=False). Returns a call counter: [0] = not applied."""
+    import recsave.load.sources as sources
 
     calls = [0]
     original = getattr(sources, "read_tensors", None)

@@ -25,9 +25,9 @@ C.ensure_repo_on_path()
 import torch  # noqa: E402
 
 from recsave import HashTable, Saver  # noqa: E402
-from recsave.optim import SparseAdagrad  # noqa: E402
-from recsave.snapshot import Stager, capture  # noqa: E402
-from recsave import contents  # noqa: E402
+from recsave.tables.optim import SparseAdagrad  # noqa: E402
+from recsave.save.snapshot import Stager, capture  # noqa: E402
+from recsave.load import contents  # noqa: E402
 
 
 class Model(torch.nn.Module):

@@ -1,5 +1,5 @@
 """Hash-table benchmark: throughput of recsave's id map (ids/s) on one and two cores, and the time
-of a training step with a recsave.HashTable + recsave.optim sparse optimizer against
+of a training step with a recsave.HashTable + recsave.tables.optim sparse optimizer against
 torch.nn.Embedding (sparse and dense gradients) with torch's optimizers, on the same ids.
 
     python benchmarks/hashtable.py            # 4M-id map; 4096 x 26 zipf batches over 4M ids
@@ -122,7 +122,7 @@ def idmap_rows(args: argparse.Namespace, threads: int, batches: List[np.ndarray]
         rows.append(("reference: np.searchsorted over sorted ids, random order", n,
                      Measured(lambda _: np.searchsorted(keys, shuffled), reps), "static array, no inserts"))
     try:  # the torch-ops map (for tables on accelerators), where this checkout has it
-        from recsave.idmap import TensorIdMap
+        from recsave.tables.idmap import TensorIdMap
         tm = TensorIdMap("cpu")
         tm.lookup_or_insert(torch.from_numpy(ids))
         rows.append(("reference: recsave TensorIdMap (torch ops) lookup, zipf batches", batch_ids,

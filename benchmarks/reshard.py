@@ -3,7 +3,7 @@
     python benchmarks/reshard.py [--size-gb 0.5] [--quick]
 
 Builds a sparse state of two tables (ids + embedding + one optimizer slot) split over the ranks by
-recsave.partition, then measures in one run:
+recsave.tables.partition, then measures in one run:
   * save and load throughput with 1, 2 and 4 ranks (total bytes / slowest rank's time);
   * per-rank bytes read / sparse bytes of the checkpoint when 4 ranks' checkpoint is loaded by
     3 and by 2 ranks (goal: <= 1/M + 5 %).
@@ -32,7 +32,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from recsave import HashTable, Saver, knobs, partition
-    from recsave.optim import SparseAdagrad
+    from recsave.tables.optim import SparseAdagrad
 
     dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
                             world_size=args.world, timeout=datetime.timedelta(seconds=600))

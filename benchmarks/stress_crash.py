@@ -54,12 +54,12 @@ import _common as C  # noqa: E402  (benchmarks/_common.py)
 import torch  # noqa: E402
 
 import recsave  # noqa: E402
-import recsave.ckptlist  # noqa: E402
+import recsave.format.ckptlist  # noqa: E402
 import recsave.format.index  # noqa: E402
 import recsave.format.writer  # noqa: E402
-import recsave.saver  # noqa: E402
-import recsave.storage  # noqa: E402
-import recsave.torchio  # noqa: E402
+import recsave.save.saver  # noqa: E402
+import recsave.storage.backends  # noqa: E402
+import recsave.format.torchio  # noqa: E402
 
 from helpers import assert_jobs_equal, job_state, make_job  # noqa: E402
 
@@ -72,14 +72,14 @@ MAX_KEEP = 2
 # `from ... import`, which must be patched too)
 TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.format.writer.write_shards": (recsave.format.writer, "write_shards",
-                                           [(recsave.saver, "write_shards")]),
-    "recsave.torchio.save": (recsave.torchio, "save", []),
-    "recsave.torchio.save_bytes": (recsave.torchio, "save_bytes", []),
+                                           [(recsave.save.saver, "write_shards")]),
+    "recsave.format.torchio.save": (recsave.format.torchio, "save", []),
+    "recsave.format.torchio.save_bytes": (recsave.format.torchio, "save_bytes", []),
     "recsave.format.index.write": (recsave.format.index, "write", []),
-    "recsave.ckptlist.write": (recsave.ckptlist, "write", []),
-    "recsave.ckptlist.collect_garbage": (recsave.ckptlist, "collect_garbage", []),
-    "recsave.storage.LocalStorage.write_atomic": (recsave.storage.LocalStorage, "write_atomic", []),
-    "recsave.storage.LocalStorage.remove_tree": (recsave.storage.LocalStorage, "remove_tree", []),
+    "recsave.format.ckptlist.write": (recsave.format.ckptlist, "write", []),
+    "recsave.format.ckptlist.collect_garbage": (recsave.format.ckptlist, "collect_garbage", []),
+    "recsave.storage.backends.LocalStorage.write_atomic": (recsave.storage.backends.LocalStorage, "write_atomic", []),
+    "recsave.storage.backends.LocalStorage.remove_tree": (recsave.storage.backends.LocalStorage, "remove_tree", []),
 }
 
 

@@ -1,13 +1,18 @@
-"""recsave: fast, safe checkpoints for recommender / CTR training in PyTorch."""
-from . import errors, knobs, partition
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
+"""recsave: fast, safe checkpoints for recommender / CTR training in PyTorch.
+
+The layers are subpackages (docs/ARCHITECTURE.md); this module re-exports the public API."""
+from recsave import _compat
+from recsave import errors
+from recsave import knobs
+from recsave.tables import partition
+from recsave.errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
                      FormatVersionError, RankFailedError, RecsaveError, ShapeMismatchError, StorageError,
                      UsageError, WriterLockedError)
-from .hashtable import HashTable, split_sparse_dense_state_dict
-from .manager import CheckpointManager
-from .report import LoadedItem, LoadReport
-from .saver import Saver
-from .version import __version__
+from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
+from recsave.manager import CheckpointManager
+from recsave.load.report import LoadedItem, LoadReport
+from recsave.save.saver import Saver
+from recsave.version import __version__
 
 __all__ = [
     "HashTable", "split_sparse_dense_state_dict", "Saver", "CheckpointManager", "LoadReport",
@@ -16,3 +21,5 @@ __all__ = [
     "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
     "RankFailedError",
 ]
+
+_compat.install()

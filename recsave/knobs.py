@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, Iterator, TypeVar
 
-from .errors import UsageError
+from recsave.errors import UsageError
 
 T = TypeVar("T")
 

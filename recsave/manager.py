@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import CheckpointNotFoundError, UsageError
-from . import loader
-from .report import LoadPlan, LoadReport
-from .saver import Saver
+from recsave.errors import CheckpointNotFoundError, UsageError
+from recsave.load import loader
+from recsave.load.report import LoadPlan, LoadReport
+from recsave.save.saver import Saver
 
 GLOBAL_STEP = "global_step"
 ASYNC_MODES = ("disabled", "async", "async_pinned")

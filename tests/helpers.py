@@ -15,7 +15,7 @@ import torch
 
 import recsave
 from recsave import CheckpointManager, HashTable, Saver
-from recsave.optim import SparseAdagrad
+from recsave.tables.optim import SparseAdagrad
 
 # One intra-op thread: float reductions then do not depend on the machine's core count or load, so
 # the parent test process and the child processes it launches compute bit-identical results (and tiny
@@ -234,7 +234,7 @@ def assert_jobs_equal(s1: Dict[str, Any], s2: Dict[str, Any]) -> None:
 
 def listing(path) -> List[str]:
     """Names in an output dir, without the writer lock file (held while a Saver lives)."""
-    from recsave.lock import LOCK_FILE
+    from recsave.storage.lock import LOCK_FILE
 
     return sorted(n for n in os.listdir(path) if n != LOCK_FILE)
 

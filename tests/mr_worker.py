@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import recsave
 from recsave import HashTable, Saver, partition
-from recsave.optim import SparseAdagrad
+from recsave.tables.optim import SparseAdagrad
 
 GLOBAL_IDS = 3000
 DIM = 6
@@ -91,8 +91,8 @@ def main():
                 if rank == 2 and scenario == "save_error":
                     raise OSError(28, "No space left on device (injected)")
                 return real(*args, **kwargs)
-            real = recsave.saver.write_shards
-            recsave.saver.write_shards = die
+            real = recsave.save.saver.write_shards
+            recsave.save.saver.write_shards = die
             try:
                 saver.save("ckpt_2")
             except (recsave.RecsaveError, OSError) as exc:

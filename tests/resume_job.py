@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import recsave.format.index  # noqa: E402
-import recsave.saver  # noqa: E402
-import recsave.torchio  # noqa: E402
+import recsave.save.saver  # noqa: E402
+import recsave.format.torchio  # noqa: E402
 
 from helpers import job_state, make_job  # noqa: E402
 
@@ -41,22 +41,22 @@ def _die() -> None:
 
 def install_kill_point(point: str) -> None:
     if point == "after_first_shard":
-        original = recsave.saver.write_shards
+        original = recsave.save.saver.write_shards
 
         def write_shards(*args, **kwargs):
             part = original(*args, **kwargs)
             _die()
             return part
-        recsave.saver.write_shards = write_shards
+        recsave.save.saver.write_shards = write_shards
     elif point == "after_model_pt":
-        original_save = recsave.torchio.save
+        original_save = recsave.format.torchio.save
 
         def save(storage, directory, fname, obj, rank):
             entry = original_save(storage, directory, fname, obj, rank)
             if fname == "model.pt":
                 _die()
             return entry
-        recsave.torchio.save = save
+        recsave.format.torchio.save = save
     elif point in ("before_index", "after_index"):
         original_write = recsave.format.index.write
 

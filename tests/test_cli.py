@@ -4,9 +4,9 @@ import os
 import pytest
 
 import recsave
-from recsave.cli import main
-from recsave.lock import LOCK_FILE, WriterLock
-from recsave.storage import LocalStorage
+from recsave.tools.cli import main
+from recsave.storage.lock import LOCK_FILE, WriterLock
+from recsave.storage.backends import LocalStorage
 
 from helpers import make_job
 
@@ -106,7 +106,7 @@ class _Tty:
 def test_progress_bar_draws_only_on_a_terminal():
     import io
 
-    from recsave.progress import Progress
+    from recsave.tools.progress import Progress
 
     tty = _Tty()
     p = Progress("verify", 200, unit=" B", stream=tty)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from recsave import HashTable, Saver
-from recsave.idmap import TensorIdMap
-from recsave.optim import SparseAdagrad
+from recsave.tables.idmap import TensorIdMap
+from recsave.tables.optim import SparseAdagrad
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

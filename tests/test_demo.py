@@ -5,7 +5,7 @@ import sys
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "recsave.demo", "--dir", str(tmp_path), "--steps", "60",
+    proc = subprocess.run([sys.executable, "-m", "recsave.tools.demo", "--dir", str(tmp_path), "--steps", "60",
                            "--kill-at", "55"], capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

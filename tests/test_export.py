@@ -1,4 +1,4 @@
-"""Parquet export (recsave.export.to_parquet), the Parquet table source (ParquetSource) and the
+"""Parquet export (recsave.tools.export.to_parquet), the Parquet table source (ParquetSource) and the
 `recsave export` command line."""
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from helpers import make_job, same_bits
 
 import recsave
 from recsave import format as fmt
-from recsave.cli import main
+from recsave.tools.cli import main
 from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
                             UsageError)
-from recsave.export import MANIFEST, ParquetSource, is_parquet_source, to_parquet
-from recsave.loadconf import TableInfo
-from recsave.partition import owner_of
-from recsave.storage import get_storage
+from recsave.tools.export import MANIFEST, ParquetSource, is_parquet_source, to_parquet
+from recsave.load.config import TableInfo
+from recsave.tables.partition import owner_of
+from recsave.storage.backends import get_storage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -359,7 +359,7 @@ def test_memory_urls(ckpt, tmp_path):
 # --------------------------------------------------------------------------------------- CLI
 def run_cli(*args):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "recsave.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "recsave.tools.cli", *args], capture_output=True, text=True,
                           env=env, timeout=120)
 
 

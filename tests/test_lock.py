@@ -15,8 +15,8 @@ import pytest
 
 from recsave import knobs
 from recsave.errors import RecsaveError, WriterLockedError
-from recsave.lock import LOCK_FILE, WriterLock
-from recsave.storage import LocalStorage, get_storage
+from recsave.storage.lock import LOCK_FILE, WriterLock
+from recsave.storage.backends import LocalStorage, get_storage
 
 from helpers import assert_jobs_equal, job_state, make_job
 
@@ -50,8 +50,8 @@ def _child(code: str, out: str, wait: bool = False) -> subprocess.Popen:
 
 
 TAKE_LOCK = """
-from recsave.lock import WriterLock
-from recsave.storage import LocalStorage
+from recsave.storage.lock import WriterLock
+from recsave.storage.backends import LocalStorage
 lock = WriterLock(LocalStorage(), sys.argv[1])
 lock.acquire()
 """
@@ -221,7 +221,7 @@ def test_a_new_writer_waits_for_a_collected_savers_remote_release(monkeypatch):
     """A collected Saver releases its remote lock on a helper thread without blocking the
     collection; a new writer of the same dir in this process waits for that release instead of
     finding this pid's lock and refusing."""
-    from recsave import lock as lock_mod
+    from recsave.storage import lock as lock_mod
 
     out = f"memory://recsave-lock-{uuid.uuid4().hex}/run"
     storage = get_storage(out)

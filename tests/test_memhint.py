@@ -1,11 +1,11 @@
-"""recsave.memhint: large table storage is backed by transparent huge pages where THP is madvise."""
+"""recsave.tables.memhint: large table storage is backed by transparent huge pages where THP is madvise."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from recsave import knobs
-from recsave.memhint import advise_hugepages
+from recsave.tables.memhint import advise_hugepages
 
 
 def _thp_mode() -> str:

@@ -4,7 +4,7 @@ import torch
 
 from recsave import CheckpointManager, HashTable, Saver
 from recsave.errors import ConfigError, ShapeMismatchError
-from recsave.optim import SparseAdagrad
+from recsave.tables.optim import SparseAdagrad
 
 from helpers import make_job, model_state, table_state
 
@@ -140,7 +140,7 @@ def test_bad_policy_values(tmp_path, key, value):
 @pytest.mark.parametrize("world", [1, 2])
 def test_bank_entry_from_a_parquet_export_warm_starts_tables(tmp_path, world, monkeypatch):
     from recsave import partition
-    from recsave.export import to_parquet
+    from recsave.tools.export import to_parquet
 
     src = trained_job(tmp_path / "src")
     to_parquet(str(tmp_path / "src"), str(tmp_path / "pq"))

@@ -1,4 +1,4 @@
-"""recsave.optim against torch's own sparse optimizers on nn.Embedding(sparse=True)."""
+"""recsave.tables.optim against torch's own sparse optimizers on nn.Embedding(sparse=True)."""
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from recsave.errors import ConfigError, UsageError
-from recsave.hashtable import HashTable
-from recsave.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseSGD
+from recsave.tables.hashtable import HashTable
+from recsave.tables.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseSGD
 
 DIM = 8
 ATOL = 1e-6

@@ -1,4 +1,4 @@
-"""recsave.partition and sharded HashTables (single process)."""
+"""recsave.tables.partition and sharded HashTables (single process)."""
 import os
 
 import pytest

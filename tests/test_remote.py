@@ -21,8 +21,8 @@ import fsspec
 import pytest
 
 from recsave import CorruptCheckpointError
-from recsave.lock import LOCK_FILE
-from recsave.storage import get_storage
+from recsave.storage.lock import LOCK_FILE
+from recsave.storage.backends import get_storage
 
 from helpers import assert_jobs_equal, job_state, make_job, same_bits, train
 
@@ -270,9 +270,9 @@ def test_resharding_load_reads_only_owned_buckets(remote, monkeypatch):
     from recsave.format import read_index
     from helpers import table_state
 
-    import recsave.saver
+    import recsave.save.saver
 
-    monkeypatch.setattr(recsave.saver, "MIN_SEGMENT_BYTES", 256)  # fine segments for these tiny tables
+    monkeypatch.setattr(recsave.save.saver, "MIN_SEGMENT_BYTES", 256)  # fine segments for these tiny tables
     out = f"{remote}/run"
     job = make_job(out)
     job.train(6)

@@ -1,4 +1,4 @@
-"""recsave.idmap.TensorIdMap (the torch-ops map CUDA tables use) against the dict reference and the
+"""recsave.tables.idmap.TensorIdMap (the torch-ops map CUDA tables use) against the dict reference and the
 C++ map, run here on the CPU; and HashTable training with either map giving identical tables."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from recsave import HashTable, knobs
 from recsave.errors import UsageError
-from recsave.idmap import CpuIdMap, TensorIdMap, make_id_map
-from recsave.optim import SparseAdagrad
+from recsave.tables.idmap import CpuIdMap, TensorIdMap, make_id_map
+from recsave.tables.optim import SparseAdagrad
 from test_idmap import EXTREMES, Oracle
 
 

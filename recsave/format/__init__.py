@@ -3,13 +3,13 @@
 `write_shards` / `read_tensors` go through the C++ engine; `recsave.format.oracle` is an independent
 pure-Python reader kept as the test oracle.
 """
-from .dtypes import DType, from_torch
-from .index import FORMAT_VERSION, INDEX_FILE, MAGIC, merge_parts, new_part
-from .index import read as read_index
-from .index import validate as validate_index
-from .index import write as write_index
-from .reader import read_tensors
-from .writer import RowSource, shard_file_name, write_shards
+from recsave.format.dtypes import DType, from_torch
+from recsave.format.index import FORMAT_VERSION, INDEX_FILE, MAGIC, merge_parts, new_part
+from recsave.format.index import read as read_index
+from recsave.format.index import validate as validate_index
+from recsave.format.index import write as write_index
+from recsave.format.reader import read_tensors
+from recsave.format.writer import RowSource, shard_file_name, write_shards
 
 __all__ = [
     "DType", "from_torch", "FORMAT_VERSION", "INDEX_FILE", "MAGIC", "merge_parts", "new_part",

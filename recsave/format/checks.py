@@ -6,7 +6,7 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from recsave.errors import CorruptCheckpointError
 
 MAX_NDIM = 32
 MAX_ELEMENT_BYTES = 1 << 62  # largest tensor byte size accepted, far above any real file

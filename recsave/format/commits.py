@@ -18,7 +18,7 @@ from concurrent.futures import wait as futures_wait
 from types import TracebackType
 from typing import Any, List, Optional, Type
 
-from .. import threads
+from recsave import threads
 
 # Queued files committed at once when this many wait (each holds an open descriptor).
 MAX_QUEUED = 64

@@ -6,7 +6,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..errors import CorruptCheckpointError, UsageError
+from recsave.errors import CorruptCheckpointError, UsageError
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from . import checks
-from .dtypes import BY_CODE, BY_NAME, DType
+from recsave.format import checks
+from recsave.format.dtypes import BY_CODE, BY_NAME, DType
 
 SHARD_FORMAT = "recsave.shard"
 _DTYPES_KEY = "recsave.dtypes"

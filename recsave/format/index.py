@@ -6,14 +6,14 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from .. import knobs
-from ..errors import CheckpointNotFoundError, FormatVersionError, UsageError
-from ..version import __version__
-from . import checks
-from .dtypes import from_name
+from recsave import knobs
+from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
+from recsave.version import __version__
+from recsave.format import checks
+from recsave.format.dtypes import from_name
 
 if TYPE_CHECKING:
-    from ..storage import Storage
+    from recsave.storage.backends import Storage
 
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1
@@ -228,7 +228,7 @@ def write(directory: str, index: Dict[str, Any], *, durable: Optional[bool] = No
           storage: Optional["Storage"] = None) -> str:
     """Writes `index` into `directory` atomically (temporary name + fsync + rename locally, one put
     on object stores). Returns its path."""
-    from ..storage import LocalStorage
+    from recsave.storage.backends import LocalStorage
 
     storage = storage or LocalStorage()
     path = storage.join(directory, INDEX_FILE)

@@ -11,12 +11,13 @@ from typing import Any, Dict, Iterable, List, Optional
 import numpy as np
 import torch
 
-from .. import _C, knobs
-from ..errors import CheckpointNotFoundError, ConfigError, UsageError
-from ..storage import Storage
-from . import checks, header
-from . import index as index_mod
-from .dtypes import BY_NAME
+from recsave import _C
+from recsave import knobs
+from recsave.errors import CheckpointNotFoundError, ConfigError, UsageError
+from recsave.storage.backends import Storage
+from recsave.format import checks, header
+from recsave.format import index as index_mod
+from recsave.format.dtypes import BY_NAME
 
 
 @dataclass

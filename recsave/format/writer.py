@@ -9,13 +9,14 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 import torch
 
-from .. import _C, knobs
-from ..errors import UsageError
-from ..storage import Storage
-from . import header
-from .commits import DeferredCommits
-from .dtypes import DType, from_torch
-from .index import FORMAT_VERSION, new_part
+from recsave import _C
+from recsave import knobs
+from recsave.errors import UsageError
+from recsave.storage.backends import Storage
+from recsave.format import header
+from recsave.format.commits import DeferredCommits
+from recsave.format.dtypes import DType, from_torch
+from recsave.format.index import FORMAT_VERSION, new_part
 
 
 @dataclass

@@ -16,8 +16,9 @@ from typing import List, Tuple
 
 import torch
 
-from . import _C, knobs
-from .errors import UsageError
+from recsave import _C
+from recsave import knobs
+from recsave.errors import UsageError
 
 DEFAULT_NUM_BUCKETS = 4096
 SCHEME = "mix64"

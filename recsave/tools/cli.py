@@ -20,8 +20,8 @@ import argparse
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .errors import RecsaveError
-from .version import __version__
+from recsave.errors import RecsaveError
+from recsave.version import __version__
 
 Handler = Callable[[argparse.Namespace], int]
 Arguments = Callable[[argparse.ArgumentParser], None]
@@ -84,11 +84,11 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("export", "export a checkpoint's tables to Parquet (one dataset per table)", _export_arguments)
 def _export(args: argparse.Namespace) -> int:
-    from .export import MANIFEST, to_parquet
-    from .storage import get_storage
+    from recsave.tools.export import MANIFEST, to_parquet
+    from recsave.storage.backends import get_storage
 
-    from .catalog import describe
-    from .progress import Progress
+    from recsave.tools.catalog import describe
+    from recsave.tools.progress import Progress
 
     tables = describe(args.ckpt)["tables"]
     bar = Progress("export", sum(t["rows"] for n, t in tables.items() if args.tables is None or n in args.tables),
@@ -132,7 +132,7 @@ def _age(seconds: float) -> str:
 
 @command("ls", "list the committed checkpoints of an output dir (step, size, age)", _output_dir_argument)
 def _ls(args: argparse.Namespace) -> int:
-    from .catalog import list_checkpoints
+    from recsave.tools.catalog import list_checkpoints
 
     entries = list_checkpoints(args.output_dir)
     if not entries:
@@ -147,7 +147,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 @command("inspect", "describe a checkpoint: tables, rows, dims, slots, shards, dense keys", _ckpt_argument)
 def _inspect(args: argparse.Namespace) -> int:
-    from .catalog import describe
+    from recsave.tools.catalog import describe
 
     d = describe(args.ckpt)
     print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}, "
@@ -164,9 +164,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 @command("verify", "check every file and checksum of a checkpoint (exit 0 intact, 1 damaged)", _ckpt_argument)
 def _verify(args: argparse.Namespace) -> int:
-    from .catalog import verify
+    from recsave.tools.catalog import verify
 
-    from .progress import Progress
+    from recsave.tools.progress import Progress
 
     bar: List[Progress] = []
     problems = verify(args.ckpt, progress=lambda n: bar[0].advance(n),
@@ -181,7 +181,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 @command("gc", "remove uncommitted leftovers of crashed saves from an output dir", _output_dir_argument)
 def _gc(args: argparse.Namespace) -> int:
-    from .catalog import collect_garbage
+    from recsave.tools.catalog import collect_garbage
 
     removed = collect_garbage(args.output_dir)
     print(f"removed {len(removed)} director{'y' if len(removed) == 1 else 'ies'}" +

@@ -35,12 +35,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
-from . import knobs, partition
-from .errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
+from recsave import knobs
+from recsave.tables import partition
+from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
                      RecsaveError, StorageError, UsageError)
-from .format.dtypes import BY_NAME
-from .loadconf import TableInfo
-from .storage import get_storage, is_url
+from recsave.format.dtypes import BY_NAME
+from recsave.load.config import TableInfo
+from recsave.storage.backends import get_storage, is_url
 
 MANIFEST = "recsave_export.json"
 FORMAT = "recsave.parquet"

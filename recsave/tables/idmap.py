@@ -17,8 +17,9 @@ from typing import Tuple
 
 import torch
 
-from . import _C, knobs
-from .errors import UsageError
+from recsave import _C
+from recsave import knobs
+from recsave.errors import UsageError
 
 # murmur3 fmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap).
 _FMIX_1 = 0xFF51AFD7ED558CCD - (1 << 64)

@@ -12,8 +12,9 @@ import shutil
 import time
 from typing import IO, Any, Callable, Iterator, List, Optional, TypeVar
 
-from . import _C, knobs
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from recsave import _C
+from recsave import knobs
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 
 T = TypeVar("T")
 

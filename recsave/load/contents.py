@@ -6,10 +6,10 @@ from typing import Any, Dict, Mapping, Tuple
 
 import torch
 
-from .errors import UsageError
-from .format import checks
-from .hashtable import HashTable, split_sparse_dense_state_dict
-from .loadconf import Contents, TableInfo
+from recsave.errors import UsageError
+from recsave.format import checks
+from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
+from recsave.load.config import Contents, TableInfo
 
 
 def model_state(model: torch.nn.Module) -> Tuple[Dict[str, HashTable], Dict[str, torch.Tensor]]:

@@ -7,12 +7,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import ckptlist, contents, partition, torchio
-from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from .format import index as index_mod
-from .format.reader import bytes_to_read, read_tensors
-from .loadconf import Contents
-from .storage import Storage, get_storage
+from recsave.format import ckptlist
+from recsave.load import contents
+from recsave.tables import partition
+from recsave.format import torchio
+from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from recsave.format import index as index_mod
+from recsave.format.reader import bytes_to_read, read_tensors
+from recsave.load.config import Contents
+from recsave.storage.backends import Storage, get_storage
 
 
 class CheckpointSource:
@@ -112,7 +115,7 @@ class ParquetBankSource:
     kind = "parquet"
 
     def __init__(self, path: str):
-        from .parquet import ParquetSource
+        from recsave.load.parquet import ParquetSource
 
         self._pq = ParquetSource(path)
         self.ckpt_dir = path
@@ -166,7 +169,7 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
                                           path=path)
         ckpt_dir = storage.join(path, ids[-1])
     else:
-        from .parquet import is_parquet_source
+        from recsave.load.parquet import is_parquet_source
 
         if is_parquet_source(path):
             return ParquetBankSource(path)

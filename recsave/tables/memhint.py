@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from . import knobs
+from recsave import knobs
 
 _MADV_HUGEPAGE = 14  # Linux
 _HUGE = 2 << 20

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .errors import ConfigError, ShapeMismatchError
+from recsave.errors import ConfigError, ShapeMismatchError
 
 CATEGORIES = ("*", "sparse", "dense", "extra", "sparse_opt", "io_state")
 ENTRY_KEYS = ("path", "load", "exclude", "strict", "oname", "hashtable_clear", "ignore_error", "skip",

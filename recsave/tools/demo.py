@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     run_dir, v2_dir = os.path.join(work, "ctr_v1"), os.path.join(work, "ctr_v2")
     started = time.time()
     try:
-        child = [sys.executable, "-m", "recsave.demo", "--dir", run_dir, "--steps", str(args.steps)]
+        child = [sys.executable, "-m", "recsave.tools.demo", "--dir", run_dir, "--steps", str(args.steps)]
         print(f"[1/3] training ctr_v1 with autosave every 50 steps into {run_dir}", flush=True)
         rc = subprocess.run(child + ["--stage", "train", "--kill-at", str(args.kill_at)]).returncode
         print(f"  training process ended with {'SIGKILL' if rc == -signal.SIGKILL else f'exit code {rc}'}; "

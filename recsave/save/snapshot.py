@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .devcopy import DeviceGather, PinnedPair
-from .format.writer import RowSource
-from .hashtable import HashTable
+from recsave.tables.devcopy import DeviceGather, PinnedPair
+from recsave.format.writer import RowSource
+from recsave.tables.hashtable import HashTable
 
 
 @dataclass

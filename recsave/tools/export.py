@@ -12,14 +12,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import _C, knobs
-from .errors import ConfigError, CorruptCheckpointError, UsageError
-from .format.reader import read_tensors
-from .loadconf import TableInfo
-from .storage import get_storage
-from .parquet import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, ParquetSource, _arrow_errors, _arrow_type,
+from recsave import _C
+from recsave import knobs
+from recsave.errors import ConfigError, CorruptCheckpointError, UsageError
+from recsave.format.reader import read_tensors
+from recsave.load.config import TableInfo
+from recsave.storage.backends import get_storage
+from recsave.load.parquet import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, ParquetSource, _arrow_errors, _arrow_type,
                       _dir_name, _Fs, _to_arrow, is_parquet_source)
-from .version import __version__
+from recsave.version import __version__
 
 __all__ = ["to_parquet", "ParquetSource", "is_parquet_source", "MANIFEST"]
 
@@ -36,7 +37,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}")
     if rows_per_file is not None and (type(rows_per_file) is not int or rows_per_file < 1):
         raise UsageError(f"rows_per_file must be a positive int or None, got {rows_per_file!r}")
-    from .sources import open_source  # not at import time: sources imports this module
+    from recsave.load.sources import open_source  # not at import time: sources imports this module
 
     src = open_source(ckpt)
     if getattr(src, "kind", "checkpoint") != "checkpoint":

@@ -11,17 +11,24 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import ckptlist, contents, dist, knobs, loader, partition, threads, torchio
-from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UsageError
-from .errors import CorruptCheckpointError
-from .lock import WriterLock, hold as hold_writer_lock
-from .format import index as index_mod
-from .format.commits import DeferredCommits
-from .format.writer import RowSource, write_shards
-from .loadconf import SPARSE_OPTIM
-from .report import LoadPlan, LoadReport
-from .snapshot import PinnedPair, SaveState, Stager, TableState, capture
-from .storage import Storage, get_storage
+from recsave.format import ckptlist
+from recsave.load import contents
+from recsave.storage import dist
+from recsave import knobs
+from recsave.load import loader
+from recsave.tables import partition
+from recsave import threads
+from recsave.format import torchio
+from recsave.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, UsageError
+from recsave.errors import CorruptCheckpointError
+from recsave.storage.lock import WriterLock, hold as hold_writer_lock
+from recsave.format import index as index_mod
+from recsave.format.commits import DeferredCommits
+from recsave.format.writer import RowSource, write_shards
+from recsave.load.config import SPARSE_OPTIM
+from recsave.load.report import LoadPlan, LoadReport
+from recsave.save.snapshot import PinnedPair, SaveState, Stager, TableState, capture
+from recsave.storage.backends import Storage, get_storage
 
 MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
 _STEP_ID = re.compile(r"ckpt_(\d+)\Z")

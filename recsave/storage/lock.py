@@ -22,9 +22,10 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, Optional
 
-from . import knobs, threads
-from .errors import CheckpointNotFoundError, WriterLockedError
-from .storage import Storage
+from recsave import knobs
+from recsave import threads
+from recsave.errors import CheckpointNotFoundError, WriterLockedError
+from recsave.storage.backends import Storage
 
 LOCK_FILE = ".recsave-writer.lock"
 MAX_LOCK_BYTES = 64 << 10

@@ -12,10 +12,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, knobs, partition
-from .idmap import flat_ids, make_id_map
-from .memhint import advise_hugepages
-from .errors import ShapeMismatchError, UsageError
+from recsave import _C
+from recsave import knobs
+from recsave.tables import partition
+from recsave.tables.idmap import flat_ids, make_id_map
+from recsave.tables.memhint import advise_hugepages
+from recsave.errors import ShapeMismatchError, UsageError
 
 _MIN_CAPACITY = 1024
 

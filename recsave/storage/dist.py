@@ -13,8 +13,8 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch.distributed as torch_dist
 
-from . import knobs
-from .errors import RankFailedError, RecsaveError, UsageError
+from recsave import knobs
+from recsave.errors import RankFailedError, RecsaveError, UsageError
 
 T = TypeVar("T")
 _groups: dict = {}

@@ -7,13 +7,16 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from . import _C, ckptlist, knobs, torchio
-from .errors import CorruptCheckpointError, RecsaveError
-from .format import index as index_mod
-from .format.reader import check_listed_file
-from .lock import hold as hold_writer_lock
-from .sources import CheckpointSource, open_source
-from .storage import get_storage
+from recsave import _C
+from recsave.format import ckptlist
+from recsave import knobs
+from recsave.format import torchio
+from recsave.errors import CorruptCheckpointError, RecsaveError
+from recsave.format import index as index_mod
+from recsave.format.reader import check_listed_file
+from recsave.storage.lock import hold as hold_writer_lock
+from recsave.load.sources import CheckpointSource, open_source
+from recsave.storage.backends import get_storage
 
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:

@@ -9,10 +9,10 @@ from typing import Any, Dict
 
 import torch
 
-from . import _C
-from .errors import CorruptCheckpointError
-from .format.reader import check_listed_file
-from .storage import Storage
+from recsave import _C
+from recsave.errors import CorruptCheckpointError
+from recsave.format.reader import check_listed_file
+from recsave.storage.backends import Storage
 
 # A .pt file bigger than this is not a dense state recsave wrote; refuse before reading it.
 MAX_PT_BYTES = 64 << 30

@@ -4,9 +4,9 @@ from __future__ import annotations
 import re
 from typing import List
 
-from .errors import CorruptCheckpointError, UsageError
-from .format.checks import is_plain_name
-from .storage import Storage
+from recsave.errors import CorruptCheckpointError, UsageError
+from recsave.format.checks import is_plain_name
+from recsave.storage.backends import Storage
 
 LIST_FILE = "checkpoint"
 MAX_LIST_BYTES = 16 << 20

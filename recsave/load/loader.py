@@ -9,16 +9,18 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import contents, dist, loadconf
-from .errors import ConfigError
-from .hashtable import HashTable
-from .loadconf import SPARSE_OPTIM, Plan
-from .report import LoadedItem, LoadPlan, LoadReport, PlannedItem
-from .devcopy import HostToDevice
-from .sources import open_source
+from recsave.load import contents
+from recsave.storage import dist
+from recsave.load import config as loadconf
+from recsave.errors import ConfigError
+from recsave.tables.hashtable import HashTable
+from recsave.load.config import SPARSE_OPTIM, Plan
+from recsave.load.report import LoadedItem, LoadPlan, LoadReport, PlannedItem
+from recsave.tables.devcopy import HostToDevice
+from recsave.load.sources import open_source
 
 if TYPE_CHECKING:
-    from .saver import Saver
+    from recsave.save.saver import Saver
 
 
 @dataclass

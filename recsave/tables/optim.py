@@ -16,8 +16,8 @@ from typing import Any, Callable, ClassVar, Dict, Iterable, Optional, Tuple, Uni
 
 import torch
 
-from .errors import ConfigError, UsageError
-from .hashtable import HashTable
+from recsave.errors import ConfigError, UsageError
+from recsave.tables.hashtable import HashTable
 
 __all__ = ["SparseOptimizer", "SparseSGD", "SparseAdagrad", "SparseAdam"]
 
