@@ -57,7 +57,7 @@ import recsave  # noqa: E402
 import recsave.format.ckptlist  # noqa: E402
 import recsave.format.index  # noqa: E402
 import recsave.format.writer  # noqa: E402
-import recsave.save.saver  # noqa: E402
+import recsave.save.pipeline  # noqa: E402
 import recsave.storage.backends  # noqa: E402
 import recsave.format.torchio  # noqa: E402
 
@@ -72,7 +72,7 @@ MAX_KEEP = 2
 # `from ... import`, which must be patched too)
 TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.format.writer.write_shards": (recsave.format.writer, "write_shards",
-                                           [(recsave.save.saver, "write_shards")]),
+                                           [(recsave.save.pipeline, "write_shards")]),
     "recsave.format.torchio.save": (recsave.format.torchio, "save", []),
     "recsave.format.torchio.save_bytes": (recsave.format.torchio, "save_bytes", []),
     "recsave.format.index.write": (recsave.format.index, "write", []),

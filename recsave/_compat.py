@@ -1,4 +1,4 @@
-"""Old module paths (before the layered layout of 0.3, see CHANGELOG.md) keep importing: each one
+"""Old module paths (before the layered layout, see CHANGELOG.md) keep importing: each one
 is an alias of the module that now holds its code, so ``import recsave.saver`` and
 ``recsave.saver.Saver`` still work and name the same objects."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ MOVED = {
     "recsave.loadconf": "recsave.load.config",
     "recsave.sources": "recsave.load.sources",
     "recsave.parquet": "recsave.load.parquet",
-    "recsave.loader": "recsave.load.loader",
+    "recsave.loader": "recsave.load.execute",
     "recsave.report": "recsave.load.report",
     "recsave.lock": "recsave.storage.lock",
     "recsave.dist": "recsave.storage.dist",

@@ -24,6 +24,9 @@ def _parse_bool(text: str) -> bool:
 _KNOBS: Dict[str, tuple] = {
     # Bytes covered by one CRC32C in a shard chunk; also the unit of parallel writes.
     "segment_bytes": ("RECSAVE_SEGMENT_BYTES", 4 << 20, int),
+    # Smallest checksum segment cut at a bucket boundary: a reader needing a bucket range reads at
+    # most one partial segment at each end, so this bounds the extra bytes of a reshard read.
+    "min_segment_bytes": ("RECSAVE_MIN_SEGMENT_BYTES", 64 << 10, int),
     # A rank starts a new shard file part once the current one holds this many bytes.
     "max_shard_bytes": ("RECSAVE_MAX_SHARD_BYTES", 4 << 30, int),
     # Threads of the C++ engine per file operation when the caller does not say.
@@ -33,6 +36,10 @@ _KNOBS: Dict[str, tuple] = {
     # Reader limits, enforced before allocating (docs/FORMAT.md).
     "max_header_bytes": ("RECSAVE_MAX_HEADER_BYTES", 100 << 20, int),
     "max_index_bytes": ("RECSAVE_MAX_INDEX_BYTES", 256 << 20, int),
+    # Durable shard files of a save queued for their fsync + rename before the queue is committed
+    # early (each holds an open descriptor), and how many of those commits run at once.
+    "max_queued_commits": ("RECSAVE_MAX_QUEUED_COMMITS", 64, int),
+    "commit_threads": ("RECSAVE_COMMIT_THREADS", 16, int),
     # Seconds a collective of a save / load waits for the other ranks before raising.
     "collective_timeout_s": ("RECSAVE_COLLECTIVE_TIMEOUT_S", 300.0, float),
     # Rows of a GPU table, or of any table saved to remote storage, are gathered and written in

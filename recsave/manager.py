@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from recsave.errors import CheckpointNotFoundError, UsageError
-from recsave.load import loader
-from recsave.load.report import LoadPlan, LoadReport
+from recsave.load.plan import LoadPlan
+from recsave.load.report import LoadReport
 from recsave.save.saver import Saver
 
 GLOBAL_STEP = "global_step"
@@ -25,7 +25,7 @@ class _StepState:
         step = state.get("global_step") if isinstance(state, dict) else None
         if not isinstance(step, int) or step < 0:
             raise UsageError(f"saved global_step {step!r} is not a non-negative int")
-        self._manager._global_step = step
+        self._manager.global_step = step
 
 
 class CheckpointManager:
@@ -95,7 +95,7 @@ class CheckpointManager:
             return ckpt_dir
         latest = saver.latest_checkpoint()
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
-                and ckpt_id not in saver._damaged:
+                and ckpt_id not in saver.damaged_checkpoints:
             return latest
         if self.async_mode == "disabled":
             return saver.save(ckpt_id)
@@ -147,9 +147,8 @@ class CheckpointManager:
         """Warm start: applies bank entries in order (the last entry wins a name). Entries with
         ``is_dynamic: True`` are remembered for update_model_bank()."""
         plan = self.saver.plan_model_bank(entries)
-        self.saver._wait_pending(consume=False)
-        report = loader.execute(self.saver, plan)
-        self._bank = (list(entries), _versions(plan))
+        report = self.saver.execute_plan(plan)
+        self._bank = (list(entries), plan.source_versions())
         return report
 
     def update_model_bank(self) -> Optional[LoadReport]:
@@ -160,19 +159,14 @@ class CheckpointManager:
             return None
         entries, loaded = self._bank
         plan = self.saver.plan_model_bank(entries)
-        current = _versions(plan)
+        current = plan.source_versions()
         changed = {i for i, entry in enumerate(entries)
                    if isinstance(entry, dict) and entry.get("is_dynamic") and current.get(i) != loaded.get(i)}
         names = {n for n, item in plan.items.items() if item.entry in changed}
         if not names:
             return None
-        report = loader.execute(self.saver, plan, only=names)
+        report = self.saver.execute_plan(plan, only=names)
         for i in changed:
             loaded[i] = current[i]
         return report
 
-
-def _versions(plan: LoadPlan) -> Dict[int, str]:
-    """Source version per entry index of a plan."""
-    ex = plan._execution
-    return {i: src.version for i, src in zip(ex.entry_of, ex.sources)}  # type: ignore[union-attr]

@@ -91,8 +91,8 @@ def main():
                 if rank == 2 and scenario == "save_error":
                     raise OSError(28, "No space left on device (injected)")
                 return real(*args, **kwargs)
-            real = recsave.save.saver.write_shards
-            recsave.save.saver.write_shards = die
+            real = recsave.save.pipeline.write_shards
+            recsave.save.pipeline.write_shards = die
             try:
                 saver.save("ckpt_2")
             except (recsave.RecsaveError, OSError) as exc:

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import recsave.format.index  # noqa: E402
-import recsave.save.saver  # noqa: E402
+import recsave.save.pipeline  # noqa: E402
 import recsave.format.torchio  # noqa: E402
 
 from helpers import job_state, make_job  # noqa: E402
@@ -41,13 +41,13 @@ def _die() -> None:
 
 def install_kill_point(point: str) -> None:
     if point == "after_first_shard":
-        original = recsave.save.saver.write_shards
+        original = recsave.save.pipeline.write_shards
 
         def write_shards(*args, **kwargs):
             part = original(*args, **kwargs)
             _die()
             return part
-        recsave.save.saver.write_shards = write_shards
+        recsave.save.pipeline.write_shards = write_shards
     elif point == "after_model_pt":
         original_save = recsave.format.torchio.save
 

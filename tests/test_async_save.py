@@ -12,7 +12,7 @@ import torch
 
 from helpers import assert_jobs_equal, job_state, make_job
 from recsave import CheckpointManager, HashTable, Saver, knobs
-from recsave.save import saver as saver_mod
+from recsave.save import pipeline as saver_mod
 from recsave.errors import StorageError, UsageError
 from recsave.tables.optim import SparseAdagrad
 from test_faults import faulty, inject  # noqa: F401  (fixture)

@@ -57,9 +57,8 @@ def test_a_failed_commit_is_raised_after_the_others_finish(tmp_path):
     assert os.path.isdir(blocker) and os.listdir(blocker) == ["x"]
 
 
-def test_a_long_queue_is_committed_early(tmp_path, monkeypatch):
-    monkeypatch.setattr(commits_mod, "MAX_QUEUED", 2)
-    with DeferredCommits() as commits:
+def test_a_long_queue_is_committed_early(tmp_path):
+    with recsave.knobs.override(max_queued_commits=2), DeferredCommits() as commits:
         parts = [_write(tmp_path, commits, k) for k in range(3)]
         names = [next(iter(p["files"])) for p in parts]
         assert [os.path.exists(tmp_path / n) for n in names] == [True, True, False]

@@ -270,9 +270,7 @@ def test_resharding_load_reads_only_owned_buckets(remote, monkeypatch):
     from recsave.format import read_index
     from helpers import table_state
 
-    import recsave.save.saver
-
-    monkeypatch.setattr(recsave.save.saver, "MIN_SEGMENT_BYTES", 256)  # fine segments for these tiny tables
+    monkeypatch.setenv("RECSAVE_MIN_SEGMENT_BYTES", "256")  # fine segments for these tiny tables
     out = f"{remote}/run"
     job = make_job(out)
     job.train(6)

@@ -14,6 +14,7 @@ import torch
 from safetensors.numpy import load_file
 
 import recsave
+from recsave.save.pipeline import CheckpointWriter
 from recsave import CheckpointExistsError, CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
 from recsave import _C
 
@@ -136,7 +137,7 @@ def test_on_disk_file_set_and_shard_contents(tmp_path):
     assert io_state == {"reader": {"offset": 4}}
 
 
-def test_durable_save_commits_every_table_file_or_none(tmp_path):
+def test_durable_save_commits_every_table_file_or_none(tmp_path, monkeypatch):
     """With fsync on, a save's shard files are fsynced and renamed together before the index: a
     file that cannot be committed fails the save, which leaves no file of it behind."""
     out = tmp_path / "run"
@@ -147,13 +148,13 @@ def test_durable_save_commits_every_table_file_or_none(tmp_path):
         job.train(2)
         # The second table's file of the next save cannot be renamed into place.
         blocker = out / "ckpt_6" / "sparse-0-1.safetensors"
-        real_prepare = job.saver._prepare_dir
+        real_prepare = CheckpointWriter._prepare_dir
 
-        def prepare_then_block(ckpt_dir, ckpt_id):
-            real_prepare(ckpt_dir, ckpt_id)
+        def prepare_then_block(writer, ckpt_dir, ckpt_id):
+            real_prepare(writer, ckpt_dir, ckpt_id)
             blocker.mkdir(parents=True)
             (blocker / "x").write_bytes(b"x")
-        job.saver._prepare_dir = prepare_then_block
+        monkeypatch.setattr(CheckpointWriter, "_prepare_dir", prepare_then_block)
         with pytest.raises(recsave.RecsaveError, match="sparse-0-1.safetensors"):
             job.saver.save("ckpt_6")
     assert listing(out) == ["checkpoint", "ckpt_4"]

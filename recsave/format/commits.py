@@ -18,12 +18,7 @@ from concurrent.futures import wait as futures_wait
 from types import TracebackType
 from typing import Any, List, Optional, Type
 
-from recsave import threads
-
-# Queued files committed at once when this many wait (each holds an open descriptor).
-MAX_QUEUED = 64
-# fsyncs in flight together.
-MAX_THREADS = 16
+from recsave import knobs, threads
 
 
 def _commit(writer: Any) -> None:
@@ -48,7 +43,7 @@ class DeferredCommits:
     def submit(self, writer: Any) -> None:
         """Queues `writer`'s commit (it must have been written completely)."""
         self._queued.append(writer)
-        if len(self._queued) >= MAX_QUEUED:
+        if len(self._queued) >= knobs.get("max_queued_commits"):
             self.wait()
 
     def wait(self) -> None:
@@ -73,7 +68,8 @@ class DeferredCommits:
                 except BaseException as exc:  # reported below, after every commit has finished
                     errors[i] = exc
 
-        workers = [threads.start(worker, name="recsave-commit") for _ in range(min(len(queued), MAX_THREADS))]
+        count = min(len(queued), knobs.get("commit_threads"))
+        workers = [threads.start(worker, name="recsave-commit") for _ in range(count)]
         try:
             futures_wait(workers)
         except BaseException:  # an interrupt: the started commits finish before it propagates

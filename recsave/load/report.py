@@ -50,39 +50,3 @@ class LoadReport:
         return (f"loaded {parts} from {', '.join(self.checkpoints) or '-'}: {self.rows_read} rows, "
                 f"{self.bytes_read / 1e6:.1f} MB read; skipped {len(self.skipped)}, missing "
                 f"{len(self.missing)}, unexpected {len(self.unexpected)}")
-
-
-@dataclass
-class PlannedItem:
-    category: str
-    checkpoint: str          # source checkpoint (or Parquet export)
-    source: str              # name in the source
-    entry: int               # index of the bank entry that provides it (the last one wins)
-    rows: int = 0
-    nbytes: int = 0
-
-
-@dataclass
-class LoadPlan:
-    """A dry run of a load / model bank: what each model name will get, from where, at what cost.
-    Nothing is read but indexes and metadata; executing the plan does exactly this."""
-
-    items: Dict[str, PlannedItem] = field(default_factory=dict)
-    left_initialised: List[str] = field(default_factory=list)   # model names no entry provides
-    skipped: List[str] = field(default_factory=list)
-    missing: List[str] = field(default_factory=list)
-    unexpected: List[str] = field(default_factory=list)
-    checkpoints: List[str] = field(default_factory=list)        # per entry (skipped entries: "")
-    rows: int = 0
-    nbytes: int = 0
-    _execution: Optional[object] = field(default=None, repr=False, compare=False)
-
-    def __str__(self) -> str:
-        lines = [f"{'name':32} {'category':10} {'entry':>5} {'rows':>10} {'MB':>9}  source"]
-        for name, it in sorted(self.items.items()):
-            lines.append(f"{name:32} {it.category:10} {it.entry:>5} {it.rows:>10} {it.nbytes / 1e6:>9.2f}  "
-                         f"{it.checkpoint}:{it.source}")
-        lines.append(f"total: {len(self.items)} names, {self.rows} rows, {self.nbytes / 1e6:.2f} MB to read")
-        if self.left_initialised:
-            lines.append(f"left initialised: {', '.join(self.left_initialised)}")
-        return "\n".join(lines)

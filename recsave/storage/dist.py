@@ -46,7 +46,7 @@ def collective(world_size: int) -> bool:
 def recsave_group():
     """recsave's gloo group (CPU object collectives even when the default backend is NCCL)."""
     timeout = datetime.timedelta(seconds=float(knobs.get("collective_timeout_s")))
-    key = (id(torch_dist.distributed_c10d._get_default_group()), timeout)
+    key = (id(torch_dist.group.WORLD), timeout)  # the default group: a new init gets a new group
     if key not in _groups:
         _groups[key] = torch_dist.new_group(backend="gloo", timeout=timeout)
     return _groups[key]

@@ -29,12 +29,12 @@ class _Lookup(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, table: "HashTable", rows: torch.Tensor) -> torch.Tensor:
         ctx.table = table
         ctx.save_for_backward(rows)
-        return table._gather(rows)
+        return table._gather(rows)  # noqa: SLF001 (the table's own autograd Function, same module)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:
         (rows,) = ctx.saved_tensors
-        ctx.table._accumulate_grad(rows, grad)
+        ctx.table._accumulate_grad(rows, grad)  # noqa: SLF001 (as above)
         return None, None, None
 
 

@@ -1,0 +1,152 @@
+"""Carry out a LoadPlan: read and apply what each entry wins, tables first, then slot-only merges,
+dense parameters, extras and io states."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Set
+
+import torch
+
+from recsave.errors import ConfigError
+from recsave.load import contents
+from recsave.load.config import SPARSE_OPTIM, Plan
+from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
+from recsave.load.report import LoadedItem, LoadReport
+from recsave.tables.devcopy import HostToDevice
+from recsave.tables.hashtable import HashTable
+
+
+def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
+    """Carries out a plan from plan_entries (optionally only for the model names in `only`)."""
+    ex = plan.resolved
+    if ex is None:
+        raise ConfigError("this LoadPlan was not made by plan_model_bank / plan_entries")
+    tables, dense = contents.model_state(target.model)
+    won = [{n: v for n, v in w.items() if only is None or n in only} for w in ex.won]
+    report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
+                        missing=list(plan.missing), unexpected=list(plan.unexpected))
+    report.step = ex.sources[-1].step if ex.sources else None
+    # Small files first: they are verified before any table changes.
+    pt_files = [_read_pt_files(s, w) for s, w in zip(ex.sources, won)]
+    for slots_only in (False, True):
+        for src, p, w in zip(ex.sources, ex.plans, won):
+            _apply_tables(target, tables, src, p, w, ex.rank, ex.world, plan, report, slots_only)
+    for src, w, files in zip(ex.sources, won, pt_files):
+        _apply_small(target, dense, src, w, files, ex.rank, ex.world, plan, report)
+    rows_per_table: Dict[str, int] = {}
+    for name, item in report.loaded.items():
+        if item.category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM:
+            rows_per_table[name.partition("@")[0]] = item.rows
+    report.rows_read = sum(rows_per_table.values())
+    report.bytes_read = sum(it.nbytes for it in report.loaded.values())
+    return report
+
+
+def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
+    """Plans and executes config entries in order; the last entry wins a name."""
+    return execute(target, plan_entries(target, entries, **kwargs))
+
+
+def _read_pt_files(src: Any, won: Won) -> Dict[str, Any]:
+    files: Dict[str, Any] = {}
+    if any(cat == "dense" for cat, _ in won.values()):
+        files["model"] = src.read_pt("model.pt")
+    if any(cat == "extra" or name == SPARSE_OPTIM for name, (cat, _) in won.items()):
+        files["extra"] = src.read_pt("extra.pt")
+    return files
+
+
+def _fit(values: torch.Tensor, table: HashTable, ids: torch.Tensor, column: str) -> torch.Tensor:
+    """Applies the entry's dim policy (checked in planning): truncate, or pad with the values new
+    rows would get (the table's initialiser for embeddings, the slot's init value for slots)."""
+    dim = table.embedding_dim
+    if values.shape[1] > dim:
+        return values[:, :dim]
+    if values.shape[1] < dim:
+        if column == "embedding":
+            out = table.initial_rows(ids).to(values.dtype)
+        else:
+            out = torch.full((values.shape[0], dim), table.slot_init(column), dtype=values.dtype)
+        out[:, :values.shape[1]] = values
+        return out
+    return values
+
+
+def _apply_tables(target: LoadTarget, tables: Dict[str, HashTable], src: Any, plan: Plan, won: Won,
+                  rank: int, world: int, load_plan: LoadPlan, report: LoadReport, slots_only: bool) -> None:
+    for table_name, (src_table, columns) in sorted(table_columns(won).items()):
+        has_embedding = "embedding" in columns
+        if has_embedding == slots_only:
+            continue
+        table = tables[table_name]
+        if world > 1:
+            table.set_partition(rank, world, src.num_buckets)
+        if has_embedding and _load_in_place(target, table, src, src_table, columns, plan, rank, world):
+            loaded_rows = len(table)
+        else:
+            ids, data = src.read_table(src_table, list(columns.values()), rank, world, target.concurrency)
+            values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
+            slot_values = {c: v for c, v in values.items() if c != "embedding"}
+            if has_embedding:
+                table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear)
+                loaded_rows = ids.numel()
+            else:
+                loaded_rows = table.set_slot_rows(ids, slot_values)
+        for column in columns:
+            name = table_name if column == "embedding" else f"{table_name}@{column}"
+            planned = load_plan.items[name]
+            report.loaded[name] = LoadedItem(won[name][0], src.ckpt_dir, won[name][1], loaded_rows,
+                                             planned.nbytes)
+
+
+def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],
+                   plan: Plan, rank: int, world: int) -> bool:
+    """The restore fast path: a cleared CPU table whose shape and dtype match reads the checkpoint
+    straight into its storage (no second copy of the table in memory). False: use the general path."""
+    info = src.contents.tables.get(src_table)
+    if (not plan.conf.hashtable_clear or src.kind != "checkpoint" or info is None
+            or info.dim != table.embedding_dim or info.dtype != contents.dtype_name(table.dtype)):
+        return False
+    threads = target.concurrency
+    ids, _ = src.read_table(src_table, [], rank, world, threads)
+
+    def fill(views: Dict[str, torch.Tensor]) -> None:
+        if all(v.device.type == "cpu" for v in views.values()):
+            src.read_table(src_table, [columns[c] for c in columns], rank, world, threads,
+                           out={columns[c]: views[c] for c in columns}, with_ids=False)
+            return
+        with HostToDevice() as h2d:  # column k+1 is read while column k is copied to the device
+            for column, view in views.items():
+                host = h2d.buffer(view)
+                src.read_table(src_table, [columns[column]], rank, world, threads,
+                               out={columns[column]: host}, with_ids=False)
+                h2d.copy(view, host)
+
+    # The columns are read while the id map is rebuilt from the ids.
+    return table.prepare_load(ids, list(columns), fill) is not None
+
+
+def _apply_small(target: LoadTarget, dense: Dict[str, torch.Tensor], src: Any, won: Won,
+                 files: Dict[str, Any], rank: int, world: int, load_plan: LoadPlan,
+                 report: LoadReport) -> None:
+    if "extra" in files:
+        target.extra_data.update(files["extra"])
+    io_data = None
+    for name, (cat, source) in sorted(won.items()):
+        if cat == "dense":
+            with torch.no_grad():
+                dense[name].copy_(files["model"][source])
+        elif cat == "extra" or name == SPARSE_OPTIM:
+            target.extras[name].load_state_dict(files["extra"][source])
+        elif cat == "io_state":
+            saved = src.io_state_count
+            if io_data is None:
+                ranks = range(saved) if saved != world else [rank]
+                io_data = [src.read_pt(f"io_state_{r}.pt") for r in ranks]
+            obj = target.io_states[name]
+            if saved != world:
+                obj.load_io_states([d[source] for d in io_data], rank, world)
+            else:
+                obj.load_io_state(io_data[0][source])
+        else:
+            continue
+        report.loaded[name] = LoadedItem(cat, src.ckpt_dir, source, 0, load_plan.items[name].nbytes)

@@ -1,0 +1,175 @@
+"""Plan a load: resolve every config entry to a source (checkpoint or Parquet), match names
+(load/config.py), check shapes and compute rows and bytes, all before anything is modified. The
+result is a LoadPlan that load/execute.py carries out (docs/ARCHITECTURE.md, "A load")."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from recsave.errors import ConfigError
+from recsave.load import config, contents
+from recsave.load.config import SPARSE_OPTIM, Plan
+from recsave.load.sources import open_source
+from recsave.storage import dist
+
+Won = Dict[str, Tuple[str, str]]  # model name -> (category, name in the source), per entry
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """What a load writes into: the model and the objects registered with its Saver.
+
+    `extra_data` receives the extras read (what Saver.get_extra_data returns)."""
+    model: torch.nn.Module
+    extras: Mapping[str, Any]       # name -> object with state_dict / load_state_dict
+    io_states: Mapping[str, Any]    # name -> object with dump_io_state / load_io_state(s)
+    concurrency: int = 4
+    extra_data: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlannedItem:
+    category: str
+    checkpoint: str          # source checkpoint (or Parquet export)
+    source: str              # name in the source
+    entry: int               # index of the bank entry that provides it (the last one wins)
+    rows: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class ResolvedEntries:
+    """The entries of a plan as execute() needs them: opened sources, per-entry name plans and
+    the names each entry wins, for the ranks the plan was made for."""
+    rank: int
+    world: int
+    plans: List[Plan]
+    sources: List[Any]
+    won: List[Won]
+    entry_of: List[int]   # plan position -> index of its entry in the caller's list
+
+
+@dataclass
+class LoadPlan:
+    """A dry run of a load / model bank: what each model name will get, from where, at what cost.
+    Nothing is read but indexes and metadata; executing the plan does exactly this."""
+
+    items: Dict[str, PlannedItem] = field(default_factory=dict)
+    left_initialised: List[str] = field(default_factory=list)   # model names no entry provides
+    skipped: List[str] = field(default_factory=list)
+    missing: List[str] = field(default_factory=list)
+    unexpected: List[str] = field(default_factory=list)
+    checkpoints: List[str] = field(default_factory=list)        # per entry (skipped entries: "")
+    rows: int = 0
+    nbytes: int = 0
+    resolved: Optional[ResolvedEntries] = field(default=None, repr=False, compare=False)
+
+    def source_versions(self) -> Dict[int, str]:
+        """Version of each entry's source (by entry index); a source that committed a newer
+        checkpoint since has another version."""
+        if self.resolved is None:
+            return {}
+        return {i: src.version for i, src in zip(self.resolved.entry_of, self.resolved.sources)}
+
+    def __str__(self) -> str:
+        lines = [f"{'name':32} {'category':10} {'entry':>5} {'rows':>10} {'MB':>9}  source"]
+        for name, it in sorted(self.items.items()):
+            lines.append(f"{name:32} {it.category:10} {it.entry:>5} {it.rows:>10} {it.nbytes / 1e6:>9.2f}  "
+                         f"{it.checkpoint}:{it.source}")
+        lines.append(f"total: {len(self.items)} names, {self.rows} rows, {self.nbytes / 1e6:.2f} MB to read")
+        if self.left_initialised:
+            lines.append(f"left initialised: {', '.join(self.left_initialised)}")
+        return "\n".join(lines)
+
+
+def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard_id: Optional[int] = None,
+                 ckpt_id: Optional[str] = None, direct_path: bool = False,
+                 require_path: bool = False) -> LoadPlan:
+    """Resolves config entries against the target's model into a LoadPlan (a dry run)."""
+    rank, world = dist.resolve(shard_id, None)
+    tables, dense = contents.model_state(target.model)
+    model = contents.of_model(tables, dense, target.extras, target.io_states)
+    plans: List[Plan] = []
+    sources: List[Any] = []
+    entry_of: List[int] = []
+    result = LoadPlan()
+    for i, entry in enumerate(entries):
+        conf = config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
+                            require_path=True)
+        if conf.skip:
+            result.checkpoints.append("")
+            continue
+        src = open_source(conf.path, ckpt_id, direct_path)  # type: ignore[arg-type]
+        plans.append(config.plan(conf, model, src.contents, src.ckpt_dir, src.index))
+        sources.append(src)
+        entry_of.append(i)
+        result.checkpoints.append(src.ckpt_dir)
+    _check_io_states(plans, sources, world, target)
+    won = config.winners(plans)
+    for k, (src, p, w) in enumerate(zip(sources, plans, won)):
+        for name in p.skipped:
+            if name not in result.skipped:
+                result.skipped.append(name)
+        result.missing += [n for n in p.missing if n not in result.missing]
+        result.unexpected += [n for n in p.unexpected if n not in result.unexpected]
+        _plan_items(result, src, w, entry_of[k], rank, world)
+    result.left_initialised = sorted(set(model.categories()) - set(result.items))
+    result.skipped = sorted(n for n in result.skipped if n not in result.items)
+    rows_per_table = {n.partition("@")[0]: it.rows for n, it in result.items.items()
+                      if it.category in ("sparse", "sparse_opt") and n != SPARSE_OPTIM}
+    result.rows = sum(rows_per_table.values())
+    result.nbytes = sum(it.nbytes for it in result.items.values())
+    result.resolved = ResolvedEntries(rank, world, plans, sources, won, entry_of)
+    return result
+
+
+def table_columns(won: Won) -> Dict[str, Tuple[str, Dict[str, str]]]:
+    """model table -> (source table, {model column: source column}); columns are 'embedding' or slots."""
+    out: Dict[str, Tuple[str, Dict[str, str]]] = {}
+    for name, (cat, source) in won.items():
+        if cat not in ("sparse", "sparse_opt") or name == SPARSE_OPTIM:
+            continue
+        table, _, slot = name.partition("@")
+        src_table, _, src_slot = source.partition("@")
+        entry = out.setdefault(table, (src_table, {}))
+        entry[1][slot or "embedding"] = src_slot or "embedding"
+    return out
+
+
+def _plan_items(result: LoadPlan, src: Any, won: Won, entry: int, rank: int, world: int) -> None:
+    for table, (src_table, columns) in table_columns(won).items():
+        rows, cost = src.table_cost(src_table, list(columns.values()), rank, world)
+        for i, (column, src_column) in enumerate(columns.items()):
+            name = table if column == "embedding" else f"{table}@{column}"
+            # The ids are read once per table and booked on its first column.
+            nbytes = cost[src_column] + (cost["id"] if i == 0 else 0)
+            result.items[name] = PlannedItem(won[name][0], src.ckpt_dir, won[name][1], entry, rows, nbytes)
+    for name, (cat, source) in won.items():
+        if cat == "dense":
+            result.items[name] = PlannedItem(cat, src.ckpt_dir, source, entry,
+                                             nbytes=_dense_bytes(src, source))
+        elif cat in ("extra", "io_state") or name == SPARSE_OPTIM:
+            result.items[name] = PlannedItem(cat, src.ckpt_dir, source, entry)
+
+
+def _dense_bytes(src: Any, name: str) -> int:
+    shape, dtype = src.contents.dense[name]
+    n = getattr(torch, dtype).itemsize
+    for d in shape:
+        n *= d
+    return int(n)
+
+
+def _check_io_states(plans: Sequence[Plan], sources: Sequence[Any], world: int, target: LoadTarget) -> None:
+    """Io states saved by N workers load on M != N only into objects that can reshard them."""
+    for p, src in zip(plans, sources):
+        names = [n for n, (cat, _) in p.items.items() if cat == "io_state"]
+        rigid = [n for n in names if not callable(getattr(target.io_states[n], "load_io_states", None))]
+        if src.io_state_count != world and rigid:
+            raise ConfigError(
+                f"{src.ckpt_dir}: io state(s) {rigid} were saved by {src.io_state_count} worker(s) but "
+                f"{world} are loading; exclude 'io_state', restart with {src.io_state_count} workers, "
+                f"or give the object a load_io_states(states, rank, world_size) method that reshards",
+                path=src.ckpt_dir)

@@ -1,0 +1,54 @@
+"""The background write of an async save: one at a time, its error kept until someone collects it."""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional, Tuple
+
+
+class BackgroundWrite:
+    """Runs one checkpoint write at a time on a worker thread and holds its outcome."""
+
+    def __init__(self) -> None:
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Tuple[str, Future]] = None  # (ckpt_id, future) of the last write
+
+    @property
+    def pending_id(self) -> Optional[str]:
+        """The id being written (or written last), until collected."""
+        return self._pending[0] if self._pending is not None else None
+
+    def submit(self, ckpt_id: str, write: Callable[[], str]) -> Future:
+        """Starts `write` (callers collect the previous write first)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="recsave-async-save")
+        future = self._executor.submit(write)
+        self._pending = (ckpt_id, future)
+        return future
+
+    def collect(self, consume: bool) -> Optional[str]:
+        """Waits for the write. With `consume` its result is collected: the path is returned or its
+        error raised, with a note naming the write. Without, a success is forgotten and an error
+        stays pending for the next collect(consume=True). None when nothing was pending."""
+        if self._pending is None:
+            return None
+        ckpt_id, future = self._pending
+        exc = future.exception()
+        if not consume:
+            if exc is None:
+                self._pending = None
+            return None
+        self._pending = None
+        if exc is not None:
+            note = (f"(raised by the background write of async_save({ckpt_id!r}); the previous "
+                    f"committed checkpoint is still the latest)")
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(note)
+            else:
+                exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+            raise exc
+        return str(future.result())
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

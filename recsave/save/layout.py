@@ -1,0 +1,76 @@
+"""A table's rows in bucket order, as the writer takes them: ids, embedding and slots as sources the
+engine gathers while it writes (never a second copy of the table), with checksum segments cut at
+bucket boundaries so a resharding reader reads only the buckets it owns (docs/FORMAT.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from recsave import knobs
+from recsave.errors import UsageError
+from recsave.format.writer import RowSource
+from recsave.save.snapshot import PinnedPair, TableState
+from recsave.tables import partition
+
+
+def bucket_segment_ends(row_starts: Sequence[int], row_bytes: int, max_bytes: int) -> List[int]:
+    """Checksum segment ends (bytes) for rows sorted by bucket: cut at bucket boundaries once a
+    segment holds the knob `min_segment_bytes`, and inside buckets about every `max_bytes` (on row
+    boundaries, so rows can be produced in blocks)."""
+    total = row_starts[-1] * row_bytes
+    if total == 0:
+        return [0]
+    min_bytes = knobs.get("min_segment_bytes")
+    step = max(row_bytes, max_bytes // row_bytes * row_bytes)  # every end on a row boundary
+    ends: List[int] = []
+    begin = 0
+    for boundary in [r * row_bytes for r in row_starts[1:]]:
+        while boundary - begin > step:
+            begin += step
+            ends.append(begin)
+        if boundary - begin >= min_bytes or boundary == total:
+            if boundary > begin:
+                ends.append(boundary)
+                begin = boundary
+    if not ends or ends[-1] != total:
+        ends.append(total)
+    return ends
+
+
+@dataclass
+class TableLayout:
+    """One table's tensors in bucket order, as write_shards takes them."""
+    tensors: Dict[str, Any]
+    meta: Dict[str, Any]  # chunk fields: the bucket row starts
+    segments: Dict[str, List[int]]
+    num_rows: int
+
+
+def bucket_layout(name: str, table: TableState, rank: int, world: int, num_buckets: int) -> TableLayout:
+    """The table's tensors with rows sorted by the buckets this rank owns."""
+    # Peak memory here grows with the table's rows: temporaries are few and freed early.
+    ids, rows = table.id_rows()
+    first, stop = partition.bucket_range(rank, world, num_buckets)
+    keys = partition.bucket_of(ids, num_buckets).sub_(first)  # bucket - first
+    if world > 1 and bool(((keys < 0) | (keys >= stop - first)).any()):
+        raise UsageError(
+            f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
+            f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
+    order = partition.stable_order(keys, stop - first)
+    row_starts = [0] + torch.cumsum(torch.bincount(keys, minlength=stop - first), 0).tolist()
+    del keys
+    # Ids come in row order with distinct rows: a table that never freed a row has rows 0..n-1,
+    # and its rows in bucket order are the order itself.
+    dense = rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1
+    sorted_rows = order if dense else rows[order]
+    tensors: Dict[str, Any] = {f"{name}@id": RowSource.take(ids, order)}
+    buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
+    for column in ["embedding"] + table.slot_names():
+        tensors[f"{name}@{column}"] = table.row_source(column, sorted_rows, buffers)
+    seg_max = knobs.get("segment_bytes")
+    segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)
+                for n, t in tensors.items()}
+    return TableLayout(tensors, {"buckets": {"first": first, "row_starts": row_starts}}, segments,
+                       int(ids.numel()))

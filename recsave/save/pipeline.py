@@ -1,0 +1,170 @@
+"""Writes and commits checkpoints of one output dir (docs/FORMAT.md section 5, "Commit protocol";
+docs/ARCHITECTURE.md, "A save"): shard files and io state of every rank, then on rank 0 model.pt,
+extra.pt, the index (the commit point) and the `checkpoint` list, then pruning."""
+from __future__ import annotations
+
+import re
+from concurrent.futures import wait as futures_wait
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from recsave import knobs, threads
+from recsave.errors import CheckpointExistsError
+from recsave.format import ckptlist, torchio
+from recsave.format import index as index_mod
+from recsave.format.commits import DeferredCommits
+from recsave.format.writer import write_shards
+from recsave.load import contents
+from recsave.save.layout import TableLayout, bucket_layout
+from recsave.save.snapshot import SaveState
+from recsave.storage import Storage, dist
+from recsave.storage.lock import WriterLock
+from recsave.storage.lock import hold as hold_writer_lock
+from recsave.tables import partition
+
+MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
+_STEP_ID = re.compile(r"ckpt_(\d+)\Z")
+
+
+def io_state_file(rank: int) -> str:
+    return f"io_state_{rank}.pt"
+
+
+class CheckpointWriter:
+    """Writes checkpoints into `output_dir` and keeps its `checkpoint` list and max_keep rotation.
+
+    Holds the output dir's writer lock from the first write until close(). `damaged` holds ids of
+    committed checkpoints found unloadable (by a fallback load): the next write of such an id
+    unlists and replaces it instead of refusing it as committed."""
+
+    def __init__(self, storage: Storage, output_dir: str, max_keep: Optional[int], concurrency: int,
+                 num_buckets: int):
+        self.storage = storage
+        self.output_dir = output_dir
+        self.max_keep = max_keep
+        self.concurrency = concurrency
+        self.num_buckets = num_buckets
+        self.damaged: Set[str] = set()
+        self._lock: Optional[WriterLock] = None
+
+    def write(self, ckpt_id: str, state: SaveState, rank: int, world: int) -> str:
+        """Writes `state` as checkpoint `ckpt_id` on every rank and commits it; returns its path.
+        On failure rank 0 removes the partial directory; the previous checkpoint stays latest."""
+        ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
+        dist.run_everywhere(f"preparing {ckpt_dir}", lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
+                            only_rank0=True, rank=rank)
+        try:
+            self.storage.makedirs(ckpt_dir)
+            mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
+                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world), world)
+            parts = dist.gather_objects(mine, world)
+            dist.run_everywhere(f"committing {ckpt_dir}",
+                                lambda: self._commit(ckpt_dir, ckpt_id, parts, state, world),
+                                world, only_rank0=True, rank=rank)
+        except BaseException:
+            if rank == 0:
+                self._discard_uncommitted(ckpt_dir, ckpt_id)
+            raise
+        return ckpt_dir
+
+    def close(self) -> None:
+        """Releases the writer lock (a later write takes it again)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _discard_uncommitted(self, ckpt_dir: str, ckpt_id: str) -> None:
+        """Removes a failed save's directory unless it made it into the `checkpoint` list."""
+        try:
+            if ckpt_id not in ckptlist.read(self.storage, self.output_dir):
+                self.storage.remove_tree(ckpt_dir)
+        except Exception:  # the original error matters more; the next save cleans leftovers
+            pass
+
+    def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
+        self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
+        listed_ids = ckptlist.read(self.storage, self.output_dir)
+        if ckpt_id in self.damaged and ckpt_id in listed_ids:
+            # A fallback restore skipped this damaged checkpoint: unlist it, then write it anew.
+            ckptlist.write(self.storage, self.output_dir, [i for i in listed_ids if i != ckpt_id])
+            listed_ids.remove(ckpt_id)
+        self.damaged.discard(ckpt_id)
+        listed = ckpt_id in listed_ids
+        if listed and self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
+            raise CheckpointExistsError(
+                f"{ckpt_dir} is a committed checkpoint already; save under another id or delete it first",
+                path=ckpt_dir)
+        # A leftover of a crashed save (no index, or an index that never made it into the list) was
+        # never committed: safe to replace.
+        if self.storage.exists(ckpt_dir):
+            self.storage.remove_tree(ckpt_dir)
+        self.storage.makedirs(self.output_dir)
+
+    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int) -> tuple:
+        part = index_mod.new_part(rank)
+        rows: Dict[str, int] = {}
+        names = sorted(state.tables)
+        # The next table's bucket order is computed while this one is written (two in memory at
+        # most). Durable files are fsynced and renamed together when the block exits, before the
+        # commit point (format/commits.py). Plain threads (recsave/threads.py): an async save may
+        # be writing at interpreter exit.
+        with DeferredCommits() as commits:
+            layout_of = knobs.carried(bucket_layout)
+
+            def order(k: int) -> Any:
+                return threads.start(layout_of, names[k], state.tables[names[k]], rank, world, self.num_buckets,
+                                     name="recsave-order")
+
+            upcoming = order(0) if names else None
+            try:
+                for k, name in enumerate(names):
+                    layout = upcoming.result()
+                    upcoming = order(k + 1) if k + 1 < len(names) else None
+                    table_part = self._write_table(ckpt_dir, layout, rank, len(part["files"]), commits)
+                    rows[name] = layout.num_rows
+                    part["files"].update(table_part["files"])
+                    part["tensors"].update(table_part["tensors"])
+            except BaseException:
+                if upcoming is not None:  # nothing reads the tables after the save returns
+                    futures_wait([upcoming])
+                raise
+        part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank),
+                                                          state.io_state, rank)
+        return part, rows
+
+    def _write_table(self, ckpt_dir: str, layout: TableLayout, rank: int, first_part: int,
+                     commits: DeferredCommits) -> Dict[str, Any]:
+        """Writes one table's files (the engine gathers embedding and slots in bucket order)."""
+        return write_shards(ckpt_dir, layout.tensors, rank=rank, concurrency=self.concurrency,
+                            storage=self.storage, chunk_meta={t: layout.meta for t in layout.tensors},
+                            first_part=first_part, segments=layout.segments, commits=commits)
+
+    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[Tuple[Any, Dict[str, int]]],
+                state: SaveState, world: int) -> None:
+        st = self.storage
+        parts = [part for part, _ in gathered]
+        rows: Dict[str, int] = {}
+        for _, table_rows in gathered:
+            for name, count in table_rows.items():
+                rows[name] = rows.get(name, 0) + count
+        files = {
+            MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.cpu() for n, t in state.dense.items()}, 0),
+            EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, state.extras, 0),
+            IO_COUNT_FILE: torchio.save_bytes(st, ckpt_dir, IO_COUNT_FILE, f"{world}\n".encode(), 0),
+        }
+        m = _STEP_ID.match(ckpt_id)
+        meta = contents.index_meta(state.tables, state.dense, state.extras, state.io_state, world, rows)
+        index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
+                                      partition={"scheme": partition.SCHEME, "num_buckets": self.num_buckets},
+                                      meta=meta)
+        index["files"].update(files)
+        index_mod.write(ckpt_dir, index, storage=st)
+        self._publish(ckpt_id)
+
+    def _publish(self, ckpt_id: str) -> None:
+        """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what fell out
+        of max_keep and leftovers of crashed saves. Never deletes the checkpoint just written."""
+        st, out = self.storage, self.output_dir
+        ids: List[str] = [i for i in ckptlist.read(st, out) if i != ckpt_id] + [ckpt_id]
+        keep = ids if self.max_keep is None else ids[-self.max_keep:]
+        ckptlist.write(st, out, keep)
+        ckptlist.collect_garbage(st, out, keep)
