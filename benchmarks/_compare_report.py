@@ -1,5 +1,5 @@
-"""compare.py's reports: throughput ratios and overheads against the DESIGN.md budgets, the main and
-budget tables, the markdown file and the sweep plot."""
+"""compare.py's reports: throughput ratios and overheads against the budgets (benchmarks/README.md),
+the main and budget tables, the markdown file and the sweep plot."""
 from __future__ import annotations
 
 import math
@@ -9,24 +9,24 @@ from typing import Any, Dict, List, Optional, Tuple
 import _common as C
 from _compare_methods import KINDS, SAVE
 
-# (label, numerator, denominator, goal): throughput ratios; goals from DESIGN.md "Performance budgets"
+# (label, numerator, denominator, goal): throughput ratios; goals from benchmarks/README.md, Budgets
 RATIOS = [
     ("save: Saver (fsync off) / raw write", ("save", "saver"), ("save", "raw"), 0.85),
-    ("save: Saver (fsync off) / torch.save", ("save", "saver"), ("save", "torch"), 4.0),
-    ("save: Saver (fsync off) / DCP save (no sync)", ("save", "saver"), ("save", "dcp"), 4.0),
-    ("save: Saver (fsync on) / raw write + fsync", ("save", "saver_fsync"), ("save", "raw_fsync"), 0.85),
+    ("save: Saver (fsync off) / torch.save", ("save", "saver"), ("save", "torch"), 1.5),
+    ("save: Saver (fsync off) / DCP save (no sync)", ("save", "saver"), ("save", "dcp"), 2.0),
+    ("save: Saver (fsync on) / raw write + fsync", ("save", "saver_fsync"), ("save", "raw_fsync"), 0.9),
     ("save: Saver (fsync on) / dd conv=fdatasync", ("save", "saver_fsync"), ("save", "dd"), None),
-    ("save: Saver (fsync on) / DCP save (default, sync)", ("save", "saver_fsync"), ("save", "dcp_fsync"), 4.0),
+    ("save: Saver (fsync on) / DCP save (default, sync)", ("save", "saver_fsync"), ("save", "dcp_fsync"), 2.0),
     ("save: engine (fsync off) / raw write", ("save", "engine"), ("save", "raw"), 0.85),
-    ("save: engine (fsync off) / torch.save", ("save", "engine"), ("save", "torch"), 4.0),
-    ("save: engine (fsync off) / DCP save (no sync)", ("save", "engine"), ("save", "dcp"), 4.0),
+    ("save: engine (fsync off) / torch.save", ("save", "engine"), ("save", "torch"), 1.5),
+    ("save: engine (fsync off) / DCP save (no sync)", ("save", "engine"), ("save", "dcp"), 2.0),
     ("save: Saver / engine (fsync off)", ("save", "saver"), ("save", "engine"), None),
-    ("load: Saver / raw read", ("load", "saver"), ("load", "raw"), 0.8),
-    ("load: Saver / torch.load", ("load", "saver"), ("load", "torch"), 4.0),
-    ("load: Saver / DCP load", ("load", "saver"), ("load", "dcp"), 4.0),
-    ("load: engine (verify) / raw read", ("load", "engine_verify"), ("load", "raw"), 0.8),
-    ("load: engine (verify) / torch.load", ("load", "engine_verify"), ("load", "torch"), 4.0),
-    ("load: engine (verify) / DCP load", ("load", "engine_verify"), ("load", "dcp"), 4.0),
+    ("load: Saver / raw read", ("load", "saver"), ("load", "raw"), 0.9),
+    ("load: Saver / torch.load", ("load", "saver"), ("load", "torch"), 1.2),
+    ("load: Saver / DCP load", ("load", "saver"), ("load", "dcp"), 1.5),
+    ("load: engine (verify) / raw read", ("load", "engine_verify"), ("load", "raw"), 0.9),
+    ("load: engine (verify) / torch.load", ("load", "engine_verify"), ("load", "torch"), 1.2),
+    ("load: engine (verify) / DCP load", ("load", "engine_verify"), ("load", "dcp"), 1.5),
     ("load: Saver / engine (verify)", ("load", "saver"), ("load", "engine_verify"), None),
 ]
 # (label, slower, faster, goal %): time(slower) / time(faster) - 1
@@ -37,7 +37,7 @@ OVERHEADS = [
     ("save: Saver vs engine (both fsync off)", ("save", "saver"), ("save", "engine"), None),
     ("load: Saver vs engine (both verify)", ("load", "saver"), ("load", "engine_verify"), None),
 ]
-RSS_BUDGET = 256 * C.MB  # peak RSS above the state (DESIGN.md), in the MB (1e6 bytes) the tables print
+RSS_BUDGET = 256 * C.MB  # peak RSS above the state (benchmarks/README.md, Budgets), in MB (1e6 bytes)
 
 
 def ratio_rows(summary: Dict[Tuple[str, str], Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import recsave  # noqa: E402
 from recsave import _C, knobs, optim  # noqa: E402
 
-LOOKUP_GOAL = 20e6  # ids/s on one core (DESIGN.md)
+LOOKUP_GOAL = 20e6  # ids/s on one core (benchmarks/README.md, Budgets)
 
 
 class Measured:

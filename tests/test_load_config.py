@@ -1,4 +1,4 @@
-"""Load / model-bank configuration (DESIGN.md "Load / model-bank config"): every key, every category,
+"""Load / model-bank configuration (docs/API.md, "Load / model-bank config"): every key, every category,
 patterns, renames, merges, entry priority, and every documented error — after which nothing of the
 model, its optimizers or its io state has changed."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Load / model-bank configuration (DESIGN.md "Load / model-bank config"): parse an entry, then
+"""Load / model-bank configuration (docs/API.md, "Load / model-bank config"): parse an entry, then
 resolve it against what the model has and what a checkpoint holds into a plan — every check done
 before anything is modified."""
 from __future__ import annotations

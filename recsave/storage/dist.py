@@ -1,6 +1,6 @@
 """Rank / world size of this process, and the few collectives a save needs.
 
-Defaults follow DESIGN.md: torch.distributed when initialised, else the RANK / WORLD_SIZE
+Defaults (docs/API.md section 3): torch.distributed when initialised, else the RANK / WORLD_SIZE
 environment variables, else a single process (0 / 1). Collectives run on a gloo group of recsave's
 own with a timeout (knob ``collective_timeout_s``), so a rank that died or hangs makes the others
 raise instead of waiting forever; filesystem polling is never used for coordination.

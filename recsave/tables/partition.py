@@ -1,4 +1,4 @@
-"""Which rank owns an id (DESIGN.md "Sharding and resharding").
+"""Which rank owns an id (docs/FORMAT.md section 3: `partition` and chunk `buckets`).
 
 ``bucket = mix64(id) % num_buckets``, with mix64 the splitmix64 finaliser::
 
