@@ -4,7 +4,8 @@
 
 Scenarios: ``save`` (build this rank's shard of a known table set and save it), ``load`` (load the
 latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed`` / ``save_error``
-(rank 1 SIGKILLs itself / rank 2 raises in the middle of a second save; the others must raise).
+(rank 1 SIGKILLs itself / rank 2 raises in the middle of a second save; the others must raise),
+``load_damaged`` (load into a model holding other rows; dump what each rank holds after).
 OUT_SCHEME=file makes the output dir a file:// URL (the fsspec path).
 """
 import datetime
@@ -67,10 +68,10 @@ def build(work_dir):
     return model, saver, reader
 
 
-def fill(model, rank, world):
+def fill(model, rank, world, offset=0.0):
     ids = global_ids()
     mine = ids[partition.owner_of(ids, world) == rank]
-    for salt, table in ((0.0, model.user), (100.0, model.item)):
+    for salt, table in ((offset, model.user), (offset + 100.0, model.item)):
         table.set_partition(rank, world)
         table.load_rows(mine, expected_rows(mine, salt), {"adagrad_acc": expected_rows(mine, salt + 0.5)})
 
@@ -115,6 +116,21 @@ def main():
         reader.position = -1
         write.result(timeout=60)
         saver.close()
+    elif scenario == "load_damaged":
+        # The live model holds other rows (offset 50); rank 1's part of the checkpoint is damaged.
+        fill(model, rank, world, offset=50.0)
+        reader.position = 5
+        try:
+            saver.load()
+        except recsave.RecsaveError as exc:
+            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+        for name in ("user", "item"):
+            ids, values, slots = getattr(model, name).export()
+            torch.save({"ids": ids, "values": values, "acc": slots["adagrad_acc"]},
+                       os.path.join(work_dir, f"{name}_{world}_{rank}.pt"))
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump({"position": reader.position}, f)
     elif scenario == "load":
         report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None)
         out = {"bytes_read": report.bytes_read, "rows_read": report.rows_read, "position": reader.position}

@@ -103,3 +103,31 @@ def test_error_on_one_rank_makes_every_rank_raise_at_once(tmp_path):
     assert time.monotonic() - started < 100  # not the 300 s collective timeout
     assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
     assert not (tmp_path / "out" / "ckpt_2").exists()
+
+
+def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
+    """Rank 1's bytes are damaged; rank 0's are fine, yet rank 0 must not change either: every rank
+    reads and verifies before any rank applies (load/transaction.py)."""
+    codes, outs = run_ranks("save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    ckpt = tmp_path / "out" / "ckpt_1"
+    index = json.loads((ckpt / "index").read_text())
+    chunk = next(c for c in index["tensors"]["user@embedding"]["chunks"] if c["file"].startswith("sparse-1-"))
+    with open(ckpt / chunk["file"], "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    codes, outs = run_ranks("load_damaged", 2, tmp_path)
+    assert codes == [0, 0], outs
+    assert "CorruptCheckpointError" in (tmp_path / "error_1.txt").read_text()
+    assert "RankFailedError" in (tmp_path / "error_0.txt").read_text()
+    ids_all = global_ids()
+    for r in range(2):
+        assert json.loads((tmp_path / f"report_2_{r}.json").read_text())["position"] == 5
+        for salt, name in ((50.0, "user"), (150.0, "item")):
+            got = torch.load(tmp_path / f"{name}_2_{r}.pt", weights_only=True)
+            owned = ids_all[partition.owner_of(ids_all, 2) == r]
+            assert sorted(got["ids"].tolist()) == sorted(owned.tolist())
+            assert torch.equal(got["values"], expected_rows(got["ids"], salt)), (r, name)
+            assert torch.equal(got["acc"], expected_rows(got["ids"], salt + 0.5)), (r, name)

@@ -1,5 +1,6 @@
-"""Carry out a LoadPlan: read and apply what each entry wins, tables first, then slot-only merges,
-dense parameters, extras and io states."""
+"""Carry out a LoadPlan: read and verify what each entry wins and stage it (tables, then slot-only
+merges, dense parameters, extras and io states), then apply it all at once (load/transaction.py):
+a load that fails, on any rank, leaves the model as it was."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Set
@@ -11,6 +12,8 @@ from recsave.load import contents
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport
+from recsave.load.transaction import LoadTransaction, io_state_change, state_dict_change
+from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
 from recsave.tables.hashtable import HashTable
 
@@ -25,13 +28,28 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
                         missing=list(plan.missing), unexpected=list(plan.unexpected))
     report.step = ex.sources[-1].step if ex.sources else None
-    # Small files first: they are verified before any table changes.
-    pt_files = [_read_pt_files(s, w) for s, w in zip(ex.sources, won)]
-    for slots_only in (False, True):
-        for src, p, w in zip(ex.sources, ex.plans, won):
-            _apply_tables(target, tables, src, p, w, ex.rank, ex.world, plan, report, slots_only)
-    for src, w, files in zip(ex.sources, won, pt_files):
-        _apply_small(target, dense, src, w, files, ex.rank, ex.world, plan, report)
+    tx = LoadTransaction(tables, dense)
+    extra_data: Dict[str, Any] = {}
+
+    def stage() -> None:
+        # Small files first: they are read and verified before any table is.
+        pt_files = [_read_pt_files(s, w) for s, w in zip(ex.sources, won)]
+        for slots_only in (False, True):
+            for src, p, w in zip(ex.sources, ex.plans, won):
+                _stage_tables(target, tx, src, p, w, ex.rank, ex.world, plan, report, slots_only)
+        for src, w, files in zip(ex.sources, won, pt_files):
+            _stage_small(target, tx, src, w, files, ex.rank, ex.world, plan, report, extra_data)
+
+    # Every rank has read and verified what it needs before any rank changes its model.
+    where = ", ".join(report.checkpoints) or "the model bank"
+    dist.run_everywhere(f"reading {where}", stage, ex.world)
+    try:
+        dist.run_everywhere(f"applying the load of {where}", tx.apply, ex.world)
+    except BaseException:
+        tx.rollback()  # another rank failed to apply: undo here too
+        raise
+    tx.done()
+    target.extra_data.update(extra_data)
     rows_per_table: Dict[str, int] = {}
     for name, item in report.loaded.items():
         if item.category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM:
@@ -71,15 +89,15 @@ def _fit(values: torch.Tensor, table: HashTable, ids: torch.Tensor, column: str)
     return values
 
 
-def _apply_tables(target: LoadTarget, tables: Dict[str, HashTable], src: Any, plan: Plan, won: Won,
-                  rank: int, world: int, load_plan: LoadPlan, report: LoadReport, slots_only: bool) -> None:
+def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan, won: Won, rank: int, world: int,
+                  load_plan: LoadPlan, report: LoadReport, slots_only: bool) -> None:
     for table_name, (src_table, columns) in sorted(table_columns(won).items()):
         has_embedding = "embedding" in columns
         if has_embedding == slots_only:
             continue
-        table = tables[table_name]
-        if world > 1:
-            table.set_partition(rank, world, src.num_buckets)
+        keep_rows = not (has_embedding and plan.conf.hashtable_clear)
+        table = tx.table(table_name, keep_rows=keep_rows,
+                         partition=(rank, world, src.num_buckets) if world > 1 else None)
         if has_embedding and _load_in_place(target, table, src, src_table, columns, plan, rank, world):
             loaded_rows = len(table)
         else:
@@ -125,18 +143,16 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
     return table.prepare_load(ids, list(columns), fill) is not None
 
 
-def _apply_small(target: LoadTarget, dense: Dict[str, torch.Tensor], src: Any, won: Won,
-                 files: Dict[str, Any], rank: int, world: int, load_plan: LoadPlan,
-                 report: LoadReport) -> None:
+def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, files: Dict[str, Any],
+                 rank: int, world: int, load_plan: LoadPlan, report: LoadReport, extra_data: Dict[str, Any]) -> None:
     if "extra" in files:
-        target.extra_data.update(files["extra"])
+        extra_data.update(files["extra"])
     io_data = None
     for name, (cat, source) in sorted(won.items()):
         if cat == "dense":
-            with torch.no_grad():
-                dense[name].copy_(files["model"][source])
+            tx.stage_dense(name, files["model"][source])
         elif cat == "extra" or name == SPARSE_OPTIM:
-            target.extras[name].load_state_dict(files["extra"][source])
+            tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], files["extra"][source]))
         elif cat == "io_state":
             saved = src.io_state_count
             if io_data is None:
@@ -144,9 +160,13 @@ def _apply_small(target: LoadTarget, dense: Dict[str, torch.Tensor], src: Any, w
                 io_data = [src.read_pt(f"io_state_{r}.pt") for r in ranks]
             obj = target.io_states[name]
             if saved != world:
-                obj.load_io_states([d[source] for d in io_data], rank, world)
+                states = [d[source] for d in io_data]
+                tx.stage_call(f"io state {name}", io_state_change(
+                    obj, lambda obj=obj, states=states: obj.load_io_states(states, rank, world)))
             else:
-                obj.load_io_state(io_data[0][source])
+                state = io_data[0][source]
+                tx.stage_call(f"io state {name}",
+                              io_state_change(obj, lambda obj=obj, state=state: obj.load_io_state(state)))
         else:
             continue
         report.loaded[name] = LoadedItem(cat, src.ckpt_dir, source, 0, load_plan.items[name].nbytes)

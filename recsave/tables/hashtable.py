@@ -71,6 +71,7 @@ class HashTable(torch.nn.Module):
         self.seed = int(seed) if seed is not None else 0
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._dtype = dtype
+        self._id_map_kind = id_map
         self._map = make_id_map(self._device, id_map)
         self._weight = torch.empty(0, embedding_dim, dtype=dtype, device=self._device)
         self._slots: Dict[str, torch.Tensor] = {}
@@ -299,6 +300,41 @@ class HashTable(torch.nn.Module):
                 raise UsageError(f"table {self.table_name!r}: export of ids that are not in the table")
         values, slots = self.gather_rows(rows)
         return ids, values, slots
+
+    # ---------------------------------------------------------- staging (all-or-nothing loads)
+    def new_like(self, copy_rows: bool = False) -> "HashTable":
+        """A table with this one's configuration (dim, dtype, device, initialiser, id map kind,
+        slots and their init values, partition) and no rows; with `copy_rows`, holding a copy of
+        every row. A load is staged in such a table and moved in with swap_contents, so a load that
+        fails leaves this table as it was."""
+        other = HashTable(self.embedding_dim, self.table_name, dtype=self._dtype, device=self._device,
+                          init_std=self.init_std, seed=self.seed, id_map=self._id_map_kind)
+        for slot in self.slot_names():
+            other.add_slot(slot, self._slot_init[slot])
+        if copy_rows and len(self):
+            ids, values, slots = self.export()
+            other.load_rows(ids, values, slots, clear=True)
+        if self._partition is not None:  # after the copy: it restricts later inserts, not these rows
+            other.set_partition(*self._partition)
+        return other
+
+    def swap_contents(self, other: "HashTable") -> None:
+        """Exchanges ids, rows, slots and pending gradients with `other` (same dim, dtype and
+        device): commits a staged load, and swapping again rolls it back. Partitions stay."""
+        if (other.embedding_dim, other.dtype, other.device) != (self.embedding_dim, self._dtype, self._device):
+            raise UsageError(f"table {self.table_name!r}: cannot swap contents with a table of dim "
+                             f"{other.embedding_dim}, {other.dtype} on {other.device}; expected "
+                             f"{self.embedding_dim}, {self._dtype} on {self._device}", key=self.table_name)
+        mine = self._contents()
+        self._set_contents(other._contents())  # noqa: SLF001 (same class)
+        other._set_contents(mine)  # noqa: SLF001 (same class)
+
+    def _contents(self) -> Tuple[Any, torch.Tensor, Dict[str, torch.Tensor], Dict[str, float], List[Any]]:
+        return self._map, self._weight, self._slots, self._slot_init, self._grads
+
+    def _set_contents(self, contents: Tuple[Any, torch.Tensor, Dict[str, torch.Tensor], Dict[str, float],
+                                            List[Any]]) -> None:
+        self._map, self._weight, self._slots, self._slot_init, self._grads = contents
 
     def prepare_load(self, ids: torch.Tensor, columns: List[str],
                      fill: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None,

@@ -1,0 +1,131 @@
+"""All-or-nothing loads: everything a load changes is staged first, then applied at once; if applying
+fails part way, what was applied is undone, so a failed load leaves the model, its optimizers and
+registered objects exactly as they were (docs/ARCHITECTURE.md, "A load").
+
+Tables are staged in scratch tables (HashTable.new_like) that the load fills through the usual
+paths, then swapped in (HashTable.swap_contents, O(1)); the replaced contents are kept until the
+load has finished, so reloading a model that already holds rows briefly holds both. Dense
+parameters, extras and io states are applied after the tables, each after a snapshot to undo it."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from recsave.errors import ShapeMismatchError
+from recsave.tables.hashtable import HashTable
+
+Undo = Callable[[], None]
+
+
+class LoadTransaction:
+    """Collects a load's changes (stage_*), then apply() makes them all or none."""
+
+    def __init__(self, tables: Dict[str, HashTable], dense: Dict[str, torch.Tensor]):
+        self._tables = tables
+        self._dense = dense
+        self._scratch: Dict[str, HashTable] = {}
+        self._partitions: Dict[str, Tuple[int, int, int]] = {}
+        self._dense_values: Dict[str, torch.Tensor] = {}
+        self._changes: List[Tuple[str, Callable[[], Undo]]] = []  # (what, apply -> its undo)
+        self._undo: List[Tuple[str, Undo]] = []
+
+    def table(self, name: str, *, keep_rows: bool, partition: Optional[Tuple[int, int, int]] = None) -> HashTable:
+        """The scratch table standing for model table `name`: empty (with the live table's config
+        and slots), or a copy of its rows with `keep_rows` (merges and slot-only loads). Later
+        entries of the same load get the same scratch, holding what earlier entries staged."""
+        if name not in self._scratch:
+            scratch = self._tables[name].new_like(copy_rows=keep_rows)
+            if partition is not None:
+                scratch.set_partition(*partition)
+                self._partitions[name] = partition
+            self._scratch[name] = scratch
+        return self._scratch[name]
+
+    def stage_dense(self, name: str, value: torch.Tensor) -> None:
+        if tuple(value.shape) != tuple(self._dense[name].shape):
+            raise ShapeMismatchError(f"dense {name!r}: the checkpoint's shape is {tuple(value.shape)}, the "
+                                     f"model's {tuple(self._dense[name].shape)}", key=name)
+        self._dense_values[name] = value
+
+    def stage_call(self, what: str, apply: Callable[[], Undo]) -> None:
+        """A change to a registered object: `apply()` makes it and returns how to undo it."""
+        self._changes.append((what, apply))
+
+    def apply(self) -> None:
+        """Applies every staged change in order (tables, dense, then the calls); on an error undoes
+        what it applied and re-raises."""
+        try:
+            for name, scratch in self._scratch.items():
+                live = self._tables[name]
+                before = live.partition
+                live.swap_contents(scratch)
+                if name in self._partitions:
+                    live.set_partition(*self._partitions[name])
+                self._undo.append((f"table {name}", _swap_back(live, scratch, before)))
+            for name, value in self._dense_values.items():
+                target = self._dense[name]
+                old = target.detach().clone()
+                with torch.no_grad():
+                    target.copy_(value)
+                self._undo.append((f"dense {name}", _copy_back(target, old)))
+            for what, change in self._changes:
+                self._undo.append((what, change()))
+        except BaseException:
+            self.rollback()
+            raise
+
+    def rollback(self) -> None:
+        """Undoes what apply() did, newest first (a no-op when nothing is applied)."""
+        while self._undo:
+            _, undo = self._undo.pop()
+            undo()
+
+    def done(self) -> None:
+        """Forgets the undo steps and the replaced contents (the load succeeded everywhere)."""
+        self._undo.clear()
+        self._scratch.clear()
+
+
+def state_dict_change(obj: Any, state: Any) -> Callable[[], Undo]:
+    """``obj.load_state_dict(state)``, undone by loading a deep copy of its state from before."""
+    def apply() -> Undo:
+        before = copy.deepcopy(obj.state_dict())
+        return _guarded(lambda: obj.load_state_dict(state), lambda: obj.load_state_dict(before))
+    return apply
+
+
+def io_state_change(obj: Any, load: Callable[[], None]) -> Callable[[], Undo]:
+    """An io state load, undone by loading what ``obj.dump_io_state()`` gave before."""
+    def apply() -> Undo:
+        before = obj.dump_io_state()
+        return _guarded(load, lambda: obj.load_io_state(before))
+    return apply
+
+
+def _guarded(change: Callable[[], Any], undo: Undo) -> Undo:
+    """Runs `change`; if it raises part way, undoes it before re-raising (the object may have
+    applied some of the state)."""
+    try:
+        change()
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def _swap_back(live: HashTable, scratch: HashTable, partition: Optional[Tuple[int, int, int]]) -> Undo:
+    def undo() -> None:
+        live.swap_contents(scratch)
+        if partition is not None:
+            live.set_partition(*partition)
+    return undo
+
+
+def _copy_back(target: torch.Tensor, old: torch.Tensor) -> Undo:
+    def undo() -> None:
+        with torch.no_grad():
+            target.copy_(old)
+    return undo
+

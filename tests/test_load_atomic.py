@@ -1,0 +1,155 @@
+"""Loads are all-or-nothing: a load that fails (damaged bytes, an object refusing its state) leaves
+the model, its optimizers and registered objects exactly as they were (load/transaction.py)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import recsave
+from recsave import CorruptCheckpointError
+from recsave.tables.hashtable import HashTable
+
+from helpers import assert_jobs_equal, job_state, make_job, tables_of
+
+
+def _flip(ckpt: str, tensor: str) -> None:
+    """Flips one byte in the middle of `tensor`'s bytes in its shard file."""
+    with open(os.path.join(ckpt, "index")) as f:
+        (chunk,) = json.load(f)["tensors"][tensor]["chunks"]
+    with open(os.path.join(ckpt, chunk["file"]), "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _trained(out, steps: int = 4):
+    job = make_job(str(out))
+    job.train(steps)
+    return job
+
+
+@pytest.mark.parametrize("tensor", ["item@id", "item@embedding", "user@adagrad_acc", "user@embedding"])
+def test_a_damaged_table_leaves_the_trained_model_unchanged(tmp_path, tensor):
+    """The first table in load order ('item') loads fine and the second ('user') is damaged, or the
+    first is: either way neither table, the dense part nor the optimizers change."""
+    out = tmp_path / "run"
+    job = _trained(out)
+    ckpt = job.saver.save("ckpt_4")
+    job.train(3)  # the live model now differs from the checkpoint
+    before = job_state(job)
+    _flip(ckpt, tensor)
+    with pytest.raises(CorruptCheckpointError):
+        job.saver.load()
+    assert_jobs_equal(job_state(job), before)
+    assert all(len(t) > 0 for t in tables_of(job.model).values())
+
+
+class _Refuses:
+    """A registered object whose state cannot be loaded back."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state) -> None:
+        raise RuntimeError("refusing this state")
+
+
+def test_an_extra_that_fails_to_load_undoes_tables_and_dense(tmp_path):
+    out = tmp_path / "run"
+    job = _trained(out)
+    job.saver.register_for_checkpointing("stubborn", _Refuses())
+    job.saver.save("ckpt_4")
+    job.train(3)
+    before = job_state(job)
+    with pytest.raises(RuntimeError, match="refusing this state"):
+        job.saver.load()
+    assert_jobs_equal(job_state(job), before)
+
+
+class _Reader:
+    """An io state that fails after partly applying a state (as a buggy reader might)."""
+
+    def __init__(self) -> None:
+        self.offset = 7
+
+    def dump_io_state(self):
+        return {"offset": self.offset}
+
+    def load_io_state(self, state) -> None:
+        self.offset = state["offset"]
+        if state["offset"] == 99:
+            raise RuntimeError("reader cannot seek there")
+
+
+def test_an_io_state_that_fails_undoes_everything_before_it(tmp_path):
+    out = tmp_path / "run"
+    job = _trained(out)
+    reader = _Reader()
+    job.saver.register_io_state("feed", reader)
+    reader.offset = 99
+    job.saver.save("ckpt_4")
+    reader.offset = 7
+    job.train(3)
+    before = job_state(job)
+    with pytest.raises(RuntimeError, match="cannot seek"):
+        job.saver.load()
+    assert reader.offset == 7  # its own partial change undone too
+    assert_jobs_equal(job_state(job), before)
+
+
+def test_a_model_bank_with_one_damaged_entry_changes_nothing(tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    _trained(good).saver.save("ckpt_4")
+    bad_ckpt = _trained(bad, steps=6).saver.save("ckpt_6")
+    _flip(bad_ckpt, "item@embedding")
+    job = _trained(tmp_path / "live", steps=2)
+    before = job_state(job)
+    with pytest.raises(CorruptCheckpointError):
+        job.saver.load_model_bank([{"path": str(good)}, {"path": str(bad), "load": ["item*"]}])
+    assert_jobs_equal(job_state(job), before)
+
+
+def test_a_successful_reload_replaces_the_live_rows(tmp_path):
+    """The staged path still loads exactly: reload into a model that trained on (more rows)."""
+    out = tmp_path / "run"
+    job = _trained(out)
+    job.saver.save("ckpt_4")
+    saved = job_state(job)
+    job.train(5)
+    job.saver.load()
+    assert_jobs_equal(job_state(job), saved)
+
+
+def test_swap_contents_commits_and_rolls_back(tmp_path):
+    live = HashTable(4, "t")
+    live(torch.tensor([1, 2, 3]))
+    staged = live.new_like()
+    assert len(staged) == 0 and staged.embedding_dim == 4
+    staged(torch.tensor([7]))
+    before = live.export()
+    live.swap_contents(staged)
+    assert live.ids().tolist() == [7] and sorted(staged.ids().tolist()) == [1, 2, 3]
+    live.swap_contents(staged)
+    after = live.export()
+    assert all(torch.equal(a, b) for a, b in zip(before[:2], after[:2]))
+    with pytest.raises(recsave.UsageError, match="cannot swap"):
+        live.swap_contents(HashTable(8, "t"))
+
+
+def test_new_like_copies_rows_slots_and_partition():
+    live = HashTable(4, "t")
+    live.add_slot("acc", 0.5)
+    ids = torch.tensor([5, 6])
+    live(ids)
+    live.slot("acc")[:2] = 3.0
+    copy = live.new_like(copy_rows=True)
+    a, b = live.export(ids), copy.export(ids)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2]["acc"], b[2]["acc"])
+    assert copy.slot_init("acc") == 0.5
