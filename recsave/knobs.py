@@ -9,61 +9,100 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Dict, Iterator, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, TypeVar
 
 from recsave.errors import UsageError
 
 T = TypeVar("T")
 
 
-def _parse_bool(text: str) -> bool:
-    return text.strip().lower() not in ("0", "false", "no", "off", "")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
-# name -> (environment variable, default, parser)
-_KNOBS: Dict[str, tuple] = {
+@dataclass(frozen=True)
+class Knob:
+    """A knob: its environment variable, default, kind (int, float or bool) and smallest value."""
+    env: str
+    default: Any
+    kind: type
+    lo: Optional[float] = None
+
+    def check(self, name: str, value: Any) -> Any:
+        """`value` if it is of this knob's kind and range, else TypeError / UsageError naming it."""
+        ok_type = (isinstance(value, bool) if self.kind is bool else
+                   isinstance(value, int) and not isinstance(value, bool) if self.kind is int else
+                   isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok_type:
+            raise TypeError(f"knob {name!r} takes a {self.kind.__name__}, got {value!r} "
+                            f"({type(value).__name__})")
+        if self.lo is not None and value < self.lo:
+            raise UsageError(f"knob {name!r} must be >= {self.lo}, got {value!r}", key=name)
+        return float(value) if self.kind is float else value
+
+    def parse(self, name: str, raw: str) -> Any:
+        """The value of environment variable text `raw` (only documented spellings for booleans)."""
+        if self.kind is bool:
+            text = raw.strip().lower()
+            if text not in _TRUE + _FALSE:
+                raise UsageError(f"environment variable {self.env}={raw!r} is not a boolean: use one of "
+                                 f"{', '.join(_TRUE)} or {', '.join(repr(v) for v in _FALSE)}", key=name)
+            return text in _TRUE
+        try:
+            value = self.kind(raw)
+        except ValueError:
+            raise UsageError(f"environment variable {self.env}={raw!r} is not a valid "
+                             f"{self.kind.__name__}", key=name) from None
+        try:
+            return self.check(name, value)
+        except UsageError as exc:
+            raise UsageError(f"environment variable {self.env}={raw!r}: {exc}", key=name) from None
+
+
+# name -> Knob(environment variable, default, kind, smallest value)
+_KNOBS: Dict[str, Knob] = {
     # Bytes covered by one CRC32C in a shard chunk; also the unit of parallel writes.
-    "segment_bytes": ("RECSAVE_SEGMENT_BYTES", 4 << 20, int),
+    "segment_bytes": Knob("RECSAVE_SEGMENT_BYTES", 4 << 20, int, lo=1),
     # Smallest checksum segment cut at a bucket boundary: a reader needing a bucket range reads at
     # most one partial segment at each end, so this bounds the extra bytes of a reshard read.
-    "min_segment_bytes": ("RECSAVE_MIN_SEGMENT_BYTES", 64 << 10, int),
+    "min_segment_bytes": Knob("RECSAVE_MIN_SEGMENT_BYTES", 64 << 10, int, lo=0),
     # A rank starts a new shard file part once the current one holds this many bytes.
-    "max_shard_bytes": ("RECSAVE_MAX_SHARD_BYTES", 4 << 30, int),
+    "max_shard_bytes": Knob("RECSAVE_MAX_SHARD_BYTES", 4 << 30, int, lo=1),
     # Threads of the C++ engine per file operation when the caller does not say.
-    "concurrency": ("RECSAVE_CONCURRENCY", 4, int),
+    "concurrency": Knob("RECSAVE_CONCURRENCY", 4, int, lo=1),
     # fsync files and directories on commit (turn off only for throwaway runs / benchmarks).
-    "fsync": ("RECSAVE_FSYNC", True, _parse_bool),
+    "fsync": Knob("RECSAVE_FSYNC", True, bool),
     # Reader limits, enforced before allocating (docs/FORMAT.md).
-    "max_header_bytes": ("RECSAVE_MAX_HEADER_BYTES", 100 << 20, int),
-    "max_index_bytes": ("RECSAVE_MAX_INDEX_BYTES", 256 << 20, int),
+    "max_header_bytes": Knob("RECSAVE_MAX_HEADER_BYTES", 100 << 20, int, lo=1),
+    "max_index_bytes": Knob("RECSAVE_MAX_INDEX_BYTES", 256 << 20, int, lo=1),
     # Durable shard files of a save queued for their fsync + rename before the queue is committed
     # early (each holds an open descriptor), and how many of those commits run at once.
-    "max_queued_commits": ("RECSAVE_MAX_QUEUED_COMMITS", 64, int),
-    "commit_threads": ("RECSAVE_COMMIT_THREADS", 16, int),
+    "max_queued_commits": Knob("RECSAVE_MAX_QUEUED_COMMITS", 64, int, lo=1),
+    "commit_threads": Knob("RECSAVE_COMMIT_THREADS", 16, int, lo=1),
     # Seconds a collective of a save / load waits for the other ranks before raising.
-    "collective_timeout_s": ("RECSAVE_COLLECTIVE_TIMEOUT_S", 300.0, float),
+    "collective_timeout_s": Knob("RECSAVE_COLLECTIVE_TIMEOUT_S", 300.0, float, lo=0.001),
     # Rows of a GPU table, or of any table saved to remote storage, are gathered and written in
     # blocks of about this many bytes (two in flight). CPU tables saved to local disk are gathered
     # by the engine's writer threads through 256 KiB buffers of their own.
-    "write_block_bytes": ("RECSAVE_WRITE_BLOCK_BYTES", 64 << 20, int),
+    "write_block_bytes": Knob("RECSAVE_WRITE_BLOCK_BYTES", 64 << 20, int, lo=1),
     # Size of one in-memory chunk streamed to / from remote (fsspec) storage.
-    "io_chunk_bytes": ("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int),
+    "io_chunk_bytes": Knob("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int, lo=1),
     # Remote (fsspec) storage: retries of an operation after a transient failure (connection error,
     # timeout, HTTP 5xx / throttling), the first backoff and the longest single backoff (seconds).
-    "io_retries": ("RECSAVE_IO_RETRIES", 5, int),
-    "io_retry_base_s": ("RECSAVE_IO_RETRY_BASE_S", 0.2, float),
-    "io_retry_max_s": ("RECSAVE_IO_RETRY_MAX_S", 10.0, float),
+    "io_retries": Knob("RECSAVE_IO_RETRIES", 5, int, lo=0),
+    "io_retry_base_s": Knob("RECSAVE_IO_RETRY_BASE_S", 0.2, float, lo=0),
+    "io_retry_max_s": Knob("RECSAVE_IO_RETRY_MAX_S", 10.0, float, lo=0),
     # Seconds after its last renewal that a writer lock of an output dir counts as abandoned.
-    "writer_lease_s": ("RECSAVE_WRITER_LEASE_S", 3600.0, float),
+    "writer_lease_s": Knob("RECSAVE_WRITER_LEASE_S", 3600.0, float, lo=0.001),
     # Seconds interpreter exit (or a new acquire of the same lock) waits for a remote writer lock's
     # release by a collected Saver (one attempt, no retries) before leaving it to be taken over
     # as stale.
-    "lock_release_timeout_s": ("RECSAVE_LOCK_RELEASE_TIMEOUT_S", 10.0, float),
+    "lock_release_timeout_s": Knob("RECSAVE_LOCK_RELEASE_TIMEOUT_S", 10.0, float, lo=0),
     # Back large table storage with transparent huge pages (madvise): fewer TLB misses on random
     # row access (lookups, the bucket-order gather of a save).
-    "hugepages": ("RECSAVE_HUGEPAGES", True, _parse_bool),
+    "hugepages": Knob("RECSAVE_HUGEPAGES", True, bool),
     # Take the writer lock of output_dir when saving (one writing Saver per output dir).
-    "writer_lock": ("RECSAVE_WRITER_LOCK", True, _parse_bool),
+    "writer_lock": Knob("RECSAVE_WRITER_LOCK", True, bool),
 }
 
 _local = threading.local()
@@ -83,23 +122,21 @@ def get(name: str) -> Any:
     for layer in reversed(_overrides()):
         if name in layer:
             return layer[name]
-    env, default, parse = _KNOBS[name]
-    raw = os.environ.get(env)
-    if raw is None:
-        return default
-    try:
-        return parse(raw)
-    except ValueError as exc:
-        raise UsageError(f"environment variable {env}={raw!r} is not a valid {parse.__name__}") from exc
+    knob = _KNOBS[name]
+    raw = os.environ.get(knob.env)
+    return knob.default if raw is None else knob.parse(name, raw)
 
 
 @contextlib.contextmanager
 def override(**values: Any) -> Iterator[None]:
-    """Temporarily sets knobs (in this thread)."""
-    for name in values:
+    """Temporarily sets knobs (in this thread). A value of the wrong type raises TypeError, one
+    out of range UsageError (a ValueError), both naming the knob."""
+    checked = {}
+    for name, value in values.items():
         if name not in _KNOBS:
             raise UsageError(f"unknown knob {name!r}; known knobs: {sorted(_KNOBS)}")
-    _overrides().append(dict(values))
+        checked[name] = _KNOBS[name].check(name, value)
+    _overrides().append(checked)
     try:
         yield
     finally:

@@ -1,0 +1,59 @@
+"""recsave.knobs: every knob is checked where it enters (override() or its environment variable),
+with an error naming it, instead of failing deep inside a later save."""
+from __future__ import annotations
+
+import pytest
+
+from recsave import UsageError, knobs
+
+
+@pytest.mark.parametrize("name,value", [("segment_bytes", "big"), ("concurrency", 2.5), ("concurrency", True),
+                                        ("fsync", 1), ("fsync", "yes"), ("collective_timeout_s", "30"),
+                                        ("io_retries", None)])
+def test_override_with_a_wrong_type_raises_type_error_naming_the_knob(name, value):
+    with pytest.raises(TypeError, match=f"knob '{name}' takes a"):
+        with knobs.override(**{name: value}):
+            pass
+
+
+@pytest.mark.parametrize("name,value", [("concurrency", -1), ("concurrency", 0), ("segment_bytes", 0),
+                                        ("io_retries", -1), ("collective_timeout_s", 0.0)])
+def test_override_out_of_range_raises_usage_error_naming_the_knob(name, value):
+    with pytest.raises(UsageError, match=f"knob '{name}' must be >="):
+        with knobs.override(**{name: value}):
+            pass
+
+
+def test_good_overrides_apply_and_unwind():
+    before = knobs.get("concurrency")
+    with knobs.override(concurrency=3, collective_timeout_s=5, fsync=False):
+        assert knobs.get("concurrency") == 3
+        assert knobs.get("collective_timeout_s") == 5.0 and isinstance(knobs.get("collective_timeout_s"), float)
+        assert knobs.get("fsync") is False
+    assert knobs.get("concurrency") == before
+
+
+@pytest.mark.parametrize("raw,expected", [("1", True), ("TRUE", True), ("yes", True), ("on", True),
+                                          ("0", False), ("false", False), ("No", False), ("off", False),
+                                          ("", False)])
+def test_boolean_environment_values_are_the_documented_ones(monkeypatch, raw, expected):
+    monkeypatch.setenv("RECSAVE_WRITER_LOCK", raw)  # (fsync is overridden by the suite's fixture)
+    assert knobs.get("writer_lock") is expected
+
+
+@pytest.mark.parametrize("var,raw,match", [("RECSAVE_WRITER_LOCK", "maybe", "is not a boolean"),
+                                           ("RECSAVE_CONCURRENCY", "four", "is not a valid int"),
+                                           ("RECSAVE_CONCURRENCY", "-2", "must be >= 1"),
+                                           ("RECSAVE_SEGMENT_BYTES", "1.5", "is not a valid int")])
+def test_bad_environment_values_raise_usage_error_naming_the_variable(monkeypatch, var, raw, match):
+    monkeypatch.setenv(var, raw)
+    name = var[len("RECSAVE_"):].lower()
+    with pytest.raises(UsageError, match=match) as exc:
+        knobs.get(name)
+    assert var in str(exc.value)
+
+
+def test_unknown_knob_is_refused():
+    with pytest.raises(UsageError, match="unknown knob 'segment_size'"):
+        with knobs.override(segment_size=1):
+            pass
