@@ -28,7 +28,7 @@ from recsave.format.writer import RowSource, write_shards
 from recsave.load.config import SPARSE_OPTIM
 from recsave.load.report import LoadPlan, LoadReport
 from recsave.save.snapshot import PinnedPair, SaveState, Stager, TableState, capture
-from recsave.storage.backends import Storage, get_storage
+from recsave.storage import Storage, get_storage
 
 MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
 _STEP_ID = re.compile(r"ckpt_(\d+)\Z")
