@@ -2,6 +2,7 @@
 reader with the methods of the engine's ``_C.ShardReader``, and a random-access file for pyarrow."""
 from __future__ import annotations
 
+import ctypes
 import io
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -57,7 +58,7 @@ class RangedShardReader:
                 if crcs is not None and _C.crc32c(piece) != crcs[k]:
                     raise _corrupt(self.path, f"CRC32C mismatch in bytes [{offsets[k]}, {offsets[k] + n})")
                 if n:
-                    dest = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(addresses[k]))
+                    dest = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addresses[k]))
                     dest[:] = piece
             i = j + 1
 

@@ -124,7 +124,7 @@ class FsspecStorage(Storage):
                 return
             except _UploadError as failed:
                 self._discard(upload.f, path)
-                exc = failed.__cause__
+                exc = failed.__cause__ or failed
                 transient = retry.is_transient(exc) and not isinstance(exc, FileNotFoundError)
                 if not transient or attempt == total:
                     raise retry.failed(exc, path, "writing", attempt, transient=transient) from exc
