@@ -58,7 +58,7 @@ import recsave.format.ckptlist  # noqa: E402
 import recsave.format.index  # noqa: E402
 import recsave.format.writer  # noqa: E402
 import recsave.save.pipeline  # noqa: E402
-import recsave.storage.backends  # noqa: E402
+import recsave.storage.local  # noqa: E402
 import recsave.format.torchio  # noqa: E402
 
 from helpers import assert_jobs_equal, job_state, make_job  # noqa: E402
@@ -78,8 +78,8 @@ TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.format.index.write": (recsave.format.index, "write", []),
     "recsave.format.ckptlist.write": (recsave.format.ckptlist, "write", []),
     "recsave.format.ckptlist.collect_garbage": (recsave.format.ckptlist, "collect_garbage", []),
-    "recsave.storage.backends.LocalStorage.write_atomic": (recsave.storage.backends.LocalStorage, "write_atomic", []),
-    "recsave.storage.backends.LocalStorage.remove_tree": (recsave.storage.backends.LocalStorage, "remove_tree", []),
+    "recsave.storage.local.LocalStorage.write_atomic": (recsave.storage.local.LocalStorage, "write_atomic", []),
+    "recsave.storage.local.LocalStorage.remove_tree": (recsave.storage.local.LocalStorage, "remove_tree", []),
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 import recsave
 from recsave.tools.cli import main
 from recsave.storage.lock import LOCK_FILE, WriterLock
-from recsave.storage.backends import LocalStorage
+from recsave.storage import LocalStorage
 
 from helpers import make_job
 

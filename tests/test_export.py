@@ -24,7 +24,7 @@ from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpo
 from recsave.tools.export import MANIFEST, ParquetSource, is_parquet_source, to_parquet
 from recsave.load.config import TableInfo
 from recsave.tables.partition import owner_of
-from recsave.storage.backends import get_storage
+from recsave.storage import get_storage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

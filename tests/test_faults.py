@@ -26,7 +26,7 @@ from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 import recsave
 from recsave import CorruptCheckpointError, StorageError, knobs
-from recsave.storage.backends import get_storage, is_transient
+from recsave.storage import get_storage, is_transient
 
 from helpers import assert_jobs_equal, job_state, make_job
 from test_remote import moto_server  # noqa: F401  (the session's moto_server fixture)
@@ -250,7 +250,7 @@ def test_exhausted_retries_raise_storage_error_naming_path_operation_attempts(fa
 
 
 def test_backoff_grows_and_is_capped(faulty, monkeypatch):
-    from recsave.storage import backends as storage_mod
+    from recsave.storage import retry as storage_mod
 
     slept: List[float] = []
     monkeypatch.setattr(storage_mod.time, "sleep", slept.append)

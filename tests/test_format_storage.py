@@ -7,7 +7,7 @@ import torch
 import recsave.knobs
 from recsave import format as fmt
 from recsave.errors import CorruptCheckpointError
-from recsave.storage.backends import get_storage
+from recsave.storage import get_storage
 
 from conftest import all_dtype_tensors, raw_bytes
 

@@ -16,7 +16,7 @@ import pytest
 from recsave import knobs
 from recsave.errors import RecsaveError, WriterLockedError
 from recsave.storage.lock import LOCK_FILE, WriterLock
-from recsave.storage.backends import LocalStorage, get_storage
+from recsave.storage import LocalStorage, get_storage
 
 from helpers import assert_jobs_equal, job_state, make_job
 
@@ -51,7 +51,7 @@ def _child(code: str, out: str, wait: bool = False) -> subprocess.Popen:
 
 TAKE_LOCK = """
 from recsave.storage.lock import WriterLock
-from recsave.storage.backends import LocalStorage
+from recsave.storage import LocalStorage
 lock = WriterLock(LocalStorage(), sys.argv[1])
 lock.acquire()
 """

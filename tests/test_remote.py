@@ -22,7 +22,7 @@ import pytest
 
 from recsave import CorruptCheckpointError
 from recsave.storage.lock import LOCK_FILE
-from recsave.storage.backends import get_storage
+from recsave.storage import get_storage
 
 from helpers import assert_jobs_equal, job_state, make_job, same_bits, train
 

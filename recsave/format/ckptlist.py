@@ -6,7 +6,7 @@ from typing import List
 
 from recsave.errors import CorruptCheckpointError, UsageError
 from recsave.format.checks import is_plain_name
-from recsave.storage.backends import Storage
+from recsave.storage import Storage
 
 LIST_FILE = "checkpoint"
 MAX_LIST_BYTES = 16 << 20

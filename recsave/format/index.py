@@ -3,17 +3,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
 from recsave.version import __version__
 from recsave.format import checks
 from recsave.format.dtypes import from_name
-
-if TYPE_CHECKING:
-    from recsave.storage.backends import Storage
+from recsave.storage import Storage, get_storage
 
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1
@@ -225,12 +222,10 @@ def dumps(index: Dict[str, Any]) -> bytes:
 
 
 def write(directory: str, index: Dict[str, Any], *, durable: Optional[bool] = None,
-          storage: Optional["Storage"] = None) -> str:
+          storage: Optional[Storage] = None) -> str:
     """Writes `index` into `directory` atomically (temporary name + fsync + rename locally, one put
     on object stores). Returns its path."""
-    from recsave.storage.backends import LocalStorage
-
-    storage = storage or LocalStorage()
+    storage = storage or get_storage(directory)
     path = storage.join(directory, INDEX_FILE)
     if durable is None:
         storage.write_atomic(path, dumps(index))
@@ -249,27 +244,15 @@ def parse(data: bytes, path: str) -> Dict[str, Any]:
     return validate(index, path)
 
 
-def read(directory: str, storage: Optional["Storage"] = None) -> Dict[str, Any]:
-    """Reads and validates `<directory>/index` (local disk, or through `storage`)."""
-    if storage is not None and not storage.is_local:
-        path = storage.join(directory, INDEX_FILE)
-        if not storage.exists(path):
-            raise _no_index(directory, path)
-        return parse(storage.read_bytes(path, knobs.get("max_index_bytes")), path)
-    path = os.path.join(directory, INDEX_FILE)
-    limit = knobs.get("max_index_bytes")
+def read(directory: str, storage: Optional[Storage] = None) -> Dict[str, Any]:
+    """Reads and validates `<directory>/index` (through `storage`, by default the one of
+    `directory`), refusing one over the ``max_index_bytes`` knob before reading it."""
+    storage = storage or get_storage(directory)
+    path = storage.join(directory, INDEX_FILE)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > limit:
-                raise checks.corrupt(path, f"index is {size} bytes, over the {limit}-byte limit")
-            data = f.read(size + 1)
-    except (FileNotFoundError, NotADirectoryError):
+        data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+    except CheckpointNotFoundError:
         raise _no_index(directory, path) from None
-    except IsADirectoryError:
-        raise checks.corrupt(path, "index is a directory") from None
-    if len(data) > size:
-        raise checks.corrupt(path, "index grew while being read")
     return parse(data, path)
 
 

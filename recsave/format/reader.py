@@ -1,20 +1,18 @@
-"""Reads tensors of a checkpoint: a plan of checksummed byte ranges per file, executed by the C++
-engine on local disk (parallel positional reads straight into the output tensors) or through fsspec
-in bounded ranged requests."""
+"""Reads tensors of a checkpoint: a plan of checksummed byte ranges per file, executed by the
+storage's shard reader (on local disk the C++ engine's parallel positional reads straight into the
+output tensors, elsewhere bounded ranged requests)."""
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
 import numpy as np
 import torch
 
-from recsave import _C
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, ConfigError, UsageError
-from recsave.storage.backends import Storage
+from recsave.storage import Storage, get_storage
+from recsave.storage.base import ShardReader
 from recsave.format import checks, header
 from recsave.format import index as index_mod
 from recsave.format.dtypes import BY_NAME
@@ -45,21 +43,14 @@ def check_listed_file(ckpt_dir: str, fname: str, index: Dict[str, Any],
     (and, on local disk, is a regular file, not a symbolic link)."""
     checks.as_plain_name(fname, "file name", ckpt_dir)
     expected = index["files"][fname]["size"]
-    if storage is not None and not storage.is_local:
-        path = storage.join(ckpt_dir, fname)
-        try:
-            actual = storage.size(path)
-        except CheckpointNotFoundError:
-            raise _missing(path) from None
-    else:
-        path = os.path.join(ckpt_dir, fname)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise _missing(path) from None
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-            raise checks.corrupt(path, "listed file is not a regular file (symbolic links are refused)")
-        actual = st.st_size
+    storage = storage or get_storage(ckpt_dir)
+    path = storage.join(ckpt_dir, fname)
+    try:
+        actual = storage.regular_file_size(path)
+    except CheckpointNotFoundError:
+        raise _missing(path) from None
+    if actual is None:
+        raise checks.corrupt(path, "listed file is not a regular file (symbolic links are refused)")
     if actual != expected:
         raise checks.corrupt(path, f"file is {actual} bytes, the index records {expected}")
     return path
@@ -86,6 +77,7 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     instead of allocating — e.g. a table's own storage. Raises CheckpointNotFoundError, CorruptCheckpointError (incl.
     FormatVersionError) or ConfigError for a name the checkpoint does not have.
     """
+    storage = storage or get_storage(ckpt_dir)
     if index is None:
         index = index_mod.read(ckpt_dir, storage)
     wanted = list(index["tensors"]) if names is None else list(dict.fromkeys(names))
@@ -112,11 +104,14 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     total = 0
     for fname, reads in plans.items():
         path = check_listed_file(ckpt_dir, fname, index, storage)
-        _check_header(path, fname, index, wanted, storage)
-        if storage is None or storage.is_local:
-            _execute_local(path, reads, verify, threads)
-        else:
-            _execute_remote(storage, path, reads, verify)
+        shard = storage.open_shard(path, index["files"][fname]["size"])
+        try:
+            _check_header(shard, path, fname, index, wanted)
+            shard.read(np.asarray(reads.offsets, dtype=np.uint64), np.asarray(reads.addresses, dtype=np.uint64),
+                       np.asarray(reads.lengths, dtype=np.uint64),
+                       np.asarray(reads.crcs, dtype=np.uint32) if verify else None, threads)
+        finally:
+            shard.close()
         total += reads.nbytes
     for dest, d_off, src, s_off, n in copies:
         dest[d_off:d_off + n] = src[s_off:s_off + n]
@@ -221,65 +216,16 @@ def _row_bytes(t: torch.Tensor) -> int:
     return n
 
 
-def _check_header(path: str, fname: str, index: Dict[str, Any], wanted: List[str],
-                  storage: Optional[Storage]) -> None:
+def _check_header(shard: ShardReader, path: str, fname: str, index: Dict[str, Any], wanted: List[str]) -> None:
     """The shard's own header must agree with the index for every chunk we read from it."""
-    limit = knobs.get("max_header_bytes")
-    if storage is None or storage.is_local:
-        reader = _C.ShardReader(path)
-        try:
-            raw, size = reader.read_header(limit), reader.size
-        finally:
-            reader.close()
-    else:
-        size = index["files"][fname]["size"]
-        if size < 8:
-            raise checks.corrupt(path, f"file is {size} bytes, shorter than the 8-byte header length")
-        n = int.from_bytes(storage.read_range(path, 0, 8), "little")
-        if n > limit or n > size - 8:
-            raise checks.corrupt(path, f"header length {n} exceeds the limit of {limit} bytes or the file")
-        raw = storage.read_range(path, 8, n)
-    data_start, entries = header.parse(raw, size, path)
+    raw = shard.read_header(knobs.get("max_header_bytes"))
+    data_start, entries = header.parse(raw, shard.size, path)
     for name in wanted:
         entry = index["tensors"][name]
         for chunk in entry["chunks"]:
             if chunk["file"] == fname:
                 _check_against_header(chunk, entries.get(name), data_start, entry["dtype"], entry["shape"],
                                       path, name)
-
-
-def _execute_local(path: str, reads: FileReads, verify: bool, threads: int) -> None:
-    reader = _C.ShardReader(path)
-    try:
-        reader.read(np.asarray(reads.offsets, dtype=np.uint64), np.asarray(reads.addresses, dtype=np.uint64),
-                    np.asarray(reads.lengths, dtype=np.uint64),
-                    np.asarray(reads.crcs, dtype=np.uint32) if verify else None, threads)
-    finally:
-        reader.close()
-
-
-def _execute_remote(storage: Storage, path: str, reads: FileReads, verify: bool) -> None:
-    """Ranged requests of at most io_chunk_bytes (merging adjacent segments), checked, then copied."""
-    limit = knobs.get("io_chunk_bytes")
-    order = sorted(range(len(reads.offsets)), key=lambda i: reads.offsets[i])
-    i = 0
-    while i < len(order):
-        j, begin, end = i, reads.offsets[order[i]], reads.offsets[order[i]] + reads.lengths[order[i]]
-        while j + 1 < len(order) and reads.offsets[order[j + 1]] == end and \
-                end + reads.lengths[order[j + 1]] - begin <= limit:
-            j += 1
-            end += reads.lengths[order[j]]
-        data = np.frombuffer(storage.read_range(path, begin, end - begin), dtype=np.uint8)
-        for k in order[i:j + 1]:
-            off, n = reads.offsets[k] - begin, reads.lengths[k]
-            piece = data[off:off + n]
-            if verify and _C.crc32c(piece) != reads.crcs[k]:
-                raise checks.corrupt(path, f"CRC32C mismatch in bytes [{reads.offsets[k]}, "
-                                     f"{reads.offsets[k] + n})")
-            if n:
-                dest = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(reads.addresses[k]))
-                dest[:] = piece
-        i = j + 1
 
 
 def _check_against_header(chunk: Dict[str, Any], entry: Optional[header.HeaderEntry], data_start: int,

@@ -12,7 +12,7 @@ import torch
 from recsave import _C
 from recsave.errors import CorruptCheckpointError
 from recsave.format.reader import check_listed_file
-from recsave.storage.backends import Storage
+from recsave.storage import Storage
 
 # A .pt file bigger than this is not a dense state recsave wrote; refuse before reading it.
 MAX_PT_BYTES = 64 << 30

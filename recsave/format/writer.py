@@ -1,7 +1,7 @@
 """Writes named tensors into shard files through the C++ engine and describes them in an index part."""
 from __future__ import annotations
 
-import os
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -12,7 +12,7 @@ import torch
 from recsave import _C
 from recsave import knobs
 from recsave.errors import UsageError
-from recsave.storage.backends import Storage
+from recsave.storage import Storage, get_storage
 from recsave.format import header
 from recsave.format.commits import DeferredCommits
 from recsave.format.dtypes import DType, from_torch
@@ -114,8 +114,9 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry; part numbers start at
     `first_part` (several calls of one rank write distinct files). `segments` gives, per tensor,
     explicit checksum segment ends (byte offsets, e.g. at bucket boundaries) instead of uniform
-    `segment_bytes` pieces. With a non-local
-    `storage` the bytes are streamed through it (fsspec) instead of the engine's positional writes.
+    `segment_bytes` pieces. The files are written by `storage` (by default the one of `directory`):
+    on local disk through the engine's positional writes, elsewhere streamed
+    (``Storage.write_shard``).
 
     With `commits`, durable local files are queued there instead of committed (fsync, rename): they
     are in place and durable only after ``commits.wait()`` (format/commits.py).
@@ -128,27 +129,22 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
         raise UsageError(f"segment_bytes must be >= 1, got {segment_bytes}")
     items = [_prepare(n, t) for n, t in tensors.items()]
     layout = {n: _segment_layout(t, segment_bytes, (segments or {}).get(n)) for n, t, _ in items}
+    storage = storage or get_storage(directory)
     part = new_part(rank)
     written: List[str] = []
     try:
         for part_no, group in enumerate(_group(items, max_shard_bytes), start=first_part):
             fname = shard_file_name(prefix, rank, part_no)
-            if storage is None or storage.is_local:
-                path = os.path.join(directory, fname)
-                size = _write_file(path, group, part, fname, concurrency, layout, durable, commits)
-            else:
-                path = storage.join(directory, fname)
-                size = _stream_file(storage, path, group, part, fname, layout)
+            path = storage.join(directory, fname)
+            shard = _ShardFile(group, layout, concurrency)
+            storage.write_shard(path, shard, durable=durable, commits=commits)
             written.append(path)
-            part["files"][fname] = {"size": size, "rank": rank}
+            for i, item in enumerate(group):
+                _describe(part, item, fname, shard.starts[i], shard.crc_of[i], layout[item[0]][1])
+            part["files"][fname] = {"size": shard.size, "rank": rank}
     except BaseException:
-        for path in written:
-            if storage is None or storage.is_local:
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
-            else:
+        for path in written:  # best effort: the error being raised is the one to report
+            with contextlib.suppress(OSError):
                 storage.remove_file(path)
         raise
     for name, extra in (chunk_meta or {}).items():
@@ -174,31 +170,39 @@ def _segment_layout(t: torch.Tensor, segment_bytes: int, ends: Optional[Sequence
     return bounds, {"segments": ends if nbytes else [0]}
 
 
-def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], part: Dict[str, Any],
-                fname: str, concurrency: int, layout: Dict[str, Layout], durable: bool,
-                commits: Optional[DeferredCommits]) -> int:
-    head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
-    size = len(head) + sum(t.nbytes for _, t, _ in group)
-    offsets: List[int] = []
-    addresses: List[int] = []
-    lengths: List[int] = []
-    plain: List[int] = []
-    for i, (name, t, _d) in enumerate(group):
-        if isinstance(t, RowSource):
-            continue
-        plain.append(i)
-        base = t.data_ptr()
-        for b, e in layout[name][0]:
-            offsets.append(starts[i] + b)
-            addresses.append(base + b)
-            lengths.append(e - b)
+class _ShardFile:
+    """The bytes of one shard file (header, then each tensor's segments), written by the storage
+    positionally through the engine or as a stream (recsave.storage.base.ShardContent); either
+    way the CRC32C of every segment ends up in `crc_of` (per position in `group`)."""
 
-    taken = [i for i, (_n, t, _d) in enumerate(group) if isinstance(t, RowSource) and t.storage is not None]
-    crc_of: Dict[int, List[int]] = {}
-    writer = _C.ShardWriter(path, durable)
-    try:
-        writer.reserve(size)
-        writer.write_bytes(0, head)
+    def __init__(self, group: Sequence[Tuple[str, Source, DType]], layout: Dict[str, Layout], concurrency: int):
+        self.group, self.layout, self.concurrency = group, layout, concurrency
+        self.head, self.starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
+        self.size = len(self.head) + sum(t.nbytes for _, t, _ in group)
+        self.crc_of: Dict[int, List[int]] = {}
+
+    def write_positional(self, writer: Any) -> None:
+        """Engine calls: the header, every plain tensor's segments in one parallel call, the
+        RowSource.take sources gathered on the engine's threads in another, then the other
+        RowSources block by block."""
+        group, layout, starts, concurrency, crc_of = self.group, self.layout, self.starts, self.concurrency, self.crc_of
+        crc_of.clear()
+        offsets: List[int] = []
+        addresses: List[int] = []
+        lengths: List[int] = []
+        plain: List[int] = []
+        for i, (name, t, _d) in enumerate(group):
+            if isinstance(t, RowSource):
+                continue
+            plain.append(i)
+            base = t.data_ptr()
+            for b, e in layout[name][0]:
+                offsets.append(starts[i] + b)
+                addresses.append(base + b)
+                lengths.append(e - b)
+
+        taken = [i for i, (_n, t, _d) in enumerate(group) if isinstance(t, RowSource) and t.storage is not None]
+        writer.write_bytes(0, self.head)
         crcs = writer.write(np.asarray(offsets, dtype=np.uint64), np.asarray(addresses, dtype=np.uint64),
                             np.asarray(lengths, dtype=np.uint64), concurrency)
         _split_crcs(crc_of, crcs, plain, [len(layout[group[i][0]][0]) for i in plain])
@@ -214,17 +218,24 @@ def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], par
                                        np.asarray([base + b - first for b, _ in bounds], dtype=np.uint64),
                                        np.asarray([e - b for b, e in bounds], dtype=np.uint64), concurrency)
                     crc_of[i] += [int(c) for c in got]
-        if durable and commits is not None:
-            commits.submit(writer)  # fsynced together with the caller's other files
-        else:
-            writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
 
-    for i, item in enumerate(group):
-        _describe(part, item, fname, starts[i], crc_of[i], layout[item[0]][1])
-    return size
+    def write_stream(self, f: Any) -> None:
+        """Sequentially: the file system buffers at most one upload part, and the tensors are
+        handed over as views, never copied whole. A rerun (retried upload) gathers the rows again
+        (nothing written is kept for a replay)."""
+        self.crc_of.clear()
+        f.write(self.head)
+        for i, item in enumerate(self.group):
+            crcs = self.crc_of[i] = []
+            bounds = self.layout[item[0]][0]
+            blocks = _blocks(item[0], item[1], bounds) if isinstance(item[1], RowSource) else [(item[1], bounds)]
+            for block, segs in blocks:
+                data, first = tensor_bytes(block), segs[0][0]
+                for b, e in segs:
+                    piece = data[b - first:e - first]
+                    crcs.append(_C.crc32c(piece))
+                    if len(piece):
+                        f.write(memoryview(piece))
 
 
 def _split_crcs(crc_of: Dict[int, List[int]], crcs: np.ndarray, which: List[int], counts: List[int]) -> None:
@@ -306,34 +317,3 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.Tensor, DType]],
-                 part: Dict[str, Any], fname: str, layout: Dict[str, Layout]) -> int:
-    """Writes one shard file sequentially through a storage stream: the file system buffers at most
-    one upload part, and the tensors are handed over as views, never copied whole. A retried
-    upload gathers the rows again (nothing written is kept for a replay)."""
-    head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
-    size = len(head) + sum(t.nbytes for _, t, _ in group)
-    described: List[Tuple[Any, int, List[int]]] = []
-
-    def produce(f: Any) -> None:
-        described.clear()
-        f.write(head)
-        for i, item in enumerate(group):
-            crcs = []
-            bounds = layout[item[0]][0]
-            blocks = _blocks(item[0], item[1], bounds) if isinstance(item[1], RowSource) else [(item[1], bounds)]
-            for block, segs in blocks:
-                data, first = tensor_bytes(block), segs[0][0]
-                for b, e in segs:
-                    piece = data[b - first:e - first]
-                    crcs.append(_C.crc32c(piece))
-                    if len(piece):
-                        f.write(memoryview(piece))
-            described.append((item, starts[i], crcs))
-
-    storage.write_stream(path, produce)
-    for item, start, crcs in described:
-        _describe(part, item, fname, start, crcs, layout[item[0]][1])
-    return size

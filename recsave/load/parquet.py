@@ -23,15 +23,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import posixpath
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
@@ -41,7 +38,7 @@ from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpo
                      RecsaveError, StorageError, UsageError)
 from recsave.format.dtypes import BY_NAME
 from recsave.load.config import TableInfo
-from recsave.storage.backends import get_storage, is_url
+from recsave.storage import Storage, get_storage
 
 MANIFEST = "recsave_export.json"
 FORMAT = "recsave.parquet"
@@ -83,48 +80,21 @@ def _numpy_view(t: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------- file system
-class _Fs:
-    """A local path or fsspec URL: fsspec for metadata, pyarrow (native locally) for Parquet I/O."""
+class _Files:
+    """Files under `root` (a local path or fsspec URL), named by paths relative to it, read through
+    its Storage (with the storage's retries)."""
 
-    def __init__(self, url: str):
-        import fsspec
-
-        self.url = url
-        if is_url(url):
-            self.fs, self.root = fsspec.core.url_to_fs(url)
-            self.arrow: pafs.FileSystem = pafs.PyFileSystem(pafs.FSSpecHandler(self.fs))
-        else:
-            self.fs, self.root = fsspec.filesystem("file"), os.path.abspath(url)
-            self.arrow = pafs.LocalFileSystem()
-        self.local = not is_url(url)
-
-    def path(self, rel: str) -> str:
-        return self.root if not rel else (os.path.join(self.root, *rel.split("/")) if self.local
-                                          else posixpath.join(self.root, rel))
+    def __init__(self, root: str, storage: Optional[Storage] = None):
+        self.root = root
+        self.storage = storage or get_storage(root)
 
     def show(self, rel: str) -> str:
-        return self.url if not rel else get_storage(self.url).join(self.url, rel)
-
-    def info(self, rel: str) -> Optional[Dict[str, Any]]:
-        try:
-            return self.fs.info(self.path(rel))
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise StorageError(f"{self.show(rel)}: stat failed: {exc}", path=self.show(rel)) from exc
-
-    def names(self, rel: str) -> List[str]:
-        try:
-            entries = self.fs.ls(self.path(rel), detail=False)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise StorageError(f"{self.show(rel)}: listing failed: {exc}", path=self.show(rel)) from exc
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != self.path(rel).rstrip("/"))
+        """The path of `rel` (the root itself for "")."""
+        return self.root if not rel else self.storage.join(self.root, *rel.split("/"))
 
     def parquet(self, rel: str) -> pq.ParquetFile:
         with _arrow_errors(self.show(rel), "reading"):
-            return pq.ParquetFile(self.arrow.open_input_file(self.path(rel)))
+            return pq.ParquetFile(self.storage.open_input(self.show(rel)))
 
 
 @contextlib.contextmanager
@@ -238,35 +208,34 @@ class ParquetSource:
         if not isinstance(path, str) or not path:
             raise UsageError(f"path must be a non-empty string, got {path!r}")
         self.path = path
-        fs = _Fs(path)
-        info = fs.info("")
-        if info is None:
+        storage = get_storage(path)
+        if not storage.exists(path):
             raise CheckpointNotFoundError(f"{path} does not exist; give a to_parquet output directory, a "
                                           f"Parquet file or a directory of Parquet files", path=path)
         self.step: Optional[int] = None  # the exported checkpoint's step (exports only)
-        if info["type"] == "directory":
-            self._fs = fs
-            if fs.info(MANIFEST) is not None:
+        if storage.isdir(path, follow_links=True):
+            self._files = _Files(path, storage)
+            if storage.exists(self._files.show(MANIFEST)):
                 self._load_manifest()
                 return
-            files = [n for n in fs.names("") if n.endswith(".parquet") and not n.startswith((".", "_"))]
+            files = [n for n in storage.listdir(path) if n.endswith(".parquet") and not n.startswith((".", "_"))]
             if not files:
                 raise CheckpointNotFoundError(f"{path}: neither {MANIFEST} nor *.parquet files found; give a "
                                               f"to_parquet output directory or Parquet files", path=path)
-            self._load_plain(_leaf_name(path), files)
+            self._load_plain(_leaf_name(storage, path), files)
             return
-        parent, leaf = _split(path)
-        self._fs = _Fs(parent)
+        parent, leaf = storage.split(path)
+        self._files = _Files(parent, storage)
         if leaf == MANIFEST:
             self.path = parent
             self._load_manifest()
         else:
-            self._load_plain(_leaf_name(path), [leaf])
+            self._load_plain(_leaf_name(storage, path), [leaf])
 
     # -------------------------------------------------------------------------------- opening
     def _load_manifest(self) -> None:
-        where = self._fs.show(MANIFEST)
-        raw = get_storage(self.path).read_bytes(where, MAX_MANIFEST_BYTES)
+        where = self._files.show(MANIFEST)
+        raw = self._files.storage.read_bytes(where, MAX_MANIFEST_BYTES)
         self.version = hashlib.sha256(raw).hexdigest()
         try:
             m = json.loads(raw.decode("utf-8"))
@@ -286,22 +255,22 @@ class ParquetSource:
         cols: Dict[str, _Column] = {}
         entries: List[Tuple[str, int, Optional[int]]] = []
         for rel in sorted(files):
-            pf = self._fs.parquet(rel)
-            these = _parse_schema(pf.schema_arrow, self._fs.show(rel))
+            pf = self._files.parquet(rel)
+            these = _parse_schema(pf.schema_arrow, self._files.show(rel))
             if entries and _shape_of(these) != _shape_of(cols):
-                raise _bad(self._fs.show(rel), None, f"its list columns differ from those of {entries[0][0]!r}",
+                raise _bad(self._files.show(rel), None, f"its list columns differ from those of {entries[0][0]!r}",
                            "every file of a table needs the same id / embedding / slot columns")
             cols = cols or these
             entries.append((rel, pf.metadata.num_rows, None))
             for k, c in cols.items():  # a variable-size list's dim: its first row's length
                 if c.dim is None and pf.metadata.num_rows:
-                    with _arrow_errors(self._fs.show(rel), "reading"):
+                    with _arrow_errors(self._files.show(rel), "reading"):
                         first = next(pf.iter_batches(batch_size=1, columns=[k])).column(0)
                     c.dim = len(first[0]) if first[0].is_valid else None
         emb = cols["embedding"]
         for k, c in cols.items():
             if c.dim is None or c.dim != emb.dim:
-                raise _bad(self._fs.show(entries[0][0]), k,
+                raise _bad(self._files.show(entries[0][0]), k,
                            "is a variable-size list whose first row is null or missing" if c.dim is None else
                            f"holds lists of {c.dim} values but 'embedding' has {emb.dim}",
                            "write fixed-size lists (pa.list_(pa.float32(), dim)) of the embedding's dim")
@@ -311,7 +280,7 @@ class ParquetSource:
                                      {k: c.dtype for k, c in cols.items()}, entries)}
         token = hashlib.sha256()
         for rel, _, _ in entries:
-            token.update(f"{rel}\0{self._fs.fs.ukey(self._fs.path(rel))}\0".encode())
+            token.update(f"{rel}\0{self._files.storage.ukey(self._files.show(rel))}\0".encode())
         self.version = token.hexdigest()
 
     # -------------------------------------------------------------------------------- queries
@@ -353,11 +322,11 @@ class ParquetSource:
         for rel, rows, size in t.files:
             pf = self._open_checked(t, rel, size, cols)
             file_masks, seen = [], 0
-            with _arrow_errors(self._fs.show(rel), "reading"):
+            with _arrow_errors(self._files.show(rel), "reading"):
                 for b in pf.iter_batches(batch_size=batch, columns=["id"]):
                     col = b.column(0)
                     if col.null_count:
-                        raise _bad(self._fs.show(rel), "id", "has null ids", "drop or fill those rows")
+                        raise _bad(self._files.show(rel), "id", "has null ids", "drop or fill those rows")
                     ids = col.to_numpy()
                     seen += len(ids)
                     if world > 1:
@@ -366,7 +335,7 @@ class ParquetSource:
                         ids = ids[m]
                     id_parts.append(ids)
             if seen != rows:
-                raise _bad(self._fs.show(rel), None, f"has {seen} rows, expected {rows}", "re-export the table")
+                raise _bad(self._files.show(rel), None, f"has {seen} rows, expected {rows}", "re-export the table")
             masks.append(np.concatenate(file_masks) if world > 1 and file_masks else None)
         ids_out = torch.from_numpy(np.concatenate(id_parts)) if id_parts else torch.empty(0, dtype=torch.int64)
         n = ids_out.numel()
@@ -378,15 +347,15 @@ class ParquetSource:
         for (rel, rows, size), mask in zip(t.files, masks):
             pf = self._open_checked(t, rel, size, cols)
             row = 0
-            with _arrow_errors(self._fs.show(rel), "reading"):
+            with _arrow_errors(self._files.show(rel), "reading"):
                 for b in pf.iter_batches(batch_size=batch, columns=cols):
                     k = b.num_rows
                     m = None if mask is None else mask[row:row + k]
                     take = k if m is None else int(m.sum())
                     if pos + take > n:
-                        raise _bad(self._fs.show(rel), None, "changed while it was read", "read it again")
+                        raise _bad(self._files.show(rel), None, "changed while it was read", "read it again")
                     for c in cols:
-                        vals = _values(b.column(c), dim, self._fs.show(rel), c, row)
+                        vals = _values(b.column(c), dim, self._files.show(rel), c, row)
                         dest[c][pos:pos + take] = vals if m is None else vals[m]
                     row += k
                     pos += take
@@ -395,16 +364,17 @@ class ParquetSource:
         return ids_out, out
 
     def _open_checked(self, t: _Table, rel: str, size: Optional[int], cols: List[str]) -> pq.ParquetFile:
-        where = self._fs.show(rel)
+        where = self._files.show(rel)
         if size is not None:
-            info = self._fs.info(rel)
-            if info is None:
+            try:
+                actual = self._files.storage.size(where)
+            except CheckpointNotFoundError:
                 raise CheckpointNotFoundError(f"{where}: file listed in {MANIFEST} is missing; re-export",
-                                              path=where)
-            if int(info["size"]) != size:
-                raise _bad(where, None, f"is {info['size']} bytes, the manifest records {size}",
+                                              path=where) from None
+            if actual != size:
+                raise _bad(where, None, f"is {actual} bytes, the manifest records {size}",
                            "the export was changed after it was written; re-export")
-        pf = self._fs.parquet(rel)
+        pf = self._files.parquet(rel)
         found = _parse_schema(pf.schema_arrow, where)
         for c in cols:
             col = found.get(c)
@@ -459,31 +429,22 @@ def _shape_of(cols: Dict[str, _Column]) -> Dict[str, tuple]:
     return {k: (c.fixed, c.dim if c.fixed else None, c.dtype) for k, c in cols.items()}
 
 
-def _split(path: str) -> Tuple[str, str]:
-    """(parent, leaf) of a local path or URL."""
-    if not is_url(path):
-        return os.path.split(os.path.abspath(path))
-    head, _, leaf = path.rstrip("/").rpartition("/")
-    return (head + "/" if head.endswith(":/") else head), leaf
-
-
-def _leaf_name(path: str) -> str:
+def _leaf_name(storage: Storage, path: str) -> str:
     """Table name of a plain Parquet file or directory: its base name without `.parquet`."""
-    leaf = _split(path)[1]
+    leaf = storage.split(path)[1]
     return leaf[: -len(".parquet")] if leaf.endswith(".parquet") and len(leaf) > len(".parquet") else leaf
 
 
 def is_parquet_source(path: str) -> bool:
     """True for a to_parquet output (manifest), a `*.parquet` file or a directory of them."""
     try:
-        fs = _Fs(path)
-        info = fs.info("")
-        if info is None:
+        storage = get_storage(path)
+        if not storage.exists(path):
             return False
-        base = _split(path)[1]
-        if info["type"] != "directory":
+        base = storage.split(path)[1]
+        if not storage.isdir(path, follow_links=True):
             return base.endswith(".parquet") or base == MANIFEST
-        names = fs.names("")
+        names = storage.listdir(path)
         return MANIFEST in names or (any(n.endswith(".parquet") and not n.startswith((".", "_")) for n in names)
                                      and "index" not in names)
     except (RecsaveError, OSError, ValueError):

@@ -15,7 +15,7 @@ from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpoi
 from recsave.format import index as index_mod
 from recsave.format.reader import bytes_to_read, read_tensors
 from recsave.load.config import Contents
-from recsave.storage.backends import Storage, get_storage
+from recsave.storage import Storage, get_storage
 
 
 class CheckpointSource:

@@ -6,8 +6,8 @@ when closed, garbage-collected or at interpreter exit (those two make one attemp
 thread for remote storage; exit waits for it at most ``lock_release_timeout_s``, so a gone
 endpoint cannot hang the interpreter; the lock is then taken over as stale later). A lock is stale, and taken over with a
 warning, when its process is dead on this host or when it was not renewed for ``writer_lease_s``
-seconds. Locally the file is created with O_EXCL; on object stores (no exclusive create) the lock is
-written and read back, which is best effort.
+seconds. The file is created with ``Storage.create_exclusive``: O_EXCL locally; on object stores (no
+exclusive create) written and read back, which is best effort.
 """
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, Optional
 
 from recsave import knobs
-from recsave import threads
 from recsave.errors import CheckpointNotFoundError, WriterLockedError
-from recsave.storage.backends import Storage
+from recsave.storage.base import Storage
 
 LOCK_FILE = ".recsave-writer.lock"
 MAX_LOCK_BYTES = 64 << 10
@@ -114,20 +113,7 @@ class WriterLock:
 
     def _create(self, record: Dict[str, Any]) -> bool:
         """Creates the lock file if absent; whether this call created it."""
-        data = _dumps(record)
-        if self.storage.is_local:
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return True
-        if self.storage.exists(self.path):
-            return False
-        self.storage.write_atomic(self.path, data)
-        _, back = self._read()  # best effort: the last of two racing writers wins, the other sees it
-        return back is not None and back.get("token") == self.token
+        return self.storage.create_exclusive(self.path, _dumps(record))
 
     def _replace(self, old_raw: bytes, record: Dict[str, Any]) -> bool:
         """Overwrites a stale lock, if it still holds `old_raw`; whether we hold the lock now."""
@@ -164,11 +150,8 @@ class WriterLock:
         return None
 
     def _young(self) -> bool:
-        """An empty local lock file created within the last seconds is one being written now."""
-        try:
-            return self.storage.is_local and time.time() - os.stat(self.path).st_mtime < 5
-        except OSError:
-            return False
+        """An empty lock file may be one another writer's create is still filling."""
+        return self.storage.being_created(self.path)
 
 
 def _dumps(record: Dict[str, Any]) -> bytes:
@@ -203,18 +186,18 @@ _releasing: Dict[str, Future] = {}
 def _release(storage: Storage, path: str, token: str) -> None:
     """The finalizer (garbage collection, interpreter exit): one attempt (no io_retries).
 
-    On remote storage it runs on a daemon thread: a collection does not wait for it (it may run
-    on any thread, fsspec's event-loop thread included, whose I/O the release needs), and
-    interpreter exit waits at most ``lock_release_timeout_s`` (with the endpoint gone, botocore's
-    timeouts could otherwise block exit for minutes)."""
+    It runs through ``storage.run_detached``: on remote storage on a daemon thread, so a collection
+    does not wait for it (it may run on any thread, fsspec's event-loop thread included, whose I/O
+    the release needs), and interpreter exit waits at most ``lock_release_timeout_s`` (with the
+    endpoint gone, botocore's timeouts could otherwise block exit for minutes)."""
     def once() -> None:
         with knobs.override(io_retries=0):
             _release_now(storage, path, token)
 
-    if storage.is_local:
-        once()
+    release = storage.run_detached(once, name="recsave-lock-release")
+    if release.done():  # local storage: released already
         return
-    release = _releasing[path] = threads.start(once, name="recsave-lock-release", daemon=True)
+    _releasing[path] = release
     if getattr(weakref.finalize, "_shutdown", False):  # running from the interpreter's exit
         futures_wait([release], timeout=_release_timeout_s())
 

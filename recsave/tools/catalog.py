@@ -16,7 +16,7 @@ from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.load.sources import CheckpointSource, open_source
-from recsave.storage.backends import get_storage
+from recsave.storage import get_storage
 
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:

@@ -85,7 +85,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 @command("export", "export a checkpoint's tables to Parquet (one dataset per table)", _export_arguments)
 def _export(args: argparse.Namespace) -> int:
     from recsave.tools.export import MANIFEST, to_parquet
-    from recsave.storage.backends import get_storage
+    from recsave.storage import get_storage
 
     from recsave.tools.catalog import describe
     from recsave.tools.progress import Progress

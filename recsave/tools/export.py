@@ -2,24 +2,21 @@
 and the manifest are described in recsave.parquet, which also reads them back."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
-import os
-import contextlib
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsave import _C
-from recsave import knobs
 from recsave.errors import ConfigError, CorruptCheckpointError, UsageError
 from recsave.format.reader import read_tensors
 from recsave.load.config import TableInfo
-from recsave.storage.backends import get_storage
+from recsave.storage import Storage, get_storage
 from recsave.load.parquet import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, ParquetSource, _arrow_errors, _arrow_type,
-                      _dir_name, _Fs, _to_arrow, is_parquet_source)
+                      _dir_name, _to_arrow, is_parquet_source)
 from recsave.version import __version__
 
 __all__ = ["to_parquet", "ParquetSource", "is_parquet_source", "MANIFEST"]
@@ -49,23 +46,22 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     if unknown:
         raise ConfigError(f"{src.ckpt_dir}: no table(s) {unknown} in the checkpoint; it has "
                           f"{sorted(available)}", path=src.ckpt_dir, key=unknown[0])
-    out = _Fs(out_dir)
     storage = get_storage(out_dir)
-    if out.info(MANIFEST) is not None:
-        raise UsageError(f"{out.show(MANIFEST)} exists: {out_dir} holds an export already; remove it or "
-                         f"export to another directory", path=out.show(MANIFEST))
+    manifest_path = storage.join(out_dir, MANIFEST)
+    if storage.exists(manifest_path):
+        raise UsageError(f"{manifest_path} exists: {out_dir} holds an export already; remove it or "
+                         f"export to another directory", path=manifest_path)
     for name in names:
-        rel = _dir_name(name)
-        info = out.info(rel)
-        if info is not None and (info["type"] != "directory" or out.names(rel)):
-            raise UsageError(f"{out.show(rel)} exists and is not empty; remove it or export to another "
-                             f"directory (table {name!r} is never overwritten)", path=out.show(rel), key=name)
+        table_dir = storage.join(out_dir, _dir_name(name))
+        if storage.exists(table_dir) and (not storage.isdir(table_dir) or storage.listdir(table_dir)):
+            raise UsageError(f"{table_dir} exists and is not empty; remove it or export to another "
+                             f"directory (table {name!r} is never overwritten)", path=table_dir, key=name)
     written: List[str] = []
     created: List[str] = []
     try:
         entries = {}
         for name in names:
-            entries[name] = _export_table(src, name, available[name], out, written, created,
+            entries[name] = _export_table(src, name, available[name], storage, out_dir, written, created,
                                           row_group_rows, rows_per_file, progress)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "recsave_version": __version__,
@@ -73,22 +69,21 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
             "export_id": uuid.uuid4().hex, "source": src.ckpt_dir, "step": src.index.get("step"),
             "tables": entries,
         }
-        storage.write_atomic(storage.join(out_dir, MANIFEST),
-                             json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
+        storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
     except BaseException:
-        for rel in written:
+        for path in written:
             with contextlib.suppress(Exception):
-                out.fs.rm_file(out.path(rel))
-        for rel in reversed(created):
+                storage.remove_file(path)
+        for path in reversed(created):
             with contextlib.suppress(Exception):
-                if not out.names(rel):
-                    out.fs.rmdir(out.path(rel))
+                if not storage.listdir(path):
+                    storage.remove_tree(path)
         raise
     return manifest
 
 
-def _export_table(src: Any, name: str, info: TableInfo, out: _Fs, written: List[str], created: List[str],
-                  row_group_rows: int, rows_per_file: Optional[int],
+def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_dir: str, written: List[str],
+                  created: List[str], row_group_rows: int, rows_per_file: Optional[int],
                   progress: Optional[Callable[[int], None]]) -> Dict[str, Any]:
     tensors = src.index["tensors"]
     columns = ["embedding"] + list(info.slots)
@@ -108,32 +103,32 @@ def _export_table(src: Any, name: str, info: TableInfo, out: _Fs, written: List[
                  metadata={DTYPE_KEY: dtypes[c].encode()}) for c in columns],
         metadata={b"recsave.table": json.dumps(table_meta).encode()})
     rel_dir = _dir_name(name)
-    if out.info(rel_dir) is None:
-        created.append(rel_dir)
-    with _arrow_errors(out.show(rel_dir), "creating the directory"):
-        out.fs.makedirs(out.path(rel_dir), exist_ok=True)
+    table_dir = storage.join(out_dir, rel_dir)
+    if not storage.exists(table_dir):
+        created.append(table_dir)
+    storage.makedirs(table_dir)
     per_file = rows_per_file or max(n, 1)
     files = []
     for part, first in enumerate(range(0, max(n, 1), per_file)):
-        rel = f"{rel_dir}/part-{part:05d}.parquet"
-        rows = _write_file(src, names, columns, dtypes, schema, out, rel, written, first,
+        fname = f"part-{part:05d}.parquet"
+        path = storage.join(table_dir, fname)
+        written.append(path)
+        rows = _write_file(src, names, columns, dtypes, schema, storage, path, first,
                            min(n, first + per_file), row_group_rows, info.dim, progress)
-        files.append({"path": rel, "rows": rows, "size": int(out.info(rel)["size"])})
+        files.append({"path": f"{rel_dir}/{fname}", "rows": rows, "size": storage.size(path)})
     return {"dim": info.dim, "dtype": info.dtype, "slots": list(info.slots), "rows": n,
             "columns": {"id": "int64", **dtypes}, "files": files}
 
 
 def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str, str], schema: pa.Schema,
-                out: _Fs, rel: str, written: List[str], first: int, stop: int, row_group_rows: int,
+                storage: Storage, path: str, first: int, stop: int, row_group_rows: int,
                 dim: int, progress: Optional[Callable[[int], None]]) -> int:
-    """Rows [first, stop) of the table into one file, a row group per `row_group_rows` rows."""
-    final = out.path(rel)
-    target = final if not out.local else os.path.join(os.path.dirname(final),
-                                                       f".{os.path.basename(final)}.tmp-{os.getpid()}")
-    written.append(rel if not out.local else os.path.relpath(target, out.root).replace(os.sep, "/"))
-    with _arrow_errors(out.show(rel), "writing"):
-        with pq.ParquetWriter(target, schema, filesystem=out.arrow, use_dictionary=False,
-                              write_statistics=["id"]) as writer:
+    """Rows [first, stop) of the table into one file, a row group per `row_group_rows` rows. The
+    file appears at `path` only once complete (Storage.write_stream: temporary name + fsync +
+    rename locally, one upload remotely; a retried upload writes the file again, and reports its
+    rows to `progress` again)."""
+    def produce(f: IO[bytes]) -> None:
+        with pq.ParquetWriter(_Sink(f), schema, use_dictionary=False, write_statistics=["id"]) as writer:
             for start in range(first, stop, row_group_rows):
                 end = min(stop, start + row_group_rows)
                 data = read_tensors(src.ckpt_dir, names, index=src.index, storage=src.storage,
@@ -144,15 +139,30 @@ def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str
                 writer.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=row_group_rows)
                 if progress is not None:
                     progress(end - start)
-        if out.local:
-            if knobs.get("fsync"):
-                fd = os.open(target, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            os.replace(target, final)
-            written[-1] = rel
-            if knobs.get("fsync"):
-                _C.fsync_directory(os.path.dirname(final))
+
+    with _arrow_errors(path, "writing"):
+        storage.write_stream(path, produce)
     return stop - first
+
+
+class _Sink:
+    """The storage's file as pyarrow's output: pyarrow must not close it (the storage publishes it
+    when `produce` returns)."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.closed, self.pos = f, False, 0
+
+    def write(self, data: Any) -> int:
+        self.f.write(data)
+        n = memoryview(data).nbytes
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True

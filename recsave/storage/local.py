@@ -1,0 +1,166 @@
+"""The local file system: plain paths, atomic writes by temporary name + fsync + rename, and shard
+files read and written by the C++ engine's parallel positional I/O."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import time
+from typing import IO, Any, Iterator, List, Optional, Tuple
+
+from recsave import _C
+from recsave import knobs
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
+from recsave.storage.base import Commits, ShardContent, ShardReader, Storage, os_error, over_limit
+
+# An empty file younger than this may be one create_exclusive is still filling.
+_CREATING_S = 5.0
+
+
+def _missing(path: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{path} does not exist", path=path)
+
+
+class LocalStorage(Storage):
+    """Plain paths on this machine's file systems."""
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def split(self, path: str) -> Tuple[str, str]:
+        return os.path.split(os.path.abspath(path))
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def isdir(self, path: str, *, follow_links: bool = False) -> bool:
+        return os.path.isdir(path) and (follow_links or not os.path.islink(path))
+
+    def listdir(self, path: str) -> List[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def makedirs(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise os_error(exc, path, "creating the directory") from exc
+
+    def size(self, path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            raise _missing(path) from None
+
+    def regular_file_size(self, path: str) -> Optional[int]:
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _missing(path) from None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None  # a symbolic link is not S_ISREG
+
+    def ukey(self, path: str) -> str:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise _missing(path) from None
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def remove_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+    def _read_raw(self, path: str, offset: int, length: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def read_bytes(self, path: str, limit: int) -> bytes:
+        """One open: the size checked is that of the file read (no check-then-read race)."""
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > limit:
+                    raise over_limit(path, size, limit)
+                data = f.read(size + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            raise _missing(path) from None
+        except IsADirectoryError:
+            raise CorruptCheckpointError(f"{path} is a directory, not a file", path=path) from None
+        except OSError as exc:
+            raise os_error(exc, path, "reading") from exc
+        if len(data) != size:
+            raise CorruptCheckpointError(f"{path}: file changed size while being read ({size} bytes, then "
+                                         f"{len(data)})", path=path)
+        return data
+
+    def open_shard(self, path: str, size: Optional[int] = None) -> ShardReader:
+        return _C.ShardReader(path)
+
+    def open_input(self, path: str) -> Any:
+        import pyarrow.fs as pafs
+
+        return pafs.LocalFileSystem().open_input_file(os.path.abspath(path))
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        with self.open_write(path) as f:
+            f.write(data)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        """A file that appears at `path` only when the block exits without error (temp + rename)."""
+        temp = f"{path}.tmp-{os.getpid()}"
+        durable = knobs.get("fsync")
+        try:
+            with open(temp, "wb") as f:
+                yield f
+                f.flush()
+                if durable:
+                    os.fsync(f.fileno())
+            os.replace(temp, path)
+            if durable:
+                _C.fsync_directory(os.path.dirname(path) or ".")
+        except OSError as exc:
+            self.remove_file(temp)
+            raise os_error(exc, path, "writing") from exc
+        except BaseException:
+            self.remove_file(temp)
+            raise
+
+    def write_shard(self, path: str, content: ShardContent, *, durable: bool,
+                    commits: Optional[Commits] = None) -> None:
+        writer = _C.ShardWriter(path, durable)
+        try:
+            writer.reserve(content.size)
+            content.write_positional(writer)
+            if durable and commits is not None:
+                commits.submit(writer)  # fsynced together with the caller's other files
+            else:
+                writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise os_error(exc, path, "creating") from exc
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+
+    def being_created(self, path: str) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return st.st_size == 0 and time.time() - st.st_mtime < _CREATING_S

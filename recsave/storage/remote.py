@@ -1,0 +1,230 @@
+"""Any fsspec file system (``s3://``, ``gs://``, ``memory://``, ``file://``...): every call retried
+on transient errors (recsave.storage.retry), files published by one put or one upload."""
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future
+from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, TypeVar
+
+from recsave import knobs
+from recsave import threads
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
+from recsave.storage import retry
+from recsave.storage.base import Commits, ShardContent, ShardReader, Storage
+from recsave.storage.ranged import RangedFile, RangedShardReader
+
+T = TypeVar("T")
+
+
+class FsspecStorage(Storage):
+    """Any fsspec file system. Object stores have no rename: a file is written by one put / one
+    multipart upload, which becomes visible only when complete.
+
+    Every remote call goes through :func:`recsave.storage.retry.call`: transient failures
+    (connection errors, timeouts, HTTP 5xx / throttling) are retried with exponential backoff and
+    jitter (knobs ``io_retries``, ``io_retry_base_s``, ``io_retry_max_s``), then reported as a
+    StorageError naming the path, the operation, the attempts and the last error. Permanent errors
+    (not found, permission, other 4xx) are not retried."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.fs, _ = fsspec.core.url_to_fs(url)
+        self.protocol = url.split("://", 1)[0]
+
+    # ----------------------------------------------------------------------------- names, metadata
+    def join(self, *parts: str) -> str:
+        head, *rest = parts
+        return "/".join([head.rstrip("/")] + [p.strip("/") for p in rest])
+
+    def split(self, path: str) -> Tuple[str, str]:
+        head, _, leaf = path.rstrip("/").rpartition("/")
+        return (head + "/" if head.endswith(":/") else head), leaf
+
+    def exists(self, path: str) -> bool:
+        # fsspec's exists() / isdir() answer False on any error; info() lets a transient failure be
+        # retried instead of read as "missing" (which would make a restore start from scratch).
+        return self._info_or_none(path, "checking") is not None
+
+    def isdir(self, path: str, *, follow_links: bool = False) -> bool:
+        info = self._info_or_none(path, "checking")
+        return info is not None and info.get("type") == "directory"
+
+    def _info_or_none(self, path: str, what: str) -> Optional[dict]:
+        try:
+            return retry.call(what, path, lambda: self.fs.info(path))
+        except FileNotFoundError:
+            return None
+
+    def listdir(self, path: str) -> List[str]:
+        refresh = _accepts_refresh(self.fs)
+        try:
+            entries = retry.call("listing", path, lambda: self.fs.ls(path, detail=False, refresh=True)
+                                 if refresh else self.fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def makedirs(self, path: str) -> None:
+        self._call(lambda p: self.fs.makedirs(p, exist_ok=True), path, "creating the directory")
+
+    def size(self, path: str) -> int:
+        return int(self._call(self.fs.info, path, "stat")["size"])
+
+    def regular_file_size(self, path: str) -> Optional[int]:
+        info = self._call(self.fs.info, path, "stat")
+        return None if info.get("type") == "directory" else int(info["size"])
+
+    def ukey(self, path: str) -> str:
+        return str(self._call(self.fs.ukey, path, "stat"))
+
+    # ------------------------------------------------------------------------------------- removal
+    def remove_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            retry.call("removing", path, lambda: self.fs.rm(path, recursive=True))
+
+    def remove_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            retry.call("removing", path, lambda: self.fs.rm_file(path))
+
+    # --------------------------------------------------------------------------------------- reads
+    def _read_raw(self, path: str, offset: int, length: int) -> bytes:
+        return retry.call("reading", path, lambda: self.fs.cat_file(path, start=offset, end=offset + length))
+
+    def open_shard(self, path: str, size: Optional[int] = None) -> ShardReader:
+        return RangedShardReader(self, path, self.size(path) if size is None else size)
+
+    def open_input(self, path: str) -> Any:
+        import pyarrow as pa
+
+        return pa.PythonFile(RangedFile(self, path, self.size(path)), mode="r")
+
+    # -------------------------------------------------------------------------------------- writes
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self._call(lambda p: self.fs.pipe_file(p, data), path, "writing")
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[IO[bytes]]:
+        """A stream that publishes `path` only when the block exits without error. The buffers
+        handed to write() are kept (by reference, not copied) and uploaded by write_stream as the
+        block exits, which retries a transient failure by uploading them again: they MUST NOT
+        change until the block exits. Shard files use write_stream itself, which keeps nothing."""
+        pieces = _Pieces()
+        yield pieces  # type: ignore[misc]
+        self.write_stream(path, pieces.write_to)
+
+    def write_stream(self, path: str, produce: Callable[[IO[bytes]], None]) -> None:
+        total = retry.attempts()
+        for attempt in range(1, total + 1):
+            upload = _Upload(retry.call("opening for writing", path, lambda: self._open_upload(path)))
+            try:
+                produce(upload)  # type: ignore[arg-type]
+                upload.close()
+                return
+            except _UploadError as failed:
+                self._discard(upload.f, path)
+                exc = failed.__cause__ or failed
+                transient = retry.is_transient(exc) and not isinstance(exc, FileNotFoundError)
+                if not transient or attempt == total:
+                    raise retry.failed(exc, path, "writing", attempt, transient=transient) from exc
+            except BaseException:  # the producer's own error: not the store's, not retried
+                self._discard(upload.f, path)
+                raise
+            time.sleep(retry.backoff_s(attempt))
+
+    def write_shard(self, path: str, content: ShardContent, *, durable: bool,
+                    commits: Optional[Commits] = None) -> None:
+        self.write_stream(path, content.write_stream)  # an upload is durable once it completes
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        if self.exists(path):
+            return False
+        self.write_atomic(path, data)
+        try:
+            return self.read_bytes(path, len(data)) == data
+        except (CheckpointNotFoundError, CorruptCheckpointError):  # removed, or another's bigger one
+            return False
+
+    def being_created(self, path: str) -> bool:
+        return False  # a put publishes the whole file at once
+
+    # ------------------------------------------------------------------------------------- helpers
+    def run_detached(self, fn: Callable[[], None], name: str) -> "Future[None]":
+        """On a daemon thread: a finalizer may run on any thread, fsspec's event-loop thread
+        included, whose I/O `fn` needs; and with the endpoint gone botocore's timeouts could hold
+        the caller for minutes."""
+        return threads.start(fn, name=name, daemon=True)
+
+    def _open_upload(self, path: str) -> Any:
+        block = max(5 << 20, min(knobs.get("io_chunk_bytes"), 256 << 20))
+        return self.fs.open(path, "wb", block_size=block)
+
+    def _discard(self, f: Any, path: str) -> None:
+        """Drops an unfinished upload without publishing it (aborts a multipart upload)."""
+        with contextlib.suppress(Exception):
+            if hasattr(f, "discard"):
+                f.discard()
+            else:
+                f.close()
+        with contextlib.suppress(Exception):
+            self.remove_file(path)
+
+    def _call(self, fn: Callable[[str], T], path: str, what: str) -> T:
+        try:
+            return retry.call(what, path, lambda: fn(path))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{path} does not exist", path=path) from None
+
+
+class _UploadError(Exception):
+    """An upload call failed (the cause): tells the store's failures from the producer's."""
+
+
+class _Upload:
+    """The file object write_stream hands its producer: an fsspec upload whose failures are
+    marked as such."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.written = 0
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self.f.write(data)
+        except Exception as exc:
+            raise _UploadError() from exc
+        self.written += memoryview(data).nbytes
+        return n
+
+    def tell(self) -> int:
+        return self.written
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        try:
+            self.f.close()
+        except Exception as exc:
+            raise _UploadError() from exc
+
+
+class _Pieces:
+    """The file object of FsspecStorage.open_write: keeps references to the written buffers."""
+
+    def __init__(self) -> None:
+        self._views: List[memoryview] = []
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._views.append(view)
+        return len(view)
+
+    def write_to(self, f: IO[bytes]) -> None:
+        for view in self._views:
+            f.write(view)
+
+
+def _accepts_refresh(fs: Any) -> bool:
+    return getattr(fs, "protocol", None) in ("s3", "s3a", ("s3", "s3a"), "gcs", "gs", ("gcs", "gs"))
