@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -16,7 +17,7 @@ from recsave.storage.backends import Storage
 from recsave.format import header
 from recsave.format.commits import DeferredCommits
 from recsave.format.dtypes import DType, from_torch
-from recsave.format.index import FORMAT_VERSION, new_part
+from recsave.format.records import FORMAT_VERSION, BucketRange, Chunk, FileEntry, IndexPart, TensorEntry
 
 
 @dataclass
@@ -68,6 +69,17 @@ def shard_file_name(prefix: str, rank: int, part: int) -> str:
     return f"{prefix}-{rank}-{part}.safetensors"
 
 
+@dataclass
+class _PartBuilder:
+    """The files and tensors of an index part while write_shards fills them in."""
+    rank: int
+    files: Dict[str, FileEntry] = field(default_factory=dict)
+    tensors: Dict[str, TensorEntry] = field(default_factory=dict)
+
+    def build(self) -> IndexPart:
+        return IndexPart(self.rank, self.files, self.tensors)
+
+
 def _prepare(name: Any, tensor: Any) -> Tuple[str, Source, DType]:
     if not isinstance(name, str) or not name or name == "__metadata__":
         raise UsageError(f"tensor name {name!r} is not usable: names are non-empty strings other "
@@ -103,15 +115,16 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                  prefix: str = "sparse", concurrency: Optional[int] = None,
                  max_shard_bytes: Optional[int] = None, segment_bytes: Optional[int] = None,
                  durable: Optional[bool] = None,
-                 chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None,
+                 chunk_meta: Optional[Mapping[str, Mapping[str, Any]]] = None,
                  storage: Optional[Storage] = None, first_part: int = 0,
                  segments: Optional[Mapping[str, Sequence[int]]] = None,
-                 commits: Optional[DeferredCommits] = None) -> Dict[str, Any]:
+                 commits: Optional[DeferredCommits] = None) -> IndexPart:
     """Writes `tensors` into `<directory>/<prefix>-<rank>-<part>.safetensors` files and returns the
     index part describing them (docs/FORMAT.md section 3). Each file appears atomically; if anything
     fails, every file this call created is removed before the error propagates.
 
-    `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry; part numbers start at
+    `chunk_meta` adds fields to a tensor's chunk entry: ``{"buckets": {"first": b, "row_starts": [...]}}``
+    (or a BucketRange), the only one there is; part numbers start at
     `first_part` (several calls of one rank write distinct files). `segments` gives, per tensor,
     explicit checksum segment ends (byte offsets, e.g. at bucket boundaries) instead of uniform
     `segment_bytes` pieces. With a non-local
@@ -128,7 +141,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
         raise UsageError(f"segment_bytes must be >= 1, got {segment_bytes}")
     items = [_prepare(n, t) for n, t in tensors.items()]
     layout = {n: _segment_layout(t, segment_bytes, (segments or {}).get(n)) for n, t, _ in items}
-    part = new_part(rank)
+    part = _PartBuilder(rank)
     written: List[str] = []
     try:
         for part_no, group in enumerate(_group(items, max_shard_bytes), start=first_part):
@@ -140,7 +153,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                 path = storage.join(directory, fname)
                 size = _stream_file(storage, path, group, part, fname, layout)
             written.append(path)
-            part["files"][fname] = {"size": size, "rank": rank}
+            part.files[fname] = FileEntry(size, rank)
     except BaseException:
         for path in written:
             if storage is None or storage.is_local:
@@ -152,9 +165,23 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                 storage.remove_file(path)
         raise
     for name, extra in (chunk_meta or {}).items():
-        for chunk in part["tensors"][name]["chunks"]:
-            chunk.update(extra)
-    return part
+        entry = part.tensors[name]
+        fields = _chunk_fields(name, extra)
+        part.tensors[name] = dataclasses.replace(
+            entry, chunks=tuple(dataclasses.replace(c, **fields) for c in entry.chunks))
+    return part.build()
+
+
+def _chunk_fields(name: str, extra: Mapping[str, Any]) -> Dict[str, Any]:
+    """chunk_meta of one tensor as Chunk fields."""
+    unknown = sorted(set(extra) - {"buckets"})
+    if unknown:
+        raise UsageError(f"chunk_meta of {name!r} has unknown key(s) {unknown}; chunks take only "
+                         f"'buckets'", key=name)
+    buckets = extra.get("buckets")
+    if buckets is not None and not isinstance(buckets, BucketRange):
+        buckets = BucketRange(int(buckets["first"]), tuple(buckets["row_starts"]))
+    return {"buckets": buckets}
 
 
 Layout = Tuple[List[Tuple[int, int]], Dict[str, Any]]  # segment (begin, end) pairs, chunk fields
@@ -171,10 +198,10 @@ def _segment_layout(t: torch.Tensor, segment_bytes: int, ends: Optional[Sequence
     if not ends or ends[-1] != nbytes or (nbytes and not increasing):
         raise UsageError(f"segment ends {ends[:8]}... must increase strictly and end at {nbytes}")
     bounds = list(zip([0] + ends[:-1], ends)) if nbytes else [(0, 0)]
-    return bounds, {"segments": ends if nbytes else [0]}
+    return bounds, {"segments": tuple(ends) if nbytes else (0,)}
 
 
-def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], part: Dict[str, Any],
+def _write_file(path: str, group: Sequence[Tuple[str, torch.Tensor, DType]], part: _PartBuilder,
                 fname: str, concurrency: int, layout: Dict[str, Layout], durable: bool,
                 commits: Optional[DeferredCommits]) -> int:
     head, starts = header.build([(n, d, tuple(t.shape)) for n, t, d in group], FORMAT_VERSION)
@@ -291,14 +318,12 @@ def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]) -> Iterato
             yield block, segs
 
 
-def _describe(part: Dict[str, Any], item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
+def _describe(part: _PartBuilder, item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
               crcs: List[int], fields: Dict[str, Any]) -> None:
     """Adds the tensor entry of one written chunk to the index part."""
     name, t, dtype = item
-    chunk: Dict[str, Any] = {"file": fname, "offset": start, "length": t.nbytes, "crc32c": crcs, **fields}
-    if t.dim():
-        chunk["rows"] = [0, t.shape[0]]
-    part["tensors"][name] = {"dtype": dtype.name, "shape": list(t.shape), "chunks": [chunk]}
+    chunk = Chunk(fname, start, t.nbytes, tuple(crcs), rows=(0, t.shape[0]) if t.dim() else None, **fields)
+    part.tensors[name] = TensorEntry(dtype.name, tuple(t.shape), (chunk,))
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
@@ -309,7 +334,7 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _stream_file(storage: Storage, path: str, group: Sequence[Tuple[str, torch.Tensor, DType]],
-                 part: Dict[str, Any], fname: str, layout: Dict[str, Layout]) -> int:
+                 part: _PartBuilder, fname: str, layout: Dict[str, Layout]) -> int:
     """Writes one shard file sequentially through a storage stream: the file system buffers at most
     one upload part, and the tensors are handed over as views, never copied whole. A retried
     upload gathers the rows again (nothing written is kept for a replay)."""

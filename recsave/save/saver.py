@@ -24,6 +24,7 @@ from recsave.errors import CorruptCheckpointError
 from recsave.storage.lock import WriterLock, hold as hold_writer_lock
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
+from recsave.format.records import IndexPart, Partition
 from recsave.format.writer import RowSource, write_shards
 from recsave.load.config import SPARSE_OPTIM
 from recsave.load.report import LoadPlan, LoadReport
@@ -309,16 +310,15 @@ class Saver:
                 for k, name in enumerate(names):
                     layout = upcoming.result()
                     upcoming = order(k + 1) if k + 1 < len(names) else None
-                    table_part = self._write_table(ckpt_dir, layout, rank, len(part["files"]), commits)
+                    table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     rows[name] = layout.num_rows
-                    part["files"].update(table_part["files"])
-                    part["tensors"].update(table_part["tensors"])
+                    part = part.joined(table_part)
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
                     futures_wait([upcoming])
                 raise
-        part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank),
-                                                          state.io_state, rank)
+        part = part.with_files({io_state_file(rank): torchio.save(self.storage, ckpt_dir, io_state_file(rank),
+                                                                  state.io_state, rank)})
         return part, rows
 
     def _bucket_layout(self, name: str, table: TableState, rank: int, world: int) -> "_TableLayout":
@@ -350,7 +350,7 @@ class Saver:
                             int(ids.numel()))
 
     def _write_table(self, ckpt_dir: str, layout: "_TableLayout", rank: int, first_part: int,
-                     commits: DeferredCommits) -> Dict[str, Any]:
+                     commits: DeferredCommits) -> IndexPart:
         """Writes one table's files (the engine gathers embedding and slots in bucket order)."""
         return write_shards(ckpt_dir, layout.tensors, rank=rank, concurrency=self.concurrency,
                             storage=self.storage, chunk_meta={t: layout.meta for t in layout.tensors},
@@ -372,9 +372,9 @@ class Saver:
         m = _STEP_ID.match(ckpt_id)
         meta = contents.index_meta(state.tables, state.dense, state.extras, state.io_state, world, rows)
         index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
-                                      partition={"scheme": partition.SCHEME, "num_buckets": self.num_buckets},
+                                      partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta)
-        index["files"].update(files)
+        index = index.with_files(files)
         index_mod.write(ckpt_dir, index, storage=st)
         self._publish(ckpt_id)
 
