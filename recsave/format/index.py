@@ -37,12 +37,12 @@ def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
     files: Dict[str, FileEntry] = {}
     tensors: Dict[str, TensorEntry] = {}
     for part in ordered:
-        for name, entry in part.files.items():
+        for name, file in part.files.items():
             if name in files:
                 raise UsageError(f"file {name!r} is described by two index parts (ranks "
                                  f"{files[name].rank} and {part.rank}); give each rank its own "
                                  f"file names")
-            files[name] = entry
+            files[name] = file
         for name, entry in part.tensors.items():
             merged = tensors.get(name)
             if merged is None:
