@@ -79,6 +79,9 @@ def test_merged_parts_round_trip_through_their_bytes(tmp_path):
     assert index.io_state_count == 3  # the meta does not say: the world size
     with pytest.raises(dataclasses.FrozenInstanceError):
         index.step = 4  # type: ignore[misc]
+    scalars = [fmt.write_shards(str(tmp_path), {"s": torch.tensor(r)}, rank=r, prefix="scalar") for r in range(2)]
+    with pytest.raises(recsave.errors.UsageError, match="differs between ranks"):  # a 0-d tensor in two parts
+        fmt.merge_parts(scalars)
 
 
 def test_corpus_index_parses_to_the_same_json():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
@@ -35,7 +35,10 @@ def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
     order with their rows renumbered."""
     ordered = sorted(parts, key=lambda p: p.rank)
     files: Dict[str, FileEntry] = {}
-    tensors: Dict[str, TensorEntry] = {}
+    tensors: Dict[str, TensorEntry] = {}  # first part's entry; rows and chunks of all are gathered below
+    rows: Dict[str, int] = {}
+    chunks: Dict[str, List[Chunk]] = {}
+    several: Set[str] = set()
     for part in ordered:
         for name, file in part.files.items():
             if name in files:
@@ -46,15 +49,20 @@ def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
         for name, entry in part.tensors.items():
             merged = tensors.get(name)
             if merged is None:
-                tensors[name] = entry
+                tensors[name], chunks[name] = entry, list(entry.chunks)
+                rows[name] = entry.shape[0] if entry.shape else 0
                 continue
-            if merged.dtype != entry.dtype or merged.shape[1:] != entry.shape[1:] or not entry.shape:
+            if merged.dtype != entry.dtype or merged.shape[1:] != entry.shape[1:] or not entry.shape \
+                    or not merged.shape:
                 raise UsageError(f"tensor {name!r} differs between ranks: {merged.dtype} "
-                                 f"{list(merged.shape)} vs {entry.dtype} {list(entry.shape)}; every rank "
-                                 f"must hold the table with the same dim and dtype", key=name)
-            base = merged.shape[0]
-            tensors[name] = TensorEntry(merged.dtype, (base + entry.shape[0],) + merged.shape[1:],
-                                        merged.chunks + tuple(c.shifted(base) for c in entry.chunks))
+                                 f"{[rows[name], *merged.shape[1:]]} vs {entry.dtype} {list(entry.shape)}; "
+                                 f"every rank must hold the table with the same dim and dtype", key=name)
+            several.add(name)
+            chunks[name] += [c.shifted(rows[name]) for c in entry.chunks]
+            rows[name] += entry.shape[0]
+    for name in several:
+        first = tensors[name]
+        tensors[name] = TensorEntry(first.dtype, (rows[name], *first.shape[1:]), tuple(chunks[name]))
     return Index(
         magic=MAGIC,
         format_version=FORMAT_VERSION,
@@ -67,11 +75,6 @@ def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
         tensors=tensors,
         meta=meta,
     )
-
-
-def segment_bounds(chunk: Chunk) -> List[Tuple[int, int]]:
-    """(begin, end) byte ranges of a chunk's checksum segments, relative to the chunk."""
-    return chunk.segment_bounds()
 
 
 def validate(index: Any, path: str) -> Index:
