@@ -125,9 +125,9 @@ def test_failed_export_leaves_nothing_behind(ckpt, tmp_path):
     broken = str(tmp_path / "ckpt_6")
     shutil.copytree(ckpt, broken)
     index = fmt.read_index(broken)
-    chunk = index["tensors"]["user@adagrad_acc"]["chunks"][0]
-    with open(os.path.join(broken, chunk["file"]), "r+b") as f:
-        f.seek(chunk["offset"] + chunk["length"] - 1)
+    chunk = index.tensor("user@adagrad_acc").chunks[0]
+    with open(os.path.join(broken, chunk.file), "r+b") as f:
+        f.seek(chunk.offset + chunk.length - 1)
         last = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([last[0] ^ 0xFF]))
@@ -152,8 +152,8 @@ def test_multi_chunk_tables_export_across_rank_boundaries(tmp_path):
         for k, v in tensors.items():
             full[k].append(v)
         parts.append(fmt.write_shards(ck, tensors, rank=rank, segment_bytes=64))
-    meta = {"tables": {"emb": {"dim": 5, "dtype": "float32", "slots": ["adam_m", "adam_v"], "rows": 64}},
-            "dense": {}, "extras": [], "io_states": []}
+    meta = fmt.Meta(tables={"emb": fmt.TableMeta(5, "float32", ("adam_m", "adam_v"), 64)}, dense={},
+                    extras=(), io_states=())
     fmt.write_index(ck, fmt.merge_parts(parts, step=9, meta=meta, world_size=3))
     manifest = to_parquet(ck, str(tmp_path / "out"), row_group_rows=10)
     assert manifest["tables"]["emb"]["rows"] == 64 and manifest["step"] == 9

@@ -1,6 +1,7 @@
 """Validators of values read from an index: long integer lists are checked in bulk, and every kind of
 bad entry is still refused with a message naming the value."""
 import copy
+import json
 
 import pytest
 import torch
@@ -39,8 +40,8 @@ def test_bad_lists_are_corrupt_and_named(values, kwargs, message):
 def test_bucket_and_segment_lists_of_a_written_index_are_validated(tmp_path):
     part = fmt.write_shards(str(tmp_path), {"x": torch.arange(40.0).view(10, 4)}, segments={"x": [32, 96, 160]},
                             chunk_meta={"x": {"buckets": {"first": 0, "row_starts": [0, 2, 2, 10]}}})
-    index = fmt.merge_parts([part])
-    index_mod.validate(copy.deepcopy(index), "ok")
+    index = json.loads(index_mod.dumps(fmt.merge_parts([part])))  # the JSON object a reader decodes
+    assert index_mod.validate(copy.deepcopy(index), "ok").tensor("x").chunks[0].segments == (32, 96, 160)
     chunk = lambda ix: ix["tensors"]["x"]["chunks"][0]  # noqa: E731
     damage = {
         "bucket start decreasing": (lambda c: c["buckets"].update(row_starts=[0, 3, 2, 10]), "found 3 then 2"),

@@ -25,7 +25,7 @@ def _write(directory, commits, k: int) -> dict:
 def test_queued_files_appear_only_when_committed_together(tmp_path):
     with DeferredCommits() as commits:
         parts = [_write(tmp_path, commits, k) for k in range(3)]
-        names = [next(iter(p["files"])) for p in parts]
+        names = [next(iter(p.files)) for p in parts]
         assert not any(os.path.exists(tmp_path / n) for n in names)
         assert len(os.listdir(tmp_path)) == 3  # the temporaries
     assert sorted(os.listdir(tmp_path)) == sorted(names)
@@ -52,7 +52,7 @@ def test_a_failed_commit_is_raised_after_the_others_finish(tmp_path):
         with DeferredCommits() as commits:
             parts = [_write(tmp_path, commits, k) for k in range(3)]
     assert str(blocker) in str(exc.value)
-    names = [next(iter(p["files"])) for p in parts]
+    names = [next(iter(p.files)) for p in parts]
     assert sorted(os.listdir(tmp_path)) == sorted(names)  # 0 and 2 committed, 1's temporary removed
     assert os.path.isdir(blocker) and os.listdir(blocker) == ["x"]
 
@@ -60,7 +60,7 @@ def test_a_failed_commit_is_raised_after_the_others_finish(tmp_path):
 def test_a_long_queue_is_committed_early(tmp_path):
     with recsave.knobs.override(max_queued_commits=2), DeferredCommits() as commits:
         parts = [_write(tmp_path, commits, k) for k in range(3)]
-        names = [next(iter(p["files"])) for p in parts]
+        names = [next(iter(p.files)) for p in parts]
         assert [os.path.exists(tmp_path / n) for n in names] == [True, True, False]
     assert sorted(os.listdir(tmp_path)) == sorted(names)
 
@@ -69,4 +69,4 @@ def test_files_that_are_not_durable_are_committed_at_once(tmp_path):
     with DeferredCommits() as commits:
         with recsave.knobs.override(fsync=False):
             part = fmt.write_shards(str(tmp_path), _tensors(0), commits=commits)
-        assert os.listdir(tmp_path) == list(part["files"])
+        assert os.listdir(tmp_path) == list(part.files)

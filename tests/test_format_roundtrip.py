@@ -35,7 +35,7 @@ def test_all_dtypes_round_trip_with_both_readers(tmp_path, max_shard_bytes, segm
     tensors = all_dtype_tensors()
     part = save(tmp_path, tensors, max_shard_bytes=max_shard_bytes, segment_bytes=segment_bytes)
     if max_shard_bytes == 1:  # a file per non-empty tensor (empty ones join their neighbour)
-        assert len(part["files"]) >= sum(1 for t in tensors.values() if t.nbytes)
+        assert len(part.files) >= sum(1 for t in tensors.values() if t.nbytes)
     assert_same(tensors, fmt.read_tensors(str(tmp_path)))
     assert_same(tensors, oracle.read_tensors(str(tmp_path)))
 
@@ -53,7 +53,7 @@ def test_shard_files_open_with_safetensors(tmp_path):
     tensors = all_dtype_tensors()
     part = save(tmp_path, tensors, max_shard_bytes=500)
     seen = set()
-    for fname in part["files"]:
+    for fname in part.files:
         with safe_open(str(tmp_path / fname), framework="pt") as f:
             meta = f.metadata()
             assert meta["format"] == "recsave.shard"
@@ -79,7 +79,8 @@ def test_merged_parts_concatenate_rows_across_ranks(tmp_path):
         parts.append(fmt.write_shards(str(tmp_path), {"emb": emb, "emb@id": ids}, rank=rank))
     index = fmt.merge_parts(parts[::-1], world_size=3)  # order of arrival does not matter
     fmt.write_index(str(tmp_path), index)
-    assert index["tensors"]["emb"]["shape"] == [33, 4]
+    assert index.tensor("emb").shape == (33, 4)
+    assert [c.rows for c in index.tensor("emb").chunks] == [(0, 10), (10, 21), (21, 33)]
     expected = {k: torch.cat(v) for k, v in full.items()}
     assert_same(expected, fmt.read_tensors(str(tmp_path)))
     assert_same(expected, oracle.read_tensors(str(tmp_path)))
@@ -88,26 +89,26 @@ def test_merged_parts_concatenate_rows_across_ranks(tmp_path):
 def test_index_header_fields(tmp_path):
     save(tmp_path, {"a": torch.ones(3)})
     index = fmt.read_index(str(tmp_path))
-    assert index["magic"] == "recsave.index" and index["format_version"] == 1
-    assert index["step"] == 5 and index["world_size"] == 1
-    assert index["created_at"].endswith("Z")
+    assert index.magic == "recsave.index" and index.format_version == 1
+    assert index.step == 5 and index.world_size == 1 and index.partition is None and index.meta is None
+    assert index.created_at.endswith("Z")
 
 
 def _first_chunk(tmp_path, name):
     index = fmt.read_index(str(tmp_path))
-    return index["tensors"][name]["chunks"][0]
+    return index.tensor(name).chunks[0]
 
 
 def test_flipped_byte_is_detected_and_names_the_file(tmp_path):
     save(tmp_path, {"w": torch.randn(1000)}, segment_bytes=512)
     chunk = _first_chunk(tmp_path, "w")
-    path = tmp_path / chunk["file"]
+    path = tmp_path / chunk.file
     with open(path, "r+b") as f:
-        f.seek(chunk["offset"] + 1234)
+        f.seek(chunk.offset + 1234)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
-    with pytest.raises(CorruptCheckpointError, match=chunk["file"]) as info:
+    with pytest.raises(CorruptCheckpointError, match=chunk.file) as info:
         fmt.read_tensors(str(tmp_path))
     assert "CRC32C mismatch" in str(info.value)
     assert fmt.read_tensors(str(tmp_path), verify=False)["w"].numel() == 1000  # verify off reads
@@ -116,7 +117,7 @@ def test_flipped_byte_is_detected_and_names_the_file(tmp_path):
 def test_truncated_file_is_detected(tmp_path):
     save(tmp_path, {"w": torch.randn(1000)})
     chunk = _first_chunk(tmp_path, "w")
-    os.truncate(tmp_path / chunk["file"], chunk["offset"] + 100)
+    os.truncate(tmp_path / chunk.file, chunk.offset + 100)
     with pytest.raises(CorruptCheckpointError, match="bytes, the index records"):
         fmt.read_tensors(str(tmp_path))
 
@@ -125,7 +126,7 @@ def test_missing_index_and_missing_shard(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="no index"):
         fmt.read_tensors(str(tmp_path))
     save(tmp_path, {"w": torch.randn(10)})
-    os.remove(tmp_path / _first_chunk(tmp_path, "w")["file"])
+    os.remove(tmp_path / _first_chunk(tmp_path, "w").file)
     with pytest.raises(CheckpointNotFoundError, match="missing"):
         fmt.read_tensors(str(tmp_path))
 
@@ -158,17 +159,16 @@ def test_non_contiguous_and_views_are_written_by_value(tmp_path):
 
 
 def test_merge_rejects_conflicting_parts():
-    a = fmt.new_part(0)
-    a["tensors"]["x"] = {"dtype": "float32", "shape": [2, 3], "chunks": []}
-    b = fmt.new_part(1)
-    b["tensors"]["x"] = {"dtype": "float32", "shape": [2, 4], "chunks": []}
+    a = fmt.IndexPart(0, {}, {"x": fmt.TensorEntry("float32", (2, 3), ())})
+    b = fmt.IndexPart(1, {}, {"x": fmt.TensorEntry("float32", (2, 4), ())})
     with pytest.raises(UsageError, match="differs between ranks"):  # also a ValueError
         fmt.merge_parts([a, b])
-    c = fmt.new_part(1)
-    a["files"]["sparse-0-0.safetensors"] = {"size": 8, "rank": 0}
-    c["files"]["sparse-0-0.safetensors"] = {"size": 8, "rank": 1}
+    a = a.with_files({"sparse-0-0.safetensors": fmt.FileEntry(8, 0)})
+    c = fmt.new_part(1).with_files({"sparse-0-0.safetensors": fmt.FileEntry(8, 1)})
     with pytest.raises(UsageError, match="described by two index parts"):
         fmt.merge_parts([a, c])
+    with pytest.raises(UsageError, match="described twice"):
+        a.joined(fmt.IndexPart(0, {"sparse-0-0.safetensors": fmt.FileEntry(8, 0)}, {}))
 
 
 @pytest.mark.slow
@@ -178,8 +178,8 @@ def test_more_than_2_gib_across_files(tmp_path):
     tensors = {f"big{i}": torch.randint(-2**31, 2**31 - 1, (64 << 20,), dtype=torch.int32, generator=g)
                for i in range(9)}
     part = save(tmp_path, tensors, max_shard_bytes=1 << 30, concurrency=2)
-    assert len(part["files"]) >= 3
-    assert sum(e["size"] for e in part["files"].values()) > (2 << 30)
+    assert len(part.files) >= 3
+    assert sum(e.size for e in part.files.values()) > (2 << 30)
     got = fmt.read_tensors(str(tmp_path), concurrency=2)
     for k, v in tensors.items():
         assert torch.equal(got[k], v), k
@@ -187,8 +187,8 @@ def test_more_than_2_gib_across_files(tmp_path):
     # The oracle agrees on one tensor from each file.
     index = fmt.read_index(str(tmp_path))
     picks = {}
-    for name, entry in index["tensors"].items():
-        picks.setdefault(entry["chunks"][0]["file"], name)
+    for name, entry in index.tensors.items():
+        picks.setdefault(entry.chunks[0].file, name)
     got = oracle.read_tensors(str(tmp_path), list(picks.values()))
     for name in picks.values():
         assert torch.equal(got[name], tensors[name])

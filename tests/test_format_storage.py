@@ -34,10 +34,10 @@ def test_round_trip_through_fsspec_matches_local_bytes(tmp_path, scheme):
     local = tmp_path / "local"
     local.mkdir()
     local_part = fmt.write_shards(str(local), tensors, max_shard_bytes=400, segment_bytes=100)
-    assert local_part["tensors"] == part["tensors"]
-    for fname in part["files"]:
+    assert local_part.tensors == part.tensors
+    for fname in part.files:
         assert (local / fname).read_bytes() == storage.read_range(storage.join(url, fname), 0,
-                                                                  part["files"][fname]["size"])
+                                                                  part.files[fname].size)
 
 
 def test_remote_corruption_is_detected(tmp_path):
@@ -45,9 +45,9 @@ def test_remote_corruption_is_detected(tmp_path):
     storage = get_storage(url)
     part = fmt.write_shards(url, {"w": torch.arange(1000.0)}, storage=storage, segment_bytes=256)
     fmt.write_index(url, fmt.merge_parts([part]), storage=storage)
-    fname = next(iter(part["files"]))
+    fname = next(iter(part.files))
     path = storage.join(url, fname)
-    data = bytearray(storage.read_range(path, 0, part["files"][fname]["size"]))
+    data = bytearray(storage.read_range(path, 0, part.files[fname].size))
     data[-5] ^= 1
     storage.write_atomic(path, bytes(data))
     with pytest.raises(CorruptCheckpointError, match="CRC32C mismatch"):
@@ -125,7 +125,7 @@ def test_taken_rows_are_the_bytes_of_the_permuted_tensor(tmp_path, where, dtype,
         parts[kind + "-bytes"] = st.read_bytes(st.join(url, fname), 1 << 20)
     assert parts["taken"] == parts["plain"]
     assert parts["taken-bytes"] == parts["plain-bytes"]
-    assert len(parts["taken"]["tensors"]["x"]["chunks"][0]["crc32c"]) == 5
+    assert len(parts["taken"].tensors["x"].chunks[0].crc32c) == 5
 
 
 def test_taken_rows_refuse_bad_sources_and_leave_nothing(tmp_path):

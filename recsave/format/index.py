@@ -1,9 +1,10 @@
-"""The checkpoint index (docs/FORMAT.md section 3): build parts, merge them, validate, read, write."""
+"""The checkpoint index (docs/FORMAT.md section 3): build parts, merge them, parse and validate into
+the typed records of recsave.format.records, read, write."""
 from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
@@ -11,82 +12,71 @@ from recsave.version import __version__
 from recsave.format import checks
 from recsave.format.dtypes import from_name
 from recsave.storage import Storage, get_storage
+from recsave.format.records import (FORMAT_VERSION, MAGIC, BucketRange, Chunk, DenseMeta, FileEntry, Index,
+                                    IndexPart, Meta, Partition, TableMeta, TensorEntry)
 
-MAGIC = "recsave.index"
-FORMAT_VERSION = 1
 INDEX_FILE = "index"
 REQUIRED_KEYS = ("magic", "format_version", "recsave_version", "created_at", "step", "world_size",
                  "partition", "files", "tensors", "meta")
 
 
-def new_part(rank: int) -> Dict[str, Any]:
+def new_part(rank: int) -> IndexPart:
     """An empty index part for one rank."""
-    return {"magic": MAGIC, "format_version": FORMAT_VERSION, "rank": rank, "files": {}, "tensors": {}}
+    return IndexPart(rank, {}, {})
 
 
-def merge_parts(parts: Sequence[Dict[str, Any]], *, step: Optional[int] = None,
-                partition: Optional[Dict[str, Any]] = None, meta: Optional[Dict[str, Any]] = None,
-                world_size: Optional[int] = None) -> Dict[str, Any]:
+def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
+                partition: Optional[Partition] = None, meta: Optional[Meta] = None,
+                world_size: Optional[int] = None) -> Index:
     """Merges per-rank parts into one index: files united, chunks of a tensor concatenated in rank
-    order with their rows renumbered. Parts are not modified."""
-    ordered = sorted(parts, key=lambda p: p["rank"])
-    files: Dict[str, Any] = {}
-    tensors: Dict[str, Any] = {}
+    order with their rows renumbered."""
+    ordered = sorted(parts, key=lambda p: p.rank)
+    files: Dict[str, FileEntry] = {}
+    tensors: Dict[str, TensorEntry] = {}  # first part's entry; rows and chunks of all are gathered below
+    rows: Dict[str, int] = {}
+    chunks: Dict[str, List[Chunk]] = {}
+    several: Set[str] = set()
     for part in ordered:
-        for name, entry in part["files"].items():
+        for name, file in part.files.items():
             if name in files:
                 raise UsageError(f"file {name!r} is described by two index parts (ranks "
-                                 f"{files[name].get('rank')} and {part['rank']}); give each rank its own "
+                                 f"{files[name].rank} and {part.rank}); give each rank its own "
                                  f"file names")
-            files[name] = dict(entry)
-        for name, entry in part["tensors"].items():
+            files[name] = file
+        for name, entry in part.tensors.items():
             merged = tensors.get(name)
             if merged is None:
-                tensors[name] = {"dtype": entry["dtype"], "shape": list(entry["shape"]),
-                                 "chunks": [dict(c) for c in entry["chunks"]]}
+                tensors[name], chunks[name] = entry, list(entry.chunks)
+                rows[name] = entry.shape[0] if entry.shape else 0
                 continue
-            if merged["dtype"] != entry["dtype"] or merged["shape"][1:] != entry["shape"][1:] \
-                    or not entry["shape"]:
-                raise UsageError(f"tensor {name!r} differs between ranks: {merged['dtype']} "
-                                 f"{merged['shape']} vs {entry['dtype']} {entry['shape']}; every rank "
-                                 f"must hold the table with the same dim and dtype", key=name)
-            base = merged["shape"][0]
-            for chunk in entry["chunks"]:
-                c = dict(chunk)
-                c["rows"] = [chunk["rows"][0] + base, chunk["rows"][1] + base]
-                merged["chunks"].append(c)
-            merged["shape"][0] += entry["shape"][0]
-    return {
-        "magic": MAGIC,
-        "format_version": FORMAT_VERSION,
-        "recsave_version": __version__,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        "step": step,
-        "world_size": world_size if world_size is not None else max(len(ordered), 1),
-        "partition": partition,
-        "files": files,
-        "tensors": tensors,
-        "meta": meta or {},
-    }
+            if merged.dtype != entry.dtype or merged.shape[1:] != entry.shape[1:] or not entry.shape \
+                    or not merged.shape:
+                raise UsageError(f"tensor {name!r} differs between ranks: {merged.dtype} "
+                                 f"{[rows[name], *merged.shape[1:]]} vs {entry.dtype} {list(entry.shape)}; "
+                                 f"every rank must hold the table with the same dim and dtype", key=name)
+            several.add(name)
+            chunks[name] += [c.shifted(rows[name]) for c in entry.chunks]
+            rows[name] += entry.shape[0]
+    for name in several:
+        first = tensors[name]
+        tensors[name] = TensorEntry(first.dtype, (rows[name], *first.shape[1:]), tuple(chunks[name]))
+    return Index(
+        magic=MAGIC,
+        format_version=FORMAT_VERSION,
+        recsave_version=__version__,
+        created_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        step=step,
+        world_size=world_size if world_size is not None else max(len(ordered), 1),
+        partition=partition,
+        files=files,
+        tensors=tensors,
+        meta=meta,
+    )
 
 
-def segment_bounds(chunk: Dict[str, Any]) -> List[Tuple[int, int]]:
-    """(begin, end) byte ranges of a chunk's checksum segments, relative to the chunk."""
-    length = chunk["length"]
-    if "segment_bytes" in chunk:
-        step = chunk["segment_bytes"]
-        if length == 0:
-            return [(0, 0)]
-        return [(b, min(b + step, length)) for b in range(0, length, step)]
-    bounds, begin = [], 0
-    for end in chunk["segments"]:
-        bounds.append((begin, end))
-        begin = end
-    return bounds
-
-
-def validate(index: Any, path: str) -> Dict[str, Any]:
-    """Checks every rule of docs/FORMAT.md section 3 that needs no file access. Returns the index."""
+def validate(index: Any, path: str) -> Index:
+    """Checks every rule of docs/FORMAT.md section 3 that needs no file access on a JSON-decoded
+    index and builds its records."""
     if not isinstance(index, dict):
         raise checks.corrupt(path, "index is not a JSON object")
     if index.get("magic") != MAGIC:
@@ -101,52 +91,64 @@ def validate(index: Any, path: str) -> Dict[str, Any]:
     absent = [k for k in REQUIRED_KEYS if k not in index]
     if absent:
         raise checks.corrupt(path, f"index lacks required key(s) {absent}")
-    checks.as_int(index.get("world_size"), "world_size", path, lo=1, hi=1 << 24)
-    _validate_partition(index.get("partition"), path)
+    world_size = checks.as_int(index.get("world_size"), "world_size", path, lo=1, hi=1 << 24)
+    partition = _parse_partition(index.get("partition"), path)
     if not isinstance(index.get("meta"), dict):
         raise checks.corrupt(path, "index 'meta' must be an object")
-    files = index.get("files")
-    tensors = index.get("tensors")
-    if not isinstance(files, dict) or not isinstance(tensors, dict):
+    raw_files = index.get("files")
+    raw_tensors = index.get("tensors")
+    if not isinstance(raw_files, dict) or not isinstance(raw_tensors, dict):
         raise checks.corrupt(path, "index needs 'files' and 'tensors' objects")
-    for name, entry in files.items():
+    files: Dict[str, FileEntry] = {}
+    for name, entry in raw_files.items():
         checks.as_plain_name(name, "file name", path)
         if not isinstance(entry, dict):
             raise checks.corrupt(path, f"entry of file {name!r} is not an object")
-        checks.as_int(entry.get("size"), f"size of {name!r}", path)
+        size = checks.as_int(entry.get("size"), f"size of {name!r}", path)
+        crc = None
         if "crc32c" in entry:
-            checks.as_int(entry["crc32c"], f"crc32c of {name!r}", path, hi=0xFFFFFFFF)
+            crc = checks.as_int(entry["crc32c"], f"crc32c of {name!r}", path, hi=0xFFFFFFFF)
+        rank = checks.as_int(entry.get("rank"), f"rank of {name!r}", path, hi=1 << 24)
+        files[name] = FileEntry(size, rank, crc)
     spans: Dict[str, List[Tuple[int, int, str]]] = {}
-    for name, entry in tensors.items():
-        _validate_tensor(name, entry, files, spans, path)
+    tensors = {name: _parse_tensor(name, entry, files, spans, path) for name, entry in raw_tensors.items()}
     for fname, ranges in spans.items():
         ranges.sort()
         for (b0, e0, n0), (b1, _e1, n1) in zip(ranges, ranges[1:]):
             if b1 < e0:
                 raise checks.corrupt(path, f"chunks of {n0!r} and {n1!r} overlap in {fname!r}")
-    return index
+    step = index["step"]
+    if step is not None and type(step) is not int:
+        raise checks.corrupt(path, f"step must be an integer or null, found {step!r}")
+    for key in ("recsave_version", "created_at"):
+        if not isinstance(index[key], str):
+            raise checks.corrupt(path, f"{key} must be a string, found {index[key]!r}")
+    return Index(magic=MAGIC, format_version=version, recsave_version=index["recsave_version"],
+                 created_at=index["created_at"], step=step, world_size=world_size, partition=partition,
+                 files=files, tensors=tensors, meta=parse_meta(index["meta"], tensors, path))
 
 
-def _validate_partition(partition: Any, path: str) -> None:
+def _parse_partition(partition: Any, path: str) -> Optional[Partition]:
     if partition is None:
-        return
+        return None
     if not isinstance(partition, dict) or partition.get("scheme") != "mix64":
         raise checks.corrupt(path, f"unknown partition {partition!r} (this recsave knows scheme 'mix64')")
-    checks.as_int(partition.get("num_buckets"), "num_buckets", path, lo=1, hi=1 << 30)
+    return Partition("mix64", checks.as_int(partition.get("num_buckets"), "num_buckets", path, lo=1, hi=1 << 30))
 
 
-def _validate_tensor(name: str, entry: Any, files: Dict[str, Any],
-                     spans: Dict[str, List[Tuple[int, int, str]]], path: str) -> None:
+def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
+                  spans: Dict[str, List[Tuple[int, int, str]]], path: str) -> TensorEntry:
     if not isinstance(entry, dict) or not isinstance(entry.get("chunks"), list):
         raise checks.corrupt(path, "tensor entry needs 'dtype', 'shape' and a 'chunks' list", name)
     dtype = from_name(entry.get("dtype"), path=path, key=name)
     shape = checks.as_shape(entry.get("shape"), path, name)
     checks.byte_size(shape, dtype.itemsize, path, name)
-    chunks = entry["chunks"]
-    if not shape and len(chunks) != 1:
+    raw_chunks = entry["chunks"]
+    if not shape and len(raw_chunks) != 1:
         raise checks.corrupt(path, "a 0-d tensor must have exactly one chunk", name)
     next_row = 0
-    for chunk in chunks:
+    chunks: List[Chunk] = []
+    for chunk in raw_chunks:
         if not isinstance(chunk, dict):
             raise checks.corrupt(path, "chunk is not an object", name)
         fname = checks.as_plain_name(chunk.get("file"), "chunk file", path)
@@ -154,18 +156,20 @@ def _validate_tensor(name: str, entry: Any, files: Dict[str, Any],
             raise checks.corrupt(path, f"chunk refers to file {fname!r} missing from 'files'", name)
         offset = checks.as_int(chunk.get("offset"), "chunk offset", path, name)
         length = checks.as_int(chunk.get("length"), "chunk length", path, name)
-        if offset + length > files[fname]["size"]:
+        if offset + length > files[fname].size:
             raise checks.corrupt(path, f"chunk [{offset}, {offset + length}) lies beyond the "
-                                 f"{files[fname]['size']}-byte file {fname!r}", name)
+                                 f"{files[fname].size}-byte file {fname!r}", name)
+        rows: Optional[Tuple[int, int]] = None
         if shape:
-            rows = chunk.get("rows")
-            if not isinstance(rows, list) or len(rows) != 2:
-                raise checks.corrupt(path, f"chunk rows must be [start, stop], found {rows!r}", name)
-            start = checks.as_int(rows[0], "chunk row start", path, name)
-            stop = checks.as_int(rows[1], "chunk row stop", path, name, lo=start)
+            raw_rows = chunk.get("rows")
+            if not isinstance(raw_rows, list) or len(raw_rows) != 2:
+                raise checks.corrupt(path, f"chunk rows must be [start, stop], found {raw_rows!r}", name)
+            start = checks.as_int(raw_rows[0], "chunk row start", path, name)
+            stop = checks.as_int(raw_rows[1], "chunk row stop", path, name, lo=start)
             if start != next_row:
                 raise checks.corrupt(path, f"chunk rows start at {start}, expected {next_row}", name)
             next_row = stop
+            rows = (start, stop)
             chunk_shape = [stop - start] + shape[1:]
         else:
             if "rows" in chunk:
@@ -174,17 +178,21 @@ def _validate_tensor(name: str, entry: Any, files: Dict[str, Any],
         if checks.byte_size(chunk_shape, dtype.itemsize, path, name) != length:
             raise checks.corrupt(path, f"chunk length {length} does not match shape {chunk_shape} "
                                  f"of {dtype.name}", name)
-        _validate_segments(chunk, length, path, name)
+        chunks.append(_parse_segments(chunk, fname, offset, length, rows, path, name))
         spans.setdefault(fname, []).append((offset, offset + length, name))
     if shape and next_row != shape[0]:
         raise checks.corrupt(path, f"chunks cover {next_row} rows of {shape[0]}", name)
+    return TensorEntry(dtype.name, tuple(shape), tuple(chunks))
 
 
-def _validate_segments(chunk: Dict[str, Any], length: int, path: str, name: str) -> None:
+def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
+                    rows: Optional[Tuple[int, int]], path: str, name: str) -> Chunk:
     crcs = checks.as_ints(chunk.get("crc32c"), "crc32c value", path, name, hi=0xFFFFFFFF)
     has_uniform, has_explicit = "segment_bytes" in chunk, "segments" in chunk
     if has_uniform == has_explicit:
         raise checks.corrupt(path, "chunk needs exactly one of segment_bytes and segments", name)
+    step: Optional[int] = None
+    ends: Optional[List[int]] = None
     if has_uniform:
         step = checks.as_int(chunk["segment_bytes"], "segment_bytes", path, name, lo=1)
         expected = max(1, -(-length // step))
@@ -200,28 +208,84 @@ def _validate_segments(chunk: Dict[str, Any], length: int, path: str, name: str)
     if len(crcs) != expected:
         raise checks.corrupt(path, f"{len(crcs)} crc32c values for {expected} segments", name)
     buckets = chunk.get("buckets")
-    if buckets is not None:
-        _validate_buckets(buckets, chunk, path, name)
+    return Chunk(fname, offset, length, tuple(crcs), step, None if ends is None else tuple(ends), rows,
+                 None if buckets is None else _parse_buckets(buckets, rows, path, name))
 
 
-def _validate_buckets(buckets: Any, chunk: Dict[str, Any], path: str, name: str) -> None:
+def _parse_buckets(buckets: Any, rows: Optional[Tuple[int, int]], path: str, name: str) -> BucketRange:
     if not isinstance(buckets, dict) or not isinstance(buckets.get("row_starts"), list):
         raise checks.corrupt(path, "chunk buckets must be {'first': int, 'row_starts': [...]}", name)
-    checks.as_int(buckets.get("first"), "first bucket", path, name)
-    rows = chunk.get("rows")
+    first = checks.as_int(buckets.get("first"), "first bucket", path, name)
     nrows = rows[1] - rows[0] if rows else 0
     starts = checks.as_ints(buckets["row_starts"], "bucket row start", path, name, hi=nrows, increasing="weakly")
     if starts and starts[0] != 0:
         raise checks.corrupt(path, "bucket row_starts must begin at 0", name)
     if not starts or starts[-1] != nrows:
         raise checks.corrupt(path, f"bucket row_starts must end at the chunk's {nrows} rows", name)
+    return BucketRange(first, tuple(starts))
 
 
-def dumps(index: Dict[str, Any]) -> bytes:
-    return json.dumps(index, separators=(",", ":"), sort_keys=False).encode()
+META_KEYS = ("tables", "dense", "extras", "io_states")
 
 
-def write(directory: str, index: Dict[str, Any], *, durable: Optional[bool] = None,
+def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: str) -> Optional[Meta]:
+    """The typed `meta` of an index: None when it describes nothing (an empty object); otherwise
+    tables, dense entries, extras and io states must all be described, and every table's tensors
+    (`<table>@id`, `@embedding`, one per slot) must be in the index."""
+    present = [k for k in META_KEYS if k in meta]
+    if not present:
+        return None
+
+    def bad(detail: str) -> Exception:
+        return checks.corrupt(path, f"index meta does not describe tables / dense / extras ({detail})")
+
+    if len(present) != len(META_KEYS):
+        raise bad(f"missing {[k for k in META_KEYS if k not in meta]}")
+    if not isinstance(meta["tables"], dict) or not isinstance(meta["dense"], dict):
+        raise bad("'tables' and 'dense' must be objects")
+    tables: Dict[str, TableMeta] = {}
+    for name, t in meta["tables"].items():
+        if not isinstance(t, dict):
+            raise bad(f"table {name!r} is not an object")
+        tables[name] = TableMeta(checks.as_int(t.get("dim"), f"dim of table {name!r}", path),
+                                 _text(t.get("dtype"), f"dtype of table {name!r}", bad),
+                                 _texts(t.get("slots"), f"slots of table {name!r}", bad),
+                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path))
+    dense: Dict[str, DenseMeta] = {}
+    for name, d in meta["dense"].items():
+        if not isinstance(d, dict):
+            raise bad(f"dense {name!r} is not an object")
+        dense[name] = DenseMeta(tuple(checks.as_shape(d.get("shape"), path, name)),
+                                _text(d.get("dtype"), f"dtype of dense {name!r}", bad))
+    count = meta.get("io_state_count")
+    if count is not None:
+        count = checks.as_int(count, "io_state_count", path, lo=1, hi=1 << 24)
+    for name, info in tables.items():
+        for suffix in ("id", "embedding") + info.slots:
+            if f"{name}@{suffix}" not in tensors:
+                raise checks.corrupt(path, f"table {name!r} lacks its tensor {name}@{suffix}")
+    return Meta(tables, dense, _texts(meta["extras"], "extras", bad), _texts(meta["io_states"], "io_states", bad),
+                count)
+
+
+def _text(value: Any, what: str, bad: Callable[[str], Exception]) -> str:
+    if not isinstance(value, str):
+        raise bad(f"{what} must be a string, found {value!r}")
+    return value
+
+
+def _texts(value: Any, what: str, bad: Callable[[str], Exception]) -> Tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad(f"{what} must be a list of strings, found {value!r}")
+    return tuple(value)
+
+
+def dumps(index: Index) -> bytes:
+    """The index bytes recsave writes: compact JSON, keys in the records' order."""
+    return json.dumps(index.to_json(), separators=(",", ":"), sort_keys=False).encode()
+
+
+def write(directory: str, index: Index, *, durable: Optional[bool] = None,
           storage: Optional[Storage] = None) -> str:
     """Writes `index` into `directory` atomically (temporary name + fsync + rename locally, one put
     on object stores). Returns its path."""
@@ -235,8 +299,8 @@ def write(directory: str, index: Dict[str, Any], *, durable: Optional[bool] = No
     return path
 
 
-def parse(data: bytes, path: str) -> Dict[str, Any]:
-    """Parses and validates index bytes read from `path`."""
+def parse(data: bytes, path: str) -> Index:
+    """Parses and validates index bytes read from `path` into an Index."""
     try:
         index = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -244,7 +308,7 @@ def parse(data: bytes, path: str) -> Dict[str, Any]:
     return validate(index, path)
 
 
-def read(directory: str, storage: Optional[Storage] = None) -> Dict[str, Any]:
+def read(directory: str, storage: Optional[Storage] = None) -> Index:
     """Reads and validates `<directory>/index` (through `storage`, by default the one of
     `directory`), refusing one over the ``max_index_bytes`` knob before reading it."""
     storage = storage or get_storage(directory)

@@ -4,7 +4,7 @@ output tensors, elsewhere bounded ranged requests)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from recsave.storage import Storage, get_storage
 from recsave.storage.base import ShardReader
 from recsave.format import checks, header
 from recsave.format import index as index_mod
-from recsave.format.dtypes import BY_NAME
+from recsave.format.records import Chunk, Index, TensorEntry
 
 
 @dataclass
@@ -37,12 +37,12 @@ class FileReads:
         return sum(self.lengths)
 
 
-def check_listed_file(ckpt_dir: str, fname: str, index: Dict[str, Any],
+def check_listed_file(ckpt_dir: str, fname: str, index: Index,
                       storage: Optional[Storage] = None) -> str:
     """Path of a file listed in the index, after checking it exists with exactly the recorded size
     (and, on local disk, is a regular file, not a symbolic link)."""
     checks.as_plain_name(fname, "file name", ckpt_dir)
-    expected = index["files"][fname]["size"]
+    expected = index.files[fname].size
     storage = storage or get_storage(ckpt_dir)
     path = storage.join(ckpt_dir, fname)
     try:
@@ -62,7 +62,7 @@ def _missing(path: str) -> CheckpointNotFoundError:
 
 
 def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
-                 index: Optional[Dict[str, Any]] = None, verify: bool = True,
+                 index: Optional[Index] = None, verify: bool = True,
                  concurrency: Optional[int] = None, storage: Optional[Storage] = None,
                  rows: Optional[Dict[str, List[tuple]]] = None,
                  stats: Optional[Dict[str, int]] = None,
@@ -80,11 +80,11 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     storage = storage or get_storage(ckpt_dir)
     if index is None:
         index = index_mod.read(ckpt_dir, storage)
-    wanted = list(index["tensors"]) if names is None else list(dict.fromkeys(names))
-    missing = [n for n in wanted if n not in index["tensors"]]
+    wanted = list(index.tensors) if names is None else list(dict.fromkeys(names))
+    missing = [n for n in wanted if n not in index.tensors]
     if missing:
         raise ConfigError(f"{ckpt_dir}: the checkpoint has no tensor(s) {missing}; it has "
-                          f"{sorted(index['tensors'])[:20]}", path=ckpt_dir, key=missing[0])
+                          f"{sorted(index.tensors)[:20]}", path=ckpt_dir, key=missing[0])
     rows = rows or {}
     threads = concurrency or knobs.get("concurrency")
     given = out or {}
@@ -93,10 +93,10 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     plans: Dict[str, FileReads] = {}
     copies: List[tuple] = []  # (dest tensor bytes view, dest offset, scratch view, scratch offset, n)
     for name in wanted:
-        entry = index["tensors"][name]
-        dtype = BY_NAME[entry["dtype"]].torch_dtype
+        entry = index.tensors[name]
+        dtype = entry.torch_dtype
         if name not in rows:
-            out[name] = _destination(given.get(name), entry["shape"], dtype, name)
+            out[name] = _destination(given.get(name), entry.shape, dtype, name)
             _plan_whole(name, entry, out[name], plans)
         else:
             out[name] = _plan_rows(name, entry, dtype, rows[name], plans, scratch, copies, ckpt_dir,
@@ -104,7 +104,7 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     total = 0
     for fname, reads in plans.items():
         path = check_listed_file(ckpt_dir, fname, index, storage)
-        shard = storage.open_shard(path, index["files"][fname]["size"])
+        shard = storage.open_shard(path, index.files[fname].size)
         try:
             _check_header(shard, path, fname, index, wanted)
             shard.read(np.asarray(reads.offsets, dtype=np.uint64), np.asarray(reads.addresses, dtype=np.uint64),
@@ -123,35 +123,35 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     return out
 
 
-def _covering_segments(entry: Dict[str, Any], ranges: List[tuple], row_bytes: int):
+def _covering_segments(entry: TensorEntry, ranges: List[tuple], row_bytes: int):
     """For each row range and each chunk it touches: (chunk, segment begin, segment end, wanted begin,
     wanted end, output byte offset of the wanted begin) for every checksum segment covering rows of
     the range. Offsets are relative to the chunk."""
     dest_row = 0
     for start, stop in ranges:
-        for chunk in entry["chunks"]:
-            c0, c1 = chunk["rows"]
+        for chunk in entry.chunks:
+            c0, c1 = chunk.rows or (0, 0)
             lo, hi = max(start, c0), min(stop, c1)
             if lo >= hi:
                 continue
             want_b, want_e = (lo - c0) * row_bytes, (hi - c0) * row_bytes
             dest_off = (dest_row + lo - start) * row_bytes
-            for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
+            for b, e, crc in chunk.checked_segments():
                 if e > want_b and b < want_e:
                     yield chunk, b, e, crc, want_b, want_e, dest_off
         dest_row += stop - start
 
 
-def _plan_whole(name: str, entry: Dict[str, Any], out: torch.Tensor, plans: Dict[str, FileReads]) -> None:
+def _plan_whole(name: str, entry: TensorEntry, out: torch.Tensor, plans: Dict[str, FileReads]) -> None:
     row_bytes = _row_bytes(out)
-    for chunk in entry["chunks"]:
-        dest = out.data_ptr() + (chunk["rows"][0] * row_bytes if "rows" in chunk else 0)
-        reads = plans.setdefault(chunk["file"], FileReads())
-        for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
-            reads.add(chunk["offset"] + b, dest + b, e - b, crc)
+    for chunk in entry.chunks:
+        dest = out.data_ptr() + chunk.first_row * row_bytes
+        reads = plans.setdefault(chunk.file, FileReads())
+        for b, e, crc in chunk.checked_segments():
+            reads.add(chunk.offset + b, dest + b, e - b, crc)
 
 
-def _destination(given: Optional[torch.Tensor], shape: List[int], dtype: torch.dtype, name: str) -> torch.Tensor:
+def _destination(given: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, name: str) -> torch.Tensor:
     if given is None:
         return torch.empty(shape, dtype=dtype)
     if (given.dtype != dtype or list(given.shape) != list(shape) or given.device.type != "cpu"
@@ -161,12 +161,12 @@ def _destination(given: Optional[torch.Tensor], shape: List[int], dtype: torch.d
     return given
 
 
-def _plan_rows(name: str, entry: Dict[str, Any], dtype: torch.dtype, ranges: List[tuple],
+def _plan_rows(name: str, entry: TensorEntry, dtype: torch.dtype, ranges: List[tuple],
                plans: Dict[str, FileReads], scratch: List[torch.Tensor], copies: List[tuple],
                ckpt_dir: str, given: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plans reading only `ranges` of rows. Whole segments are read (they carry the checksums); a
     segment that also holds rows outside the range goes to a scratch buffer and is copied after."""
-    shape = entry["shape"]
+    shape = entry.shape
     if not shape:
         raise ConfigError(f"{ckpt_dir}: tensor {name!r} is 0-d; it has no rows to select", key=name)
     for start, stop in ranges:
@@ -174,32 +174,32 @@ def _plan_rows(name: str, entry: Dict[str, Any], dtype: torch.dtype, ranges: Lis
             raise ConfigError(f"{ckpt_dir}: rows [{start}, {stop}) of {name!r} are outside its "
                               f"{shape[0]} rows", key=name)
     total_rows = sum(stop - start for start, stop in ranges)
-    out = _destination(given, [total_rows] + shape[1:], dtype, name)
+    out = _destination(given, [total_rows, *shape[1:]], dtype, name)
     row_bytes = _row_bytes(out) if total_rows else 0
     if row_bytes == 0:
         return out
     out_bytes = out.reshape(-1).view(torch.uint8)
     for chunk, b, e, crc, want_b, want_e, dest_off in _covering_segments(entry, ranges, row_bytes):
-        reads = plans.setdefault(chunk["file"], FileReads())
+        reads = plans.setdefault(chunk.file, FileReads())
         if want_b <= b and e <= want_e:  # the whole segment is wanted: read in place
-            reads.add(chunk["offset"] + b, out.data_ptr() + dest_off + b - want_b, e - b, crc)
+            reads.add(chunk.offset + b, out.data_ptr() + dest_off + b - want_b, e - b, crc)
         else:
             buf = torch.empty(e - b, dtype=torch.uint8)
             scratch.append(buf)
-            reads.add(chunk["offset"] + b, buf.data_ptr(), e - b, crc)
+            reads.add(chunk.offset + b, buf.data_ptr(), e - b, crc)
             s, t = max(b, want_b), min(e, want_e)
             copies.append((out_bytes, dest_off + s - want_b, buf, s - b, t - s))
     return out
 
 
-def bytes_to_read(index: Dict[str, Any], name: str, ranges: Optional[List[tuple]] = None) -> int:
+def bytes_to_read(index: Index, name: str, ranges: Optional[List[tuple]] = None) -> int:
     """Bytes read_tensors fetches for `name` (whole, or the segments covering row `ranges`) — what a
     dry-run plan reports without reading anything."""
-    entry = index["tensors"][name]
+    entry = index.tensors[name]
     if ranges is None:
-        return sum(c["length"] for c in entry["chunks"])
-    shape = entry["shape"]
-    row_bytes = BY_NAME[entry["dtype"]].itemsize
+        return entry.nbytes
+    shape = entry.shape
+    row_bytes = entry.dtype_info.itemsize
     for d in shape[1:]:
         row_bytes *= d
     if not shape or row_bytes == 0:
@@ -216,27 +216,27 @@ def _row_bytes(t: torch.Tensor) -> int:
     return n
 
 
-def _check_header(shard: ShardReader, path: str, fname: str, index: Dict[str, Any], wanted: List[str]) -> None:
+def _check_header(shard: ShardReader, path: str, fname: str, index: Index, wanted: List[str]) -> None:
     """The shard's own header must agree with the index for every chunk we read from it."""
     raw = shard.read_header(knobs.get("max_header_bytes"))
     data_start, entries = header.parse(raw, shard.size, path)
     for name in wanted:
-        entry = index["tensors"][name]
-        for chunk in entry["chunks"]:
-            if chunk["file"] == fname:
-                _check_against_header(chunk, entries.get(name), data_start, entry["dtype"], entry["shape"],
+        entry = index.tensors[name]
+        for chunk in entry.chunks:
+            if chunk.file == fname:
+                _check_against_header(chunk, entries.get(name), data_start, entry.dtype, entry.shape,
                                       path, name)
 
 
-def _check_against_header(chunk: Dict[str, Any], entry: Optional[header.HeaderEntry], data_start: int,
-                          dtype_name: str, shape: List[int], path: str, name: str) -> None:
+def _check_against_header(chunk: Chunk, entry: Optional[header.HeaderEntry], data_start: int,
+                          dtype_name: str, shape: Sequence[int], path: str, name: str) -> None:
     if entry is None:
         raise checks.corrupt(path, "the index places this tensor in the file but its header lacks it", name)
-    chunk_shape = ([chunk["rows"][1] - chunk["rows"][0]] + list(shape[1:])) if "rows" in chunk else []
-    stored_shape = [chunk["length"]] if entry.dtype.st_code is None else chunk_shape
-    if (data_start + entry.begin != chunk["offset"] or entry.end - entry.begin != chunk["length"]
+    chunk_shape = [chunk.rows[1] - chunk.rows[0], *shape[1:]] if chunk.rows is not None else []
+    stored_shape = [chunk.length] if entry.dtype.st_code is None else chunk_shape
+    if (data_start + entry.begin != chunk.offset or entry.end - entry.begin != chunk.length
             or entry.dtype.name != dtype_name or list(entry.shape) != stored_shape):
-        raise checks.corrupt(path, f"index entry (offset {chunk['offset']}, length {chunk['length']}, "
+        raise checks.corrupt(path, f"index entry (offset {chunk.offset}, length {chunk.length}, "
                              f"{dtype_name}, shape {stored_shape}) disagrees with the file header (offset "
                              f"{data_start + entry.begin}, length {entry.end - entry.begin}, "
                              f"{entry.dtype.name}, shape {list(entry.shape)})", name)

@@ -5,51 +5,52 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
 from recsave import _C
 from recsave.errors import CorruptCheckpointError
 from recsave.format.reader import check_listed_file
+from recsave.format.records import FileEntry, Index
 from recsave.storage import Storage
 
 # A .pt file bigger than this is not a dense state recsave wrote; refuse before reading it.
 MAX_PT_BYTES = 64 << 30
 
 
-def save(storage: Storage, directory: str, fname: str, obj: Any, rank: int) -> Dict[str, Any]:
+def save(storage: Storage, directory: str, fname: str, obj: Any, rank: int) -> FileEntry:
     """torch.save(obj) into directory/fname; returns its index file entry (size, rank, crc32c)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getbuffer()
     storage.write_atomic(storage.join(directory, fname), bytes(data))
-    return {"size": len(data), "rank": rank, "crc32c": _C.crc32c(data)}
+    return FileEntry(len(data), rank, _C.crc32c(data))
 
 
-def save_bytes(storage: Storage, directory: str, fname: str, data: bytes, rank: int) -> Dict[str, Any]:
+def save_bytes(storage: Storage, directory: str, fname: str, data: bytes, rank: int) -> FileEntry:
     storage.write_atomic(storage.join(directory, fname), data)
-    return {"size": len(data), "rank": rank, "crc32c": _C.crc32c(data)}
+    return FileEntry(len(data), rank, _C.crc32c(data))
 
 
-def read_bytes(storage: Storage, directory: str, fname: str, index: Dict[str, Any]) -> bytes:
+def read_bytes(storage: Storage, directory: str, fname: str, index: Index) -> bytes:
     """The file's bytes after checking presence, size and CRC32C against the index."""
-    entry = index["files"].get(fname)
+    entry = index.files.get(fname)
     path = storage.join(directory, fname)
     if entry is None:
         raise CorruptCheckpointError(f"{path}: the index does not list this file", path=path)
     check_listed_file(directory, fname, index, storage)
     data = storage.read_bytes(path, MAX_PT_BYTES)
-    if len(data) != entry["size"]:
-        raise CorruptCheckpointError(f"{path}: read {len(data)} bytes, the index records {entry['size']}",
+    if len(data) != entry.size:
+        raise CorruptCheckpointError(f"{path}: read {len(data)} bytes, the index records {entry.size}",
                                      path=path)
-    if "crc32c" in entry and _C.crc32c(data) != entry["crc32c"]:
+    if entry.crc32c is not None and _C.crc32c(data) != entry.crc32c:
         raise CorruptCheckpointError(f"{path}: CRC32C mismatch; the file is damaged — restore from "
                                      f"another checkpoint", path=path)
     return data
 
 
-def load(storage: Storage, directory: str, fname: str, index: Dict[str, Any]) -> Any:
+def load(storage: Storage, directory: str, fname: str, index: Index) -> Any:
     """torch.load(weights_only=True) of a verified file. Pickled callables and other arbitrary
     objects are refused (never executed) with CorruptCheckpointError."""
     data = read_bytes(storage, directory, fname, index)

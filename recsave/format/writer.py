@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -16,7 +17,7 @@ from recsave.storage import Storage, get_storage
 from recsave.format import header
 from recsave.format.commits import DeferredCommits
 from recsave.format.dtypes import DType, from_torch
-from recsave.format.index import FORMAT_VERSION, new_part
+from recsave.format.records import FORMAT_VERSION, BucketRange, Chunk, FileEntry, IndexPart, TensorEntry
 
 
 @dataclass
@@ -68,6 +69,17 @@ def shard_file_name(prefix: str, rank: int, part: int) -> str:
     return f"{prefix}-{rank}-{part}.safetensors"
 
 
+@dataclass
+class _PartBuilder:
+    """The files and tensors of an index part while write_shards fills them in."""
+    rank: int
+    files: Dict[str, FileEntry] = field(default_factory=dict)
+    tensors: Dict[str, TensorEntry] = field(default_factory=dict)
+
+    def build(self) -> IndexPart:
+        return IndexPart(self.rank, self.files, self.tensors)
+
+
 def _prepare(name: Any, tensor: Any) -> Tuple[str, Source, DType]:
     if not isinstance(name, str) or not name or name == "__metadata__":
         raise UsageError(f"tensor name {name!r} is not usable: names are non-empty strings other "
@@ -106,7 +118,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                  chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None,
                  storage: Optional[Storage] = None, first_part: int = 0,
                  segments: Optional[Mapping[str, Sequence[int]]] = None,
-                 commits: Optional[DeferredCommits] = None) -> Dict[str, Any]:
+                 commits: Optional[DeferredCommits] = None) -> IndexPart:
     """Writes `tensors` into `<directory>/<prefix>-<rank>-<part>.safetensors` files and returns the
     index part describing them (docs/FORMAT.md section 3). Each file appears atomically; if anything
     fails, every file this call created is removed before the error propagates.
@@ -130,7 +142,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     items = [_prepare(n, t) for n, t in tensors.items()]
     layout = {n: _segment_layout(t, segment_bytes, (segments or {}).get(n)) for n, t, _ in items}
     storage = storage or get_storage(directory)
-    part = new_part(rank)
+    part = _PartBuilder(rank)
     written: List[str] = []
     try:
         for part_no, group in enumerate(_group(items, max_shard_bytes), start=first_part):
@@ -141,16 +153,29 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
             written.append(path)
             for i, item in enumerate(group):
                 _describe(part, item, fname, shard.starts[i], shard.crc_of[i], layout[item[0]][1])
-            part["files"][fname] = {"size": shard.size, "rank": rank}
+            part.files[fname] = FileEntry(shard.size, rank)
     except BaseException:
         for path in written:  # best effort: the error being raised is the one to report
             with contextlib.suppress(OSError):
                 storage.remove_file(path)
         raise
     for name, extra in (chunk_meta or {}).items():
-        for chunk in part["tensors"][name]["chunks"]:
-            chunk.update(extra)
-    return part
+        entry = part.tensors[name]
+        fields = _chunk_fields(name, extra)
+        part.tensors[name] = dataclasses.replace(
+            entry, chunks=tuple(dataclasses.replace(c, **fields) for c in entry.chunks))
+    return part.build()
+
+
+def _chunk_fields(name: str, extra: Mapping[str, Any]) -> Dict[str, Any]:
+    unknown = sorted(set(extra) - {"buckets"})
+    if unknown:
+        raise UsageError(f"chunk_meta of {name!r} has unknown key(s) {unknown}; chunks take only "
+                         f"'buckets'", key=name)
+    buckets = extra.get("buckets")
+    if buckets is not None and not isinstance(buckets, BucketRange):
+        buckets = BucketRange(int(buckets["first"]), tuple(buckets["row_starts"]))
+    return {"buckets": buckets}
 
 
 Layout = Tuple[List[Tuple[int, int]], Dict[str, Any]]  # segment (begin, end) pairs, chunk fields
@@ -302,14 +327,12 @@ def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]) -> Iterato
             yield block, segs
 
 
-def _describe(part: Dict[str, Any], item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
+def _describe(part: _PartBuilder, item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
               crcs: List[int], fields: Dict[str, Any]) -> None:
     """Adds the tensor entry of one written chunk to the index part."""
     name, t, dtype = item
-    chunk: Dict[str, Any] = {"file": fname, "offset": start, "length": t.nbytes, "crc32c": crcs, **fields}
-    if t.dim():
-        chunk["rows"] = [0, t.shape[0]]
-    part["tensors"][name] = {"dtype": dtype.name, "shape": list(t.shape), "chunks": [chunk]}
+    chunk = Chunk(fname, start, t.nbytes, tuple(crcs), rows=(0, t.shape[0]) if t.dim() else None, **fields)
+    part.tensors[name] = TensorEntry(dtype.name, tuple(t.shape), (chunk,))
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:

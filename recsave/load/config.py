@@ -6,9 +6,12 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave.errors import ConfigError, ShapeMismatchError
+
+if TYPE_CHECKING:
+    from recsave.format.records import Index
 
 CATEGORIES = ("*", "sparse", "dense", "extra", "sparse_opt", "io_state")
 ENTRY_KEYS = ("path", "load", "exclude", "strict", "oname", "hashtable_clear", "ignore_error", "skip",
@@ -132,7 +135,7 @@ class Plan:
     """One entry resolved against a checkpoint: model name -> checkpoint name, per category."""
     conf: LoadConf
     ckpt_dir: str
-    index: Dict[str, Any]
+    index: Optional[Index]  # None for a Parquet source
     items: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # model name -> (category, source)
     skipped: List[str] = field(default_factory=list)
     missing: List[str] = field(default_factory=list)
@@ -174,7 +177,7 @@ def source_name(name: str, category: str, conf: LoadConf) -> str:
     return name
 
 
-def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: Dict[str, Any]) -> Plan:
+def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: Optional[Index]) -> Plan:
     """Resolves `conf` against the model and the checkpoint. Raises ConfigError / ShapeMismatchError
     before anything is modified."""
     result = Plan(conf, ckpt_dir, index)

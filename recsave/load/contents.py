@@ -8,6 +8,7 @@ import torch
 
 from recsave.errors import UsageError
 from recsave.format import checks
+from recsave.format.records import DenseMeta, Index, Meta, TableMeta
 from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.load.config import Contents, TableInfo
 
@@ -33,35 +34,28 @@ def of_model(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
 
 def index_meta(tables: Mapping[str, Any], dense: Mapping[str, torch.Tensor],
                extras: Mapping[str, Any], io_states: Mapping[str, Any], world_size: int,
-               rows: Mapping[str, int]) -> Dict[str, Any]:
-    """The `meta` object of the index: what the checkpoint holds, readable without its data."""
-    return {
-        "tables": {n: {"dim": t.embedding_dim, "dtype": dtype_name(t.dtype), "slots": t.slot_names(),
-                       "rows": int(rows.get(n, 0))} for n, t in tables.items()},
-        "dense": {n: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for n, v in dense.items()},
-        "extras": sorted(extras),
-        "io_states": sorted(io_states),
-        "io_state_count": world_size,
-    }
+               rows: Mapping[str, int]) -> Meta:
+    """The `meta` of the index: what the checkpoint holds, readable without its data."""
+    return Meta(
+        tables={n: TableMeta(t.embedding_dim, dtype_name(t.dtype), tuple(t.slot_names()), int(rows.get(n, 0)))
+                for n, t in tables.items()},
+        dense={n: DenseMeta(tuple(v.shape), dtype_name(v.dtype)) for n, v in dense.items()},
+        extras=tuple(sorted(extras)),
+        io_states=tuple(sorted(io_states)),
+        io_state_count=world_size,
+    )
 
 
-def of_index(index: Dict[str, Any], path: str) -> Contents:
-    """Contents from an index's meta; CorruptCheckpointError when it is malformed."""
-    meta = index.get("meta")
-    try:
-        tables = {str(n): TableInfo(int(t["dim"]), str(t["dtype"]), tuple(str(s) for s in t["slots"]),
-                                    int(t.get("rows", 0)))
-                  for n, t in meta["tables"].items()}
-        dense = {str(n): (tuple(int(d) for d in v["shape"]), str(v["dtype"])) for n, v in meta["dense"].items()}
-        extras = {str(e) for e in meta["extras"]}
-        io_states = {str(e) for e in meta["io_states"]}
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise checks.corrupt(path, f"index meta does not describe tables / dense / extras ({exc!r})") from None
-    for name, info in tables.items():
-        for suffix in ["id", "embedding"] + list(info.slots):
-            if f"{name}@{suffix}" not in index["tensors"]:
-                raise checks.corrupt(path, f"table {name!r} lacks its tensor {name}@{suffix}")
-    return Contents(tables=tables, dense=dense, extras=extras, io_states=io_states)
+def of_index(index: Index, path: str) -> Contents:
+    """Contents from an index's (already validated) meta; CorruptCheckpointError when the index has
+    none, i.e. was not written by a Saver."""
+    meta = index.meta
+    if meta is None:
+        raise checks.corrupt(path, "index meta does not describe tables / dense / extras (it is empty)")
+    return Contents(
+        tables={n: TableInfo(t.dim, t.dtype, t.slots, t.rows) for n, t in meta.tables.items()},
+        dense={n: (d.shape, d.dtype) for n, d in meta.dense.items()},
+        extras=set(meta.extras), io_states=set(meta.io_states))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

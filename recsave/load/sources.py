@@ -14,6 +14,7 @@ from recsave.format import torchio
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from recsave.format import index as index_mod
 from recsave.format.reader import bytes_to_read, read_tensors
+from recsave.format.records import Index
 from recsave.load.config import Contents
 from recsave.storage import Storage, get_storage
 
@@ -23,7 +24,7 @@ class CheckpointSource:
 
     kind = "checkpoint"
 
-    def __init__(self, storage: Storage, ckpt_dir: str, index: Dict[str, Any]):
+    def __init__(self, storage: Storage, ckpt_dir: str, index: Index):
         self.storage = storage
         self.ckpt_dir = ckpt_dir
         self.index = index
@@ -36,23 +37,23 @@ class CheckpointSource:
     @property
     def version(self) -> str:
         """Identifies the data: a newer committed checkpoint has another directory."""
-        return f"{self.ckpt_dir}@{self.index.get('created_at')}"
+        return f"{self.ckpt_dir}@{self.index.created_at}"
 
     @property
     def step(self) -> Optional[int]:
-        return self.index.get("step")
+        return self.index.step
 
     @property
     def io_state_count(self) -> int:
-        return self.index["meta"].get("io_state_count", self.index["world_size"])
+        return self.index.io_state_count
 
     @property
     def num_buckets(self) -> int:
         """Buckets of the checkpoint's partition (needed to read it with several ranks)."""
-        if self.index["partition"] is None:
+        if self.index.partition is None:
             raise ConfigError(f"{self.ckpt_dir}: the checkpoint has no partition, so it cannot be loaded "
                               f"by several ranks", path=self.ckpt_dir)
-        return self.index["partition"]["num_buckets"]
+        return self.index.partition.num_buckets
 
     def row_ranges(self, table: str, rank: int, world: int) -> Optional[List[Tuple[int, int]]]:
         """Logical rows of the table whose buckets rank `rank` of `world` owns (None: all rows)."""
@@ -61,15 +62,13 @@ class CheckpointSource:
         tensor = f"{table}@id"
         lo, hi = partition.bucket_range(rank, world, self.num_buckets)
         ranges = []
-        for chunk in self.index["tensors"][tensor]["chunks"]:
-            b = chunk.get("buckets")
-            if b is None:
+        for chunk in self.index.tensor(tensor).chunks:
+            if chunk.buckets is None:
                 raise ConfigError(f"{self.ckpt_dir}: {tensor} has no bucket offsets, so it cannot be "
                                   f"loaded by {world} ranks", path=self.ckpt_dir, key=tensor)
-            first, starts = b["first"], b["row_starts"]
-            a, z = max(lo, first), min(hi, first + len(starts) - 1)
-            if a < z and starts[a - first] < starts[z - first]:
-                ranges.append((chunk["rows"][0] + starts[a - first], chunk["rows"][0] + starts[z - first]))
+            rows = chunk.buckets.rows_of(lo, hi)
+            if rows is not None:
+                ranges.append((chunk.first_row + rows[0], chunk.first_row + rows[1]))
         return ranges
 
     def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
@@ -105,7 +104,7 @@ class CheckpointSource:
         return torchio.load(self.storage, self.ckpt_dir, fname, self.index)
 
     def pt_size(self, fname: str) -> int:
-        return self.index["files"][fname]["size"]
+        return self.index.file(fname).size
 
 
 class ParquetBankSource:
@@ -120,7 +119,7 @@ class ParquetBankSource:
         self._pq = ParquetSource(path)
         self.ckpt_dir = path
         self.contents = Contents(tables=self._pq.tables())
-        self.index: Dict[str, Any] = {"meta": {}, "world_size": 1}
+        self.index: Optional[Index] = None  # tables only: no recsave index
 
     @property
     def path(self) -> str:

@@ -12,6 +12,7 @@ from recsave.errors import CheckpointExistsError
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
+from recsave.format.records import IndexPart, Partition
 from recsave.format.writer import write_shards
 from recsave.load import contents
 from recsave.save.layout import TableLayout, bucket_layout
@@ -99,7 +100,8 @@ class CheckpointWriter:
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
 
-    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int) -> tuple:
+    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int
+                          ) -> Tuple[IndexPart, Dict[str, int]]:
         part = index_mod.new_part(rank)
         rows: Dict[str, int] = {}
         names = sorted(state.tables)
@@ -119,26 +121,25 @@ class CheckpointWriter:
                 for k, name in enumerate(names):
                     layout = upcoming.result()
                     upcoming = order(k + 1) if k + 1 < len(names) else None
-                    table_part = self._write_table(ckpt_dir, layout, rank, len(part["files"]), commits)
+                    table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     rows[name] = layout.num_rows
-                    part["files"].update(table_part["files"])
-                    part["tensors"].update(table_part["tensors"])
+                    part = part.joined(table_part)
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
                     futures_wait([upcoming])
                 raise
-        part["files"][io_state_file(rank)] = torchio.save(self.storage, ckpt_dir, io_state_file(rank),
-                                                          state.io_state, rank)
+        part = part.with_files({io_state_file(rank): torchio.save(self.storage, ckpt_dir, io_state_file(rank),
+                                                                  state.io_state, rank)})
         return part, rows
 
     def _write_table(self, ckpt_dir: str, layout: TableLayout, rank: int, first_part: int,
-                     commits: DeferredCommits) -> Dict[str, Any]:
+                     commits: DeferredCommits) -> IndexPart:
         """Writes one table's files (the engine gathers embedding and slots in bucket order)."""
         return write_shards(ckpt_dir, layout.tensors, rank=rank, concurrency=self.concurrency,
                             storage=self.storage, chunk_meta={t: layout.meta for t in layout.tensors},
                             first_part=first_part, segments=layout.segments, commits=commits)
 
-    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[Tuple[Any, Dict[str, int]]],
+    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[Tuple[IndexPart, Dict[str, int]]],
                 state: SaveState, world: int) -> None:
         st = self.storage
         parts = [part for part, _ in gathered]
@@ -154,9 +155,9 @@ class CheckpointWriter:
         m = _STEP_ID.match(ckpt_id)
         meta = contents.index_meta(state.tables, state.dense, state.extras, state.io_state, world, rows)
         index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
-                                      partition={"scheme": partition.SCHEME, "num_buckets": self.num_buckets},
+                                      partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta)
-        index["files"].update(files)
+        index = index.with_files(files)
         index_mod.write(ckpt_dir, index, storage=st)
         self._publish(ckpt_id)
 

@@ -27,11 +27,10 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     for ckpt_id in ckptlist.read(storage, output_dir):
         path = storage.join(output_dir, ckpt_id)
         index = index_mod.read(path, storage)
-        created = datetime.datetime.strptime(index["created_at"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(
+        created = datetime.datetime.strptime(index.created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
             tzinfo=datetime.timezone.utc)
-        out.append({"id": ckpt_id, "path": path, "step": index["step"], "created_at": index["created_at"],
-                    "age_s": (now - created).total_seconds(),
-                    "bytes": sum(f["size"] for f in index["files"].values())})
+        out.append({"id": ckpt_id, "path": path, "step": index.step, "created_at": index.created_at,
+                    "age_s": (now - created).total_seconds(), "bytes": index.total_bytes})
     return out
 
 
@@ -40,21 +39,22 @@ def describe(ckpt: str) -> Dict[str, Any]:
     src = open_source(ckpt)
     if not isinstance(src, CheckpointSource):
         raise RecsaveError(f"{ckpt} is a Parquet export, not a checkpoint", path=ckpt)
-    index, meta = src.index, src.index["meta"]
-    shards = {n: f for n, f in index["files"].items() if n.endswith(".safetensors")}
+    index = src.index
+    shards = {n: f for n, f in index.files.items() if n.endswith(".safetensors")}
     tables = {}
-    for name, t in meta.get("tables", {}).items():
-        nbytes = sum(c["length"] for k in [f"{name}@id", f"{name}@embedding", *[f"{name}@{s}" for s in t["slots"]]]
-                     for c in index["tensors"][k]["chunks"])
-        tables[name] = {"rows": t["rows"], "dim": t["dim"], "dtype": t["dtype"], "slots": t["slots"], "bytes": nbytes}
+    for name, t in (index.meta.tables if index.meta is not None else {}).items():
+        nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in ("id", "embedding", *t.slots))
+        tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes}
     return {
-        "path": src.ckpt_dir, "step": index["step"], "created_at": index["created_at"],
-        "format_version": index["format_version"], "recsave_version": index["recsave_version"],
-        "world_size": index["world_size"], "partition": index["partition"], "tables": tables,
-        "shards": {"files": len(shards), "bytes": sum(f["size"] for f in shards.values())},
-        "dense": sorted(meta.get("dense", {})), "extras": meta.get("extras", []),
-        "io_states": meta.get("io_states", []),
-        "bytes": sum(f["size"] for f in index["files"].values()),
+        "path": src.ckpt_dir, "step": index.step, "created_at": index.created_at,
+        "format_version": index.format_version, "recsave_version": index.recsave_version,
+        "world_size": index.world_size,
+        "partition": index.partition.to_json() if index.partition is not None else None, "tables": tables,
+        "shards": {"files": len(shards), "bytes": sum(f.size for f in shards.values())},
+        "dense": sorted(index.meta.dense) if index.meta is not None else [],
+        "extras": list(index.meta.extras) if index.meta is not None else [],
+        "io_states": list(index.meta.io_states) if index.meta is not None else [],
+        "bytes": index.total_bytes,
     }
 
 
@@ -71,8 +71,8 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         return [f"{ckpt} is a Parquet export, not a checkpoint"]
     problems: List[str] = []
     if on_start is not None:
-        on_start(sum(f["size"] for f in src.index["files"].values()))
-    for fname, entry in sorted(src.index["files"].items()):
+        on_start(src.index.total_bytes)
+    for fname, entry in sorted(src.index.files.items()):
         try:
             if fname.endswith(".safetensors"):
                 _verify_shard(src, fname)
@@ -81,27 +81,27 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         except RecsaveError as exc:
             problems.append(str(exc))
         if progress is not None:
-            progress(entry["size"])
+            progress(entry.size)
     return problems
 
 
 def _verify_shard(src: CheckpointSource, fname: str) -> None:
     path = check_listed_file(src.ckpt_dir, fname, src.index, src.storage)
     limit = knobs.get("io_chunk_bytes")
-    for name, entry in src.index["tensors"].items():
-        for chunk in entry["chunks"]:
-            if chunk["file"] != fname:
+    for name, entry in src.index.tensors.items():
+        for chunk in entry.chunks:
+            if chunk.file != fname:
                 continue
-            for (b, e), crc in zip(index_mod.segment_bounds(chunk), chunk["crc32c"]):
+            for b, e, crc in chunk.checked_segments():
                 value, pos = 0, b
                 while pos < e:  # a segment is read in pieces of at most io_chunk_bytes
                     n = min(limit, e - pos)
-                    value = _C.crc32c(np.frombuffer(src.storage.read_range(path, chunk["offset"] + pos, n),
+                    value = _C.crc32c(np.frombuffer(src.storage.read_range(path, chunk.offset + pos, n),
                                                     dtype=np.uint8), value)
                     pos += n
                 if value != crc:
                     raise CorruptCheckpointError(f"{path}: tensor {name!r}: CRC32C mismatch in bytes "
-                                                 f"[{chunk['offset'] + b}, {chunk['offset'] + e})",
+                                                 f"[{chunk.offset + b}, {chunk.offset + e})",
                                                  path=path, key=name)
 
 

@@ -66,7 +66,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "recsave_version": __version__,
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
-            "export_id": uuid.uuid4().hex, "source": src.ckpt_dir, "step": src.index.get("step"),
+            "export_id": uuid.uuid4().hex, "source": src.ckpt_dir, "step": src.index.step,
             "tables": entries,
         }
         storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
@@ -85,19 +85,21 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
 def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_dir: str, written: List[str],
                   created: List[str], row_group_rows: int, rows_per_file: Optional[int],
                   progress: Optional[Callable[[int], None]]) -> Dict[str, Any]:
-    tensors = src.index["tensors"]
+    index = src.index
     columns = ["embedding"] + list(info.slots)
     names = [f"{name}@id"] + [f"{name}@{c}" for c in columns]
-    n = tensors[names[0]]["shape"][0] if tensors[names[0]]["shape"] else -1
-    dtypes = {c: tensors[f"{name}@{c}"]["dtype"] for c in columns}
+    id_shape = index.tensor(names[0]).shape
+    n = id_shape[0] if id_shape else -1
+    dtypes = {c: index.tensor(f"{name}@{c}").dtype for c in columns}
     for t in names:
         want = [n] if t == names[0] else [n, info.dim]
-        if tensors[t]["shape"] != want or (t == names[0] and tensors[t]["dtype"] != "int64"):
-            raise CorruptCheckpointError(f"{src.ckpt_dir}: tensor {t!r} is {tensors[t]['dtype']}"
-                                         f"{tensors[t]['shape']}, expected {want} rows of table {name!r} "
+        entry = index.tensor(t)
+        if list(entry.shape) != want or (t == names[0] and entry.dtype != "int64"):
+            raise CorruptCheckpointError(f"{src.ckpt_dir}: tensor {t!r} is {entry.dtype}"
+                                         f"{list(entry.shape)}, expected {want} rows of table {name!r} "
                                          f"(int64 ids); the checkpoint is inconsistent", path=src.ckpt_dir, key=t)
     table_meta = {"table": name, "dim": info.dim, "dtype": info.dtype, "slots": list(info.slots),
-                  "source": src.ckpt_dir, "step": src.index.get("step")}
+                  "source": src.ckpt_dir, "step": index.step}
     schema = pa.schema([pa.field("id", pa.int64(), nullable=False)] + [
         pa.field(c, pa.list_(_arrow_type(dtypes[c]), info.dim), nullable=False,
                  metadata={DTYPE_KEY: dtypes[c].encode()}) for c in columns],

@@ -1,0 +1,284 @@
+"""The checkpoint index as typed, immutable records (docs/FORMAT.md section 3).
+
+`recsave.format.index.parse` validates an index once and builds these; every other module reads
+attributes, never JSON keys. `to_json()` gives back the JSON object with the keys in the order
+recsave writes them, so that parse -> dumps reproduces an index recsave wrote byte for byte.
+Lists are tuples; mappings are plain dicts typed read-only (`Mapping`): records are pickled
+between ranks, which a `MappingProxyType` would not allow.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from recsave.errors import UsageError
+from recsave.format.dtypes import BY_NAME, DType
+
+MAGIC = "recsave.index"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How sparse ids map to buckets: `{"scheme": "mix64", "num_buckets": B}`."""
+    scheme: str
+    num_buckets: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"scheme": self.scheme, "num_buckets": self.num_buckets}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the checkpoint: its size, the rank that wrote it and, for files that are not
+    shard files, the CRC32C of the whole file."""
+    size: int
+    rank: int
+    crc32c: Optional[int] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"size": self.size, "rank": self.rank}
+        if self.crc32c is not None:
+            out["crc32c"] = self.crc32c
+        return out
+
+
+@dataclass(frozen=True)
+class BucketRange:
+    """Bucket `first + i` holds the chunk's rows `[row_starts[i], row_starts[i + 1])`."""
+    first: int
+    row_starts: Tuple[int, ...]
+
+    def rows_of(self, lo: int, hi: int) -> Optional[Tuple[int, int]]:
+        """Chunk-relative rows `[a, b)` of buckets `[lo, hi)`; None when the chunk has none of them."""
+        first, starts = self.first, self.row_starts
+        a, z = max(lo, first), min(hi, first + len(starts) - 1)
+        if a < z and starts[a - first] < starts[z - first]:
+            return starts[a - first], starts[z - first]
+        return None
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"first": self.first, "row_starts": self.row_starts}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows `[rows[0], rows[1])` of a tensor (`rows` is None for a 0-d tensor) stored at `offset`
+    of `file`, checksummed per segment: uniform `segment_bytes` pieces or explicit `segments` ends
+    (exactly one of the two is set)."""
+    file: str
+    offset: int
+    length: int
+    crc32c: Tuple[int, ...]
+    segment_bytes: Optional[int] = None
+    segments: Optional[Tuple[int, ...]] = None
+    rows: Optional[Tuple[int, int]] = None
+    buckets: Optional[BucketRange] = None
+
+    @property
+    def first_row(self) -> int:
+        """The first logical row (0 for a 0-d tensor)."""
+        return self.rows[0] if self.rows is not None else 0
+
+    def segment_bounds(self) -> List[Tuple[int, int]]:
+        """(begin, end) byte ranges of the checksum segments, relative to the chunk."""
+        length = self.length
+        if self.segment_bytes is not None:
+            step = self.segment_bytes
+            if length == 0:
+                return [(0, 0)]
+            return [(b, min(b + step, length)) for b in range(0, length, step)]
+        bounds, begin = [], 0
+        for end in self.segments or ():
+            bounds.append((begin, end))
+            begin = end
+        return bounds
+
+    def checked_segments(self) -> Iterator[Tuple[int, int, int]]:
+        """(begin, end, crc32c) of each segment, relative to the chunk."""
+        for (b, e), crc in zip(self.segment_bounds(), self.crc32c):
+            yield b, e, crc
+
+    def shifted(self, base: int) -> "Chunk":
+        """The chunk with its rows renumbered by `base` (merging parts of several ranks)."""
+        if self.rows is None:
+            return self
+        return dataclasses.replace(self, rows=(self.rows[0] + base, self.rows[1] + base))
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"file": self.file, "offset": self.offset, "length": self.length,
+                               "crc32c": self.crc32c}
+        if self.segment_bytes is not None:
+            out["segment_bytes"] = self.segment_bytes
+        else:
+            out["segments"] = self.segments
+        if self.rows is not None:
+            out["rows"] = self.rows
+        if self.buckets is not None:
+            out["buckets"] = self.buckets.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A logical tensor, possibly split by rows over several chunks (in row order)."""
+    dtype: str
+    shape: Tuple[int, ...]
+    chunks: Tuple[Chunk, ...]
+
+    @property
+    def dtype_info(self) -> DType:
+        return BY_NAME[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return BY_NAME[self.dtype].torch_dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"dtype": self.dtype, "shape": self.shape, "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass(frozen=True)
+class TableMeta:
+    """A hash table of the checkpoint: embedding dim and dtype, optimizer slots, rows saved."""
+    dim: int
+    dtype: str
+    slots: Tuple[str, ...]
+    rows: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"dim": self.dim, "dtype": self.dtype, "slots": self.slots, "rows": self.rows}
+
+
+@dataclass(frozen=True)
+class DenseMeta:
+    """A dense state_dict entry of model.pt: its shape and dtype."""
+    shape: Tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"shape": self.shape, "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class Meta:
+    """The index `meta` recsave writes: what the checkpoint holds, readable without its data.
+    `io_state_count` is None in indexes that lack it (then it is the world size)."""
+    tables: Mapping[str, TableMeta]
+    dense: Mapping[str, DenseMeta]
+    extras: Tuple[str, ...]
+    io_states: Tuple[str, ...]
+    io_state_count: Optional[int] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"tables": {n: t.to_json() for n, t in self.tables.items()},
+                               "dense": {n: d.to_json() for n, d in self.dense.items()},
+                               "extras": self.extras, "io_states": self.io_states}
+        if self.io_state_count is not None:
+            out["io_state_count"] = self.io_state_count
+        return out
+
+
+def _files_json(files: Mapping[str, FileEntry]) -> Dict[str, Any]:
+    return {n: f.to_json() for n, f in files.items()}
+
+
+def _tensors_json(tensors: Mapping[str, TensorEntry]) -> Dict[str, Any]:
+    return {n: t.to_json() for n, t in tensors.items()}
+
+
+@dataclass(frozen=True)
+class IndexPart:
+    """What one rank wrote (docs/FORMAT.md section 3, "Index parts"): write_shards returns one,
+    merge_parts merges them into an Index."""
+    rank: int
+    files: Mapping[str, FileEntry]
+    tensors: Mapping[str, TensorEntry]
+
+    def joined(self, other: "IndexPart") -> "IndexPart":
+        """This part plus `other`'s files and tensors (names must not repeat)."""
+        _no_overlap(self.files, other.files, "file")
+        _no_overlap(self.tensors, other.tensors, "tensor")
+        return IndexPart(self.rank, {**self.files, **other.files}, {**self.tensors, **other.tensors})
+
+    def with_files(self, files: Mapping[str, FileEntry]) -> "IndexPart":
+        """This part plus `files` (e.g. the rank's io state)."""
+        return self.joined(IndexPart(self.rank, files, {}))
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"magic": MAGIC, "format_version": FORMAT_VERSION, "rank": self.rank,
+                "files": _files_json(self.files), "tensors": _tensors_json(self.tensors)}
+
+
+@dataclass(frozen=True)
+class Index:
+    """A validated checkpoint index. `meta` is None when the index's meta is empty (an index not
+    written by a Saver, e.g. by `write_shards` + `merge_parts` alone)."""
+    magic: str
+    format_version: int
+    recsave_version: str
+    created_at: str
+    step: Optional[int]
+    world_size: int
+    partition: Optional[Partition]
+    files: Mapping[str, FileEntry]
+    tensors: Mapping[str, TensorEntry]
+    meta: Optional[Meta]
+
+    def tensor(self, name: str) -> TensorEntry:
+        """The entry of tensor `name` (KeyError when the index has none)."""
+        return self.tensors[name]
+
+    def file(self, name: str) -> FileEntry:
+        """The entry of file `name` (KeyError when the index lists none)."""
+        return self.files[name]
+
+    def table_names(self) -> List[str]:
+        """Names of the hash tables the meta describes, in index order."""
+        return list(self.meta.tables) if self.meta is not None else []
+
+    @property
+    def io_state_count(self) -> int:
+        """How many workers saved io states (the world size when the meta does not say)."""
+        if self.meta is None or self.meta.io_state_count is None:
+            return self.world_size
+        return self.meta.io_state_count
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every file the index lists."""
+        return sum(f.size for f in self.files.values())
+
+    def with_files(self, files: Mapping[str, FileEntry]) -> "Index":
+        """This index plus `files` (rank 0's model.pt, extra.pt, ...); names must not repeat."""
+        _no_overlap(self.files, files, "file")
+        return dataclasses.replace(self, files={**self.files, **files})
+
+    def to_json(self) -> Dict[str, Any]:
+        """The JSON object, keys in the order recsave writes them."""
+        return {
+            "magic": self.magic,
+            "format_version": self.format_version,
+            "recsave_version": self.recsave_version,
+            "created_at": self.created_at,
+            "step": self.step,
+            "world_size": self.world_size,
+            "partition": self.partition.to_json() if self.partition is not None else None,
+            "files": _files_json(self.files),
+            "tensors": _tensors_json(self.tensors),
+            "meta": self.meta.to_json() if self.meta is not None else {},
+        }
+
+
+def _no_overlap(a: Mapping[str, Any], b: Mapping[str, Any], what: str) -> None:
+    both = sorted(set(a) & set(b))
+    if both:
+        raise UsageError(f"{what}(s) {both[:5]} are described twice in one index part; give each "
+                         f"file and tensor its own name", key=both[0])

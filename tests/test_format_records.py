@@ -1,0 +1,126 @@
+"""The typed index (recsave/format/records.py): parse -> dumps gives back the exact bytes recsave
+wrote, the records carry the index's values, and the meta is validated once at parse time."""
+import copy
+import dataclasses
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Reader, make_job
+
+import recsave
+from recsave import format as fmt
+from recsave.errors import CorruptCheckpointError
+from recsave.format import index as index_mod
+from recsave.load import contents
+
+CORPUS_INDEX = Path(__file__).resolve().parent / "corpus" / "valid_basic" / "index"
+
+
+def _single_table_checkpoint(out: str) -> str:
+    model = torch.nn.Module()
+    model.emb = recsave.HashTable(6, name="emb")
+    model.lin = torch.nn.Linear(3, 2)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(-2**62, 2**62, (50,), generator=g)
+    model.emb.load_rows(ids, torch.randn(50, 6, generator=g), {"acc": torch.rand(50, 6, generator=g)})
+    saver = recsave.Saver(model, output_dir=out)
+    saver.register_io_state("reader", Reader(3))
+    return saver.save("ckpt_2")
+
+
+def _multi_table_checkpoint(out: str) -> str:
+    job = make_job(out)  # tables user and item with Adagrad slots, an extra, io state `reader`
+    job.train(3)
+    return job.saver.save("ckpt_3")
+
+
+@pytest.mark.parametrize("make", [_single_table_checkpoint, _multi_table_checkpoint])
+def test_saved_index_parses_and_dumps_to_the_same_bytes(tmp_path, make):
+    ckpt = make(str(tmp_path / "run"))
+    path = os.path.join(ckpt, "index")
+    data = Path(path).read_bytes()
+    index = index_mod.parse(data, path)
+    assert index_mod.dumps(index) == data
+    assert index == fmt.read_index(ckpt)
+
+    raw = json.loads(data)
+    assert index.meta is not None and index.meta.io_states == ("reader",) and index.meta.io_state_count == 1
+    assert index.table_names() == list(raw["meta"]["tables"])
+    for name, table in index.meta.tables.items():
+        assert table.to_json() == {**raw["meta"]["tables"][name], "slots": tuple(table.slots)}
+        assert table.slots == tuple(raw["meta"]["tables"][name]["slots"]) and table.slots
+        chunk = index.tensor(f"{name}@id").chunks[0]
+        assert chunk.buckets is not None and chunk.buckets.row_starts[-1] == chunk.rows[1] == table.rows
+    assert index.partition == fmt.Partition("mix64", raw["partition"]["num_buckets"])
+    assert set(index.files) == set(raw["files"]) and index.total_bytes == sum(f["size"] for f in raw["files"].values())
+    assert index.file("model.pt").crc32c == raw["files"]["model.pt"]["crc32c"]
+    assert index.io_state_count == 1
+
+
+def test_merged_parts_round_trip_through_their_bytes(tmp_path):
+    parts = []
+    for rank, n in enumerate([5, 0, 9]):
+        parts.append(fmt.write_shards(str(tmp_path), {"t@id": torch.arange(n), "t@embedding": torch.ones(n, 2)},
+                                      rank=rank, segment_bytes=16,
+                                      chunk_meta={"t@id": {"buckets": {"first": rank, "row_starts": [0, n]}}}))
+    parts = [pickle.loads(pickle.dumps(p)) for p in parts]  # parts travel between ranks pickled
+    meta = fmt.Meta({"t": fmt.TableMeta(2, "float32", (), 14)}, {"w": fmt.DenseMeta((2, 3), "float32")}, (), ())
+    index = fmt.merge_parts(parts[::-1], step=3, meta=meta, partition=fmt.Partition("mix64", 3), world_size=3)
+    index = index.with_files({"model.pt": fmt.FileEntry(10, 0, 12345)})
+    data = index_mod.dumps(index)
+    assert index_mod.parse(data, "x") == index and index_mod.dumps(index_mod.parse(data, "x")) == data
+    assert [c.rows for c in index.tensor("t@id").chunks] == [(0, 5), (5, 5), (5, 14)]
+    assert [c.buckets for c in index.tensor("t@id").chunks] == [fmt.BucketRange(r, (0, n)) for r, n in
+                                                                 enumerate([5, 0, 9])]
+    assert index.io_state_count == 3  # the meta does not say: the world size
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        index.step = 4  # type: ignore[misc]
+    scalars = [fmt.write_shards(str(tmp_path), {"s": torch.tensor(r)}, rank=r, prefix="scalar") for r in range(2)]
+    with pytest.raises(recsave.errors.UsageError, match="differs between ranks"):  # a 0-d tensor in two parts
+        fmt.merge_parts(scalars)
+
+
+def test_corpus_index_parses_to_the_same_json():
+    """The corpus index is pretty-printed with sorted keys, so only its JSON value comes back; what
+    recsave dumps is a fixed point."""
+    data = CORPUS_INDEX.read_bytes()
+    index = index_mod.parse(data, str(CORPUS_INDEX))
+    dumped = index_mod.dumps(index)
+    assert json.loads(dumped) == json.loads(data)
+    assert index_mod.dumps(index_mod.parse(dumped, "again")) == dumped
+    assert index.meta is None and index.io_state_count == 2 and index.table_names() == []
+    assert index.partition == fmt.Partition("mix64", 8) and index.step == 7
+    (step,) = index.tensor("step").chunks
+    assert step.rows is None and step.first_row == 0 and step.segment_bounds() == [(0, 8)]
+    assert index.tensor("ids").chunks[0].buckets == fmt.BucketRange(1, (0, 1, 1, 3))
+    assert index.tensor("c").chunks[0].segment_bounds() == [(0, 5), (5, 16), (16, 32)]
+    with pytest.raises(CorruptCheckpointError, match="meta does not describe"):
+        contents.of_index(index, str(CORPUS_INDEX))
+
+
+def test_meta_is_validated_at_parse_time():
+    raw = json.loads(CORPUS_INDEX.read_bytes())
+    raw["meta"] = {"tables": {}, "dense": {"w": {"shape": [2], "dtype": "float32"}}, "extras": ["opt"],
+                   "io_states": []}
+    assert index_mod.validate(copy.deepcopy(raw), "ok").meta == fmt.Meta({}, {"w": fmt.DenseMeta((2,), "float32")},
+                                                                        ("opt",), ())
+    damage = {
+        "partial": ({"tables": {}, "dense": {}}, r"missing \['extras', 'io_states'\]"),
+        "table lacks tensors": ({"tables": {"emb": {"dim": 3, "dtype": "float32", "slots": []}}},
+                                "lacks its tensor emb@id"),
+        "dim not an int": ({"tables": {"emb": {"dim": "3", "dtype": "float32", "slots": []}}}, "dim of table"),
+        "slots not names": ({"tables": {"emb": {"dim": 3, "dtype": "float32", "slots": [1]}}}, "slots of table"),
+        "bad dense shape": ({"dense": {"w": {"shape": [-1], "dtype": "float32"}}}, "shape dimension"),
+        "bad io_state_count": ({"io_state_count": 0}, "io_state_count"),
+    }
+    for what, (change, message) in damage.items():
+        bad = copy.deepcopy(raw)
+        bad["meta"].update(change)
+        if what == "partial":
+            bad["meta"] = change
+        with pytest.raises(CorruptCheckpointError, match=message):
+            index_mod.validate(bad, what)
