@@ -20,12 +20,10 @@ file paths are relative to the manifest's directory.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -35,48 +33,12 @@ import torch
 from recsave import knobs
 from recsave.tables import partition
 from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
-                     RecsaveError, StorageError, UsageError)
+                     RecsaveError, UsageError)
 from recsave.format.dtypes import BY_NAME
+from recsave.load.arrow import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, arrow_errors,
+                                arrow_type, native_dtype, numpy_view)
 from recsave.load.config import TableInfo
 from recsave.storage import Storage, get_storage
-
-MANIFEST = "recsave_export.json"
-FORMAT = "recsave.parquet"
-FORMAT_VERSION = 1
-MAX_MANIFEST_BYTES = 64 << 20
-DTYPE_KEY = b"recsave.dtype"
-
-_NATIVE = {"float16": pa.float16(), "float32": pa.float32(), "float64": pa.float64()}
-_BITS = {1: (pa.uint8(), np.uint8, torch.int8), 2: (pa.uint16(), np.uint16, torch.int16),
-         4: (pa.uint32(), np.uint32, torch.int32), 8: (pa.uint64(), np.uint64, torch.int64)}
-
-
-# ------------------------------------------------------------------------------------ dtypes
-def _arrow_type(dtype: str) -> pa.DataType:
-    """Arrow value type storing torch dtype `dtype` bit for bit."""
-    if dtype in _NATIVE:
-        return _NATIVE[dtype]
-    dt = BY_NAME.get(dtype)
-    if dt is None or dt.itemsize not in _BITS:
-        raise UsageError(f"dtype {dtype!r} cannot be exported to Parquet (supported: float16/32/64 and "
-                         f"dtypes of 1, 2, 4 or 8 bytes stored as bit patterns)")
-    return _BITS[dt.itemsize][0]
-
-
-def _to_arrow(t: torch.Tensor, dtype: str) -> pa.Array:
-    flat = t.contiguous().reshape(-1)
-    if dtype in _NATIVE:
-        return pa.array(flat.numpy())
-    _, np_u, torch_i = _BITS[flat.element_size()]
-    return pa.array(flat.view(torch_i).numpy().view(np_u))
-
-
-def _numpy_view(t: torch.Tensor, dtype: str) -> np.ndarray:
-    """A numpy view of `t` with the Arrow storage type's numpy dtype (writes go into `t`)."""
-    if dtype in _NATIVE:
-        return t.numpy()
-    _, np_u, torch_i = _BITS[t.element_size()]
-    return t.view(torch_i).numpy().view(np_u)
 
 
 # ------------------------------------------------------------------------------- file system
@@ -93,32 +55,8 @@ class _Files:
         return self.root if not rel else self.storage.join(self.root, *rel.split("/"))
 
     def parquet(self, rel: str) -> pq.ParquetFile:
-        with _arrow_errors(self.show(rel), "reading"):
+        with arrow_errors(self.show(rel), "reading"):
             return pq.ParquetFile(self.storage.open_input(self.show(rel)))
-
-
-@contextlib.contextmanager
-def _arrow_errors(where: str, what: str) -> Iterator[None]:
-    try:
-        yield
-    except RecsaveError:
-        raise
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{where} does not exist", path=where) from None
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-        if what != "reading":
-            raise
-        raise CorruptCheckpointError(f"{where}: not a readable Parquet file ({exc}); re-export it or point "
-                                     f"to another file", path=where) from None
-    except OSError as exc:
-        raise StorageError(f"{where}: {what} failed: {exc}", path=where,
-                           errno=getattr(exc, "errno", None)) from exc
-
-
-# ------------------------------------------------------------------------------------ export
-def _dir_name(table: str) -> str:
-    name = urllib.parse.quote(table, safe="-_.")
-    return name if name not in (".", "..") else name.replace(".", "%2E")
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -157,16 +95,14 @@ def _value_column(f: pa.Field, path: str) -> Optional[_Column]:
     if declared is not None:
         dtype = declared.decode("utf-8", "replace")
         try:
-            expected = _arrow_type(dtype)
+            expected = arrow_type(dtype)
         except UsageError:
             raise _bad(path, f.name, f"declares unknown recsave.dtype {dtype!r}", "re-export it") from None
         if t.value_type != expected:
             raise _bad(path, f.name, f"declares recsave.dtype {dtype} but stores {t.value_type}", "re-export it")
         return _Column(fixed, dim, dtype)
-    for name, at in _NATIVE.items():
-        if t.value_type == at:
-            return _Column(fixed, dim, name)
-    return None
+    native = native_dtype(t.value_type)
+    return _Column(fixed, dim, native) if native is not None else None
 
 
 def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
@@ -264,7 +200,7 @@ class ParquetSource:
             entries.append((rel, pf.metadata.num_rows, None))
             for k, c in cols.items():  # a variable-size list's dim: its first row's length
                 if c.dim is None and pf.metadata.num_rows:
-                    with _arrow_errors(self._files.show(rel), "reading"):
+                    with arrow_errors(self._files.show(rel), "reading"):
                         first = next(pf.iter_batches(batch_size=1, columns=[k])).column(0)
                     c.dim = len(first[0]) if first[0].is_valid else None
         emb = cols["embedding"]
@@ -322,7 +258,7 @@ class ParquetSource:
         for rel, rows, size in t.files:
             pf = self._open_checked(t, rel, size, cols)
             file_masks, seen = [], 0
-            with _arrow_errors(self._files.show(rel), "reading"):
+            with arrow_errors(self._files.show(rel), "reading"):
                 for b in pf.iter_batches(batch_size=batch, columns=["id"]):
                     col = b.column(0)
                     if col.null_count:
@@ -342,12 +278,12 @@ class ParquetSource:
         out = {c: torch.empty((n, dim), dtype=BY_NAME[t.columns[c]].torch_dtype) for c in cols}
         if not cols or not n:
             return ids_out, out
-        dest = {c: _numpy_view(out[c], t.columns[c]) for c in cols}
+        dest = {c: numpy_view(out[c], t.columns[c]) for c in cols}
         pos = 0
         for (rel, rows, size), mask in zip(t.files, masks):
             pf = self._open_checked(t, rel, size, cols)
             row = 0
-            with _arrow_errors(self._files.show(rel), "reading"):
+            with arrow_errors(self._files.show(rel), "reading"):
                 for b in pf.iter_batches(batch_size=batch, columns=cols):
                     k = b.num_rows
                     m = None if mask is None else mask[row:row + k]

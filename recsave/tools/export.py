@@ -15,8 +15,9 @@ from recsave.errors import ConfigError, CorruptCheckpointError, UsageError
 from recsave.format.reader import read_tensors
 from recsave.load.config import TableInfo
 from recsave.storage import Storage, get_storage
-from recsave.load.parquet import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, ParquetSource, _arrow_errors, _arrow_type,
-                      _dir_name, _to_arrow, is_parquet_source)
+from recsave.load.arrow import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, arrow_errors, arrow_type,
+                                table_dir_name, to_arrow)
+from recsave.load.parquet import ParquetSource, is_parquet_source
 from recsave.version import __version__
 
 __all__ = ["to_parquet", "ParquetSource", "is_parquet_source", "MANIFEST"]
@@ -52,7 +53,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         raise UsageError(f"{manifest_path} exists: {out_dir} holds an export already; remove it or "
                          f"export to another directory", path=manifest_path)
     for name in names:
-        table_dir = storage.join(out_dir, _dir_name(name))
+        table_dir = storage.join(out_dir, table_dir_name(name))
         if storage.exists(table_dir) and (not storage.isdir(table_dir) or storage.listdir(table_dir)):
             raise UsageError(f"{table_dir} exists and is not empty; remove it or export to another "
                              f"directory (table {name!r} is never overwritten)", path=table_dir, key=name)
@@ -101,10 +102,10 @@ def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_di
     table_meta = {"table": name, "dim": info.dim, "dtype": info.dtype, "slots": list(info.slots),
                   "source": src.ckpt_dir, "step": index.step}
     schema = pa.schema([pa.field("id", pa.int64(), nullable=False)] + [
-        pa.field(c, pa.list_(_arrow_type(dtypes[c]), info.dim), nullable=False,
+        pa.field(c, pa.list_(arrow_type(dtypes[c]), info.dim), nullable=False,
                  metadata={DTYPE_KEY: dtypes[c].encode()}) for c in columns],
         metadata={b"recsave.table": json.dumps(table_meta).encode()})
-    rel_dir = _dir_name(name)
+    rel_dir = table_dir_name(name)
     table_dir = storage.join(out_dir, rel_dir)
     if not storage.exists(table_dir):
         created.append(table_dir)
@@ -136,13 +137,13 @@ def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str
                 data = read_tensors(src.ckpt_dir, names, index=src.index, storage=src.storage,
                                     rows={t: [(start, end)] for t in names})
                 arrays = [pa.array(data[names[0]].numpy())] + [
-                    pa.FixedSizeListArray.from_arrays(_to_arrow(data[t], dtypes[c]), dim)
+                    pa.FixedSizeListArray.from_arrays(to_arrow(data[t], dtypes[c]), dim)
                     for t, c in zip(names[1:], columns)]
                 writer.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=row_group_rows)
                 if progress is not None:
                     progress(end - start)
 
-    with _arrow_errors(path, "writing"):
+    with arrow_errors(path, "writing"):
         storage.write_stream(path, produce)
     return stop - first
 
