@@ -64,8 +64,6 @@ import recsave.format.torchio  # noqa: E402
 from helpers import assert_jobs_equal, job_state, make_job  # noqa: E402
 
 KILL_ENV = "RECSAVE_STRESS_KILL"
-# A killed job leaves its writer lock behind; the next job takes it over with a warning (expected).
-warnings.filterwarnings("ignore", message=".*stale writer lock")
 MAX_KEEP = 2
 
 # name -> (owner object, attribute, other (owner, attribute) pairs bound to the same function by

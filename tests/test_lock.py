@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import time
 import uuid
+import warnings
 
 import pytest
 
@@ -109,7 +111,7 @@ def test_lock_is_released_at_exit(tmp_path):
     assert os.listdir(out) and not os.path.exists(os.path.join(out, LOCK_FILE))
 
 
-def test_lock_of_a_dead_process_is_taken_over(tmp_path):
+def test_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     out = str(tmp_path / "run")
     proc = _child(TAKE_LOCK + "sys.stdout.write('ready\\n'); sys.stdout.flush(); os._exit(0)\n", out)
     proc.wait(timeout=60)
@@ -117,8 +119,13 @@ def test_lock_of_a_dead_process_is_taken_over(tmp_path):
     assert dead == proc.pid
     job = make_job(out)
     job.train(1)
-    with pytest.warns(RuntimeWarning, match=f"stale writer lock.*process {dead} on this host is dead"):
-        job.saver.save("ckpt_1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an expected takeover is a log line, not a warning
+        with caplog.at_level(logging.INFO, logger="recsave"):
+            job.saver.save("ckpt_1")
+    (line,) = [r for r in caplog.records if "stale writer lock" in r.getMessage()]
+    assert line.levelno == logging.INFO and line.name == "recsave"
+    assert f"process {dead} on this host is dead" in line.getMessage() and f"pid {dead}" in line.getMessage()
     assert _lock(out)["pid"] == os.getpid()
     job.saver.close()
 
@@ -139,7 +146,7 @@ def test_another_live_process_blocks_us(tmp_path):
     job.saver.close()
 
 
-def test_an_expired_lease_is_taken_over(tmp_path):
+def test_an_expired_lease_is_taken_over(tmp_path, caplog):
     out = str(tmp_path / "run")
     os.makedirs(out)
     old = time.time() - 100
@@ -150,8 +157,9 @@ def test_an_expired_lease_is_taken_over(tmp_path):
         with pytest.raises(WriterLockedError, match="other-host"):
             job.saver.save("ckpt_0")
     with knobs.override(writer_lease_s=50):
-        with pytest.warns(RuntimeWarning, match="not renewed for"):
+        with caplog.at_level(logging.INFO, logger="recsave"):
             job.saver.save("ckpt_0")
+    assert any("not renewed for" in r.getMessage() and "other-host" in r.getMessage() for r in caplog.records)
     job.saver.close()
 
 

@@ -4,19 +4,20 @@ The file holds JSON ``{"host", "pid", "token", "acquired_at", "renewed_at"}`` (t
 the epoch). A Saver takes it on its first save (rank 0 only), renews it on every save and releases it
 when closed, garbage-collected or at interpreter exit (those two make one attempt, on a helper
 thread for remote storage; exit waits for it at most ``lock_release_timeout_s``, so a gone
-endpoint cannot hang the interpreter; the lock is then taken over as stale later). A lock is stale, and taken over with a
-warning, when its process is dead on this host or when it was not renewed for ``writer_lease_s``
-seconds. The file is created with ``Storage.create_exclusive``: O_EXCL locally; on object stores (no
+endpoint cannot hang the interpreter; the lock is then taken over as stale later). A lock is
+stale, and taken over with one INFO line on the ``recsave`` logger naming the dead holder (expected
+after a crash), when its process is dead on this host or when it was not renewed for
+``writer_lease_s`` seconds. The file is created with ``Storage.create_exclusive``: O_EXCL locally; on object stores (no
 exclusive create) written and read back, which is best effort.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 import uuid
-import warnings
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -25,6 +26,8 @@ from typing import Any, Dict, Optional
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, WriterLockedError
 from recsave.storage.base import Storage
+
+log = logging.getLogger("recsave")
 
 LOCK_FILE = ".recsave-writer.lock"
 MAX_LOCK_BYTES = 64 << 10
@@ -77,8 +80,7 @@ class WriterLock:
                     f"{self.output_dir} is being written by another Saver ({_describe(holder)}; lock "
                     f"file {self.path}); close that Saver or let it finish, save into another "
                     f"output_dir, or delete the lock file if that writer is gone", path=self.path)
-            warnings.warn(f"{self.path}: taking over a stale writer lock ({why}; {_describe(holder)})",
-                          RuntimeWarning, stacklevel=4)
+            log.info("%s: taking over a stale writer lock (%s; %s)", self.path, why, _describe(holder))
             if self._replace(raw, self._record(now)):
                 break
         else:
