@@ -70,11 +70,19 @@ void ThreadPool::parallel_for(int64_t n, int parallelism, const std::function<vo
       if (state->failed.load(std::memory_order_relaxed)) return;
       int64_t i = state->next.fetch_add(1);
       if (i >= n) return;
+      // The error is handed over after the catch block has ended and under the mutex, and the
+      // caller moves it out under the mutex too: an exception object's refcount lives in the
+      // (uninstrumented) C++ runtime, so every hand-over must be ordered by the mutex for
+      // ThreadSanitizer to see it.
+      std::exception_ptr caught;
       try {
         fn(i);
       } catch (...) {
+        caught = std::current_exception();
+      }
+      if (caught) {
         std::lock_guard<std::mutex> lock(state->mu);
-        if (!state->error) state->error = std::current_exception();
+        if (!state->error) state->error = std::move(caught);
         state->failed = true;
       }
     }
@@ -88,9 +96,13 @@ void ThreadPool::parallel_for(int64_t n, int parallelism, const std::function<vo
     });
   }
   drain();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->done_cv.wait(lock, [&] { return state->running == 0; });
-  if (state->error) std::rethrow_exception(state->error);
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(state->mu);
+    state->done_cv.wait(lock, [&] { return state->running == 0; });
+    error = std::move(state->error);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 namespace {
