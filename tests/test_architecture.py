@@ -1,0 +1,220 @@
+"""The layering of docs/ARCHITECTURE.md, checked on recsave's import graph as the source states it.
+
+The graph is read with `ast` from recsave/**/*.py (no import runs): every `import recsave.x` and
+`from recsave.x import y` (relative imports resolved), at module level, inside functions and under
+`if TYPE_CHECKING:` alike, since each is a dependency of the importing module.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import os
+from typing import Dict, List, NamedTuple, Optional, Set
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.join(ROOT, "recsave")
+
+# Lowest first: a module may import from its own layer and the ones before it (docs/ARCHITECTURE.md).
+LAYERS = [
+    ("foundation", ["recsave.errors", "recsave.knobs", "recsave.version", "recsave.threads", "recsave._C",
+                    "recsave._compat"]),
+    ("tables/storage", ["recsave.tables", "recsave.storage"]),
+    ("format", ["recsave.format"]),
+    ("load", ["recsave.load"]),
+    ("save", ["recsave.save"]),
+    ("manager", ["recsave.manager"]),
+    # recsave/__init__.py, the public facade, is the top too: only tools (e.g. the demo) may use it.
+    ("tools", ["recsave.tools", "recsave"]),
+]
+# The public facade: it re-exports (and _compat aliases) modules of every layer.
+EXEMPT = {"recsave", "recsave._compat"}
+# Violations on main that the lead is fixing (source, target): the checks pass with exactly these, so
+# a new violation fails now and a fixed one fails until it is deleted here.
+KNOWN_UPWARD = {("recsave.load.loader", "recsave.save.saver")}  # the loader/saver cycle
+KNOWN_OLD_PATHS = {("recsave.tools.demo", "recsave.optim")}
+
+
+class Edge(NamedTuple):
+    source: str  # importing module
+    target: str  # imported module (an old path resolved to the module it aliases)
+    where: str  # file:line of the import
+    old_path: str  # the old module path the source wrote (recsave/_compat.py), or ""
+
+    def __str__(self) -> str:
+        via = f" (as {self.old_path})" if self.old_path else ""
+        return f"{self.where}: {self.source} -> {self.target}{via}"
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-len(".py")].split(os.sep)
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+@functools.lru_cache(maxsize=None)
+def _modules() -> Dict[str, str]:
+    """Module name -> source path, for every .py under recsave/, plus the extension recsave._C."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(PACKAGE_DIR):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                found[_module_name(path)] = path
+    found["recsave._C"] = os.path.join(PACKAGE_DIR, "_C.pyi")  # the C++ extension (its stub)
+    return found
+
+
+def _old_paths() -> Dict[str, str]:
+    """recsave._compat.MOVED (old module path -> new one), read from its source."""
+    path = os.path.join(PACKAGE_DIR, "_compat.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MOVED" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} no longer assigns MOVED: update this test")
+
+
+@functools.lru_cache(maxsize=None)
+def _import_graph() -> List[Edge]:
+    modules, moved = _modules(), _old_paths()
+    edges = []
+    for source, path in sorted(modules.items()):
+        if source == "recsave._C":
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+        is_package = path.endswith("__init__.py")
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node, source, is_package)
+                # `from pkg import name`: the submodule pkg.name where there is one, else pkg itself.
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules or f"{base}.{a.name}" in moved
+                           else base for a in node.names]
+            where = f"{os.path.relpath(path, ROOT)}:{getattr(node, 'lineno', 0)}"
+            edges += [Edge(source, moved.get(t, t), where, t if t in moved else "")
+                      for t in targets if t == "recsave" or t.startswith("recsave.")]
+    return sorted(set(edges))
+
+
+def _absolute(node: ast.ImportFrom, source: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = source.split(".")
+    if not is_package:
+        parts = parts[:-1]
+    parts = parts[:len(parts) - (node.level - 1)]
+    return ".".join(parts + ([node.module] if node.module else []))
+
+
+def _layer(module: str) -> Optional[int]:
+    """Index in LAYERS of the longest prefix naming module (or None: not in any layer)."""
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            inside = module.startswith(prefix + ".") and prefix != "recsave"  # the facade is one file
+            if (module == prefix or inside) and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    return best
+
+
+def _strongly_connected(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Tarjan's algorithm (iterative): the components of more than one module, or with a self-loop."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, ()):
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_graph_sees_the_imports_it_should():
+    """Guards the checks below against a parser that finds nothing: known edges of every kind."""
+    edges = {(e.source, e.target) for e in _import_graph()}
+    assert ("recsave.format.index", "recsave.knobs") in edges  # from recsave import knobs
+    assert ("recsave.format.index", "recsave.storage.backends") in edges  # under TYPE_CHECKING
+    assert ("recsave", "recsave.save.saver") in edges  # the facade's re-export
+    assert ("recsave.storage.lock", "recsave.storage.backends") in edges
+    assert ("recsave.storage.lock", "recsave.threads") in edges
+    assert _layer("recsave.format.index") == 2 and _layer("recsave") == _layer("recsave.tools.cli") == 6
+    assert _layer("recsave.tables.partition") == _layer("recsave.storage.dist") == 1
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in _modules() if _layer(m) is None)
+    assert not unplaced, f"modules in no layer of LAYERS (add them to docs/ARCHITECTURE.md and here): {unplaced}"
+
+
+def test_imports_name_modules_that_exist():
+    """Every recsave import names a module of the source tree; a module outside recsave/__init__.py and
+    recsave/_compat.py does not use an old path (an alias would hide its edge from the checks below
+    if it were not resolved here)."""
+    modules = _modules()
+    missing = [e for e in _import_graph() if e.target not in modules]
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(map(str, missing))
+    old = [e for e in _import_graph() if e.old_path and e.source not in EXEMPT]
+    new = [e for e in old if (e.source, e.old_path) not in KNOWN_OLD_PATHS]
+    assert not new, "imports of old module paths (use the new one):\n" + "\n".join(map(str, new))
+    assert {(e.source, e.old_path) for e in old} == KNOWN_OLD_PATHS, "fixed: remove it from KNOWN_OLD_PATHS"
+
+
+def test_modules_import_only_from_their_own_or_lower_layers():
+    upward = [e for e in _import_graph()
+              if e.source not in EXEMPT and _layer(e.target) is not None and _layer(e.source) is not None
+              and _layer(e.target) > _layer(e.source)]
+    new = [e for e in upward if (e.source, e.target) not in KNOWN_UPWARD]
+    assert not new, "imports from a higher layer (docs/ARCHITECTURE.md):\n" + "\n".join(
+        f"{e}  ({LAYERS[_layer(e.source)][0]} -> {LAYERS[_layer(e.target)][0]})" for e in new)
+    assert {(e.source, e.target) for e in upward} == KNOWN_UPWARD, "fixed: remove it from KNOWN_UPWARD"
+
+
+@pytest.mark.xfail(strict=True, reason="save/saver.py and load/loader.py import each other; the lead is "
+                                       "removing that cycle (then delete this mark)")
+def test_no_import_cycles():
+    """Between modules; a package's __init__ importing its own modules (a re-export) does not count."""
+    modules = _modules()
+    edges = [e for e in _import_graph()
+             if not (modules[e.source].endswith("__init__.py") and e.target.startswith(e.source + "."))]
+    graph: Dict[str, Set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.source, set()).add(e.target)
+    cycles = _strongly_connected(graph)
+    assert not cycles, "import cycles (each line an import inside one cycle):\n" + "\n\n".join(
+        "\n".join(str(e) for e in edges if e.source in c and e.target in c) for c in cycles)
