@@ -11,8 +11,6 @@ import functools
 import os
 from typing import Dict, List, NamedTuple, Optional, Set
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIR = os.path.join(ROOT, "recsave")
 
@@ -30,9 +28,8 @@ LAYERS = [
 ]
 # The public facade: it re-exports (and _compat aliases) modules of every layer.
 EXEMPT = {"recsave", "recsave._compat"}
-# Violations on main that the lead is fixing (source, target): the checks pass with exactly these, so
-# a new violation fails now and a fixed one fails until it is deleted here.
-KNOWN_UPWARD = {("recsave.load.loader", "recsave.save.saver")}  # the loader/saver cycle
+# Old-path imports (source, old path) that are still to be fixed: the check passes with exactly
+# these, so a new one fails now and a fixed one fails until it is deleted here.
 KNOWN_OLD_PATHS = {("recsave.tools.demo", "recsave.optim")}
 
 
@@ -199,14 +196,10 @@ def test_modules_import_only_from_their_own_or_lower_layers():
     upward = [e for e in _import_graph()
               if e.source not in EXEMPT and _layer(e.target) is not None and _layer(e.source) is not None
               and _layer(e.target) > _layer(e.source)]
-    new = [e for e in upward if (e.source, e.target) not in KNOWN_UPWARD]
-    assert not new, "imports from a higher layer (docs/ARCHITECTURE.md):\n" + "\n".join(
-        f"{e}  ({LAYERS[_layer(e.source)][0]} -> {LAYERS[_layer(e.target)][0]})" for e in new)
-    assert {(e.source, e.target) for e in upward} == KNOWN_UPWARD, "fixed: remove it from KNOWN_UPWARD"
+    assert not upward, "imports from a higher layer (docs/ARCHITECTURE.md):\n" + "\n".join(
+        f"{e}  ({LAYERS[_layer(e.source)][0]} -> {LAYERS[_layer(e.target)][0]})" for e in upward)
 
 
-@pytest.mark.xfail(strict=True, reason="save/saver.py and load/loader.py import each other; the lead is "
-                                       "removing that cycle (then delete this mark)")
 def test_no_import_cycles():
     """Between modules; a package's __init__ importing its own modules (a re-export) does not count."""
     modules = _modules()
