@@ -238,6 +238,7 @@ print("main thread ends", flush=True)
 """
 
 
+@pytest.mark.slow  # three new processes (each imports torch) that exit mid-write
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
 def test_a_write_running_when_the_script_ends_still_commits(tmp_path, delay):
     """The script's main thread ends while the background write runs (early, in the middle, at

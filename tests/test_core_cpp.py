@@ -27,7 +27,9 @@ def _compile(args, cwd):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.fixture(scope="module", params=sorted(FLAVOURS))
+# The sanitizer builds take most of this module's ~1 minute: not in `make test-quick`.
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=() if f == "optimized" else pytest.mark.slow)
+                                        for f in sorted(FLAVOURS)])
 def core_objects(request, tmp_path_factory):
     """The core compiled once per flavour (the tests link against these objects)."""
     flavour = request.param

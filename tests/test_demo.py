@@ -3,7 +3,10 @@ warm-start a second model through the model bank (a shortened run)."""
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a training job in subprocesses, SIGKILLed
 def test_demo_runs_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "recsave.tools.demo", "--dir", str(tmp_path), "--steps", "60",
                            "--kill-at", "55"], capture_output=True, text=True, timeout=300)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 import warnings
@@ -228,24 +229,51 @@ def test_two_lock_objects_race_for_one_dir(tmp_path):
 def test_a_new_writer_waits_for_a_collected_savers_remote_release(monkeypatch):
     """A collected Saver releases its remote lock on a helper thread without blocking the
     collection; a new writer of the same dir in this process waits for that release instead of
-    finding this pid's lock and refusing."""
+    finding this pid's lock and refusing. Events order the steps, not sleeps: the release is held
+    at a gate that opens only once the new writer has started waiting for it."""
     from recsave.storage import lock as lock_mod
 
     out = f"memory://recsave-lock-{uuid.uuid4().hex}/run"
     storage = get_storage(out)
     first = WriterLock(storage, out)
     first.acquire()
-    real = lock_mod._release_now
+    path = first.path
+    gate, at_gate, waiting = threading.Event(), threading.Event(), threading.Event()
+    removed_on, waits = [], []
+    real_remove = storage.remove_file
 
-    def slow_release(*args):
-        time.sleep(0.5)
-        return real(*args)
-    monkeypatch.setattr(lock_mod, "_release_now", slow_release)
-    started = time.monotonic()
-    first._finalizer()  # what garbage collection runs
-    assert time.monotonic() - started < 0.4  # the collection does not wait for the release
+    def gated_remove(p):
+        removed_on.append(threading.current_thread())
+        at_gate.set()
+        if threading.current_thread() is not threading.main_thread():  # nobody could open it here
+            gate.wait(timeout=60)
+        real_remove(p)
+    monkeypatch.setattr(storage, "remove_file", gated_remove)
+    real_wait = lock_mod.futures_wait
+
+    def wait_observed(*args, **kwargs):
+        waits.append(threading.current_thread())
+        waiting.set()
+        return real_wait(*args, **kwargs)
+    monkeypatch.setattr(lock_mod, "futures_wait", wait_observed)
+
+    del first
+    gc.collect()  # runs the finalizer: it returns while its release is still held at the gate
+    assert waits == [], "the collection waited for the release"
+    assert at_gate.wait(timeout=60), "the collected lock was never released"
+    assert len(removed_on) == 1 and removed_on[0] is not threading.main_thread()
+    assert not gate.is_set() and storage.exists(path)
+
+    opener = threading.Thread(target=lambda: waiting.wait(timeout=60) and gate.set())
+    opener.start()
     second = WriterLock(storage, out)
-    second.acquire()
+    try:
+        second.acquire()  # waits for the release, which the opener lets through meanwhile
+    finally:
+        waiting.set()
+        gate.set()
+        opener.join()
+    assert waits == [threading.main_thread()] and len(removed_on) == 1
     assert json.loads(storage.read_bytes(second.path, 1 << 16))["token"] == second.token
     second.release()
     assert not storage.exists(second.path)

@@ -47,13 +47,38 @@ def test_large_fresh_tensors_get_huge_pages_unless_turned_off(enabled):
     assert (huge > 0) == enabled
 
 
-def test_small_and_device_tensors_are_left_alone():
-    advise_hugepages(torch.empty(1024))  # below the threshold: no call, no error
-    advise_hugepages(torch.empty(0))
-
-
 def _vm_flags(ptr: int) -> list:
     return _smaps_field(ptr, "VmFlags:")
+
+
+class _ReportsMetaDevice(torch.Tensor):
+    """A CPU tensor that says it lives on another device: were advise_hugepages to use its pointer
+    anyway, the advice would show on the host mapping behind it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is torch.Tensor.device:  # the `device` property
+            return torch.device("meta")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+def test_small_and_device_tensors_are_left_alone():
+    """Only CPU tensors of >= 32 MB are advised (VM_HUGEPAGE, "hg" in smaps' VmFlags): one just
+    below the threshold and one reporting another device keep their mappings' flags."""
+    with knobs.override(hugepages=True):
+        small = torch.empty((32 << 20) - (2 << 20), dtype=torch.uint8)
+        at_threshold = torch.empty(32 << 20, dtype=torch.uint8)
+        elsewhere = torch.empty(64 << 20, dtype=torch.uint8)
+        on_device = elsewhere.as_subclass(_ReportsMetaDevice)
+        assert on_device.device.type == "meta" and on_device.data_ptr() == elsewhere.data_ptr()
+        middles = [t.data_ptr() + t.nbytes // 2 for t in (small, at_threshold, elsewhere)]
+        assert ["hg" in _vm_flags(p) for p in middles] == [False, False, False]  # fresh mappings
+        for t in (small, at_threshold, on_device, torch.empty(0), torch.empty(1024)):
+            advise_hugepages(t)
+        assert ["hg" in _vm_flags(p) for p in middles] == [False, True, False]
+        advise_hugepages(elsewhere)  # the same memory as a CPU tensor is advised
+        assert "hg" in _vm_flags(middles[2])
 
 
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="transparent huge pages are not in madvise mode here")

@@ -19,6 +19,8 @@ SCRIPT = os.path.join(HERE, "resume_job.py")
 KILL_POINTS = ("after_first_shard", "after_model_pt", "before_index", "after_index",
                "async-after_first_shard", "async-after_index")  # see resume_job.py
 K = 6
+# New processes, SIGKILLed at every kill point (a module-scoped child process runs them all).
+pytestmark = pytest.mark.slow
 
 
 def _env():
