@@ -147,8 +147,9 @@ class Saver:
         A pending async_save is waited for first; if it failed, its error is raised here.
         """
         ckptlist.validate_id(ckpt_id)
-        self._background.collect(consume=True)
         rank, world = dist.resolve(shard_id, shard_num)
+        dist.require_group_for_save(rank, world)
+        self._background.collect(consume=True)
         return self._checkpoints.write(ckpt_id, self._capture(rank, world, None), rank, world)
 
     def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
@@ -167,8 +168,9 @@ class Saver:
         The host copy costs memory of about the size of the tables and dense tensors.
         """
         ckptlist.validate_id(ckpt_id)
-        self._background.collect(consume=True)
         rank, world = dist.resolve(shard_id, shard_num)
+        dist.require_group_for_save(rank, world)
+        self._background.collect(consume=True)
         if dist.collective(world):
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
         if self._stager is None or self._stager.pinned != pinned:
