@@ -49,8 +49,12 @@ class CorruptCheckpointError(RecsaveError, ValueError):
     offset out of bounds, an index that does not parse. Restore from another checkpoint."""
 
 
-class FormatVersionError(CorruptCheckpointError):
-    """The checkpoint was written in a format version this recsave cannot read; upgrade recsave."""
+class FormatVersionError(RecsaveError, ValueError):
+    """The checkpoint (or export) was written in a format version this recsave cannot read, e.g. by
+    a newer recsave; upgrade recsave. Not a CorruptCheckpointError: such a checkpoint is intact, so a
+    fallback load stops on it instead of skipping it, and no save, rotation or gc deletes it.
+    A ValueError, as an unsupported value of the file's ``format_version`` (``except ValueError``
+    written for the corrupt case keeps catching it)."""
 
 
 class ConfigError(RecsaveError, ValueError):

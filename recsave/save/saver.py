@@ -10,7 +10,8 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import torch
 
 from recsave import knobs
-from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UsageError
+from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
+                            UsageError)
 from recsave.format import ckptlist
 from recsave.format import index as index_mod
 from recsave.load import contents
@@ -249,6 +250,14 @@ class Saver:
         for n, ckpt_id in enumerate(reversed(ids)):
             try:
                 return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
+            except FormatVersionError as exc:  # intact but newer: not damage, never skipped
+                version = ckptlist.newer_format_version(st, path, ckpt_id)
+                if version is None:
+                    raise
+                raise FormatVersionError(
+                    f"{st.join(path, ckpt_id)} was written by a newer recsave (format_version {version}); "
+                    f"upgrade recsave, or restore an explicit older step with restore(global_step=...) "
+                    f"(Saver.load(ckpt_id=...))", path=st.join(path, ckpt_id)) from exc
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 if n == len(ids) - 1:
                     raise
