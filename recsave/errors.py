@@ -18,6 +18,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageError",
     "UsageError",
+    "ArgumentTypeError",
     "WriterLockedError",
     "RankFailedError",
 ]
@@ -81,6 +82,11 @@ class StorageError(RecsaveError, OSError):
 
 class UsageError(RecsaveError, ValueError):
     """An API was called with arguments it cannot use (wrong buffer, closed writer, bad id...)."""
+
+
+class ArgumentTypeError(RecsaveError, TypeError):
+    """An argument of a public API has the wrong type (a bool is not an int here); ``key`` names
+    the argument. Wrong values of the right type raise UsageError (a ValueError) instead."""
 
 
 class WriterLockedError(RecsaveError, RuntimeError):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from recsave.argcheck import check
 from recsave.errors import CheckpointNotFoundError, UsageError
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
@@ -38,9 +39,10 @@ class CheckpointManager:
     """
 
     def __init__(self, saver: Saver, save_interval: int, async_mode: str = "disabled"):
-        if not isinstance(saver, Saver):
-            raise UsageError(f"saver must be a recsave.Saver, got {type(saver).__name__}")
-        if not isinstance(save_interval, int) or save_interval < 0:
+        check(saver, Saver, "saver", "CheckpointManager", expected="a recsave.Saver")
+        check(save_interval, int, "save_interval", "CheckpointManager")
+        check(async_mode, str, "async_mode", "CheckpointManager")
+        if save_interval < 0:
             raise UsageError(f"save_interval must be an int >= 0 (0: no autosave), got {save_interval!r}")
         if async_mode not in ASYNC_MODES:
             raise UsageError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
@@ -58,7 +60,8 @@ class CheckpointManager:
 
     @global_step.setter
     def global_step(self, value: int) -> None:
-        if not isinstance(value, int) or value < 0:
+        check(value, int, "global_step", "CheckpointManager")
+        if value < 0:
             raise UsageError(f"global_step must be an int >= 0, got {value!r}")
         self._global_step = value
 
@@ -86,6 +89,7 @@ class CheckpointManager:
 
         In an async mode, `wait` (default) waits until it is committed — the save at the end of
         training; with wait=False it returns once the snapshot is taken."""
+        check(wait, bool, "wait", "CheckpointManager.save")
         saver = self.saver
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
@@ -118,13 +122,15 @@ class CheckpointManager:
         With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing.
         With `fallback` (and global_step None), a corrupt or incomplete latest checkpoint is skipped
         with a warning and the previous committed one restored (see Saver.load)."""
+        check(global_step, int, "global_step", "CheckpointManager.restore", optional=True)
+        check(fallback, bool, "fallback", "CheckpointManager.restore")
         saver = self.saver
         if global_step is None:
             if saver.latest_checkpoint() is None:
                 return 0
             report = saver.load(fallback=fallback)
         else:
-            if not isinstance(global_step, int) or global_step < 0:
+            if global_step < 0:
                 raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
             ckpt_id = f"ckpt_{global_step}"
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in saver.checkpoints()]
