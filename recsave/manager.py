@@ -52,7 +52,9 @@ class CheckpointManager:
         self._global_step = 0
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
         self.last_report: Optional[LoadReport] = None
-        saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self))
+        # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
+        # step from the checkpoint id).
+        saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self), optional=True)
 
     @property
     def global_step(self) -> int:
@@ -69,8 +71,9 @@ class CheckpointManager:
     def save_interval(self) -> int:
         return self._save_interval
 
-    def register_for_checkpointing(self, name: str, obj: Any) -> None:
-        self.saver.register_for_checkpointing(name, obj)
+    def register_for_checkpointing(self, name: str, obj: Any, optional: bool = False) -> None:
+        """Saver.register_for_checkpointing (see there for `optional`)."""
+        self.saver.register_for_checkpointing(name, obj, optional=optional)
 
     def step(self) -> Optional[str]:
         """Advances the global step; saves when it reaches a multiple of save_interval (returns the
@@ -121,7 +124,10 @@ class CheckpointManager:
         """Loads ``ckpt_<global_step>``, or the latest committed checkpoint; returns the global step.
         With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing.
         With `fallback` (and global_step None), a corrupt or incomplete latest checkpoint is skipped
-        with a warning and the previous committed one restored (see Saver.load)."""
+        with a warning and the previous committed one restored (see Saver.load); one written by a
+        newer recsave stops it (FormatVersionError). A checkpoint without global_step (written by a
+        plain Saver) restores too: global_step becomes the step of its id (``ckpt_<N>``), else 0,
+        and ``last_report.notes`` says so."""
         check(global_step, int, "global_step", "CheckpointManager.restore", optional=True)
         check(fallback, bool, "fallback", "CheckpointManager.restore")
         saver = self.saver
@@ -139,8 +145,12 @@ class CheckpointManager:
                     f"{saver.output_dir}: no committed checkpoint {ckpt_id}; committed: {names or 'none'}",
                     path=saver.output_dir)
             report = saver.load(ckpt_id=ckpt_id)
-        if GLOBAL_STEP not in report.loaded and report.step is not None:
-            self._global_step = int(report.step)
+        if GLOBAL_STEP not in report.loaded:  # e.g. a plain Saver's checkpoint: step of its id, or 0
+            self._global_step = int(report.step) if report.step is not None else 0
+            where = report.checkpoints[-1] if report.checkpoints else saver.output_dir
+            origin = "the step of its id" if report.step is not None else "its id carries no step"
+            report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); the "
+                                f"checkpoint holds no global_step")
         self.last_report = report
         return self._global_step
 

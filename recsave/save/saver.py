@@ -52,6 +52,7 @@ class Saver:
         self.max_keep = max_keep
         self.concurrency = concurrency
         self._extras: Dict[str, Any] = {}
+        self._optional: Set[str] = set()  # extras a checkpoint may lack (register_for_checkpointing)
         self._io_states: Dict[str, Any] = {}
         self._extra_data: Dict[str, Any] = {}
         self._stager: Optional[Stager] = None  # host buffers of async saves, reused
@@ -97,11 +98,18 @@ class Saver:
         return frozenset(self._checkpoints.damaged)
 
     # ----------------------------------------------------------------------------- registration
-    def register_for_checkpointing(self, name: str, obj: Any) -> None:
-        """Saves ``obj.state_dict()`` in extra.pt under `name`; loading calls ``obj.load_state_dict``."""
+    def register_for_checkpointing(self, name: str, obj: Any, optional: bool = False) -> None:
+        """Saves ``obj.state_dict()`` in extra.pt under `name`; loading calls ``obj.load_state_dict``.
+
+        With `optional`, a checkpoint without `name` (e.g. one written before it was registered)
+        still loads under strict configs: `obj` keeps its state, and the LoadReport lists `name` in
+        ``skipped`` with a note. Otherwise such a checkpoint lacks a selected name (ConfigError)."""
+        check(optional, bool, "optional", "register_for_checkpointing")
         self._check_name(name)
         self._check_stateful("obj", obj, f"register_for_checkpointing({name!r})")
         self._extras[name] = obj
+        if optional:
+            self._optional.add(name)
 
     def register_io_state(self, name: str, obj: Any) -> None:
         """Saves ``obj.dump_io_state()`` per rank; loading calls ``obj.load_io_state(state)``."""
@@ -230,7 +238,8 @@ class Saver:
 
     # -------------------------------------------------------------------------------------- load
     def _target(self) -> LoadTarget:
-        return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data)
+        return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data,
+                          frozenset(self._optional))
 
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
              load_conf: Optional[Dict[str, Any]] = None, shard_id: Optional[int] = None,
