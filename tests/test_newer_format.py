@@ -134,3 +134,19 @@ def test_gc_keeps_a_newer_checkpoint(tmp_path, capsys):
     assert cli_main(["gc", str(out)]) == 0
     assert tree(out / "ckpt_4") == before
     assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == ["ckpt_4"]
+
+
+def test_a_version_no_recsave_writes_is_damage_and_fallback_skips_it(tmp_path):
+    out = tmp_path / "out"
+    job, state2 = two_steps(out)
+    job.manager.close()
+    index_path = out / "ckpt_4" / "index"
+    index = json.loads(index_path.read_text())
+    index["format_version"] = 0  # older than any recsave: not "newer", so damage
+    index_path.write_text(json.dumps(index))
+    fresh = make_job(str(out), save_interval=2)
+    with pytest.warns(RuntimeWarning, match=r"ckpt_4 cannot be loaded \(FormatVersionError"):
+        assert fresh.manager.restore() == 2
+    assert_jobs_equal(job_state(fresh), state2)
+    assert fresh.saver.damaged_checkpoints == frozenset({"ckpt_4"})
+    fresh.manager.close()

@@ -278,15 +278,14 @@ class Saver:
         for n, ckpt_id in enumerate(reversed(ids)):
             try:
                 return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
-            except FormatVersionError as exc:  # intact but newer: not damage, never skipped
+            except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
                 version = ckptlist.newer_format_version(st, path, ckpt_id)
-                if version is None:
-                    raise
-                raise FormatVersionError(
-                    f"{st.join(path, ckpt_id)} was written by a newer recsave (format_version {version}); "
-                    f"upgrade recsave, or restore an explicit older step with restore(global_step=...) "
-                    f"(Saver.load(ckpt_id=...))", path=st.join(path, ckpt_id)) from exc
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                if version is not None:  # intact, written by a newer recsave: not damage, never skipped
+                    raise FormatVersionError(
+                        f"{st.join(path, ckpt_id)} was written by a newer recsave (format_version "
+                        f"{version}); upgrade recsave, or restore an explicit older step with "
+                        f"restore(global_step=...) (Saver.load(ckpt_id=...))", path=st.join(path, ckpt_id)) from exc
+                # Anything else is damage, a version no recsave writes included (e.g. a flipped byte).
                 if n == len(ids) - 1:
                     raise
                 if path == self.output_dir:  # the next save of this id replaces it
