@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsave import CheckpointManager, ConfigError, Saver
+from recsave import ConfigError, Saver
 
 from helpers import assert_jobs_equal, job_state, make_job, model_state
 
