@@ -5,9 +5,9 @@ from recsave import _compat
 from recsave import errors
 from recsave import knobs
 from recsave.tables import partition
-from recsave.errors import (CheckpointExistsError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError,
-                     FormatVersionError, RankFailedError, RecsaveError, ShapeMismatchError, StorageError,
-                     UsageError, WriterLockedError)
+from recsave.errors import (ArgumentTypeError, CheckpointExistsError, CheckpointNotFoundError, ConfigError,
+                            CorruptCheckpointError, FormatVersionError, RankFailedError, RecsaveError,
+                            ShapeMismatchError, StorageError, UsageError, WriterLockedError)
 from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.manager import CheckpointManager
 from recsave.load.report import LoadedItem, LoadReport
@@ -19,7 +19,7 @@ __all__ = [
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
-    "RankFailedError",
+    "RankFailedError", "ArgumentTypeError",
 ]
 
 _compat.install()

@@ -18,6 +18,7 @@ __all__ = [
     "ShapeMismatchError",
     "StorageError",
     "UsageError",
+    "ArgumentTypeError",
     "WriterLockedError",
     "RankFailedError",
 ]
@@ -49,8 +50,12 @@ class CorruptCheckpointError(RecsaveError, ValueError):
     offset out of bounds, an index that does not parse. Restore from another checkpoint."""
 
 
-class FormatVersionError(CorruptCheckpointError):
-    """The checkpoint was written in a format version this recsave cannot read; upgrade recsave."""
+class FormatVersionError(RecsaveError, ValueError):
+    """The checkpoint (or export) was written in a format version this recsave cannot read, e.g. by
+    a newer recsave; upgrade recsave. Not a CorruptCheckpointError: such a checkpoint is intact, so a
+    fallback load stops on it instead of skipping it, and no save, rotation or gc deletes it.
+    A ValueError, as an unsupported value of the file's ``format_version`` (``except ValueError``
+    written for the corrupt case keeps catching it)."""
 
 
 class ConfigError(RecsaveError, ValueError):
@@ -77,6 +82,11 @@ class StorageError(RecsaveError, OSError):
 
 class UsageError(RecsaveError, ValueError):
     """An API was called with arguments it cannot use (wrong buffer, closed writer, bad id...)."""
+
+
+class ArgumentTypeError(RecsaveError, TypeError):
+    """An argument of a public API has the wrong type (a bool is not an int here); ``key`` names
+    the argument. Wrong values of the right type raise UsageError (a ValueError) instead."""
 
 
 class WriterLockedError(RecsaveError, RuntimeError):

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, TypeVar
 
-from recsave.errors import UsageError
+from recsave.errors import ArgumentTypeError, UsageError
 
 T = TypeVar("T")
 
@@ -34,8 +34,8 @@ class Knob:
                    isinstance(value, int) and not isinstance(value, bool) if self.kind is int else
                    isinstance(value, (int, float)) and not isinstance(value, bool))
         if not ok_type:
-            raise TypeError(f"knob {name!r} takes a {self.kind.__name__}, got {value!r} "
-                            f"({type(value).__name__})")
+            raise ArgumentTypeError(f"knob {name!r} takes a {self.kind.__name__}, got {value!r} "
+                                    f"({type(value).__name__})", key=name)
         if self.lo is not None and value < self.lo:
             raise UsageError(f"knob {name!r} must be >= {self.lo}, got {value!r}", key=name)
         return float(value) if self.kind is float else value

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from recsave.argcheck import check
 from recsave.errors import CheckpointNotFoundError, UsageError
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
@@ -38,9 +39,10 @@ class CheckpointManager:
     """
 
     def __init__(self, saver: Saver, save_interval: int, async_mode: str = "disabled"):
-        if not isinstance(saver, Saver):
-            raise UsageError(f"saver must be a recsave.Saver, got {type(saver).__name__}")
-        if not isinstance(save_interval, int) or save_interval < 0:
+        check(saver, Saver, "saver", "CheckpointManager", expected="a recsave.Saver")
+        check(save_interval, int, "save_interval", "CheckpointManager")
+        check(async_mode, str, "async_mode", "CheckpointManager")
+        if save_interval < 0:
             raise UsageError(f"save_interval must be an int >= 0 (0: no autosave), got {save_interval!r}")
         if async_mode not in ASYNC_MODES:
             raise UsageError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
@@ -50,7 +52,9 @@ class CheckpointManager:
         self._global_step = 0
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
         self.last_report: Optional[LoadReport] = None
-        saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self))
+        # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
+        # step from the checkpoint id).
+        saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self), optional=True)
 
     @property
     def global_step(self) -> int:
@@ -58,7 +62,8 @@ class CheckpointManager:
 
     @global_step.setter
     def global_step(self, value: int) -> None:
-        if not isinstance(value, int) or value < 0:
+        check(value, int, "global_step", "CheckpointManager")
+        if value < 0:
             raise UsageError(f"global_step must be an int >= 0, got {value!r}")
         self._global_step = value
 
@@ -66,8 +71,9 @@ class CheckpointManager:
     def save_interval(self) -> int:
         return self._save_interval
 
-    def register_for_checkpointing(self, name: str, obj: Any) -> None:
-        self.saver.register_for_checkpointing(name, obj)
+    def register_for_checkpointing(self, name: str, obj: Any, optional: bool = False) -> None:
+        """Saver.register_for_checkpointing (see there for `optional`)."""
+        self.saver.register_for_checkpointing(name, obj, optional=optional)
 
     def step(self) -> Optional[str]:
         """Advances the global step; saves when it reaches a multiple of save_interval (returns the
@@ -86,6 +92,7 @@ class CheckpointManager:
 
         In an async mode, `wait` (default) waits until it is committed — the save at the end of
         training; with wait=False it returns once the snapshot is taken."""
+        check(wait, bool, "wait", "CheckpointManager.save")
         saver = self.saver
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
@@ -117,14 +124,19 @@ class CheckpointManager:
         """Loads ``ckpt_<global_step>``, or the latest committed checkpoint; returns the global step.
         With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing.
         With `fallback` (and global_step None), a corrupt or incomplete latest checkpoint is skipped
-        with a warning and the previous committed one restored (see Saver.load)."""
+        with a warning and the previous committed one restored (see Saver.load); one written by a
+        newer recsave stops it (FormatVersionError). A checkpoint without global_step (written by a
+        plain Saver) restores too: global_step becomes the step of its id (``ckpt_<N>``), else 0,
+        and ``last_report.notes`` says so."""
+        check(global_step, int, "global_step", "CheckpointManager.restore", optional=True)
+        check(fallback, bool, "fallback", "CheckpointManager.restore")
         saver = self.saver
         if global_step is None:
             if saver.latest_checkpoint() is None:
                 return 0
             report = saver.load(fallback=fallback)
         else:
-            if not isinstance(global_step, int) or global_step < 0:
+            if global_step < 0:
                 raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
             ckpt_id = f"ckpt_{global_step}"
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in saver.checkpoints()]
@@ -133,8 +145,12 @@ class CheckpointManager:
                     f"{saver.output_dir}: no committed checkpoint {ckpt_id}; committed: {names or 'none'}",
                     path=saver.output_dir)
             report = saver.load(ckpt_id=ckpt_id)
-        if GLOBAL_STEP not in report.loaded and report.step is not None:
-            self._global_step = int(report.step)
+        if GLOBAL_STEP not in report.loaded:  # e.g. a plain Saver's checkpoint: step of its id, or 0
+            self._global_step = int(report.step) if report.step is not None else 0
+            where = report.checkpoints[-1] if report.checkpoints else saver.output_dir
+            origin = "the step of its id" if report.step is not None else "its id carries no step"
+            report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); the "
+                                f"checkpoint holds no global_step")
         self.last_report = report
         return self._global_step
 

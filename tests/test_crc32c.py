@@ -45,4 +45,30 @@ def test_extending_equals_concatenation():
 def test_address_variant_and_dispatch_name():
     arr = np.frombuffer(os.urandom(4096), dtype=np.uint8)
     assert _C.crc32c_address(arr.ctypes.data, arr.nbytes) == google_crc32c.value(arr.tobytes())
-    assert _C.crc32c_implementation() in ("sse4.2", "portable")
+    assert _C.crc32c_kernel() in KERNELS
+
+
+KERNELS = ("pclmul", "sse4.2", "portable")
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_one_name_for_the_kernel(portable):
+    """crc32c_kernel() and crc32c_implementation() (its alias) name the same kernel; forcing the
+    portable one with RECSAVE_CRC32C_PORTABLE=1 names it "portable" in both."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("RECSAVE_CRC32C_PORTABLE", None)
+    if portable:
+        env["RECSAVE_CRC32C_PORTABLE"] = "1"
+    code = "from recsave import _C; print(_C.crc32c_kernel(), _C.crc32c_implementation())"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    kernel, implementation = out.stdout.split()
+    assert kernel == implementation
+    if portable:
+        assert kernel == "portable"
+    else:
+        assert kernel in KERNELS and (kernel == "portable") == (not _C.crc32c_hardware_available())

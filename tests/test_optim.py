@@ -6,7 +6,7 @@ from typing import Callable, Dict, List, Tuple
 import pytest
 import torch
 
-from recsave.errors import ConfigError, UsageError
+from recsave.errors import ArgumentTypeError, ConfigError, UsageError
 from recsave.tables.hashtable import HashTable
 from recsave.tables.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseSGD
 
@@ -276,8 +276,6 @@ def test_tables_given_directly() -> None:
     lambda: SparseAdam([], lr=0.1),
     lambda: SparseSGD(HashTable(4), lr=0.1),                              # no name and no model
     lambda: SparseSGD([HashTable(4, name="a"), HashTable(4, name="a")], lr=0.1),
-    lambda: SparseSGD([HashTable(4, name="a"), torch.zeros(3)], lr=0.1),
-    lambda: SparseSGD(3, lr=0.1),
     lambda: SparseSGD(HashTable(4, name="a"), lr=-0.1),
     lambda: SparseSGD(HashTable(4, name="a"), lr=0.1, weight_decay=-1.0),
     lambda: SparseAdagrad(HashTable(4, name="a"), lr=float("nan")),
@@ -291,6 +289,16 @@ def test_tables_given_directly() -> None:
 ])
 def test_usage_errors(make) -> None:
     with pytest.raises(UsageError):
+        make()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SparseSGD([HashTable(4, name="a"), torch.zeros(3)], lr=0.1),
+    lambda: SparseSGD(3, lr=0.1),
+])
+def test_tables_of_the_wrong_type(make) -> None:
+    with pytest.raises(ArgumentTypeError, match="model_or_tables must be an nn.Module, a HashTable or an "
+                                                "iterable of HashTables, got (Tensor|int)"):
         make()
 
 

@@ -71,18 +71,19 @@ void bind_io(py::module_& m) {
         }
         return crc_of_buffer(data, crc, recsave::crc32c_hardware);
       }, py::arg("data"), py::arg("crc") = 0,
-      "CRC32C through the fastest x86-64 kernel the CPU has (SSE4.2, with PCLMULQDQ folding if present).");
+      "CRC32C through the fastest x86-64 kernel the CPU has ('pclmul', else 'sse4.2').");
   m.def("crc32c_combine", &recsave::crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
         "CRC32C of A followed by B from crc32c(A), crc32c(B) and len(B).");
-  m.def("crc32c_kernel", [] { return recsave::crc32c_kernel_name(recsave::crc32c_selected_kernel()); },
-        "The kernel crc32c() uses: 'pclmul', 'sse4.2' or 'portable'.");
+  const auto kernel_name = [] { return recsave::crc32c_kernel_name(recsave::crc32c_selected_kernel()); };
+  m.def("crc32c_kernel", kernel_name, "The kernel crc32c() uses: 'pclmul', 'sse4.2' or 'portable'.");
+  m.def("crc32c_implementation", kernel_name,
+        "Alias of crc32c_kernel(), kept for compatibility (it said 'sse4.2' for the pclmul kernel).");
   m.def("crc32c_address", [](uint64_t address, uint64_t length, uint32_t crc) {
         py::gil_scoped_release nogil;
         return recsave::crc32c(crc, reinterpret_cast<const void*>(static_cast<uintptr_t>(address)), length);
       }, py::arg("address"), py::arg("length"), py::arg("crc") = 0,
       "CRC32C of `length` bytes at a raw address (e.g. tensor.data_ptr()).");
   m.def("crc32c_hardware_available", &recsave::crc32c_hardware_available);
-  m.def("crc32c_implementation", &recsave::crc32c_implementation);
   m.def("fsync_directory", [](const std::string& dir) {
     py::gil_scoped_release nogil;
     recsave::fsync_directory(dir);

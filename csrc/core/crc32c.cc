@@ -278,8 +278,6 @@ uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n) {
   return ~copy_with(selected(), ~crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
 }
 
-const char* crc32c_implementation() { return selected() == Crc32cKernel::kPortable ? "portable" : "sse4.2"; }
-
 bool crc32c_kernel_available(Crc32cKernel kernel) { return cpu_has(kernel); }
 
 uint32_t crc32c_with(Crc32cKernel kernel, uint32_t crc, const void* data, size_t n) {

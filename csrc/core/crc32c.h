@@ -31,14 +31,13 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 // returning): meant for large destinations that are not read again soon.
 uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n);
 
-// "sse4.2" (any x86 hardware kernel) or "portable": the path crc32c() dispatches to.
-const char* crc32c_implementation();
-
 // Every kernel on its own, for tests and benchmarks.
 enum class Crc32cKernel { kPortable, kSse42, kPclmul };
 bool crc32c_kernel_available(Crc32cKernel kernel);                                   // on this CPU
 uint32_t crc32c_with(Crc32cKernel kernel, uint32_t crc, const void* data, size_t n);  // requires it
-const char* crc32c_kernel_name(Crc32cKernel kernel);                                 // "pclmul", ...
+// The one vocabulary for kernels, in C++, Python (_C.crc32c_kernel()) and the docs: "pclmul",
+// "sse4.2" or "portable".
+const char* crc32c_kernel_name(Crc32cKernel kernel);
 Crc32cKernel crc32c_selected_kernel();                                               // what crc32c() uses
 
 }  // namespace recsave

@@ -1,11 +1,14 @@
 """The `checkpoint` file of an output directory: committed checkpoint ids, oldest first."""
 from __future__ import annotations
 
+import json
 import re
-from typing import List
+from typing import List, Optional
 
-from recsave.errors import CorruptCheckpointError, UsageError
+from recsave import knobs
+from recsave.errors import CorruptCheckpointError, RecsaveError, UsageError
 from recsave.format.checks import is_plain_name
+from recsave.format.index import FORMAT_VERSION, INDEX_FILE
 from recsave.storage import Storage
 
 LIST_FILE = "checkpoint"
@@ -68,12 +71,31 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
     return bool(files) and all(_OWN_FILE.match(f) for f in files)
 
 
+def newer_format_version(storage: Storage, output_dir: str, name: str) -> Optional[int]:
+    """The format_version of checkpoint output_dir/name when a newer recsave wrote it (higher than
+    the one this recsave reads), else None (also when it has no readable index). Such a checkpoint
+    is intact, only unreadable here: it is never deleted, replaced or treated as damaged."""
+    path = storage.join(output_dir, name, INDEX_FILE)
+    try:
+        if not storage.exists(path):
+            return None
+        version = json.loads(storage.read_bytes(path, knobs.get("max_index_bytes")).decode("utf-8")).get(
+            "format_version")
+    except (RecsaveError, OSError, ValueError, AttributeError):  # unreadable or not an object: not newer
+        return None
+    if type(version) is int and version > FORMAT_VERSION:
+        return version
+    return None
+
+
 def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[str]:
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
-    crashed saves); returns their names. Other files and directories are never touched."""
+    crashed saves); returns their names. Other files and directories, and checkpoints written by a
+    newer recsave (newer_format_version), are never touched."""
     removed = []
     for name in storage.listdir(output_dir):
-        if name not in keep and looks_like_checkpoint(storage, output_dir, name):
+        if name not in keep and looks_like_checkpoint(storage, output_dir, name) \
+                and newer_format_version(storage, output_dir, name) is None:
             storage.remove_tree(storage.join(output_dir, name))
             removed.append(name)
     return removed

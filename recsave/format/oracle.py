@@ -3,7 +3,8 @@
 This module is the test oracle: it was written from the specification only and shares no code with
 recsave's own writer and reader (``recsave.format.*``, ``recsave._C``). It is slow and simple on
 purpose; every MUST of the spec that concerns reading tensors is enforced here, so that a disagreement
-with the engine-backed reader points at a bug in one of the two.
+with the engine-backed reader points at a bug in one of the two. Its CRC32C is the numpy one in
+``recsave.format.pycrc32c`` (used by nothing else); it imports only recsave's own dependencies.
 
 Every size, offset and count read from disk is validated before it is used to allocate or seek, and
 no exception other than the ones in :mod:`recsave.errors` escapes for any file content.
@@ -18,11 +19,11 @@ import stat
 import struct
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import google_crc32c
 import torch
 
 from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
                              StorageError)
+from recsave.format.pycrc32c import crc32c
 
 __all__ = ["read_index", "read_tensors", "read_shard_header"]
 
@@ -391,7 +392,7 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                     handles[fname] = (f, {}, {}, 0)
                     fentry = idx["files"][fname]
                     if verify and "crc32c" in fentry:  # SHOULD: whole-file checksum of files that carry one
-                        whole = google_crc32c.value(_read_exact(f, fentry["size"], fpath, "the file"))
+                        whole = crc32c(_read_exact(f, fentry["size"], fpath, "the file"))
                         if whole != fentry["crc32c"]:
                             raise _corrupt(fpath, f"crc32c of file {fname!r} is {whole:#010x}, index says "
                                                   f"{fentry['crc32c']:#010x}")
@@ -417,7 +418,7 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                 if verify:
                     start = 0
                     for s, (end, crc) in enumerate(zip(_segment_ends(c, length, ipath, name), c["crc32c"])):
-                        actual = google_crc32c.value(bytes(view[pos + start:pos + end]))
+                        actual = crc32c(bytes(view[pos + start:pos + end]))
                         if actual != crc:
                             raise _corrupt(fpath, f"crc32c mismatch in chunk {i} segment {s} (bytes {start}-{end}): "
                                                   f"computed {actual:#010x}, index says {crc:#010x}", name)

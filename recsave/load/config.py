@@ -114,6 +114,7 @@ class Contents:
     dense: Dict[str, Tuple[Tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
     extras: Set[str] = field(default_factory=set)
     io_states: Set[str] = field(default_factory=set)
+    optional: Set[str] = field(default_factory=set)  # names a checkpoint may lack (never "missing")
 
     def categories(self) -> Dict[str, str]:
         out: Dict[str, str] = {}
@@ -140,6 +141,7 @@ class Plan:
     skipped: List[str] = field(default_factory=list)
     missing: List[str] = field(default_factory=list)
     unexpected: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
 
 
 def _matches(item: str, name: str, category: str) -> bool:
@@ -201,7 +203,12 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
             continue
         src = source_name(name, category, conf)
         if ckpt_names.get(src) != category:
-            result.missing.append(name)
+            if name in model.optional:  # e.g. the manager's global_step in a plain Saver's checkpoint
+                result.skipped.append(name)
+                result.notes.append(f"{ckpt_dir}: {name!r} is not in the checkpoint; it is registered as "
+                                    f"optional and keeps its current state")
+            else:
+                result.missing.append(name)
             continue
         _check_compatible(name, src, category, model, ckpt, ckpt_dir, conf)
         result.items[name] = (category, src)

@@ -2,7 +2,7 @@
 holds, in the same vocabulary (loadconf.Contents), so configs resolve against both."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Tuple
+from typing import AbstractSet, Any, Dict, Mapping, Tuple
 
 import torch
 
@@ -24,12 +24,13 @@ def model_state(model: torch.nn.Module) -> Tuple[Dict[str, HashTable], Dict[str,
 
 
 def of_model(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
-             extras: Mapping[str, Any], io_states: Mapping[str, Any]) -> Contents:
+             extras: Mapping[str, Any], io_states: Mapping[str, Any],
+             optional: AbstractSet[str] = frozenset()) -> Contents:
     return Contents(
         tables={n: TableInfo(t.embedding_dim, dtype_name(t.dtype), tuple(t.slot_names()), len(t))
                 for n, t in tables.items()},
         dense={n: (tuple(v.shape), dtype_name(v.dtype)) for n, v in dense.items()},
-        extras=set(extras), io_states=set(io_states))
+        extras=set(extras), io_states=set(io_states), optional=set(optional))
 
 
 def index_meta(tables: Mapping[str, Any], dense: Mapping[str, torch.Tensor],

@@ -26,7 +26,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     tables, dense = contents.model_state(target.model)
     won = [{n: v for n, v in w.items() if only is None or n in only} for w in ex.won]
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
-                        missing=list(plan.missing), unexpected=list(plan.unexpected))
+                        missing=list(plan.missing), unexpected=list(plan.unexpected), notes=list(plan.notes))
     report.step = ex.sources[-1].step if ex.sources else None
     tx = LoadTransaction(tables, dense)
     extra_data: Dict[str, Any] = {}

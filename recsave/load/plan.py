@@ -4,7 +4,7 @@ result is a LoadPlan that load/execute.py carries out (docs/ARCHITECTURE.md, "A 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,12 +21,15 @@ Won = Dict[str, Tuple[str, str]]  # model name -> (category, name in the source)
 class LoadTarget:
     """What a load writes into: the model and the objects registered with its Saver.
 
-    `extra_data` receives the extras read (what Saver.get_extra_data returns)."""
+    `extra_data` receives the extras read (what Saver.get_extra_data returns). Names in `optional`
+    (registered with optional=True) may be absent from a checkpoint: they are skipped with a note,
+    never counted as missing."""
     model: torch.nn.Module
     extras: Mapping[str, Any]       # name -> object with state_dict / load_state_dict
     io_states: Mapping[str, Any]    # name -> object with dump_io_state / load_io_state(s)
     concurrency: int = 4
     extra_data: Dict[str, Any] = field(default_factory=dict)
+    optional: AbstractSet[str] = frozenset()
 
 
 @dataclass
@@ -62,6 +65,7 @@ class LoadPlan:
     missing: List[str] = field(default_factory=list)
     unexpected: List[str] = field(default_factory=list)
     checkpoints: List[str] = field(default_factory=list)        # per entry (skipped entries: "")
+    notes: List[str] = field(default_factory=list)              # e.g. optional names a checkpoint lacks
     rows: int = 0
     nbytes: int = 0
     resolved: Optional[ResolvedEntries] = field(default=None, repr=False, compare=False)
@@ -90,7 +94,7 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
     """Resolves config entries against the target's model into a LoadPlan (a dry run)."""
     rank, world = dist.resolve(shard_id, None)
     tables, dense = contents.model_state(target.model)
-    model = contents.of_model(tables, dense, target.extras, target.io_states)
+    model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
     plans: List[Plan] = []
     sources: List[Any] = []
     entry_of: List[int] = []
@@ -114,6 +118,7 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
                 result.skipped.append(name)
         result.missing += [n for n in p.missing if n not in result.missing]
         result.unexpected += [n for n in p.unexpected if n not in result.unexpected]
+        result.notes += [n for n in p.notes if n not in result.notes]
         _plan_items(result, src, w, entry_of[k], rank, world)
     result.left_initialised = sorted(set(model.categories()) - set(result.items))
     result.skipped = sorted(n for n in result.skipped if n not in result.items)

@@ -24,6 +24,7 @@ class LoadReport:
     skipped: List[str] = field(default_factory=list)      # model names not selected by load / exclude
     missing: List[str] = field(default_factory=list)      # selected, but absent from the checkpoint
     unexpected: List[str] = field(default_factory=list)   # selected in the checkpoint, absent from the model
+    notes: List[str] = field(default_factory=list)        # why names were skipped / set otherwise
     rows_read: int = 0
     bytes_read: int = 0
 

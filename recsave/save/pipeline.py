@@ -4,6 +4,7 @@ extra.pt, the index (the commit point) and the `checkpoint` list, then pruning."
 from __future__ import annotations
 
 import re
+import warnings
 from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -46,6 +47,7 @@ class CheckpointWriter:
         self.num_buckets = num_buckets
         self.damaged: Set[str] = set()
         self._lock: Optional[WriterLock] = None
+        self._warned_newer: Set[str] = set()
 
     def write(self, ckpt_id: str, state: SaveState, rank: int, world: int) -> str:
         """Writes `state` as checkpoint `ckpt_id` on every rank and commits it; returns its path.
@@ -83,6 +85,11 @@ class CheckpointWriter:
 
     def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
         self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
+        newer = ckptlist.newer_format_version(self.storage, self.output_dir, ckpt_id)
+        if newer is not None:  # intact, only unreadable here: never replaced, listed or not
+            raise CheckpointExistsError(
+                f"{ckpt_dir} was written by a newer recsave (format_version {newer}); save under "
+                f"another id, or upgrade recsave", path=ckpt_dir)
         listed_ids = ckptlist.read(self.storage, self.output_dir)
         if ckpt_id in self.damaged and ckpt_id in listed_ids:
             # A fallback restore skipped this damaged checkpoint: unlist it, then write it anew.
@@ -167,5 +174,19 @@ class CheckpointWriter:
         st, out = self.storage, self.output_dir
         ids: List[str] = [i for i in ckptlist.read(st, out) if i != ckpt_id] + [ckpt_id]
         keep = ids if self.max_keep is None else ids[-self.max_keep:]
+        keep = [i for i in ids if i in keep or self._written_by_newer(i)]
         ckptlist.write(st, out, keep)
         ckptlist.collect_garbage(st, out, keep)
+
+    def _written_by_newer(self, ckpt_id: str) -> bool:
+        """Whether a checkpoint falling out of max_keep was written by a newer recsave: rotation
+        keeps it (listed) and warns once per checkpoint."""
+        version = ckptlist.newer_format_version(self.storage, self.output_dir, ckpt_id)
+        if version is None:
+            return False
+        if ckpt_id not in self._warned_newer:
+            self._warned_newer.add(ckpt_id)
+            warnings.warn(f"{self.storage.join(self.output_dir, ckpt_id)} was written by a newer recsave "
+                          f"(format_version {version}): it is not deleted by max_keep rotation; delete it "
+                          f"yourself if it is not needed", RuntimeWarning, stacklevel=2)
+        return True

@@ -10,7 +10,9 @@ from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 import torch
 
 from recsave import knobs
-from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UsageError
+from recsave.argcheck import check
+from recsave.argcheck import fail as type_error
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
 from recsave.format import ckptlist
 from recsave.format import index as index_mod
 from recsave.load import contents
@@ -40,8 +42,8 @@ class Saver:
 
     def __init__(self, model: torch.nn.Module, sparse_optim: Any = None, output_dir: str = "./",
                  max_keep: Optional[int] = 1, concurrency: int = 4):
-        if not isinstance(model, torch.nn.Module):
-            raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        check(model, torch.nn.Module, "model", "Saver", expected="a torch.nn.Module")
+        check(output_dir, str, "output_dir", "Saver", expected="a str (a local path or an fsspec URL)")
         self.model = model
         self.sparse_optim = sparse_optim
         self.output_dir = output_dir
@@ -50,12 +52,13 @@ class Saver:
         self.max_keep = max_keep
         self.concurrency = concurrency
         self._extras: Dict[str, Any] = {}
+        self._optional: Set[str] = set()  # extras a checkpoint may lack (register_for_checkpointing)
         self._io_states: Dict[str, Any] = {}
         self._extra_data: Dict[str, Any] = {}
         self._stager: Optional[Stager] = None  # host buffers of async saves, reused
         self._background = BackgroundWrite()
         if sparse_optim is not None:
-            self._check_stateful(SPARSE_OPTIM, sparse_optim)
+            self._check_stateful("sparse_optim", sparse_optim, "Saver")
             self._extras[SPARSE_OPTIM] = sparse_optim
 
     # ------------------------------------------------------------------------------- settings
@@ -66,7 +69,8 @@ class Saver:
 
     @max_keep.setter
     def max_keep(self, value: Optional[int]) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        check(value, int, "max_keep", "Saver", optional=True)
+        if value is not None and value < 1:
             raise UsageError(f"max_keep must be a positive int or None (keep all), got {value!r}")
         self._checkpoints.max_keep = value
 
@@ -77,7 +81,8 @@ class Saver:
 
     @concurrency.setter
     def concurrency(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        check(value, int, "concurrency", "Saver")
+        if value < 1:
             raise UsageError(f"concurrency must be a positive int, got {value!r}")
         self._checkpoints.concurrency = value
 
@@ -93,22 +98,30 @@ class Saver:
         return frozenset(self._checkpoints.damaged)
 
     # ----------------------------------------------------------------------------- registration
-    def register_for_checkpointing(self, name: str, obj: Any) -> None:
-        """Saves ``obj.state_dict()`` in extra.pt under `name`; loading calls ``obj.load_state_dict``."""
+    def register_for_checkpointing(self, name: str, obj: Any, optional: bool = False) -> None:
+        """Saves ``obj.state_dict()`` in extra.pt under `name`; loading calls ``obj.load_state_dict``.
+
+        With `optional`, a checkpoint without `name` (e.g. one written before it was registered)
+        still loads under strict configs: `obj` keeps its state, and the LoadReport lists `name` in
+        ``skipped`` with a note. Otherwise such a checkpoint lacks a selected name (ConfigError)."""
+        check(optional, bool, "optional", "register_for_checkpointing")
         self._check_name(name)
-        self._check_stateful(name, obj)
+        self._check_stateful("obj", obj, f"register_for_checkpointing({name!r})")
         self._extras[name] = obj
+        if optional:
+            self._optional.add(name)
 
     def register_io_state(self, name: str, obj: Any) -> None:
         """Saves ``obj.dump_io_state()`` per rank; loading calls ``obj.load_io_state(state)``."""
         self._check_name(name)
         if not callable(getattr(obj, "dump_io_state", None)) or not callable(getattr(obj, "load_io_state", None)):
-            raise UsageError(f"io state {name!r}: {type(obj).__name__} needs dump_io_state() and "
-                             f"load_io_state(state) methods")
+            raise type_error(f"register_io_state({name!r})", "obj",
+                             "an object with dump_io_state() and load_io_state(state) methods", obj)
         self._io_states[name] = obj
 
     def _check_name(self, name: str) -> None:
-        if not isinstance(name, str) or not name or "@" in name:
+        check(name, str, "name", "register")
+        if not name or "@" in name:
             raise UsageError(f"registered name {name!r} must be a non-empty string without '@'")
         if name in self._extras or name in self._io_states:
             raise UsageError(f"{name!r} is registered already; pick another name", key=name)
@@ -117,9 +130,9 @@ class Saver:
             raise UsageError(f"{name!r} is already a table or parameter name of the model", key=name)
 
     @staticmethod
-    def _check_stateful(name: str, obj: Any) -> None:
+    def _check_stateful(arg: str, obj: Any, where: str) -> None:
         if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
-            raise UsageError(f"{name!r}: {type(obj).__name__} needs state_dict() and load_state_dict()")
+            raise type_error(where, arg, "an object with state_dict() and load_state_dict() methods", obj)
 
     # ----------------------------------------------------------------------------------- listing
     def checkpoints(self) -> List[str]:
@@ -132,6 +145,7 @@ class Saver:
 
     def get_extra_data(self, name: str) -> Any:
         """The state saved under extra `name` in the checkpoint loaded last."""
+        check(name, str, "name", "get_extra_data")
         if name not in self._extra_data:
             raise UsageError(f"no extra data {name!r} was loaded; loaded extras: {sorted(self._extra_data)}",
                              key=name)
@@ -146,9 +160,8 @@ class Saver:
         On failure the partial directory is removed and the previous checkpoint stays latest.
         A pending async_save is waited for first; if it failed, its error is raised here.
         """
-        ckptlist.validate_id(ckpt_id)
+        rank, world = self._save_args("save", ckpt_id, shard_id, shard_num)
         self._background.collect(consume=True)
-        rank, world = dist.resolve(shard_id, shard_num)
         return self._checkpoints.write(ckpt_id, self._capture(rank, world, None), rank, world)
 
     def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
@@ -166,9 +179,9 @@ class Saver:
         rank calls async_save in the same order (the writes run collectives on recsave's group).
         The host copy costs memory of about the size of the tables and dense tensors.
         """
-        ckptlist.validate_id(ckpt_id)
+        check(pinned, bool, "pinned", "async_save")
+        rank, world = self._save_args("async_save", ckpt_id, shard_id, shard_num)
         self._background.collect(consume=True)
-        rank, world = dist.resolve(shard_id, shard_num)
         if dist.collective(world):
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
         if self._stager is None or self._stager.pinned != pinned:
@@ -179,6 +192,17 @@ class Saver:
         write = knobs.carried(self._checkpoints.write)
         write_future = self._background.submit(ckpt_id, lambda: write(ckpt_id, state, rank, world))
         return stage_future, write_future
+
+    @staticmethod
+    def _save_args(where: str, ckpt_id: Any, shard_id: Any, shard_num: Any) -> Tuple[int, int]:
+        """Checks a save's arguments; returns (rank, world). Raises before anything is written."""
+        check(ckpt_id, str, "ckpt_id", where)
+        check(shard_id, int, "shard_id", where, optional=True)
+        check(shard_num, int, "shard_num", where, optional=True)
+        ckptlist.validate_id(ckpt_id)
+        rank, world = dist.resolve(shard_id, shard_num)
+        dist.require_group_for_save(rank, world)
+        return rank, world
 
     def wait(self) -> Optional[str]:
         """Waits for the pending async write; returns its checkpoint path (None when nothing was
@@ -214,7 +238,8 @@ class Saver:
 
     # -------------------------------------------------------------------------------------- load
     def _target(self) -> LoadTarget:
-        return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data)
+        return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data,
+                          frozenset(self._optional))
 
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
              load_conf: Optional[Dict[str, Any]] = None, shard_id: Optional[int] = None,
@@ -227,6 +252,12 @@ class Saver:
         output dir is corrupt or incomplete, the previous committed one is loaded instead (and so
         on), with a warning naming the bad one. A pending async write is waited for first (its
         error, if any, stays for the next save / wait / close)."""
+        check(ckpt_path, str, "ckpt_path", "load", optional=True)
+        check(ckpt_id, str, "ckpt_id", "load", optional=True)
+        check(load_conf, dict, "load_conf", "load", optional=True)
+        check(shard_id, int, "shard_id", "load", optional=True)
+        check(direct_path, bool, "direct_path", "load")
+        check(fallback, bool, "fallback", "load")
         self._background.collect(consume=False)
         conf = dict(load_conf or {})
         if ckpt_path is not None:
@@ -247,7 +278,14 @@ class Saver:
         for n, ckpt_id in enumerate(reversed(ids)):
             try:
                 return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
+                version = ckptlist.newer_format_version(st, path, ckpt_id)
+                if version is not None:  # intact, written by a newer recsave: not damage, never skipped
+                    raise FormatVersionError(
+                        f"{st.join(path, ckpt_id)} was written by a newer recsave (format_version "
+                        f"{version}); upgrade recsave, or restore an explicit older step with "
+                        f"restore(global_step=...) (Saver.load(ckpt_id=...))", path=st.join(path, ckpt_id)) from exc
+                # Anything else is damage, a version no recsave writes included (e.g. a flipped byte).
                 if n == len(ids) - 1:
                     raise
                 if path == self.output_dir:  # the next save of this id replaces it
@@ -260,7 +298,8 @@ class Saver:
     def load_by_config(self, ckpt_path: str, load_conf: Optional[Dict[str, Any]] = None,
                        shard_id: Optional[int] = None) -> LoadReport:
         """Loads `ckpt_path` (checkpoint dir or output dir) as selected by `load_conf`."""
-        if not isinstance(ckpt_path, str) or not ckpt_path:
+        check(ckpt_path, str, "ckpt_path", "load_by_config")
+        if not ckpt_path:
             raise CheckpointNotFoundError(f"ckpt_path must name a checkpoint, got {ckpt_path!r}")
         return self.load(ckpt_path, load_conf=load_conf, shard_id=shard_id)
 
@@ -271,12 +310,12 @@ class Saver:
     def plan_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadPlan:
         """Dry run of load_model_bank: resolves every entry and lists, per name, the source, rows and
         bytes to read, and what stays initialised. Reads only indexes; changes nothing."""
-        if not isinstance(entries, (list, tuple)):
-            raise ConfigError("model bank entries must be a list of dicts")
+        check(entries, (list, tuple), "entries", "plan_model_bank", expected="a list of entry dicts")
         return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True)
 
     def execute_plan(self, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
         """Carries out a plan made by plan_model_bank (only for the model names in `only`, when
         given). A pending async write is waited for first (its error stays pending)."""
+        check(plan, LoadPlan, "plan", "execute_plan", expected="a LoadPlan (from plan_model_bank)")
         self._background.collect(consume=False)
         return execute(self._target(), plan, only)

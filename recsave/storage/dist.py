@@ -38,6 +38,20 @@ def resolve(shard_id: Optional[int] = None, shard_num: Optional[int] = None) -> 
     return rank, world
 
 
+def require_group_for_save(rank: int, world_size: int) -> None:
+    """A save by one of several ranks needs the process group: without it each rank would gather
+    only its own part and rank 0 would commit an index missing the others. Loads do not need it (a
+    rank reads its own buckets)."""
+    if world_size > 1 and not collective(world_size):
+        group = (f"the torch.distributed process group has {torch_dist.get_world_size()} rank(s)"
+                 if initialized() else "no torch.distributed process group is initialised")
+        raise UsageError(
+            f"cannot save as rank {rank} of {world_size}: {group}, so the ranks cannot gather their "
+            f"parts into one index; initialise torch.distributed (torch.distributed.init_process_group) "
+            f"with {world_size} ranks before saving, or unset RANK/WORLD_SIZE (and pass no shard_id / "
+            f"shard_num) for a single-process save")
+
+
 def collective(world_size: int) -> bool:
     """Whether collectives are to be used: torch.distributed is up with this many ranks."""
     return world_size > 1 and initialized() and torch_dist.get_world_size() == world_size

@@ -6,6 +6,7 @@ table as (rows, values) pairs collected in backward, never as a dense [capacity,
 """
 from __future__ import annotations
 
+import numbers
 from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -14,12 +15,23 @@ import torch
 
 from recsave import _C
 from recsave import knobs
+from recsave.argcheck import check
+from recsave.argcheck import fail as type_error
 from recsave.tables import partition
 from recsave.tables.idmap import flat_ids, make_id_map
 from recsave.tables.memhint import advise_hugepages
-from recsave.errors import ShapeMismatchError, UsageError
+from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 
 _MIN_CAPACITY = 1024
+
+
+def _check_ids(ids: Any, where: str) -> None:
+    """Ids are an int64 tensor; anything else is a type error naming `ids`."""
+    if not isinstance(ids, torch.Tensor):
+        raise type_error(where, "ids", "an int64 tensor", ids)
+    if ids.dtype != torch.int64:
+        raise ArgumentTypeError(f"{where}: ids must be an int64 tensor, got {str(ids.dtype)[6:]} tensor "
+                                f"(convert with ids.long() if the values are ids)", key="ids")
 
 
 class _Lookup(torch.autograd.Function):
@@ -59,11 +71,17 @@ class HashTable(torch.nn.Module):
                  device: Optional[torch.device | str] = None, init_std: float = 0.01,
                  seed: Optional[int] = None, id_map: str = "auto"):
         super().__init__()
-        if not isinstance(embedding_dim, int) or embedding_dim <= 0:
+        check(embedding_dim, int, "embedding_dim", "HashTable")
+        check(name, str, "name", "HashTable", optional=True)
+        check(dtype, torch.dtype, "dtype", "HashTable", expected="a torch.dtype")
+        check(init_std, numbers.Real, "init_std", "HashTable")
+        check(seed, int, "seed", "HashTable", optional=True)
+        check(id_map, str, "id_map", "HashTable")
+        if embedding_dim <= 0:
             raise UsageError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
         if not dtype.is_floating_point:
             raise UsageError(f"HashTable rows must be a floating dtype, got {dtype}")
-        if name is not None and (not isinstance(name, str) or not name or "@" in name):
+        if name is not None and (not name or "@" in name):
             raise UsageError(f"table name {name!r} must be a non-empty string without '@'")
         self.embedding_dim = embedding_dim
         self.table_name = name
@@ -111,6 +129,7 @@ class HashTable(torch.nn.Module):
 
     def delete(self, ids: torch.Tensor) -> int:
         """Removes the given ids; returns how many were present."""
+        _check_ids(ids, "HashTable.delete")
         freed = self._map.erase(flat_ids(ids))
         freed = freed[freed >= 0]
         if freed.numel() and self._grads:
@@ -123,6 +142,8 @@ class HashTable(torch.nn.Module):
     def set_partition(self, rank: int, world_size: int, num_buckets: int = partition.DEFAULT_NUM_BUCKETS) -> None:
         """Declares this table the shard of rank `rank` of `world_size`: from now on it accepts only
         ids whose bucket that rank owns (recsave.partition) and refuses others with UsageError."""
+        for arg, value in (("rank", rank), ("world_size", world_size), ("num_buckets", num_buckets)):
+            check(value, int, arg, "HashTable.set_partition")
         partition.bucket_range(rank, world_size, num_buckets)  # validates
         self._partition = (rank, world_size, num_buckets) if world_size > 1 else None
 
@@ -150,6 +171,8 @@ class HashTable(torch.nn.Module):
         """Creates a row-aligned [rows, dim] slot (e.g. an optimizer accumulator) filled with `init`;
         rows inserted later start at `init` too. A slot that exists already keeps its values and takes
         `init` for rows inserted from now on (e.g. a slot restored before its optimizer was built)."""
+        check(slot, str, "slot", "HashTable.add_slot")
+        check(init, numbers.Real, "init", "HashTable.add_slot")
         if not slot or "@" in slot or slot in ("id", "embedding"):
             raise UsageError(f"slot name {slot!r} is reserved or invalid")
         if slot in self._slots:
@@ -175,6 +198,7 @@ class HashTable(torch.nn.Module):
     def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor:
         """Rows of flat int64 ids (int64, on the id map's device: the CPU for CPU tables); -1 for
         absent ids unless `insert`."""
+        _check_ids(ids, "HashTable.lookup")
         flat = flat_ids(ids)
         if not insert:
             return self._map.lookup(flat)
@@ -187,8 +211,7 @@ class HashTable(torch.nn.Module):
         return rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dtype != torch.int64:
-            raise UsageError(f"HashTable {self.table_name!r} takes int64 ids, got {ids.dtype}")
+        _check_ids(ids, f"HashTable {self.table_name!r}")
         rows = self.lookup(ids, insert=self.training).to(self._device)
         if torch.is_grad_enabled():
             out = _Lookup.apply(self._anchor, self, rows)
@@ -295,6 +318,7 @@ class HashTable(torch.nn.Module):
         if ids is None:
             ids, rows = self.id_rows()
         else:
+            _check_ids(ids, "HashTable.export")
             rows = self.lookup(ids, insert=False)
             if bool((rows < 0).any()):
                 raise UsageError(f"table {self.table_name!r}: export of ids that are not in the table")

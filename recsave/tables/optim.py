@@ -16,6 +16,8 @@ from typing import Any, Callable, ClassVar, Dict, Iterable, Optional, Tuple, Uni
 
 import torch
 
+from recsave.argcheck import check
+from recsave.argcheck import fail as type_error
 from recsave.errors import ConfigError, UsageError
 from recsave.tables.hashtable import HashTable
 
@@ -24,7 +26,10 @@ __all__ = ["SparseOptimizer", "SparseSGD", "SparseAdagrad", "SparseAdam"]
 TablesArg = Union[torch.nn.Module, HashTable, Iterable[HashTable]]
 
 
-def _collect_tables(model_or_tables: TablesArg) -> Dict[str, HashTable]:
+_TABLES = "an nn.Module, a HashTable or an iterable of HashTables"
+
+
+def _collect_tables(model_or_tables: TablesArg, where: str) -> Dict[str, HashTable]:
     """name -> table. Names are the tables' own names, else their attribute path in the model (the
     same key HashTable uses in state_dict, so optimizer state and table checkpoints line up)."""
     if isinstance(model_or_tables, HashTable):
@@ -34,13 +39,13 @@ def _collect_tables(model_or_tables: TablesArg) -> Dict[str, HashTable]:
                  if isinstance(m, HashTable)]
     else:
         try:
-            items = list(model_or_tables)
+            items = list(model_or_tables)  # type: ignore[arg-type]
         except TypeError:
-            raise UsageError(f"expected an nn.Module, a HashTable or an iterable of HashTables, got "
-                             f"{type(model_or_tables).__name__}") from None
+            raise type_error(where, "model_or_tables", _TABLES, model_or_tables) from None
         for t in items:
             if not isinstance(t, HashTable):
-                raise UsageError(f"expected HashTables, got a {type(t).__name__}")
+                error = type_error(where, "model_or_tables", _TABLES, t)
+                raise type(error)(f"{error} in the iterable", key=error.key)
         found = [(t.table_name, t) for t in items]
     tables: Dict[str, HashTable] = {}
     for name, table in found:
@@ -78,8 +83,16 @@ class SparseOptimizer(abc.ABC):
     slot_names: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, model_or_tables: TablesArg, hparams: Dict[str, Any]):
+        where = type(self).__name__
+        for key, value in hparams.items():
+            if key == "betas":
+                check(value, tuple, key, where, expected="a tuple of two real numbers")
+                for b in value:
+                    check(b, numbers.Real, key, where, expected="a tuple of two real numbers")
+            else:
+                check(value, numbers.Real, key, where)
         self._validate(hparams, UsageError)
-        self.tables: Dict[str, HashTable] = _collect_tables(model_or_tables)
+        self.tables: Dict[str, HashTable] = _collect_tables(model_or_tables, where)
         self.hparams: Dict[str, Any] = dict(hparams)
         self.steps: Dict[str, int] = {name: 0 for name in self.tables}
         # Slots are created now (not on first step) so a checkpoint taken at any time has them.
@@ -111,6 +124,8 @@ class SparseOptimizer(abc.ABC):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Updates the rows touched since the last zero_grad(); returns closure() if given."""
+        if closure is not None and not callable(closure):
+            raise type_error(f"{type(self).__name__}.step", "closure", "a callable or None", closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():

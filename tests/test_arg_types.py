@@ -1,0 +1,154 @@
+"""Public entry points raise a TypeError that is also a RecsaveError (ArgumentTypeError), naming the
+argument, for arguments of the wrong type; wrong values keep raising UsageError (a ValueError)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import recsave
+from recsave import CheckpointManager, HashTable, RecsaveError, Saver, UsageError
+from recsave.tables.optim import SparseAdagrad, SparseAdam, SparseSGD
+
+
+class Stateful:
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _model():
+    model = torch.nn.Module()
+    model.t = HashTable(4, name="t")
+    model.t(torch.arange(5))
+    return model
+
+
+@pytest.fixture
+def env(tmp_path):
+    """A saver (with one committed checkpoint), its manager and its table."""
+    model = _model()
+    saver = Saver(model, output_dir=str(tmp_path / "out"))
+    mgr = CheckpointManager(saver, 0)
+    saver.save("ckpt_1")
+    opt = SparseSGD(model.t, lr=0.1)
+    yield {"saver": saver, "mgr": mgr, "table": model.t, "model": model, "out": str(tmp_path / "out"),
+           "opt": opt}
+    saver.close()
+
+
+def _set_step(mgr, value):
+    mgr.global_step = value
+
+
+# (call, argument named in the message, type name of the bad value)
+TYPE_CASES = {
+    # Saver
+    "Saver-model": (lambda e: Saver("model", output_dir=e["out"]), "model", "str"),
+    "Saver-output_dir": (lambda e: Saver(e["model"], output_dir=None), "output_dir", "NoneType"),
+    "Saver-max_keep": (lambda e: Saver(e["model"], output_dir=e["out"], max_keep="3"), "max_keep", "str"),
+    "Saver-max_keep-bool": (lambda e: Saver(e["model"], output_dir=e["out"], max_keep=True), "max_keep", "bool"),
+    "Saver-concurrency": (lambda e: Saver(e["model"], output_dir=e["out"], concurrency=2.0), "concurrency", "float"),
+    "Saver-sparse_optim": (lambda e: Saver(e["model"], sparse_optim=5, output_dir=e["out"]), "sparse_optim", "int"),
+    "save-ckpt_id": (lambda e: e["saver"].save(5), "ckpt_id", "int"),
+    "save-shard_id": (lambda e: e["saver"].save("ckpt_2", shard_id="0"), "shard_id", "str"),
+    "save-shard_num": (lambda e: e["saver"].save("ckpt_2", shard_num=1.0), "shard_num", "float"),
+    "async_save-ckpt_id": (lambda e: e["saver"].async_save(None), "ckpt_id", "NoneType"),
+    "async_save-pinned": (lambda e: e["saver"].async_save("ckpt_2", pinned="yes"), "pinned", "str"),
+    "load-ckpt_path": (lambda e: e["saver"].load(5), "ckpt_path", "int"),
+    "load-ckpt_id": (lambda e: e["saver"].load(ckpt_id=1), "ckpt_id", "int"),
+    "load-load_conf": (lambda e: e["saver"].load(load_conf=["dense"]), "load_conf", "list"),
+    "load-shard_id": (lambda e: e["saver"].load(shard_id=True), "shard_id", "bool"),
+    "load-direct_path": (lambda e: e["saver"].load(direct_path=1), "direct_path", "int"),
+    "load-fallback": (lambda e: e["saver"].load(fallback="no"), "fallback", "str"),
+    "load_by_config-ckpt_path": (lambda e: e["saver"].load_by_config(None), "ckpt_path", "NoneType"),
+    "load_by_config-load_conf": (lambda e: e["saver"].load_by_config(e["out"], "dense"), "load_conf", "str"),
+    "load_model_bank-entries": (lambda e: e["saver"].load_model_bank({"path": e["out"]}), "entries", "dict"),
+    "plan_model_bank-entries": (lambda e: e["saver"].plan_model_bank(e["out"]), "entries", "str"),
+    "execute_plan-plan": (lambda e: e["saver"].execute_plan("plan"), "plan", "str"),
+    "register_for_checkpointing-name": (lambda e: e["saver"].register_for_checkpointing(5, Stateful()), "name", "int"),
+    "register_for_checkpointing-obj": (lambda e: e["saver"].register_for_checkpointing("x", 5), "obj", "int"),
+    "register_io_state-name": (lambda e: e["saver"].register_io_state(None, Stateful()), "name", "NoneType"),
+    "register_io_state-obj": (lambda e: e["saver"].register_io_state("x", Stateful()), "obj", "Stateful"),
+    "get_extra_data-name": (lambda e: e["saver"].get_extra_data(3), "name", "int"),
+    "max_keep-setter": (lambda e: setattr(e["saver"], "max_keep", 2.5), "max_keep", "float"),
+    # CheckpointManager
+    "Manager-saver": (lambda e: CheckpointManager("saver", 10), "saver", "str"),
+    "Manager-save_interval": (lambda e: CheckpointManager(e["saver"], save_interval="10"), "save_interval", "str"),
+    "Manager-save_interval-bool": (lambda e: CheckpointManager(e["saver"], save_interval=True), "save_interval", "bool"),
+    "Manager-async_mode": (lambda e: CheckpointManager(e["saver"], 0, async_mode=1), "async_mode", "int"),
+    "restore-global_step": (lambda e: e["mgr"].restore("5"), "global_step", "str"),
+    "restore-global_step-bool": (lambda e: e["mgr"].restore(True), "global_step", "bool"),
+    "restore-fallback": (lambda e: e["mgr"].restore(fallback=None), "fallback", "NoneType"),
+    "manager-save-wait": (lambda e: e["mgr"].save(wait="yes"), "wait", "str"),
+    "global_step-setter": (lambda e: _set_step(e["mgr"], 3.0), "global_step", "float"),
+    "manager-load_model_bank": (lambda e: e["mgr"].load_model_bank(e["out"]), "entries", "str"),
+    "manager-plan_model_bank": (lambda e: e["mgr"].plan_model_bank(None), "entries", "NoneType"),
+    "manager-register-name": (lambda e: e["mgr"].register_for_checkpointing(b"n", Stateful()), "name", "bytes"),
+    # HashTable
+    "HashTable-embedding_dim": (lambda e: HashTable("16"), "embedding_dim", "str"),
+    "HashTable-embedding_dim-bool": (lambda e: HashTable(True), "embedding_dim", "bool"),
+    "HashTable-name": (lambda e: HashTable(4, name=5), "name", "int"),
+    "HashTable-dtype": (lambda e: HashTable(4, dtype="float32"), "dtype", "str"),
+    "HashTable-init_std": (lambda e: HashTable(4, init_std="0.1"), "init_std", "str"),
+    "HashTable-seed": (lambda e: HashTable(4, seed=1.5), "seed", "float"),
+    "HashTable-id_map": (lambda e: HashTable(4, id_map=1), "id_map", "int"),
+    "table-ids-float": (lambda e: e["table"](torch.tensor([1.0])), "ids", "float32"),
+    "table-ids-list": (lambda e: e["table"]([1, 2]), "ids", "list"),
+    "table-lookup": (lambda e: e["table"].lookup(torch.tensor([1], dtype=torch.int32), True), "ids", "int32"),
+    "table-delete": (lambda e: e["table"].delete([1]), "ids", "list"),
+    "table-export": (lambda e: e["table"].export(torch.tensor([1.0])), "ids", "float32"),
+    "table-set_partition": (lambda e: e["table"].set_partition("0", 2), "rank", "str"),
+    "table-add_slot": (lambda e: e["table"].add_slot(5), "slot", "int"),
+    # sparse optimizers
+    "SGD-model_or_tables": (lambda e: SparseSGD(3, lr=0.1), "model_or_tables", "int"),
+    "SGD-tables-items": (lambda e: SparseSGD([e["table"], 3], lr=0.1), "model_or_tables", "int"),
+    "SGD-lr": (lambda e: SparseSGD(e["table"], lr="0.1"), "lr", "str"),
+    "Adagrad-lr-bool": (lambda e: SparseAdagrad(e["table"], lr=True), "lr", "bool"),
+    "Adagrad-eps": (lambda e: SparseAdagrad(e["table"], eps=None), "eps", "NoneType"),
+    "Adam-betas": (lambda e: SparseAdam(e["table"], betas="ab"), "betas", "str"),
+    "Adam-betas-item": (lambda e: SparseAdam(e["table"], betas=(0.9, "x")), "betas", "str"),
+    "opt-step-closure": (lambda e: e["opt"].step(closure=5), "closure", "int"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TYPE_CASES))
+def test_wrong_argument_type_raises_argument_type_error(env, case):
+    call, arg, got = TYPE_CASES[case]
+    before = sorted(os.listdir(env["out"]))
+    with pytest.raises(TypeError, match=rf"\b{arg} must be .*, got {got}\b") as exc:
+        call(env)
+    assert isinstance(exc.value, RecsaveError) and not isinstance(exc.value, ValueError)
+    assert exc.value.key == arg
+    assert sorted(os.listdir(env["out"])) == before
+
+
+# Wrong values of the right type keep raising UsageError (a ValueError), not ArgumentTypeError.
+VALUE_CASES = {
+    "Saver-max_keep-0": lambda e: Saver(e["model"], output_dir=e["out"], max_keep=0),
+    "save-bad-id": lambda e: e["saver"].save("a/b"),
+    "Manager-save_interval-negative": lambda e: CheckpointManager(e["saver"], -1),
+    "Manager-async_mode-unknown": lambda e: CheckpointManager(e["saver"], 0, async_mode="background"),
+    "restore-negative": lambda e: e["mgr"].restore(-1),
+    "HashTable-embedding_dim-0": lambda e: HashTable(0),
+    "HashTable-float-less-dtype": lambda e: HashTable(4, dtype=torch.int64),
+    "SGD-lr-negative": lambda e: SparseSGD(e["table"], lr=-0.1),
+    "Adam-betas-length": lambda e: SparseAdam(e["table"], betas=(0.9,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALUE_CASES))
+def test_wrong_values_keep_raising_usage_error(env, case):
+    with pytest.raises(UsageError) as exc:
+        VALUE_CASES[case](env)
+    assert not isinstance(exc.value, TypeError)
+
+
+def test_argument_type_error_is_exported():
+    assert recsave.ArgumentTypeError is recsave.errors.ArgumentTypeError
+    assert issubclass(recsave.ArgumentTypeError, RecsaveError)
+    assert issubclass(recsave.ArgumentTypeError, TypeError)
+    assert "ArgumentTypeError" in recsave.__all__ and "ArgumentTypeError" in recsave.errors.__all__

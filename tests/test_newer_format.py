@@ -1,0 +1,152 @@
+"""A checkpoint written by a newer recsave (its index has a higher format_version) is not damage:
+fallback loads stop on it, and no save, rotation or gc deletes or replaces it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+
+import pytest
+
+from recsave import CheckpointExistsError, CorruptCheckpointError, FormatVersionError, RecsaveError
+from recsave.tools import catalog
+from recsave.tools.cli import main as cli_main
+
+from helpers import assert_jobs_equal, job_state, make_job
+
+NEWER = (r"written by a newer recsave \(format_version 2\); upgrade recsave, or restore an explicit "
+         r"older step with restore\(global_step=\.\.\.\)")
+
+
+def make_newer(ckpt_dir) -> None:
+    """Rewrites the index of a committed checkpoint as a newer recsave would have written it: the
+    same valid file, format_version 2."""
+    path = os.path.join(ckpt_dir, "index")
+    with open(path, "rb") as f:
+        index = json.load(f)
+    index["format_version"] = 2
+    with open(path, "w") as f:
+        json.dump(index, f)
+
+
+def tree(path) -> dict:
+    """Relative path -> sha256 of every file under path."""
+    out = {}
+    for base, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(base, name), "rb") as f:
+                out[os.path.relpath(os.path.join(base, name), path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def listed(out) -> list:
+    with open(os.path.join(out, "checkpoint")) as f:
+        return f.read().split()
+
+
+def two_steps(out, **kw):
+    """A manager job that committed ckpt_2 and ckpt_4; ckpt_4 is then made newer."""
+    job = make_job(str(out), save_interval=2, **kw)
+    job.train(2)
+    state2 = job_state(job)
+    job.train(2)
+    job.manager.wait()
+    make_newer(os.path.join(out, "ckpt_4"))
+    return job, state2
+
+
+def test_format_version_error_is_not_corruption():
+    assert issubclass(FormatVersionError, RecsaveError)
+    assert issubclass(FormatVersionError, ValueError)
+    assert not issubclass(FormatVersionError, CorruptCheckpointError)
+
+
+def test_fallback_restore_stops_on_a_newer_checkpoint_and_keeps_it(tmp_path):
+    out = tmp_path / "out"
+    job, state2 = two_steps(out)
+    job.manager.close()
+    before = tree(out / "ckpt_4")
+    fresh = make_job(str(out), save_interval=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "falling back" warning: it does not fall back
+        with pytest.raises(FormatVersionError, match=NEWER):
+            fresh.manager.restore()
+        with pytest.raises(FormatVersionError, match=NEWER):
+            fresh.saver.load(fallback=True)
+    assert fresh.saver.damaged_checkpoints == frozenset()
+    assert fresh.manager.global_step == 0
+    # An explicit older step restores.
+    assert fresh.manager.restore(global_step=2) == 2
+    assert_jobs_equal(job_state(fresh), state2)
+    # Saving the newer checkpoint's id again is refused and leaves it alone.
+    with pytest.raises(CheckpointExistsError, match=r"ckpt_4.*written by a newer recsave \(format_version 2\)"):
+        fresh.saver.save("ckpt_4")
+    assert tree(out / "ckpt_4") == before
+    assert listed(out) == ["ckpt_2", "ckpt_4"]
+    fresh.manager.close()
+
+
+def test_save_never_replaces_an_unlisted_newer_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    job, _ = two_steps(out)
+    job.manager.close()
+    with open(out / "checkpoint", "w") as f:  # ckpt_4 unlisted, like a leftover of a crashed save
+        f.write("ckpt_2\n")
+    before = tree(out / "ckpt_4")
+    fresh = make_job(str(out))
+    with pytest.raises(CheckpointExistsError, match=r"ckpt_4.*written by a newer recsave \(format_version 2\)"):
+        fresh.saver.save("ckpt_4")
+    assert tree(out / "ckpt_4") == before
+    assert listed(out) == ["ckpt_2"]
+    fresh.saver.close()
+
+
+def test_rotation_keeps_a_newer_checkpoint_and_warns_once(tmp_path):
+    out = tmp_path / "out"
+    job, _ = two_steps(out, max_keep=2)
+    before = tree(out / "ckpt_4")
+    with pytest.warns(RuntimeWarning, match=r"ckpt_4.*written by a newer recsave \(format_version 2\).*not deleted"):
+        job.train(2)   # saves ckpt_6: ckpt_2 falls out of max_keep=2 and is deleted
+        job.train(2)   # saves ckpt_8: ckpt_4 falls out of max_keep, and is kept
+        job.manager.wait()
+    assert listed(out) == ["ckpt_4", "ckpt_6", "ckpt_8"]
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == ["ckpt_4", "ckpt_6", "ckpt_8"]
+    assert tree(out / "ckpt_4") == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per checkpoint: the next rotation keeps it silently
+        job.train(2)
+        job.manager.wait()
+    assert listed(out) == ["ckpt_4", "ckpt_8", "ckpt_10"]
+    assert tree(out / "ckpt_4") == before
+    job.manager.close()
+
+
+def test_gc_keeps_a_newer_checkpoint(tmp_path, capsys):
+    out = tmp_path / "out"
+    job, _ = two_steps(out)
+    job.manager.close()
+    with open(out / "checkpoint", "w") as f:  # neither is listed any more: both look like leftovers
+        f.write("")
+    before = tree(out / "ckpt_4")
+    assert catalog.collect_garbage(str(out)) == ["ckpt_2"]
+    assert tree(out / "ckpt_4") == before
+    assert cli_main(["gc", str(out)]) == 0
+    assert tree(out / "ckpt_4") == before
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == ["ckpt_4"]
+
+
+def test_a_version_no_recsave_writes_is_damage_and_fallback_skips_it(tmp_path):
+    out = tmp_path / "out"
+    job, state2 = two_steps(out)
+    job.manager.close()
+    index_path = out / "ckpt_4" / "index"
+    index = json.loads(index_path.read_text())
+    index["format_version"] = 0  # older than any recsave: not "newer", so damage
+    index_path.write_text(json.dumps(index))
+    fresh = make_job(str(out), save_interval=2)
+    with pytest.warns(RuntimeWarning, match=r"ckpt_4 cannot be loaded \(FormatVersionError"):
+        assert fresh.manager.restore() == 2
+    assert_jobs_equal(job_state(fresh), state2)
+    assert fresh.saver.damaged_checkpoints == frozenset({"ckpt_4"})
+    fresh.manager.close()
