@@ -1,17 +1,25 @@
 """recsave: fast, safe checkpoints for recommender / CTR training in PyTorch.
 
 The layers are subpackages (docs/ARCHITECTURE.md); this module re-exports the public API."""
-from recsave import _compat
-from recsave import errors
-from recsave import knobs
-from recsave.tables import partition
-from recsave.errors import (ArgumentTypeError, CheckpointExistsError, CheckpointNotFoundError, ConfigError,
-                            CorruptCheckpointError, FormatVersionError, RankFailedError, RecsaveError,
-                            ShapeMismatchError, StorageError, UsageError, WriterLockedError)
-from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
-from recsave.manager import CheckpointManager
+from recsave import _compat, errors, knobs, partition
+from recsave.errors import (
+                            ArgumentTypeError,
+                            CheckpointExistsError,
+                            CheckpointNotFoundError,
+                            ConfigError,
+                            CorruptCheckpointError,
+                            FormatVersionError,
+                            RankFailedError,
+                            RecsaveError,
+                            ShapeMismatchError,
+                            StorageError,
+                            UsageError,
+                            WriterLockedError,
+)
 from recsave.load.report import LoadedItem, LoadReport
+from recsave.manager import CheckpointManager
 from recsave.save.saver import Saver
+from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.version import __version__
 
 __all__ = [

@@ -11,14 +11,13 @@ from importlib.machinery import ModuleSpec
 from types import CodeType, ModuleType
 from typing import Optional, Sequence
 
-# old path -> new path (docs/ARCHITECTURE.md names each layer).
+# old path -> new path (docs/ARCHITECTURE.md names each layer). recsave.optim, recsave.partition and
+# recsave.export are public paths of their own (small facade modules), not aliases.
 MOVED = {
     "recsave.saver": "recsave.save.saver",
     "recsave.snapshot": "recsave.save.snapshot",
     "recsave.hashtable": "recsave.tables.hashtable",
     "recsave.idmap": "recsave.tables.idmap",
-    "recsave.optim": "recsave.tables.optim",
-    "recsave.partition": "recsave.tables.partition",
     "recsave.memhint": "recsave.tables.memhint",
     "recsave.devcopy": "recsave.tables.devcopy",
     "recsave.loadconf": "recsave.load.config",
@@ -32,7 +31,6 @@ MOVED = {
     "recsave.torchio": "recsave.format.torchio",
     "recsave.catalog": "recsave.tools.catalog",
     "recsave.cli": "recsave.tools.cli",
-    "recsave.export": "recsave.tools.export",
     "recsave.demo": "recsave.tools.demo",
     "recsave.progress": "recsave.tools.progress",
 }

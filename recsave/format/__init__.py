@@ -10,8 +10,18 @@ from recsave.format.index import read as read_index
 from recsave.format.index import validate as validate_index
 from recsave.format.index import write as write_index
 from recsave.format.reader import read_tensors
-from recsave.format.records import (BucketRange, Chunk, DenseMeta, FileEntry, Index, IndexPart, Meta,
-                                    Partition, TableMeta, TensorEntry)
+from recsave.format.records import (
+                                    BucketRange,
+                                    Chunk,
+                                    DenseMeta,
+                                    FileEntry,
+                                    Index,
+                                    IndexPart,
+                                    Meta,
+                                    Partition,
+                                    TableMeta,
+                                    TensorEntry,
+)
 from recsave.format.writer import RowSource, shard_file_name, write_shards
 
 __all__ = [

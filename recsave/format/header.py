@@ -91,7 +91,7 @@ def parse(raw: bytes, file_size: int, path: str) -> Tuple[int, Dict[str, HeaderE
         entries[name] = HeaderEntry(dtype, tuple(shape), begin, end)
 
     spans = sorted((e.begin, e.end, n) for n, e in entries.items())
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise checks.corrupt(path, f"data of {n0!r} and {n1!r} overlap")
     return data_start, entries

@@ -8,12 +8,24 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
-from recsave.version import __version__
 from recsave.format import checks
 from recsave.format.dtypes import from_name
+from recsave.format.records import (
+    FORMAT_VERSION,
+    MAGIC,
+    BucketRange,
+    Chunk,
+    DenseMeta,
+    FileEntry,
+    Index,
+    IndexPart,
+    Meta,
+    Partition,
+    TableMeta,
+    TensorEntry,
+)
 from recsave.storage import Storage, get_storage
-from recsave.format.records import (FORMAT_VERSION, MAGIC, BucketRange, Chunk, DenseMeta, FileEntry, Index,
-                                    IndexPart, Meta, Partition, TableMeta, TensorEntry)
+from recsave.version import __version__
 
 INDEX_FILE = "index"
 REQUIRED_KEYS = ("magic", "format_version", "recsave_version", "created_at", "step", "world_size",
@@ -114,7 +126,7 @@ def validate(index: Any, path: str) -> Index:
     tensors = {name: _parse_tensor(name, entry, files, spans, path) for name, entry in raw_tensors.items()}
     for fname, ranges in spans.items():
         ranges.sort()
-        for (b0, e0, n0), (b1, _e1, n1) in zip(ranges, ranges[1:]):
+        for (_b0, e0, n0), (b1, _e1, n1) in zip(ranges, ranges[1:]):
             if b1 < e0:
                 raise checks.corrupt(path, f"chunks of {n0!r} and {n1!r} overlap in {fname!r}")
     step = index["step"]

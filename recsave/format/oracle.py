@@ -21,8 +21,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
-                             StorageError)
+from recsave.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    StorageError,
+)
 from recsave.format.pycrc32c import crc32c
 
 __all__ = ["read_index", "read_tensors", "read_shard_header"]
@@ -383,7 +388,7 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
             # Lengths were checked against the index sizes, and the files against the real sizes below,
             # so this allocation is bounded by bytes actually on disk.
             buf = torch.empty(sum(c["length"] for c in t["chunks"]), dtype=torch.uint8)
-            view, pos = memoryview(buf.numpy()), 0
+            view, pos = memoryview(buf.numpy()), 0  # type: ignore[arg-type]  # numpy arrays are buffers
             for i, c in enumerate(t["chunks"]):
                 fname, offset, length = c["file"], c["offset"], c["length"]
                 fpath = os.path.join(ckpt_dir, fname)

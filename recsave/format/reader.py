@@ -4,18 +4,18 @@ output tensors, elsewhere bounded ranged requests)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, ConfigError, UsageError
-from recsave.storage import Storage, get_storage
-from recsave.storage.base import ShardReader
 from recsave.format import checks, header
 from recsave.format import index as index_mod
 from recsave.format.records import Chunk, Index, TensorEntry
+from recsave.storage import Storage, get_storage
+from recsave.storage.base import ShardReader
 
 
 @dataclass
@@ -65,7 +65,7 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                  index: Optional[Index] = None, verify: bool = True,
                  concurrency: Optional[int] = None, storage: Optional[Storage] = None,
                  rows: Optional[Dict[str, List[tuple]]] = None,
-                 stats: Optional[Dict[str, int]] = None,
+                 stats: Optional[Dict[str, Any]] = None,
                  out: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """Reads the named tensors (all when `names` is None) of the checkpoint in `ckpt_dir`.
 

@@ -5,19 +5,18 @@ import contextlib
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import torch
 
-from recsave import _C
-from recsave import knobs
+from recsave import _C, knobs
 from recsave.errors import UsageError
-from recsave.storage import Storage, get_storage
 from recsave.format import header
 from recsave.format.commits import DeferredCommits
 from recsave.format.dtypes import DType, from_torch
 from recsave.format.records import FORMAT_VERSION, BucketRange, Chunk, FileEntry, IndexPart, TensorEntry
+from recsave.storage import Storage, get_storage
 
 
 @dataclass
@@ -97,9 +96,9 @@ def _prepare(name: Any, tensor: Any) -> Tuple[str, Source, DType]:
     return name, t.contiguous(), dtype
 
 
-def _group(items: List[Tuple[str, torch.Tensor, DType]], max_bytes: int) -> List[List[Tuple[str, torch.Tensor, DType]]]:
+def _group(items: List[Tuple[str, Source, DType]], max_bytes: int) -> List[List[Tuple[str, Source, DType]]]:
     """Consecutive tensors into files of at most max_bytes (a larger tensor gets a file of its own)."""
-    groups: List[List[Tuple[str, torch.Tensor, DType]]] = [[]]
+    groups: List[List[Tuple[str, Source, DType]]] = [[]]
     size = 0
     for item in items:
         nbytes = item[1].nbytes
@@ -181,7 +180,7 @@ def _chunk_fields(name: str, extra: Mapping[str, Any]) -> Dict[str, Any]:
 Layout = Tuple[List[Tuple[int, int]], Dict[str, Any]]  # segment (begin, end) pairs, chunk fields
 
 
-def _segment_layout(t: torch.Tensor, segment_bytes: int, ends: Optional[Sequence[int]]) -> Layout:
+def _segment_layout(t: Source, segment_bytes: int, ends: Optional[Sequence[int]]) -> Layout:
     """Checksum segments of a tensor's bytes and how the chunk entry describes them."""
     nbytes = t.nbytes
     if ends is None:
@@ -232,7 +231,8 @@ class _ShardFile:
                             np.asarray(lengths, dtype=np.uint64), concurrency)
         _split_crcs(crc_of, crcs, plain, [len(layout[group[i][0]][0]) for i in plain])
         if taken:
-            crcs = _write_taken(writer, [(group[i][0], group[i][1], starts[i]) for i in taken], layout, concurrency)
+            sources = [(group[i][0], cast(RowSource, group[i][1]), starts[i]) for i in taken]
+            crcs = _write_taken(writer, sources, layout, concurrency)
             _split_crcs(crc_of, crcs, taken, [len(layout[group[i][0]][0]) for i in taken])
         for i, (name, t, _d) in enumerate(group):
             if isinstance(t, RowSource) and t.storage is None:
@@ -260,7 +260,7 @@ class _ShardFile:
                     piece = data[b - first:e - first]
                     crcs.append(_C.crc32c(piece))
                     if len(piece):
-                        f.write(memoryview(piece))
+                        f.write(memoryview(piece))  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def _split_crcs(crc_of: Dict[int, List[int]], crcs: np.ndarray, which: List[int], counts: List[int]) -> None:
@@ -282,20 +282,23 @@ def _write_taken(writer: Any, sources: List[Tuple[str, RowSource, int]], layout:
     """One engine call writing every segment of the RowSource.take sources, gathered on its threads."""
     cols: List[List[np.ndarray]] = [[] for _ in range(6)]  # offset, base, base rows, row bytes, rows at, rows
     for name, src, start in sources:
+        storage, rows = src.storage, src.rows
+        assert storage is not None and rows is not None  # only RowSource.take sources come here
         rb = src.row_bytes
         bounds = layout[name][0]
         _check_row_aligned(name, rb, bounds)
         seg = np.asarray(bounds, dtype=np.uint64).reshape(-1, 2)
         first_row, count = seg[:, 0] // rb, (seg[:, 1] - seg[:, 0]) // rb
         same = np.ones(len(seg), dtype=np.uint64)
-        values = (start + seg[:, 0], same * src.storage.data_ptr(), same * src.storage.shape[0], same * rb,
-                  src.rows.data_ptr() + first_row * 8, count)
+        values = (start + seg[:, 0], same * storage.data_ptr(), same * storage.shape[0], same * rb,
+                  rows.data_ptr() + first_row * 8, count)
         for col, v in zip(cols, values):
             col.append(v)
     return writer.write_gathered(*(np.concatenate(c) for c in cols), concurrency)
 
 
-def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]) -> Iterator[Tuple[torch.Tensor, List[Tuple[int, int]]]]:
+def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]
+            ) -> Iterator[Tuple[torch.Tensor, List[Tuple[int, int]]]]:
     """(rows as a tensor, the segments they hold) for consecutive blocks of about write_block_bytes,
     cut at segment ends; the next block is gathered while the caller writes the current one."""
     row_bytes = src.row_bytes
@@ -327,7 +330,7 @@ def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]) -> Iterato
             yield block, segs
 
 
-def _describe(part: _PartBuilder, item: Tuple[str, torch.Tensor, DType], fname: str, start: int,
+def _describe(part: _PartBuilder, item: Tuple[str, Source, DType], fname: str, start: int,
               crcs: List[int], fields: Dict[str, Any]) -> None:
     """Adds the tensor entry of one written chunk to the index part."""
     name, t, dtype = item

@@ -52,21 +52,21 @@ def parse(conf: Optional[Mapping[str, Any]], *, where: str = "load_conf", path: 
         raise ConfigError(f"{where}: 'path' must be a non-empty string, got {p!r}")
     load = _patterns(conf.get("load", ["*"]), "load", where)
     exclude = _patterns(conf.get("exclude", []), "exclude", where)
-    flags = {}
+    flags: Dict[str, bool] = {}
     for key, default in (("strict", True), ("hashtable_clear", True), ("ignore_error", False), ("skip", False),
                          ("is_dynamic", False)):
         value = conf.get(key, default)
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key!r} must be true or false, got {value!r}")
         flags[key] = value
-    policies = {}
+    policies: Dict[str, str] = {}
     for key, allowed in (("dim_policy", DIM_POLICIES), ("dtype_policy", DTYPE_POLICIES)):
         value = conf.get(key, "error")
         if value not in allowed:
             raise ConfigError(f"{where}: {key!r} must be one of {list(allowed)}, got {value!r}")
         policies[key] = value
     return LoadConf(path=p, load=load, exclude=exclude, oname=_renames(conf.get("oname", []), where),
-                    **flags, **policies)
+                    dim_policy=policies["dim_policy"], dtype_policy=policies["dtype_policy"], **flags)
 
 
 def _patterns(value: Any, key: str, where: str) -> Tuple[str, ...]:

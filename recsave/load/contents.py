@@ -9,8 +9,8 @@ import torch
 from recsave.errors import UsageError
 from recsave.format import checks
 from recsave.format.records import DenseMeta, Index, Meta, TableMeta
-from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.load.config import Contents, TableInfo
+from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 
 
 def model_state(model: torch.nn.Module) -> Tuple[Dict[str, HashTable], Dict[str, torch.Tensor]]:

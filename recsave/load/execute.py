@@ -3,6 +3,7 @@ merges, dense parameters, extras and io states), then apply it all at once (load
 a load that fails, on any rank, leaves the model as it was."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional, Set
 
 import torch
@@ -161,12 +162,11 @@ def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, fi
             obj = target.io_states[name]
             if saved != world:
                 states = [d[source] for d in io_data]
-                tx.stage_call(f"io state {name}", io_state_change(
-                    obj, lambda obj=obj, states=states: obj.load_io_states(states, rank, world)))
+                tx.stage_call(f"io state {name}",
+                              io_state_change(obj, functools.partial(obj.load_io_states, states, rank, world)))
             else:
                 state = io_data[0][source]
-                tx.stage_call(f"io state {name}",
-                              io_state_change(obj, lambda obj=obj, state=state: obj.load_io_state(state)))
+                tx.stage_call(f"io state {name}", io_state_change(obj, functools.partial(obj.load_io_state, state)))
         else:
             continue
         report.loaded[name] = LoadedItem(cat, src.ckpt_dir, source, 0, load_plan.items[name].nbytes)

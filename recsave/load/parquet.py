@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import pyarrow as pa
@@ -31,14 +31,29 @@ import pyarrow.parquet as pq
 import torch
 
 from recsave import knobs
-from recsave.tables import partition
-from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
-                     RecsaveError, UsageError)
+from recsave.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    RecsaveError,
+    UsageError,
+)
 from recsave.format.dtypes import BY_NAME
-from recsave.load.arrow import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, arrow_errors,
-                                arrow_type, native_dtype, numpy_view)
+from recsave.load.arrow import (
+    DTYPE_KEY,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    arrow_errors,
+    arrow_type,
+    native_dtype,
+    numpy_view,
+)
 from recsave.load.config import TableInfo
 from recsave.storage import Storage, get_storage
+from recsave.tables import partition
 
 
 # ------------------------------------------------------------------------------- file system
@@ -212,7 +227,8 @@ class ParquetSource:
                            "write fixed-size lists (pa.list_(pa.float32(), dim)) of the embedding's dim")
         slots = tuple(k for k in cols if k != "embedding")
         rows = sum(e[1] for e in entries)
-        self._tables = {name: _Table(TableInfo(emb.dim, emb.dtype, slots, rows),
+        dim = cast(int, emb.dim)  # every column's dim was checked above
+        self._tables = {name: _Table(TableInfo(dim, emb.dtype, slots, rows),
                                      {k: c.dtype for k, c in cols.items()}, entries)}
         token = hashlib.sha256()
         for rel, _, _ in entries:
@@ -280,19 +296,19 @@ class ParquetSource:
             return ids_out, out
         dest = {c: numpy_view(out[c], t.columns[c]) for c in cols}
         pos = 0
-        for (rel, rows, size), mask in zip(t.files, masks):
+        for (rel, _rows, size), mask in zip(t.files, masks):
             pf = self._open_checked(t, rel, size, cols)
             row = 0
             with arrow_errors(self._files.show(rel), "reading"):
                 for b in pf.iter_batches(batch_size=batch, columns=cols):
                     k = b.num_rows
-                    m = None if mask is None else mask[row:row + k]
-                    take = k if m is None else int(m.sum())
+                    sel = None if mask is None else mask[row:row + k]
+                    take = k if sel is None else int(sel.sum())
                     if pos + take > n:
                         raise _bad(self._files.show(rel), None, "changed while it was read", "read it again")
                     for c in cols:
                         vals = _values(b.column(c), dim, self._files.show(rel), c, row)
-                        dest[c][pos:pos + take] = vals if m is None else vals[m]
+                        dest[c][pos:pos + take] = vals if sel is None else vals[sel]
                     row += k
                     pos += take
         if pos != n:
@@ -348,7 +364,7 @@ def _manifest_table(t: Dict[str, Any]) -> _Table:
     if t["dtype"] not in BY_NAME or "embedding" not in columns or set(columns) != {"embedding", *slots} \
             or any(v not in BY_NAME for v in columns.values()):
         raise ValueError(f"columns {sorted(columns)} / dtypes do not match slots {list(slots)}")
-    files = []
+    files: List[Tuple[str, int, Optional[int]]] = []
     for f in t["files"]:
         rel = f["path"]
         parts = rel.split("/") if isinstance(rel, str) else [""]

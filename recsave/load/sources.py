@@ -7,16 +7,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from recsave.format import ckptlist
-from recsave.load import contents
-from recsave.tables import partition
-from recsave.format import torchio
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import bytes_to_read, read_tensors
 from recsave.format.records import Index
+from recsave.load import contents
 from recsave.load.config import Contents
 from recsave.storage import Storage, get_storage
+from recsave.tables import partition
 
 
 class CheckpointSource:

@@ -44,7 +44,7 @@ class BackgroundWrite:
             if hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(note)
             else:
-                exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+                setattr(exc, "__notes__", [*getattr(exc, "__notes__", []), note])  # noqa: B010
             raise exc
         return str(future.result())
 

@@ -126,6 +126,7 @@ class CheckpointWriter:
             upcoming = order(0) if names else None
             try:
                 for k, name in enumerate(names):
+                    assert upcoming is not None  # started for every name
                     layout = upcoming.result()
                     upcoming = order(k + 1) if k + 1 < len(names) else None
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from recsave.tables.devcopy import DeviceGather, PinnedPair
 from recsave.format.writer import RowSource
+from recsave.tables.devcopy import DeviceGather, PinnedPair
 from recsave.tables.hashtable import HashTable
 
 

@@ -9,8 +9,7 @@ import stat
 import time
 from typing import IO, Any, Iterator, List, Optional, Tuple
 
-from recsave import _C
-from recsave import knobs
+from recsave import _C, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
 from recsave.storage.base import Commits, ShardContent, ShardReader, Storage, os_error, over_limit
 

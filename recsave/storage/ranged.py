@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from recsave import _C
-from recsave import knobs
+from recsave import _C, knobs
 from recsave.errors import CorruptCheckpointError, UsageError
 
 if TYPE_CHECKING:

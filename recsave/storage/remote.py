@@ -7,8 +7,7 @@ import time
 from concurrent.futures import Future
 from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
-from recsave import knobs
-from recsave import threads
+from recsave import knobs, threads
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
 from recsave.storage import retry
 from recsave.storage.base import Commits, ShardContent, ShardReader, Storage

@@ -77,8 +77,9 @@ class HostToDevice:
         """A host tensor of `like`'s dtype and shape to read into (waits until the copy that last
         used this buffer is done)."""
         k = self._next
-        if self._events[k] is not None:
-            self._events[k].synchronize()
+        event = self._events[k]
+        if event is not None:
+            event.synchronize()
         nbytes = like.numel() * like.element_size()
         buf = self._buffers[k]
         if buf is None or buf.numel() < nbytes:

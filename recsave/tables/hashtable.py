@@ -7,20 +7,19 @@ table as (rows, values) pairs collected in backward, never as a dense [capacity,
 from __future__ import annotations
 
 import numbers
-from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from recsave import _C
-from recsave import knobs
+from recsave import _C, knobs
 from recsave.argcheck import check
 from recsave.argcheck import fail as type_error
+from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables import partition
 from recsave.tables.idmap import flat_ids, make_id_map
 from recsave.tables.memhint import advise_hugepages
-from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 
 _MIN_CAPACITY = 1024
 
@@ -245,7 +244,7 @@ class HashTable(torch.nn.Module):
         summed.index_add_(0, inverse, grads)
         return unique, summed
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.clear()
 
     # --------------------------------------------------------------------------- storage growth
@@ -391,7 +390,7 @@ class HashTable(torch.nn.Module):
         views = {c: (self._weight if c == "embedding" else self._slots[c])[:n] for c in columns}
         # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
-            filled = pool.submit(fill, views) if pool else None
+            filled = pool.submit(fill, views) if pool and fill else None
             try:
                 distinct = self._map.load_distinct(flat_ids(ids))
             except BaseException:

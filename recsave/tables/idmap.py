@@ -17,8 +17,7 @@ from typing import Tuple
 
 import torch
 
-from recsave import _C
-from recsave import knobs
+from recsave import _C, knobs
 from recsave.errors import UsageError
 
 # murmur3 fmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap).

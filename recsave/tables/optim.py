@@ -39,7 +39,7 @@ def _collect_tables(model_or_tables: TablesArg, where: str) -> Dict[str, HashTab
                  if isinstance(m, HashTable)]
     else:
         try:
-            items = list(model_or_tables)  # type: ignore[arg-type]
+            items = list(model_or_tables)
         except TypeError:
             raise type_error(where, "model_or_tables", _TABLES, model_or_tables) from None
         for t in items:
@@ -176,7 +176,7 @@ class SparseOptimizer(abc.ABC):
         self.hparams = dict(hp)
         self.steps = {name: int(steps.get(name, 0)) for name in self.tables}
 
-    def _check_compatible(self, hp: Dict[str, Any]) -> None:
+    def _check_compatible(self, hp: Dict[str, Any]) -> None:  # noqa: B027 (an optional hook)
         """Hook: refuse loaded hyper-parameters that the existing slots cannot honour."""
 
     def __repr__(self) -> str:

@@ -16,8 +16,7 @@ from typing import List, Tuple
 
 import torch
 
-from recsave import _C
-from recsave import knobs
+from recsave import _C, knobs
 from recsave.errors import UsageError
 
 DEFAULT_NUM_BUCKETS = 4096

@@ -7,16 +7,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from recsave import _C
-from recsave.format import ckptlist
-from recsave import knobs
-from recsave.format import torchio
+from recsave import _C, knobs
 from recsave.errors import CorruptCheckpointError, RecsaveError
+from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
-from recsave.storage.lock import hold as hold_writer_lock
 from recsave.load.sources import CheckpointSource, open_source
 from recsave.storage import get_storage
+from recsave.storage.lock import hold as hold_writer_lock
 
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:

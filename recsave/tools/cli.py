@@ -84,10 +84,9 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("export", "export a checkpoint's tables to Parquet (one dataset per table)", _export_arguments)
 def _export(args: argparse.Namespace) -> int:
-    from recsave.tools.export import MANIFEST, to_parquet
     from recsave.storage import get_storage
-
     from recsave.tools.catalog import describe
+    from recsave.tools.export import MANIFEST, to_parquet
     from recsave.tools.progress import Progress
 
     tables = describe(args.ckpt)["tables"]
@@ -165,7 +164,6 @@ def _inspect(args: argparse.Namespace) -> int:
 @command("verify", "check every file and checksum of a checkpoint (exit 0 intact, 1 damaged)", _ckpt_argument)
 def _verify(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import verify
-
     from recsave.tools.progress import Progress
 
     bar: List[Progress] = []

@@ -18,7 +18,7 @@ import time
 import torch
 
 from recsave import CheckpointManager, HashTable, Saver
-from recsave.optim import SparseAdagrad
+from recsave.tables.optim import SparseAdagrad
 
 USERS, ITEMS, DIM, BATCH = 1000, 500, 16, 256
 
@@ -93,7 +93,8 @@ def train(model, sparse_opt, dense_opt, reader, mgr, until: int, kill_at: int = 
         path = mgr.step()
         if path:
             how = "" if mgr.async_mode == "disabled" else " (async: snapshot taken, writing behind)"
-            print(f"  step {mgr.global_step:4d}  loss {sum(recent) / len(recent):.4f}  saved {os.path.basename(path)}{how}"
+            loss = sum(recent) / len(recent)
+            print(f"  step {mgr.global_step:4d}  loss {loss:.4f}  saved {os.path.basename(path)}{how}"
                   f"  ({len(model.user)} users, {len(model.item)} items)", flush=True)
             recent = []
         if mgr.global_step == kill_at:

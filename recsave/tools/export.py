@@ -13,11 +13,19 @@ import pyarrow.parquet as pq
 
 from recsave.errors import ConfigError, CorruptCheckpointError, UsageError
 from recsave.format.reader import read_tensors
+from recsave.load.arrow import (
+    DTYPE_KEY,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    arrow_errors,
+    arrow_type,
+    table_dir_name,
+    to_arrow,
+)
 from recsave.load.config import TableInfo
-from recsave.storage import Storage, get_storage
-from recsave.load.arrow import (DTYPE_KEY, FORMAT, FORMAT_VERSION, MANIFEST, arrow_errors, arrow_type,
-                                table_dir_name, to_arrow)
 from recsave.load.parquet import ParquetSource, is_parquet_source
+from recsave.storage import Storage, get_storage
 from recsave.version import __version__
 
 __all__ = ["to_parquet", "ParquetSource", "is_parquet_source", "MANIFEST"]
