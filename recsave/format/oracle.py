@@ -12,9 +12,7 @@ no exception other than the ones in :mod:`recsave.errors` escapes for any file c
 from __future__ import annotations
 
 import errno
-import json
 import os
-import re
 import stat
 import struct
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -24,171 +22,101 @@ import torch
 from recsave.errors import (
     CheckpointNotFoundError,
     ConfigError,
-    CorruptCheckpointError,
     FormatVersionError,
     StorageError,
+)
+from recsave.format.oracle_checks import (
+    CODE_ITEMSIZE,
+    DTYPE_TABLE,
+    FORMAT_VERSION,
+    INDEX_MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_INDEX_BYTES,
+    as_int,
+    as_obj,
+    as_shape,
+    corrupt,
+    is_int,
+    parse_json,
+    plain_name,
 )
 from recsave.format.pycrc32c import crc32c
 
 __all__ = ["read_index", "read_tensors", "read_shard_header"]
 
-FORMAT_VERSION = 1
-INDEX_MAGIC = "recsave.index"
-MAX_INDEX_BYTES = 256 * 1024 * 1024
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-MAX_NDIM = 32
-MAX_NBYTES = 1 << 62
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]+\Z")
-
-# FORMAT.md section 4: torch dtype name -> (itemsize, safetensors code or None when stored as U8).
-_DTYPE_TABLE: Dict[str, Tuple[int, Optional[str]]] = {
-    "float64": (8, "F64"), "float32": (4, "F32"), "float16": (2, "F16"), "bfloat16": (2, "BF16"),
-    "int64": (8, "I64"), "int32": (4, "I32"), "int16": (2, "I16"), "int8": (1, "I8"),
-    "uint64": (8, "U64"), "uint32": (4, "U32"), "uint16": (2, "U16"), "uint8": (1, "U8"),
-    "bool": (1, "BOOL"), "complex64": (8, "C64"),
-    "float8_e4m3fn": (1, "F8_E4M3"), "float8_e5m2": (1, "F8_E5M2"),
-    "float8_e4m3fnuz": (1, "F8_E4M3FNUZ"), "float8_e5m2fnuz": (1, "F8_E5M2FNUZ"),
-    "complex128": (16, None), "complex32": (4, None), "float8_e8m0fnu": (1, None),
-    "float4_e2m1fn_x2": (1, None), "bits8": (1, None), "bits16": (2, None), "bits1x8": (1, None),
-    "bits2x4": (1, None), "bits4x2": (1, None),
-}
-_CODE_ITEMSIZE: Dict[str, int] = {code: size for size, code in _DTYPE_TABLE.values() if code}
-
-
-def _corrupt(path: str, what: str, key: Optional[str] = None) -> CorruptCheckpointError:
-    where = f"{path}: tensor {key!r}: " if key is not None else f"{path}: "
-    return CorruptCheckpointError(where + what + " (the checkpoint is corrupt; restore another one)",
-                                  path=path, key=key)
-
-
-def _is_int(v: Any) -> bool:
-    # JSON true/false parse to bool, a subclass of int: they are not integers here.
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(v: Any, what: str, path: str, key: Optional[str] = None, lo: int = 0, hi: int = MAX_NBYTES) -> int:
-    if not _is_int(v) or not lo <= v < hi:
-        raise _corrupt(path, f"{what} must be an integer in [{lo}, {hi}), got {v!r:.80}", key)
-    return v
-
-
-def _obj(v: Any, what: str, path: str, key: Optional[str] = None) -> dict:
-    if not isinstance(v, dict):
-        raise _corrupt(path, f"{what} must be a JSON object, got {type(v).__name__}", key)
-    return v
-
-
-def _no_duplicates(pairs: List[Tuple[str, Any]]) -> dict:
-    # A repeated key would let two readers see different values: refuse it.
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r:.80}")
-        out[k] = v
-    return out
-
-
-def _parse_json(raw: bytes, what: str, path: str) -> Any:
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, int digit limit
-        raise _corrupt(path, f"{what} is not valid UTF-8 JSON: {str(e):.200}") from None
-
-
-def _shape(v: Any, what: str, path: str, key: Optional[str] = None, itemsize: int = 1) -> Tuple[List[int], int]:
-    """Validates a shape and returns it with its byte size ``product(shape) x itemsize``, which must be
-    < 2^62 (so that a reader using int64 arithmetic cannot overflow); each dim is bounded the same way."""
-    if not isinstance(v, list) or len(v) > MAX_NDIM:
-        raise _corrupt(path, f"{what} shape must be a list of at most {MAX_NDIM} dims, got {v!r:.80}", key)
-    nbytes = itemsize
-    for d in v:
-        if not _is_int(d) or d < 0:
-            raise _corrupt(path, f"{what} shape {v!r:.80} has a dim that is not a non-negative integer", key)
-        nbytes *= d
-        if nbytes >= MAX_NBYTES or d >= MAX_NBYTES:  # Python ints never overflow: bound them explicitly
-            raise _corrupt(path, f"{what} shape {v!r:.80} x itemsize {itemsize} is 2^62 bytes or more", key)
-    return list(v), nbytes
-
-
-def _plain_name(name: Any, path: str) -> str:
-    if not isinstance(name, str) or not _PLAIN_NAME.match(name) or name in (".", ".."):
-        raise _corrupt(path, f"file name {name!r:.120} is not a plain file name inside the checkpoint directory")
-    return name
-
-
 def _segment_ends(chunk: dict, length: int, path: str, key: str) -> List[int]:
     """Returns the end offsets of the chunk's checksum segments (section 3)."""
     if ("segment_bytes" in chunk) == ("segments" in chunk):
-        raise _corrupt(path, "a chunk must have exactly one of segment_bytes and segments", key)
+        raise corrupt(path, "a chunk must have exactly one of segment_bytes and segments", key)
     if "segment_bytes" in chunk:
-        s = _int(chunk["segment_bytes"], "segment_bytes", path, key, lo=1)
+        s = as_int(chunk["segment_bytes"], "segment_bytes", path, key, lo=1)
         count = max(1, -(-length // s))  # computed before building the list: it is bounded by the crc list
         if count != len(chunk["crc32c"]):
-            raise _corrupt(path, f"{count} segments of {s} bytes but {len(chunk['crc32c'])} crc32c values", key)
+            raise corrupt(path, f"{count} segments of {s} bytes but {len(chunk['crc32c'])} crc32c values", key)
         return [min(length, (i + 1) * s) for i in range(count)]
     ends = chunk["segments"]
     if not isinstance(ends, list) or not ends or len(ends) != len(chunk["crc32c"]):
-        raise _corrupt(path, "segments must be a non-empty list as long as the crc32c list", key)
+        raise corrupt(path, "segments must be a non-empty list as long as the crc32c list", key)
     prev = -1 if length == 0 else 0  # a zero-length chunk has the single segment [0]
     for e in ends:
-        if not _is_int(e) or e <= prev:
-            raise _corrupt(path, f"segments {ends!r:.80} are not increasing integers", key)
+        if not is_int(e) or e <= prev:
+            raise corrupt(path, f"segments {ends!r:.80} are not increasing integers", key)
         prev = e
     if prev != length:
-        raise _corrupt(path, f"the last segment ends at {prev}, not at the chunk length {length}", key)
+        raise corrupt(path, f"the last segment ends at {prev}, not at the chunk length {length}", key)
     return list(ends)
 
 
 def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, path: str) -> None:
-    shape, _ = _shape(t.get("shape"), "logical", path, name, itemsize)
+    shape, _ = as_shape(t.get("shape"), "logical", path, name, itemsize)
     chunks = t.get("chunks")
     if not isinstance(chunks, list) or not chunks:
-        raise _corrupt(path, "chunks must be a non-empty list", name)
+        raise corrupt(path, "chunks must be a non-empty list", name)
     if not shape and len(chunks) != 1:
-        raise _corrupt(path, "a 0-d tensor must have exactly one chunk", name)
+        raise corrupt(path, "a 0-d tensor must have exactly one chunk", name)
     row_bytes = itemsize
     for d in shape[1:]:
         row_bytes *= d
     next_row, seen_files = 0, set()
     for i, c in enumerate(chunks):
-        c = _obj(c, f"chunk {i}", path, name)
+        c = as_obj(c, f"chunk {i}", path, name)
         fname = c.get("file")
         if not isinstance(fname, str) or fname not in files:
-            raise _corrupt(path, f"chunk {i} refers to file {fname!r:.120}, which is not in 'files'", name)
+            raise corrupt(path, f"chunk {i} refers to file {fname!r:.120}, which is not in 'files'", name)
         if fname in seen_files:  # the shard header stores a chunk under the tensor name: one per file
-            raise _corrupt(path, f"two chunks in file {fname!r}", name)
+            raise corrupt(path, f"two chunks in file {fname!r}", name)
         seen_files.add(fname)
         if shape:
             rows = c.get("rows")
-            if (not isinstance(rows, list) or len(rows) != 2 or not all(map(_is_int, rows))
+            if (not isinstance(rows, list) or len(rows) != 2 or not all(map(is_int, rows))
                     or rows[0] != next_row or not rows[0] <= rows[1] <= shape[0]):
-                raise _corrupt(path, f"chunk {i} rows {rows!r:.80} do not continue at row {next_row}", name)
+                raise corrupt(path, f"chunk {i} rows {rows!r:.80} do not continue at row {next_row}", name)
             next_row, nrows = rows[1], rows[1] - rows[0]
         elif "rows" in c:
-            raise _corrupt(path, "the chunk of a 0-d tensor must not have rows", name)
+            raise corrupt(path, "the chunk of a 0-d tensor must not have rows", name)
         else:
             nrows = 1
-        length = _int(c.get("length"), f"chunk {i} length", path, name)
+        length = as_int(c.get("length"), f"chunk {i} length", path, name)
         if length != nrows * row_bytes:
-            raise _corrupt(path, f"chunk {i} length {length} != {nrows * row_bytes} (chunk shape x itemsize)", name)
-        offset = _int(c.get("offset"), f"chunk {i} offset", path, name)
+            raise corrupt(path, f"chunk {i} length {length} != {nrows * row_bytes} (chunk shape x itemsize)", name)
+        offset = as_int(c.get("offset"), f"chunk {i} offset", path, name)
         if offset + length > files[fname]["size"]:
-            raise _corrupt(path, f"chunk {i} at offset {offset} length {length} ends beyond file {fname!r} "
+            raise corrupt(path, f"chunk {i} at offset {offset} length {length} ends beyond file {fname!r} "
                                  f"of size {files[fname]['size']}", name)
         crcs = c.get("crc32c")
-        if not isinstance(crcs, list) or not all(_is_int(x) and 0 <= x < 1 << 32 for x in crcs):
-            raise _corrupt(path, f"chunk {i} crc32c must be a list of 32-bit unsigned integers", name)
+        if not isinstance(crcs, list) or not all(is_int(x) and 0 <= x < 1 << 32 for x in crcs):
+            raise corrupt(path, f"chunk {i} crc32c must be a list of 32-bit unsigned integers", name)
         _segment_ends(c, length, path, name)
         if "buckets" in c:
-            b = _obj(c["buckets"], f"chunk {i} buckets", path, name)
-            _int(b.get("first"), "buckets.first", path, name)
+            b = as_obj(c["buckets"], f"chunk {i} buckets", path, name)
+            as_int(b.get("first"), "buckets.first", path, name)
             rs = b.get("row_starts")
-            if (not shape or not isinstance(rs, list) or len(rs) < 1 or not all(map(_is_int, rs))
+            if (not shape or not isinstance(rs, list) or len(rs) < 1 or not all(map(is_int, rs))
                     or rs[0] != 0 or rs[-1] != nrows or any(x > y for x, y in zip(rs, rs[1:]))):
-                raise _corrupt(path, f"chunk {i} buckets.row_starts {rs!r:.80} must rise from 0 to {nrows}", name)
+                raise corrupt(path, f"chunk {i} buckets.row_starts {rs!r:.80} must rise from 0 to {nrows}", name)
         world.setdefault(fname, []).append((offset, offset + length, name))
     if shape and next_row != shape[0]:
-        raise _corrupt(path, f"chunk rows stop at {next_row}, not at shape[0] = {shape[0]}", name)
+        raise corrupt(path, f"chunk rows stop at {next_row}, not at shape[0] = {shape[0]}", name)
 
 
 def read_index(ckpt_dir: str) -> dict:
@@ -197,54 +125,54 @@ def read_index(ckpt_dir: str) -> dict:
     with _open_regular(path, "the index", f"no index: {ckpt_dir} is not a committed checkpoint") as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_INDEX_BYTES:  # size limit first: never read a huge file into memory
-            raise _corrupt(path, f"the index is {size} bytes, over the 256 MiB limit (MAX_INDEX_BYTES)")
+            raise corrupt(path, f"the index is {size} bytes, over the 256 MiB limit (MAX_INDEX_BYTES)")
         raw = _read(f, MAX_INDEX_BYTES + 1, path)
     if len(raw) > MAX_INDEX_BYTES:
-        raise _corrupt(path, "the index grew past the size limit while being read")
-    idx = _obj(_parse_json(raw, "the index", path), "the index", path)
+        raise corrupt(path, "the index grew past the size limit while being read")
+    idx = as_obj(parse_json(raw, "the index", path), "the index", path)
     if idx.get("magic") != INDEX_MAGIC:
-        raise _corrupt(path, f"magic is {idx.get('magic')!r:.80}, not {INDEX_MAGIC!r}: not a recsave index")
+        raise corrupt(path, f"magic is {idx.get('magic')!r:.80}, not {INDEX_MAGIC!r}: not a recsave index")
     if "format_version" not in idx:
-        raise _corrupt(path, "the index has no format_version")
+        raise corrupt(path, "the index has no format_version")
     version = idx["format_version"]
-    if not _is_int(version) or version != FORMAT_VERSION:
+    if not is_int(version) or version != FORMAT_VERSION:
         raise FormatVersionError(f"{path}: unknown format_version {version!r:.80} (this reader knows version "
                                  f"{FORMAT_VERSION}); upgrade recsave to read it", path=path)
     for k in ("recsave_version", "created_at"):
         if not isinstance(idx.get(k), str):
-            raise _corrupt(path, f"{k} must be a string")
+            raise corrupt(path, f"{k} must be a string")
     if not idx["created_at"].endswith("Z"):
-        raise _corrupt(path, f"created_at {idx['created_at']!r:.80} is not a UTC ISO-8601 time ending in Z")
+        raise corrupt(path, f"created_at {idx['created_at']!r:.80} is not a UTC ISO-8601 time ending in Z")
     if idx.get("step") is not None:
-        _int(idx["step"], "step", path, lo=-(1 << 63), hi=1 << 63)
-    _int(idx.get("world_size"), "world_size", path, lo=1, hi=1 << 31)
+        as_int(idx["step"], "step", path, lo=-(1 << 63), hi=1 << 63)
+    as_int(idx.get("world_size"), "world_size", path, lo=1, hi=1 << 31)
     if idx.get("partition") is not None:
-        p = _obj(idx["partition"], "partition", path)
+        p = as_obj(idx["partition"], "partition", path)
         if p.get("scheme") != "mix64":
-            raise _corrupt(path, f"unknown partition scheme {p.get('scheme')!r:.80}")
-        _int(p.get("num_buckets"), "partition.num_buckets", path, lo=1)
-    _obj(idx.get("meta"), "meta", path)
-    files = _obj(idx.get("files"), "files", path)
+            raise corrupt(path, f"unknown partition scheme {p.get('scheme')!r:.80}")
+        as_int(p.get("num_buckets"), "partition.num_buckets", path, lo=1)
+    as_obj(idx.get("meta"), "meta", path)
+    files = as_obj(idx.get("files"), "files", path)
     for fname, entry in files.items():
-        _plain_name(fname, path)
-        entry = _obj(entry, f"file entry {fname!r}", path)
-        _int(entry.get("size"), f"size of file {fname!r}", path)
-        _int(entry.get("rank"), f"rank of file {fname!r}", path, hi=idx["world_size"])
+        plain_name(fname, path)
+        entry = as_obj(entry, f"file entry {fname!r}", path)
+        as_int(entry.get("size"), f"size of file {fname!r}", path)
+        as_int(entry.get("rank"), f"rank of file {fname!r}", path, hi=idx["world_size"])
         if "crc32c" in entry:
-            _int(entry["crc32c"], f"crc32c of file {fname!r}", path, hi=1 << 32)
+            as_int(entry["crc32c"], f"crc32c of file {fname!r}", path, hi=1 << 32)
     world: Dict[str, List[Tuple[int, int, str]]] = {}
-    for name, t in _obj(idx.get("tensors"), "tensors", path).items():
-        t = _obj(t, "tensor entry", path, name)
+    for name, t in as_obj(idx.get("tensors"), "tensors", path).items():
+        t = as_obj(t, "tensor entry", path, name)
         if name == "__metadata__":  # cannot be stored in a safetensors header
-            raise _corrupt(path, "'__metadata__' is not a valid tensor name", name)
-        if not isinstance(t.get("dtype"), str) or t["dtype"] not in _DTYPE_TABLE:
-            raise _corrupt(path, f"unknown dtype {t.get('dtype')!r:.80}", name)
-        _check_chunks(name, t, _DTYPE_TABLE[t["dtype"]][0], files, world, path)
+            raise corrupt(path, "'__metadata__' is not a valid tensor name", name)
+        if not isinstance(t.get("dtype"), str) or t["dtype"] not in DTYPE_TABLE:
+            raise corrupt(path, f"unknown dtype {t.get('dtype')!r:.80}", name)
+        _check_chunks(name, t, DTYPE_TABLE[t["dtype"]][0], files, world, path)
     for fname, ranges in world.items():  # chunk ranges of one file must not overlap (empty ones cannot)
         ranges = sorted(r for r in ranges if r[1] > r[0])
         for (b0, e0, n0), (b1, _, n1) in zip(ranges, ranges[1:]):
             if b1 < e0:
-                raise _corrupt(path, f"chunks of {n0!r} [{b0}, {e0}) and {n1!r} (at {b1}) overlap in file "
+                raise corrupt(path, f"chunks of {n0!r} [{b0}, {e0}) and {n1!r} (at {b1}) overlap in file "
                                      f"{fname!r}")
     return idx
 
@@ -252,7 +180,7 @@ def read_index(ckpt_dir: str) -> dict:
 def _read_exact(f: Any, n: int, path: str, what: str) -> bytes:
     data = _read(f, n, path)
     if len(data) != n:
-        raise _corrupt(path, f"file truncated: {what} wants {n} bytes, got {len(data)}")
+        raise corrupt(path, f"file truncated: {what} wants {n} bytes, got {len(data)}")
     return data
 
 
@@ -260,51 +188,51 @@ def _parse_header(f: Any, size: int, path: str) -> Tuple[dict, int, dict]:
     """Reads and validates the safetensors header (section 2); returns it, the data buffer start and the
     ``recsave.dtypes`` map (tensor name -> torch dtype name of entries stored as U8)."""
     if size < 8:
-        raise _corrupt(path, f"the file is {size} bytes, too short for the 8-byte header length")
+        raise corrupt(path, f"the file is {size} bytes, too short for the 8-byte header length")
     f.seek(0)
     (n,) = struct.unpack("<Q", _read_exact(f, 8, path, "the header length"))
     if n > MAX_HEADER_BYTES:
-        raise _corrupt(path, f"header length {n} exceeds the 100 MiB limit (MAX_HEADER_BYTES)")
+        raise corrupt(path, f"header length {n} exceeds the 100 MiB limit (MAX_HEADER_BYTES)")
     if 8 + n > size:
-        raise _corrupt(path, f"header length {n} runs past the end of the {size} byte file")
-    header = _obj(_parse_json(_read_exact(f, n, path, "the header"), "the header", path), "the header", path)
+        raise corrupt(path, f"header length {n} runs past the end of the {size} byte file")
+    header = as_obj(parse_json(_read_exact(f, n, path, "the header"), "the header", path), "the header", path)
     data_size = size - 8 - n
-    meta = _obj(header.get("__metadata__", {}), "header __metadata__", path)
+    meta = as_obj(header.get("__metadata__", {}), "header __metadata__", path)
     if not all(isinstance(v, str) for v in meta.values()):
-        raise _corrupt(path, "header __metadata__ values must be strings")
+        raise corrupt(path, "header __metadata__ values must be strings")
     if meta.get("format") == "recsave.shard" and meta.get("format_version", "1") != str(FORMAT_VERSION):
         raise FormatVersionError(f"{path}: unknown shard format_version {meta['format_version']!r:.80}; "
                                  f"upgrade recsave", path=path)
-    extra = _obj(_parse_json(meta.get("recsave.dtypes", "{}").encode("utf-8", "surrogatepass"),
+    extra = as_obj(parse_json(meta.get("recsave.dtypes", "{}").encode("utf-8", "surrogatepass"),
                              "header recsave.dtypes", path), "header recsave.dtypes", path)
     ranges = []
     for name, e in header.items():
         if name == "__metadata__":
             continue
-        e = _obj(e, "header entry", path, name)
+        e = as_obj(e, "header entry", path, name)
         code = e.get("dtype")
-        if not isinstance(code, str) or code not in _CODE_ITEMSIZE:
-            raise _corrupt(path, f"header has unknown dtype code {code!r:.80}", name)
-        _, nbytes = _shape(e.get("shape"), "header", path, name, _CODE_ITEMSIZE[code])
+        if not isinstance(code, str) or code not in CODE_ITEMSIZE:
+            raise corrupt(path, f"header has unknown dtype code {code!r:.80}", name)
+        _, nbytes = as_shape(e.get("shape"), "header", path, name, CODE_ITEMSIZE[code])
         offs = e.get("data_offsets")
-        if not isinstance(offs, list) or len(offs) != 2 or not all(map(_is_int, offs)) \
+        if not isinstance(offs, list) or len(offs) != 2 or not all(map(is_int, offs)) \
                 or not 0 <= offs[0] <= offs[1] <= data_size:
-            raise _corrupt(path, f"data_offsets {offs!r:.80} out of range of the {data_size} byte data buffer", name)
+            raise corrupt(path, f"data_offsets {offs!r:.80} out of range of the {data_size} byte data buffer", name)
         if offs[1] - offs[0] != nbytes:
-            raise _corrupt(path, f"data_offsets length {offs[1] - offs[0]} != shape {e['shape']!r:.80} x "
-                                 f"itemsize {_CODE_ITEMSIZE[code]}", name)
+            raise corrupt(path, f"data_offsets length {offs[1] - offs[0]} != shape {e['shape']!r:.80} x "
+                                 f"itemsize {CODE_ITEMSIZE[code]}", name)
         if offs[1] > offs[0]:
             ranges.append((offs[0], offs[1], name))
     ranges.sort()
     for (b0, e0, n0), (b1, _, n1) in zip(ranges, ranges[1:]):
         if b1 < e0:
-            raise _corrupt(path, f"header entries {n0!r:.80} and {n1!r:.80} overlap (data_offsets {b0}-{e0} "
+            raise corrupt(path, f"header entries {n0!r:.80} and {n1!r:.80} overlap (data_offsets {b0}-{e0} "
                                  f"and {b1}-)")
     for name, dt in extra.items():  # entries were validated above; "__metadata__" is not one
         e = header.get(name) if name != "__metadata__" else None
         if (e is None or e["dtype"] != "U8" or len(e["shape"]) != 1 or not isinstance(dt, str)
-                or dt not in _DTYPE_TABLE or e["shape"][0] % _DTYPE_TABLE[dt][0]):
-            raise _corrupt(path, f"recsave.dtypes maps it to {dt!r:.80} but it is not a matching U8 [nbytes] "
+                or dt not in DTYPE_TABLE or e["shape"][0] % DTYPE_TABLE[dt][0]):
+            raise corrupt(path, f"recsave.dtypes maps it to {dt!r:.80} but it is not a matching U8 [nbytes] "
                                  f"entry", name)
     return header, 8 + n, extra
 
@@ -321,9 +249,9 @@ def _open_regular(path: str, what: str, missing: str, nofollow: bool = False) ->
     try:
         st = os.lstat(path) if nofollow else os.stat(path)
         if stat.S_ISLNK(st.st_mode):
-            raise _corrupt(path, f"{what} is a symbolic link; refusing to follow it")
+            raise corrupt(path, f"{what} is a symbolic link; refusing to follow it")
         if not stat.S_ISREG(st.st_mode):
-            raise _corrupt(path, f"{what} is not a regular file")
+            raise corrupt(path, f"{what} is not a regular file")
         # O_NOFOLLOW / O_NONBLOCK: a symlink or FIFO swapped in after the stat fails instead of being
         # followed or blocking.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) * nofollow))
@@ -331,11 +259,11 @@ def _open_regular(path: str, what: str, missing: str, nofollow: bool = False) ->
         raise CheckpointNotFoundError(f"{path}: {missing}", path=path) from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise _corrupt(path, f"{what} is a symbolic link; refusing to follow it") from None
+            raise corrupt(path, f"{what} is a symbolic link; refusing to follow it") from None
         raise StorageError(f"{path}: cannot open {what}: {e.strerror}", path=path, errno=e.errno) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise _corrupt(path, f"{what} is not a regular file")
+        raise corrupt(path, f"{what} is not a regular file")
     return os.fdopen(fd, "rb")
 
 
@@ -354,12 +282,12 @@ def _open_listed(ckpt_dir: str, fname: str, size: int) -> Any:
     actual = os.fstat(f.fileno()).st_size
     if actual != size:
         f.close()
-        raise _corrupt(path, f"listed file {fname!r} has size {actual} bytes, but the index says size {size}")
+        raise corrupt(path, f"listed file {fname!r} has size {actual} bytes, but the index says size {size}")
     return f
 
 
 def _dtype_agrees(hentry: dict, dtype: str, hmeta: dict, key: str) -> bool:
-    code = _DTYPE_TABLE[dtype][1]
+    code = DTYPE_TABLE[dtype][1]
     if code is not None:
         return hentry["dtype"] == code and key not in hmeta
     return hentry["dtype"] == "U8" and hmeta.get(key) == dtype
@@ -399,19 +327,19 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                     if verify and "crc32c" in fentry:  # SHOULD: whole-file checksum of files that carry one
                         whole = crc32c(_read_exact(f, fentry["size"], fpath, "the file"))
                         if whole != fentry["crc32c"]:
-                            raise _corrupt(fpath, f"crc32c of file {fname!r} is {whole:#010x}, index says "
+                            raise corrupt(fpath, f"crc32c of file {fname!r} is {whole:#010x}, index says "
                                                   f"{fentry['crc32c']:#010x}")
                     header, data_start, hmeta = _parse_header(f, fentry["size"], fpath)
                     handles[fname] = (f, header, hmeta, data_start)
                 f, header, hmeta, data_start = handles[fname]
                 h = header.get(name) if name != "__metadata__" else None
                 if h is None:
-                    raise _corrupt(fpath, f"chunk {i} is not in the shard header", name)
+                    raise corrupt(fpath, f"chunk {i} is not in the shard header", name)
                 chunk_shape = ([c["rows"][1] - c["rows"][0]] + shape[1:]) if shape else []
-                want_shape = [length] if _DTYPE_TABLE[t["dtype"]][1] is None else chunk_shape
+                want_shape = [length] if DTYPE_TABLE[t["dtype"]][1] is None else chunk_shape
                 if (data_start + h["data_offsets"][0] != offset or h["data_offsets"][1] - h["data_offsets"][0]
                         != length or not _dtype_agrees(h, t["dtype"], hmeta, name) or h["shape"] != want_shape):
-                    raise _corrupt(fpath, f"chunk {i} (offset {offset}, length {length}, dtype {t['dtype']}) "
+                    raise corrupt(fpath, f"chunk {i} (offset {offset}, length {length}, dtype {t['dtype']}) "
                                           f"disagrees with the shard header entry {h!r:.200}", name)
                 f.seek(offset)
                 try:
@@ -419,13 +347,13 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                 except OSError as e:
                     raise StorageError(f"{fpath}: read failed: {e.strerror}", path=fpath, errno=e.errno) from None
                 if got != length:
-                    raise _corrupt(fpath, f"chunk {i} truncated: read {got} of {length} bytes", name)
+                    raise corrupt(fpath, f"chunk {i} truncated: read {got} of {length} bytes", name)
                 if verify:
                     start = 0
                     for s, (end, crc) in enumerate(zip(_segment_ends(c, length, ipath, name), c["crc32c"])):
                         actual = crc32c(bytes(view[pos + start:pos + end]))
                         if actual != crc:
-                            raise _corrupt(fpath, f"crc32c mismatch in chunk {i} segment {s} (bytes {start}-{end}): "
+                            raise corrupt(fpath, f"crc32c mismatch in chunk {i} segment {s} (bytes {start}-{end}): "
                                                   f"computed {actual:#010x}, index says {crc:#010x}", name)
                         start = end
                 pos += length
