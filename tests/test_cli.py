@@ -1,5 +1,8 @@
 """The `recsave` command line: ls, inspect, verify, gc (export is in test_export.py)."""
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -122,11 +125,6 @@ def test_progress_bar_draws_only_on_a_terminal():
 
 
 # ------------------------------------------------------------------ --json, exit codes, temp files
-import json
-import shutil
-import subprocess
-import sys
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
