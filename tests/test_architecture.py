@@ -24,11 +24,12 @@ LAYERS = [
     ("save", ["recsave.save"]),
     ("manager", ["recsave.manager"]),
     # recsave/__init__.py, the public facade, is the top too: only tools (e.g. the demo) may use it.
-    ("tools", ["recsave.tools", "recsave", "recsave.optim", "recsave.partition", "recsave.export"]),
+    ("tools", ["recsave.tools", "recsave", "recsave.optim", "recsave.partition", "recsave.export",
+               "recsave.lightning"]),
 ]
 # The public facade: it re-exports (and _compat aliases) modules of every layer; recsave.optim,
-# recsave.partition and recsave.export are the public paths of three of them.
-EXEMPT = {"recsave", "recsave._compat", "recsave.optim", "recsave.partition", "recsave.export"}
+# recsave.partition, recsave.export and recsave.lightning are the public paths of four of them.
+EXEMPT = {"recsave", "recsave._compat", "recsave.optim", "recsave.partition", "recsave.export", "recsave.lightning"}
 # Old-path imports (source, old path) that are still to be fixed: the check passes with exactly
 # these, so a new one fails now and a fixed one fails until it is deleted here.
 KNOWN_OLD_PATHS: Set[Tuple[str, str]] = set()

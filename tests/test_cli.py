@@ -1,5 +1,8 @@
 """The `recsave` command line: ls, inspect, verify, gc (export is in test_export.py)."""
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +122,186 @@ def test_progress_bar_draws_only_on_a_terminal():
     q.advance(10)
     q.close()
     assert pipe.getvalue() == ""
+
+
+# ------------------------------------------------------------------ --json, exit codes, temp files
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "recsave.tools.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def flip_last_shard_byte(ckpt):
+    shard = next(p for p in sorted(ckpt.iterdir()) if p.name.endswith(".safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_ls_json(output_dir, capsys):
+    assert main(["ls", "--json", str(output_dir)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc) == ["checkpoints", "output_dir"] and doc["output_dir"] == str(output_dir)
+    assert [c["id"] for c in doc["checkpoints"]] == ["ckpt_2", "ckpt_4"]
+    assert [c["step"] for c in doc["checkpoints"]] == [2, 4]
+    for c in doc["checkpoints"]:
+        assert sorted(c) == ["age_s", "bytes", "created_at", "id", "path", "step"]
+        assert c["path"] == str(output_dir / c["id"]) and c["bytes"] > 0
+
+
+def test_ls_json_of_an_empty_output_dir(tmp_path, capsys):
+    assert main(["ls", "--json", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"output_dir": str(tmp_path), "checkpoints": []}
+
+
+def test_inspect_json(output_dir, capsys):
+    assert main(["inspect", "--json", str(output_dir)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc) == ["bytes", "created_at", "dense", "extras", "format_version", "io_states", "partition",
+                           "path", "recsave_version", "shards", "step", "tables", "world_size"]
+    assert doc["path"] == str(output_dir / "ckpt_4") and doc["step"] == 4 and doc["world_size"] == 1
+    assert sorted(doc["tables"]) == ["item", "user"]
+    assert sorted(doc["tables"]["user"]) == ["bytes", "dim", "dtype", "rows", "slots"]
+    assert doc["tables"]["user"]["slots"] == ["adagrad_acc"] and doc["tables"]["user"]["dim"] == 8
+    assert doc["io_states"] == ["reader"] and "mlp.0.weight" in doc["dense"]
+
+
+def test_verify_json_intact_and_damaged(output_dir, capsys):
+    ckpt = output_dir / "ckpt_4"
+    assert main(["verify", "--json", str(ckpt)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"path": str(ckpt), "ok": True, "problems": []}
+    shard = flip_last_shard_byte(ckpt)
+    assert main(["verify", "--json", str(ckpt)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc) == ["ok", "path", "problems"] and doc["ok"] is False
+    assert len(doc["problems"]) == 1 and shard.name in doc["problems"][0] and "CRC32C" in doc["problems"][0]
+
+
+def test_human_output_is_unchanged_without_json(output_dir, capsys):
+    assert main(["verify", str(output_dir / "ckpt_4")]) == 0
+    out = capsys.readouterr().out
+    assert out == f"{output_dir / 'ckpt_4'}: all checksums match\n"
+
+
+@pytest.mark.parametrize("cmd", ["ls", "inspect", "verify", "gc"])
+def test_missing_path_exits_2_and_creates_nothing(tmp_path, capsys, cmd):
+    missing = tmp_path / "missing"
+    assert main([cmd, str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("recsave: error: ") and str(missing) in captured.err
+    assert captured.err.count("\n") == 1
+    assert not missing.exists()
+    assert main([cmd, "--json", str(missing)]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == {"error": {"type": "CheckpointNotFoundError", "message": doc["error"]["message"],
+                             "exit_code": 2}} and str(missing) in doc["error"]["message"]
+
+
+def test_exit_codes_from_a_subprocess(output_dir, tmp_path):
+    """0 ok, 1 damage found, 2 usage error / not found: the same for every command."""
+    missing = str(tmp_path / "missing")
+    for cmd in ("ls", "inspect", "verify", "gc"):
+        res = run_cli(cmd, missing)
+        assert res.returncode == 2, (cmd, res.stdout, res.stderr)
+        assert res.stdout == "" and res.stderr.startswith("recsave: error: ") and "Traceback" not in res.stderr
+    assert run_cli("ls", str(output_dir)).returncode == 0
+    assert run_cli("bogus").returncode == 2
+    assert run_cli("verify", "--json", "--bogus", str(output_dir)).returncode == 2
+    ckpt = output_dir / "ckpt_4"
+    res = run_cli("verify", "--json", str(ckpt))
+    assert res.returncode == 0 and json.loads(res.stdout)["ok"] is True and res.stderr == ""
+    flip_last_shard_byte(ckpt)
+    res = run_cli("verify", "--json", str(ckpt))
+    assert res.returncode == 1 and json.loads(res.stdout)["ok"] is False
+    (ckpt / "index").write_bytes(b"{not json")
+    for cmd in ("inspect", "verify"):  # a damaged index is damage found too
+        res = run_cli(cmd, str(ckpt))
+        assert res.returncode == 1, (cmd, res.stdout, res.stderr)
+    assert run_cli("export", str(ckpt), str(tmp_path / "out")).returncode == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_of_a_checkpoint_with_its_index_deleted_is_damage(output_dir, capsys):
+    ckpt = output_dir / "ckpt_4"
+    (ckpt / "index").unlink()
+    assert main(["verify", str(ckpt)]) == 1
+    assert "BAD" in capsys.readouterr().out
+
+
+def test_failed_export_removes_the_output_dir_it_created(output_dir, tmp_path, capsys):
+    flip_last_shard_byte(output_dir / "ckpt_4")
+    out = tmp_path / "new" / "export"
+    assert main(["export", str(output_dir), str(out)]) == 1
+    assert "CRC32C" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    (kept / "empty").mkdir()
+    assert main(["export", str(output_dir), str(kept)]) == 1
+    assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*")) == ["empty", "notes.txt"]
+    assert (kept / "notes.txt").read_text() == "mine"
+
+
+def test_gc_removes_stray_temp_files_and_nothing_else(output_dir, capsys):
+    before = {p: p.read_bytes() for p in output_dir.rglob("*") if p.is_file()}
+    strays = ["checkpoint.tmp-123", ".recsave-writer.lock.tmp-77", "ckpt_4/index.tmp-55",
+              "ckpt_4/sparse-0-0.safetensors.tmp-55-3", "ckpt_2/io_state_0.pt.tmp-9", "ckpt_2/model.pt.tmp-9"]
+    for s in strays:
+        (output_dir / s).write_bytes(b"partial")
+    foreign = ["notes.tmp-1", "mine/index.tmp-5"]  # not recsave's names, or not in a checkpoint dir
+    (output_dir / "mine").mkdir()
+    (output_dir / "mine" / "keep.txt").write_text("x")
+    for s in foreign:
+        (output_dir / s).write_bytes(b"someone else's")
+    assert main(["gc", "--json", str(output_dir)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == {"output_dir": str(output_dir), "removed_checkpoints": [], "removed_temp_files": sorted(strays)}
+    for s in strays:
+        assert not (output_dir / s).exists()
+    for s in foreign:
+        assert (output_dir / s).read_bytes() == b"someone else's"
+    after = {p: p.read_bytes() for p in output_dir.rglob("*") if p.is_file()}
+    assert {p: b for p, b in after.items() if p in before} == before  # committed files untouched
+    assert main(["verify", str(output_dir / "ckpt_4")]) == 0
+    capsys.readouterr()
+    assert main(["gc", str(output_dir)]) == 0
+    assert capsys.readouterr().out == "removed 0 directories\n"
+
+
+def test_gc_json_lists_removed_checkpoint_dirs(output_dir, capsys):
+    (output_dir / "ckpt_9").mkdir()
+    (output_dir / "ckpt_9" / "sparse-0-0.safetensors.tmp-1-0").write_bytes(b"partial")
+    assert main(["gc", "--json", str(output_dir)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"output_dir": str(output_dir), "removed_checkpoints": ["ckpt_9"],
+                                                    "removed_temp_files": []}
+
+
+def test_gc_leaves_temp_files_alone_while_a_saver_holds_the_lock(output_dir, capsys):
+    stray = output_dir / "ckpt_4" / "sparse-0-0.safetensors.tmp-1-0"
+    stray.write_bytes(b"being written")
+    with recsave.knobs.override(writer_lock=True):
+        lock = WriterLock(LocalStorage(), str(output_dir))
+        lock.acquire()
+        try:
+            assert main(["gc", "--json", str(output_dir)]) == 2
+            assert json.loads(capsys.readouterr().out)["error"]["type"] == "WriterLockedError"
+            assert stray.read_bytes() == b"being written"
+        finally:
+            lock.release()
+
+
+def test_cli_progress_bar_only_when_stderr_is_a_terminal(output_dir, capsys, monkeypatch):
+    ckpt = str(output_dir / "ckpt_4")
+    assert main(["verify", ckpt]) == 0
+    assert capsys.readouterr().err == ""  # pytest's captured stderr is not a terminal
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["verify", ckpt]) == 0
+    assert "verify [" in tty.text and "100.0%" in tty.text and tty.text.endswith("\n")
+    res = run_cli("verify", ckpt)  # a pipe: no bar
+    assert res.returncode == 0 and res.stderr == ""

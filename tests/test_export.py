@@ -134,7 +134,7 @@ def test_failed_export_leaves_nothing_behind(ckpt, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(CorruptCheckpointError, match="CRC32C"):
         to_parquet(broken, str(out), ["item", "user"], row_group_rows=30)
-    assert not out.exists() or [p for p in out.rglob("*") if p.is_file()] == []
+    assert not out.exists()  # the export created it: nothing of it remains
     to_parquet(broken, str(out), ["item"])  # the intact table exports into the same place
     assert sorted(os.listdir(out)) == ["item", MANIFEST]
 

@@ -10,6 +10,7 @@ from recsave.errors import CorruptCheckpointError, RecsaveError, UsageError
 from recsave.format.checks import is_plain_name
 from recsave.format.index import FORMAT_VERSION, INDEX_FILE
 from recsave.storage import Storage
+from recsave.storage.lock import LOCK_FILE
 
 LIST_FILE = "checkpoint"
 MAX_LIST_BYTES = 16 << 20
@@ -99,3 +100,30 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[
             storage.remove_tree(storage.join(output_dir, name))
             removed.append(name)
     return removed
+
+
+# Temporary names recsave's writers leave when a process dies mid-write: Storage.open_write's
+# ``<file>.tmp-<pid>`` (the `checkpoint` list, the writer lock's renewal, index, .pt files) and the
+# engine's ``<shard>.tmp-<pid>-<n>``.
+_OUTPUT_DIR_TEMP = re.compile(rf"({LIST_FILE}|{re.escape(LOCK_FILE)})\.tmp-[0-9-]+\Z")
+_TEMP_SUFFIX = re.compile(r"\.tmp-[0-9-]+\Z")
+
+
+def remove_temp_files(storage: Storage, output_dir: str) -> List[str]:
+    """Removes the temporary files of interrupted writes from output_dir and from its checkpoint
+    directories (looks_like_checkpoint: only recsave's files inside); returns their paths relative
+    to output_dir. Committed files, other files and checkpoints written by a newer recsave are never
+    touched. The caller must hold the writer lock: a save in progress has such files too."""
+    removed = []
+    for name in storage.listdir(output_dir):
+        if _OUTPUT_DIR_TEMP.match(name):
+            storage.remove_file(storage.join(output_dir, name))
+            removed.append(name)
+        elif looks_like_checkpoint(storage, output_dir, name) \
+                and newer_format_version(storage, output_dir, name) is None:
+            ckpt_dir = storage.join(output_dir, name)
+            for fname in storage.listdir(ckpt_dir):
+                if _TEMP_SUFFIX.search(fname) and _OWN_FILE.match(fname):
+                    storage.remove_file(storage.join(ckpt_dir, fname))
+                    removed.append(f"{name}/{fname}")
+    return sorted(removed)

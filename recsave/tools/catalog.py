@@ -8,18 +8,20 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from recsave import _C, knobs
-from recsave.errors import CorruptCheckpointError, RecsaveError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError, UsageError
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
 from recsave.load.sources import CheckpointSource, open_source
-from recsave.storage import get_storage
+from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
 
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
-    """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds."""
+    """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds.
+    Raises CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
     storage = get_storage(output_dir)
+    _require(storage, output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
     for ckpt_id in ckptlist.read(storage, output_dir):
@@ -60,13 +62,21 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
            on_start: Optional[Callable[[int], None]] = None) -> List[str]:
     """Checks every file and every checksum of a checkpoint, reading in bounded chunks. Returns the
     problems found (empty: the checkpoint is intact). `on_start(total_bytes)` and `progress(bytes)`
-    report progress."""
+    report progress. A path that holds no checkpoint at all (missing, or no index, `checkpoint` file
+    or checkpoint file in it) raises CheckpointNotFoundError, a Parquet export UsageError: neither is
+    damage. An unreadable index, or a checkpoint directory without one, is a problem found."""
+    storage = get_storage(ckpt)
     try:
         src = open_source(ckpt)
+    except CheckpointNotFoundError as exc:
+        if not _recsave_files_at(storage, ckpt):
+            raise
+        return [str(exc)]
     except RecsaveError as exc:
         return [str(exc)]
     if not isinstance(src, CheckpointSource):
-        return [f"{ckpt} is a Parquet export, not a checkpoint"]
+        raise UsageError(f"{ckpt} is a Parquet export, not a checkpoint; verify checks checkpoints",
+                         path=ckpt)
     problems: List[str] = []
     if on_start is not None:
         on_start(src.index.total_bytes)
@@ -105,13 +115,41 @@ def _verify_shard(src: CheckpointSource, fname: str) -> None:
 
 def collect_garbage(output_dir: str) -> List[str]:
     """Removes uncommitted leftovers (and pruned checkpoints) of an output dir; returns their names.
+    Also removes stray temporary files (see clean_output_dir, which returns both lists).
 
     Takes the output dir's writer lock first (knob ``writer_lock``): a save in progress looks like
     a leftover, so while a Saver holds the lock this raises WriterLockedError and removes nothing."""
+    return clean_output_dir(output_dir)["removed_checkpoints"]
+
+
+def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
+    """What ``recsave gc`` does, under the writer lock: removes uncommitted leftovers and pruned
+    checkpoint directories (``removed_checkpoints``: their names), then the temporary files that
+    interrupted writes leave in output_dir and its checkpoint directories (``removed_temp_files``:
+    paths relative to output_dir). Raises CheckpointNotFoundError when output_dir does not exist,
+    WriterLockedError (removing nothing) while a Saver holds it."""
     storage = get_storage(output_dir)
+    _require(storage, output_dir)  # before the lock, which would create the directory
     lock = hold_writer_lock(None, storage, output_dir)
     try:
-        return ckptlist.collect_garbage(storage, output_dir, ckptlist.read(storage, output_dir))
+        dirs = ckptlist.collect_garbage(storage, output_dir, ckptlist.read(storage, output_dir))
+        temps = ckptlist.remove_temp_files(storage, output_dir)
+        return {"removed_checkpoints": dirs, "removed_temp_files": temps}
     finally:
         if lock is not None:
             lock.release()
+
+
+def _require(storage: Storage, path: str) -> None:
+    if not storage.exists(path):
+        raise CheckpointNotFoundError(f"{path} does not exist; check the path", path=path)
+
+
+def _recsave_files_at(storage: Storage, path: str) -> bool:
+    """Whether `path` holds anything of recsave: an index, a `checkpoint` list, or checkpoint files
+    (a checkpoint directory that lost its index)."""
+    if storage.exists(storage.join(path, index_mod.INDEX_FILE)) or \
+            storage.exists(storage.join(path, ckptlist.LIST_FILE)):
+        return True
+    parent, name = storage.split(path)
+    return bool(name) and ckptlist.looks_like_checkpoint(storage, parent, name)

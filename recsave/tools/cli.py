@@ -1,8 +1,12 @@
 """The `recsave` command line: ``recsave COMMAND ...`` (also ``python -m recsave.cli``).
 
 Each subcommand is a small function registered with :func:`command`; it receives the parsed
-arguments and returns the exit code. Expected failures (every :class:`recsave.RecsaveError`) print
-``recsave: error: <message>`` on stderr and exit with 2, without a traceback.
+arguments and returns the exit code. Expected failures print ``recsave: error: <message>`` on
+stderr, without a traceback (with ``--json`` also an ``{"error": ...}`` document on stdout).
+
+Exit codes, the same for every command (docs/API.md section 7): 0 ok; 1 damage found (verify's
+problems, or a CorruptCheckpointError); 2 usage error, not found, or another RecsaveError (e.g. the
+output dir is locked); 3 an I/O error (StorageError or another OSError); 130 interrupted.
 
 To add one::
 
@@ -17,18 +21,22 @@ To add one::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from recsave.errors import RecsaveError
+from recsave.errors import CorruptCheckpointError, RecsaveError, StorageError
 from recsave.version import __version__
 
 Handler = Callable[[argparse.Namespace], int]
 Arguments = Callable[[argparse.ArgumentParser], None]
 
 EXIT_OK = 0
-EXIT_FAILURE = 1   # an unexpected OS error (the message is still printed without a traceback)
-EXIT_ERROR = 2     # a RecsaveError or bad command-line usage
+EXIT_DAMAGED = 1   # damage found: verify's problems, or a CorruptCheckpointError
+EXIT_ERROR = 2     # bad command-line usage, not found, or another RecsaveError
+EXIT_IO = 3        # an I/O error: StorageError or another OSError
+EXIT_INTERRUPTED = 130
+EXIT_FAILURE = EXIT_DAMAGED  # the name of earlier releases
 
 _COMMANDS: Dict[str, Tuple[str, Arguments, Handler]] = {}
 
@@ -114,12 +122,23 @@ def _export(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------- ls / inspect / verify / gc
+def _json_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document on stdout instead of text (shapes in docs/API.md)")
+
+
 def _output_dir_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("output_dir", metavar="OUTPUT_DIR", help="a Saver's output_dir (local path or fsspec URL)")
+    _json_argument(p)
 
 
 def _ckpt_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or output dir (its latest checkpoint)")
+    _json_argument(p)
+
+
+def _print_json(doc: Dict[str, Any]) -> None:
+    print(json.dumps(doc, indent=1, sort_keys=True))
 
 
 def _age(seconds: float) -> str:
@@ -134,6 +153,9 @@ def _ls(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import list_checkpoints
 
     entries = list_checkpoints(args.output_dir)
+    if args.json:
+        _print_json({"output_dir": args.output_dir, "checkpoints": entries})
+        return EXIT_OK
     if not entries:
         print(f"{args.output_dir}: no committed checkpoint")
         return EXIT_OK
@@ -149,6 +171,9 @@ def _inspect(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import describe
 
     d = describe(args.ckpt)
+    if args.json:
+        _print_json(d)
+        return EXIT_OK
     print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}, "
           f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}")
     print(f"tables ({len(d['tables'])}):")
@@ -171,19 +196,29 @@ def _verify(args: argparse.Namespace) -> int:
                       on_start=lambda total: bar.append(Progress("verify", total, unit=" MB", scale=1e6)))
     if bar:
         bar[0].close()
+    if args.json:
+        _print_json({"path": args.ckpt, "ok": not problems, "problems": problems})
+        return EXIT_OK if not problems else EXIT_DAMAGED
     for p in problems:
         print(f"BAD  {' '.join(p.split())}")
     print(f"{args.ckpt}: " + ("all checksums match" if not problems else f"{len(problems)} problem(s)"))
-    return EXIT_OK if not problems else EXIT_FAILURE
+    return EXIT_OK if not problems else EXIT_DAMAGED
 
 
-@command("gc", "remove uncommitted leftovers of crashed saves from an output dir", _output_dir_argument)
+@command("gc", "remove uncommitted leftovers and stray temporary files of crashed saves from an output dir",
+         _output_dir_argument)
 def _gc(args: argparse.Namespace) -> int:
-    from recsave.tools.catalog import collect_garbage
+    from recsave.tools.catalog import clean_output_dir
 
-    removed = collect_garbage(args.output_dir)
+    done = clean_output_dir(args.output_dir)
+    if args.json:
+        _print_json({"output_dir": args.output_dir, **done})
+        return EXIT_OK
+    removed, temps = done["removed_checkpoints"], done["removed_temp_files"]
     print(f"removed {len(removed)} director{'y' if len(removed) == 1 else 'ies'}" +
           (f": {', '.join(removed)}" if removed else ""))
+    if temps:
+        print(f"removed {len(temps)} temporary file(s): {', '.join(temps)}")
     return EXIT_OK
 
 
@@ -200,12 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _error(message: str) -> None:
-    print(f"recsave: error: {' '.join(str(message).split())}", file=sys.stderr)
+def _error(args: argparse.Namespace, exc: BaseException, message: str, code: int) -> int:
+    """Prints the one-line message on stderr (and with --json the error document on stdout)."""
+    message = " ".join(str(message).split())
+    if getattr(args, "json", False):
+        _print_json({"error": {"type": type(exc).__name__, "message": message, "exit_code": code}})
+    print(f"recsave: error: {message}", file=sys.stderr)
+    return code
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Runs the command line; returns the exit code (0 ok, 2 recsave / usage error, 1 other OS error)."""
+    """Runs the command line; returns the exit code (0 ok, 1 damage found, 2 usage error / not
+    found / other recsave error, 3 I/O error, 130 interrupted)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -213,15 +254,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_ERROR)
     try:
         return int(args.handler(args) or EXIT_OK)
+    except CorruptCheckpointError as exc:
+        return _error(args, exc, str(exc), EXIT_DAMAGED)
+    except StorageError as exc:
+        return _error(args, exc, str(exc), EXIT_IO)
     except RecsaveError as exc:
-        _error(str(exc))
-        return EXIT_ERROR
+        return _error(args, exc, str(exc), EXIT_ERROR)
     except OSError as exc:
-        _error(f"{exc.filename + ': ' if getattr(exc, 'filename', None) else ''}{exc.strerror or exc}")
-        return EXIT_FAILURE
-    except KeyboardInterrupt:
-        _error("interrupted")
-        return 130
+        return _error(args, exc, f"{exc.filename + ': ' if getattr(exc, 'filename', None) else ''}"
+                                 f"{exc.strerror or exc}", EXIT_IO)
+    except KeyboardInterrupt as exc:
+        return _error(args, exc, "interrupted", EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

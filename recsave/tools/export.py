@@ -37,7 +37,9 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     checkpoint) to one Parquet dataset per table under `out_dir`, streaming `row_group_rows` rows at a
     time (one row group each); a table's file is split every `rows_per_file` rows (None: one file).
     Writes the manifest last and returns it. Raises ConfigError for an unknown table and UsageError
-    when `out_dir` already holds an export or a non-empty directory of a selected table.
+    when `out_dir` already holds an export or a non-empty directory of a selected table. On failure
+    it removes what it created (files, then the directories it made, `out_dir` and its parents
+    included, when empty); what `out_dir` held before is left as it was.
     `progress`, when given, is called with the number of rows written after each row group."""
     if type(row_group_rows) is not int or row_group_rows < 1:
         raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}")
@@ -66,7 +68,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
             raise UsageError(f"{table_dir} exists and is not empty; remove it or export to another "
                              f"directory (table {name!r} is never overwritten)", path=table_dir, key=name)
     written: List[str] = []
-    created: List[str] = []
+    created: List[str] = _missing_dirs(storage, out_dir)  # removed again (when empty) on failure
     try:
         entries = {}
         for name in names:
@@ -89,6 +91,18 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
                     storage.remove_tree(path)
         raise
     return manifest
+
+
+def _missing_dirs(storage: Storage, path: str) -> List[str]:
+    """`path` and those of its parents that do not exist yet, outermost first."""
+    missing: List[str] = []
+    while not storage.exists(path):
+        missing.insert(0, path)
+        parent, name = storage.split(path)
+        if not name or parent == path:
+            break
+        path = parent
+    return missing
 
 
 def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_dir: str, written: List[str],

@@ -1,0 +1,148 @@
+"""Lightning integration: a Callback that autosaves and restores a LightningModule through a
+CheckpointManager (public path ``recsave.lightning``; needs ``pip install recsave[lightning]``).
+
+What a checkpoint holds beyond the Saver's model, sparse optimizer, extras and io states: one
+optional extra (``lightning`` by default) with Lightning's fit-loop progress (global step, epoch,
+batch index within the epoch), the Trainer's dense optimizers and its LR schedulers. A resumed
+``fit`` therefore continues at the batch after the one saved, not at the start of the epoch. Where
+the *data* continues is the job of the user's reader / sampler, registered as io state
+(``Saver.register_io_state``): docs/API.md section 9 shows the pattern.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+try:
+    import lightning.pytorch as pl
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("recsave.lightning needs the `lightning` package: pip install 'recsave[lightning]' "
+                      "(or pip install lightning)") from exc
+
+from recsave.argcheck import check
+from recsave.errors import UsageError
+from recsave.manager import CheckpointManager
+
+__all__ = ["RecsaveCallback", "LIGHTNING_STATE"]
+
+log = logging.getLogger("recsave")
+
+LIGHTNING_STATE = "lightning"
+
+
+class _TrainerState:
+    """The Trainer's loop progress, optimizers and LR schedulers as one registered extra. It reads
+    the Trainer of the running fit when saved, and writes into it when loaded."""
+
+    def __init__(self, callback: "RecsaveCallback"):
+        self._callback = callback
+
+    def _trainer(self) -> "pl.Trainer":
+        trainer = self._callback.trainer
+        if trainer is None:
+            raise UsageError("the recsave Lightning callback is not attached to a running Trainer.fit; "
+                             "save and restore through it from inside fit (or give restore=False)")
+        return trainer
+
+    def state_dict(self) -> Dict[str, Any]:
+        trainer = self._trainer()
+        return {
+            "fit_loop": trainer.fit_loop.state_dict(),
+            "optimizers": [o.state_dict() for o in trainer.optimizers],
+            "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        trainer = self._trainer()
+        if not isinstance(state, dict) or not {"fit_loop", "optimizers", "lr_schedulers"} <= set(state):
+            raise UsageError(f"saved {self._callback.name!r} state is not a recsave Lightning state "
+                             f"(keys {sorted(state) if isinstance(state, dict) else type(state).__name__})",
+                             key=self._callback.name)
+        optimizers, schedulers = trainer.optimizers, trainer.lr_scheduler_configs
+        if len(state["optimizers"]) != len(optimizers) or len(state["lr_schedulers"]) != len(schedulers):
+            raise UsageError(f"the checkpoint holds {len(state['optimizers'])} optimizer(s) and "
+                             f"{len(state['lr_schedulers'])} LR scheduler(s), configure_optimizers returned "
+                             f"{len(optimizers)} and {len(schedulers)}; restore into the same setup",
+                             key=self._callback.name)
+        for opt, s in zip(optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+        for config, s in zip(schedulers, state["lr_schedulers"]):
+            config.scheduler.load_state_dict(s)
+        trainer.fit_loop.load_state_dict(state["fit_loop"])
+
+
+class RecsaveCallback(pl.Callback):
+    """Saves and restores a Lightning fit through a CheckpointManager (docs/API.md section 9).
+
+    ``Trainer(callbacks=[RecsaveCallback(manager)])`` where ``manager = CheckpointManager(Saver(module,
+    sparse_optim=..., output_dir=...), save_interval=N)``:
+
+    - ``on_fit_start``: restores the latest committed checkpoint (or ``ckpt_<global_step>`` when
+      `global_step` is given): tables, sparse and dense optimizers, LR schedulers, extras, io states
+      and Lightning's loop counters, so fit continues at the next batch. Nothing to restore: a fresh
+      start. With ``restore=False`` it never restores.
+    - ``on_train_batch_end``: saves ``ckpt_<trainer.global_step>`` each time the global step reaches a
+      multiple of the manager's save_interval (the manager's async_mode applies).
+    - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
+
+    The Trainer's optimizers and schedulers are saved by the callback (extra `name`); a sparse
+    optimizer belongs to the Saver (``Saver(..., sparse_optim=...)``). Sparse optimizers are not
+    torch optimizers, so step them with manual optimization (``self.automatic_optimization = False``,
+    see docs/API.md section 9).
+    """
+
+    def __init__(self, manager: CheckpointManager, *, restore: bool = True, global_step: Optional[int] = None,
+                 save_on_train_end: bool = True, fallback: bool = True, name: str = LIGHTNING_STATE):
+        check(manager, CheckpointManager, "manager", "RecsaveCallback", expected="a recsave.CheckpointManager")
+        check(restore, bool, "restore", "RecsaveCallback")
+        check(global_step, int, "global_step", "RecsaveCallback", optional=True)
+        check(save_on_train_end, bool, "save_on_train_end", "RecsaveCallback")
+        check(fallback, bool, "fallback", "RecsaveCallback")
+        check(name, str, "name", "RecsaveCallback")
+        self.manager = manager
+        self.restore, self.global_step, self.fallback = restore, global_step, fallback
+        self.save_on_train_end, self.name = save_on_train_end, name
+        self.trainer: Optional[pl.Trainer] = None
+        self.restored_step: Optional[int] = None  # the global step restored by the last fit, if any
+        self.saved: List[str] = []  # checkpoint paths saved during the last fit
+        # Optional: a checkpoint of a plain Saver / CheckpointManager still restores (loop from 0).
+        manager.register_for_checkpointing(name, _TrainerState(self), optional=True)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer, self.saved, self.restored_step = trainer, [], None
+        if not self.restore:
+            return
+        if self.global_step is None and self.manager.saver.latest_checkpoint() is None:
+            return  # nothing saved yet: a fresh start
+        self.restored_step = self.manager.restore(self.global_step, fallback=self.fallback)
+        report = self.manager.last_report
+        if report is not None and self.name in report.skipped:
+            log.info("%s: restored without Lightning loop state (the checkpoint has no %r); the fit "
+                     "loop starts at epoch 0", self.manager.saver.output_dir, self.name)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step, interval = trainer.global_step, self.manager.save_interval
+        if step == self.manager.global_step:
+            return  # no optimizer step in this batch (gradient accumulation), or saved already
+        self.manager.global_step = step
+        if interval and step % interval == 0:
+            self.saved.append(self.manager.save(wait=False))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.manager.global_step = trainer.global_step
+        if self.save_on_train_end and trainer.global_step > 0:
+            path = self.manager.save(wait=True)
+            if path not in self.saved:
+                self.saved.append(path)
+        else:
+            self.manager.wait()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        try:  # let a background write of the last autosave finish; the fit's own error is what counts
+            self.manager.wait()
+        except Exception as exc:  # reported as a warning: it must not hide `exception`
+            log.warning("%s: the last background save failed too: %s", self.manager.saver.output_dir, exc)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.trainer = None
