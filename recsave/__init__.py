@@ -24,7 +24,8 @@ from recsave.tables.interop import from_dcp_state_dict, to_dcp_state_dict
 from recsave.version import __version__
 
 __all__ = [
-    "HashTable", "split_sparse_dense_state_dict", "to_dcp_state_dict", "from_dcp_state_dict", "Saver", "CheckpointManager", "LoadReport",
+    "HashTable", "split_sparse_dense_state_dict", "to_dcp_state_dict", "from_dcp_state_dict",
+    "Saver", "CheckpointManager", "LoadReport",
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",

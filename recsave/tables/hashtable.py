@@ -15,20 +15,11 @@ import torch
 
 from recsave import _C, knobs
 from recsave.argcheck import check
-from recsave.argcheck import fail as type_error
-from recsave.errors import ArgumentTypeError, RecsaveError, ShapeMismatchError, UsageError
+from recsave.errors import ShapeMismatchError, UsageError
 from recsave.tables import partition, tablestate
-from recsave.tables.idmap import flat_ids, make_id_map
+from recsave.tables.grads import RowGrads
+from recsave.tables.idmap import check_ids, flat_ids, make_id_map
 from recsave.tables.rows import RowStorage
-
-
-def _check_ids(ids: Any, where: str) -> None:
-    """Ids are an int64 tensor; anything else is a type error naming `ids`."""
-    if not isinstance(ids, torch.Tensor):
-        raise type_error(where, "ids", "an int64 tensor", ids)
-    if ids.dtype != torch.int64:
-        raise ArgumentTypeError(f"{where}: ids must be an int64 tensor, got {str(ids.dtype)[6:]} tensor "
-                                f"(convert with ids.long() if the values are ids)", key="ids")
 
 
 class _Lookup(torch.autograd.Function):
@@ -43,7 +34,7 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:
         (rows,) = ctx.saved_tensors
-        ctx.table._accumulate_grad(rows, grad)  # noqa: SLF001 (as above)
+        ctx.table._grads.add(rows, grad)  # noqa: SLF001 (as above)
         return None, None, None
 
 
@@ -89,7 +80,7 @@ class HashTable(torch.nn.Module):
         self._id_map_kind = id_map
         self._map = make_id_map(self._device, id_map)
         self._store = RowStorage(embedding_dim, dtype, self._device)
-        self._grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._grads = RowGrads(embedding_dim)
         self._partition: Optional[Tuple[int, int, int]] = None  # (rank, world_size, num_buckets)
         # A leaf that requires grad, so autograd calls _Lookup.backward; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)
@@ -110,8 +101,7 @@ class HashTable(torch.nn.Module):
     def __len__(self) -> int:
         return len(self._map)
 
-    # The embedding and slot columns of the row storage (tables/rows.py), under the names the
-    # row-writing methods below use.
+    # The row storage's columns (tables/rows.py), under the names the row-writing methods use.
     @property
     def _weight(self) -> torch.Tensor:
         return self._store.weight
@@ -134,14 +124,10 @@ class HashTable(torch.nn.Module):
 
     def delete(self, ids: torch.Tensor) -> int:
         """Removes the given ids; returns how many were present."""
-        _check_ids(ids, "HashTable.delete")
+        check_ids(ids, "HashTable.delete")
         freed = self._map.erase(flat_ids(ids))
         freed = freed[freed >= 0]
-        if freed.numel() and self._grads:
-            # A freed row is reused by the next new id: pending gradients must not follow it there.
-            freed_d = freed.to(self._device)
-            self._grads = [(r[keep], g[keep]) for r, g in self._grads
-                           for keep in [~torch.isin(r, freed_d)]]
+        self._grads.forget_rows(freed)
         return int(freed.numel())
 
     def set_partition(self, rank: int, world_size: int, num_buckets: int = partition.DEFAULT_NUM_BUCKETS) -> None:
@@ -158,15 +144,7 @@ class HashTable(torch.nn.Module):
         return self._partition
 
     def _check_owned(self, ids: torch.Tensor) -> None:
-        rank, world, num_buckets = self._partition  # type: ignore[misc]
-        owners = partition.owner_of(ids, world, num_buckets)
-        foreign = owners != rank
-        if bool(foreign.any()):
-            i = int(foreign.nonzero()[0])
-            raise UsageError(
-                f"table {self.table_name!r} is the shard of rank {rank} of {world}, but id "
-                f"{int(ids[i])} belongs to rank {int(owners[i])}; route ids to their owners with "
-                f"recsave.partition.route / owner_of before the lookup", key=self.table_name)
+        partition.check_owned(ids, self._partition, self.table_name)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------ slots
     def slot_names(self) -> List[str]:
@@ -199,7 +177,7 @@ class HashTable(torch.nn.Module):
     def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor:
         """Rows of flat int64 ids (int64, on the id map's device: the CPU for CPU tables); -1 for
         absent ids unless `insert`."""
-        _check_ids(ids, "HashTable.lookup")
+        check_ids(ids, "HashTable.lookup")
         flat = flat_ids(ids)
         if not insert:
             return self._map.lookup(flat)
@@ -213,7 +191,7 @@ class HashTable(torch.nn.Module):
         return rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(ids, f"HashTable {self.table_name!r}")
+        check_ids(ids, f"HashTable {self.table_name!r}")
         rows = self.lookup(ids, insert=self.training).to(self._device)
         if torch.is_grad_enabled():
             out = _Lookup.apply(self._anchor, self, rows)
@@ -229,23 +207,9 @@ class HashTable(torch.nn.Module):
         return out
 
     # -------------------------------------------------------------------------------- gradients
-    def _accumulate_grad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        grad = grad.reshape(-1, self.embedding_dim)
-        keep = rows >= 0
-        if not bool(keep.all()):
-            rows, grad = rows[keep], grad[keep]
-        self._grads.append((rows, grad))
-
     def coalesced_grad(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(unique rows ascending, summed row gradients) of everything since the last zero_grad."""
-        if not self._grads:
-            return None
-        rows = torch.cat([r for r, _ in self._grads])
-        grads = torch.cat([g for _, g in self._grads])
-        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-        summed = torch.zeros(unique.numel(), self.embedding_dim, dtype=grads.dtype, device=grads.device)
-        summed.index_add_(0, inverse, grads)
-        return unique, summed
+        return self._grads.coalesced()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.clear()
@@ -272,31 +236,13 @@ class HashTable(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
-        key = tablestate.state_key(prefix)
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key)
-        if key not in state_dict:
-            missing_keys.append(key)
-            return
-        other = state_dict[key]
-        if not isinstance(other, HashTable):
-            error_msgs.append(f"{key}: expected a HashTable, got {type(other).__name__}")
-            return
-        if other is self:
-            return
-        problem = tablestate.mismatch(self, other)
-        if problem is None:
-            try:
-                tablestate.copy_from(self, other)
-            except RecsaveError as exc:
-                problem = str(exc)
-        if problem is not None:
-            error_msgs.append(f"{key}: {problem}")
+        tablestate.load_entry(self, HashTable, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickles (torch.save, copy.deepcopy) as configuration + ids, rows and slots; pending
         gradients are not kept."""
         state = {k: v for k, v in self.__dict__.items() if k not in ("_map", "_store")}
-        state["_grads"] = []
+        state["_grads"] = RowGrads(self.embedding_dim)
         state["_packed_rows"] = tablestate.pack(self)
         return state
 
@@ -318,8 +264,7 @@ class HashTable(torch.nn.Module):
 
     def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment."""
-        rows_d = rows.to(self._device)
-        return self._store.gather(rows_d)
+        return self._store.gather(rows)
 
     def columns(self) -> Dict[str, torch.Tensor]:
         """The whole storage of the embedding ('embedding') and of every slot: row r of each belongs
@@ -331,7 +276,7 @@ class HashTable(torch.nn.Module):
         if ids is None:
             ids, rows = self.id_rows()
         else:
-            _check_ids(ids, "HashTable.export")
+            check_ids(ids, "HashTable.export")
             rows = self.lookup(ids, insert=False)
             if bool((rows < 0).any()):
                 raise UsageError(f"table {self.table_name!r}: export of ids that are not in the table")
@@ -366,10 +311,10 @@ class HashTable(torch.nn.Module):
         self._set_contents(other._contents())  # noqa: SLF001 (same class)
         other._set_contents(mine)  # noqa: SLF001 (same class)
 
-    def _contents(self) -> Tuple[Any, RowStorage, List[Any]]:
+    def _contents(self) -> Tuple[Any, RowStorage, RowGrads]:
         return self._map, self._store, self._grads
 
-    def _set_contents(self, contents: Tuple[Any, RowStorage, List[Any]]) -> None:
+    def _set_contents(self, contents: Tuple[Any, RowStorage, RowGrads]) -> None:
         self._map, self._store, self._grads = contents
 
     def prepare_load(self, ids: torch.Tensor, columns: List[str],
@@ -388,16 +333,11 @@ class HashTable(torch.nn.Module):
         n = ids.numel()
         # Filled on 4 KB pages (a huge page is zeroed whole before the read overwrites it: an extra
         # pass over memory), advised for huge pages after the fill.
-        self._store.ensure_capacity(n, huge_pages=False)
         self._map.reserve(n)
         if self._partition is not None:
             self._check_owned(ids)
-        for slot in columns:
-            if slot != "embedding" and slot not in self._slots:
-                self.add_slot(slot)
         initial = self.initial_rows(ids) if "embedding" not in columns else torch.empty(0)
-        self._store.init_prefix(n, initial, columns)
-        views = {c: self._store.column(c)[:n] for c in columns}
+        views = self._store.restore_views(n, columns, initial)
         # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
             filled = pool.submit(fill, views) if pool and fill else None
@@ -461,16 +401,4 @@ def split_sparse_dense_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str,
     """(sparse, dense): the HashTable entries keyed by their checkpoint names (the table's name,
     else its module path: key ``emb.user.table`` -> ``emb.user``), and every other entry under its
     key. UsageError when two different tables would share a name. The input is not modified."""
-    sparse: Dict[str, HashTable] = {}
-    keys: Dict[str, str] = {}
-    dense: Dict[str, Any] = {}
-    for key, value in state_dict.items():
-        if not isinstance(value, HashTable):
-            dense[key] = value
-            continue
-        name = value.table_name or tablestate.module_path(key)
-        if name in sparse and sparse[name] is not value:
-            raise UsageError(f"two tables are both named {name!r} (state_dict keys {keys[name]!r} and {key!r}); "
-                             f"give each HashTable its own name", key=name)
-        sparse[name], keys[name] = value, key
-    return sparse, dense
+    return tablestate.split(state_dict, HashTable)

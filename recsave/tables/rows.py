@@ -60,14 +60,21 @@ class RowStorage:
         for slot, storage in self.slots.items():
             storage[rows] = self.slot_init[slot]
 
-    def init_prefix(self, n: int, values: torch.Tensor, keep: List[str]) -> None:
-        """Rows [0, n) of every column not in `keep` take their initial values (`values` for the
-        embedding)."""
-        if "embedding" not in keep:
-            self.weight[:n] = values.to(device=self.weight.device, dtype=self.weight.dtype)
+    def restore_views(self, n: int, columns: List[str], initial: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Rows [0, n) of `columns` ('embedding' and / or slots, added if new) to restore into;
+        the other columns' rows [0, n) take their initial values (`initial` for the embedding).
+        Grown on 4 KB pages: a huge page is zeroed whole before the read overwrites it (an extra
+        pass over memory); call advise_hugepages() after the fill."""
+        self.ensure_capacity(n, huge_pages=False)
+        for slot in columns:
+            if slot != "embedding" and slot not in self.slots:
+                self.add_slot(slot, 0.0)
+        if "embedding" not in columns:
+            self.weight[:n] = initial.to(device=self.weight.device, dtype=self.weight.dtype)
         for slot, storage in self.slots.items():
-            if slot not in keep:
+            if slot not in columns:
                 storage[:n] = self.slot_init[slot]
+        return {c: self.column(c)[:n] for c in columns}
 
     def gather(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies (CPU) of the embedding and of every slot at `rows`."""

@@ -5,9 +5,11 @@ Functions here take a table and use its public methods only; HashTable's hooks c
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from recsave.errors import RecsaveError, UsageError
 
 # A table's state_dict entry is `<module path>.table` (just `table` for a table that is the root
 # module): torch hands load_state_dict entries to a module only under its own prefix.
@@ -64,6 +66,48 @@ def copy_from(table: Any, other: Any) -> None:
     ids, values, slots = other.export()
     staged.load_rows(ids, values, slots, clear=True)
     table.swap_contents(staged)
+
+
+def load_entry(table: Any, table_type: type, state_dict: Dict[str, Any], prefix: str, missing_keys: List[str],
+               unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    """HashTable._load_from_state_dict: loads the entry `<prefix>table` (a `table_type`) into
+    `table`, reporting a missing entry, other keys under `prefix` and mismatches torch's way."""
+    key = state_key(prefix)
+    unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key)
+    if key not in state_dict:
+        missing_keys.append(key)
+        return
+    other = state_dict[key]
+    if not isinstance(other, table_type):
+        error_msgs.append(f"{key}: expected a HashTable, got {type(other).__name__}")
+        return
+    if other is table:
+        return
+    problem = mismatch(table, other)
+    if problem is None:
+        try:
+            copy_from(table, other)
+        except RecsaveError as exc:
+            problem = str(exc)
+    if problem is not None:
+        error_msgs.append(f"{key}: {problem}")
+
+
+def split(state_dict: Dict[str, Any], table_type: type) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """split_sparse_dense_state_dict for tables of `table_type`."""
+    sparse: Dict[str, Any] = {}
+    keys: Dict[str, str] = {}
+    dense: Dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if not isinstance(value, table_type):
+            dense[key] = value
+            continue
+        name = getattr(value, "table_name", None) or module_path(key)
+        if name in sparse and sparse[name] is not value:
+            raise UsageError(f"two tables are both named {name!r} (state_dict keys {keys[name]!r} and {key!r}); "
+                             f"give each HashTable its own name", key=name)
+        sparse[name], keys[name] = value, key
+    return sparse, dense
 
 
 def plain_entries(key: str, table: Any) -> Dict[str, torch.Tensor]:
