@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recsave.errors import ArgumentTypeError, ConfigError, UsageError
-from recsave.tables.hashtable import HashTable
+from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.tables.optim import SparseAdagrad, SparseAdam, SparseOptimizer, SparseSGD
 
 DIM = 8
@@ -259,8 +259,9 @@ def test_unnamed_tables_take_their_module_path() -> None:
     opt = SparseAdagrad(model, lr=0.1)
     assert set(opt.tables) == {"emb", "tower.0", "given"}
     assert opt.tables["tower.0"] is model.tower[0]
-    # the same names as the tables' state_dict entries, so checkpoints and optimizer state line up
-    assert set(opt.tables) == {k for k, v in model.state_dict().items() if isinstance(v, HashTable)}
+    # the names split_sparse_dense_state_dict (the Saver) gives them, so checkpoints and optimizer
+    # state line up
+    assert set(opt.tables) == set(split_sparse_dense_state_dict(model.state_dict())[0])
     assert all(t.slot_names() == ["adagrad_acc"] for t in opt.tables.values())
 
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from recsave.format import ckptlist, torchio
+from recsave.format import ckptlist, plainstate, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import bytes_to_read, read_tensors
 from recsave.format.records import Index
@@ -100,7 +100,8 @@ class CheckpointSource:
         return ids, {c: data[f"{table}@{c}"] for c in columns}
 
     def read_pt(self, fname: str) -> Any:
-        return torchio.load(self.storage, self.ckpt_dir, fname, self.index)
+        """A verified .pt file of the checkpoint, with numpy values restored (format/plainstate.py)."""
+        return plainstate.decode(torchio.load(self.storage, self.ckpt_dir, fname, self.index))
 
     def pt_size(self, fname: str) -> int:
         return self.index.file(fname).size

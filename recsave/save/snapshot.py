@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from recsave.format import plainstate
 from recsave.format.writer import RowSource
 from recsave.tables.devcopy import DeviceGather, PinnedPair
 from recsave.tables.hashtable import HashTable
@@ -106,7 +107,13 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
             extras: Mapping[str, Any], io_states: Mapping[str, Any],
             stager: Optional[Stager] = None) -> SaveState:
     """The state a save writes. Without a stager it refers to the live tensors and objects; with
-    one, tables and dense tensors are copied into its buffers and extras / io states deep-copied."""
+    one, tables and dense tensors are copied into its buffers and extras / io states deep-copied.
+    Extras and io states are checked first (format/plainstate.py): one the safe loader could not
+    restore raises UsageError before anything is staged or written."""
+    extra_state = {n: plainstate.encode(o.state_dict(), "extra", n, "state_dict", "load_state_dict")
+                   for n, o in extras.items()}
+    io_state = {n: plainstate.encode(o.dump_io_state(), "io state", n, "dump_io_state", "load_io_state")
+                for n, o in io_states.items()}
     states: Dict[str, TableState] = {}
     for name, table in tables.items():
         columns = table.columns()
@@ -119,11 +126,9 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
         states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows)
     if stager is None:
         dense_state = {n: t.detach() for n, t in dense.items()}
-        extra_state = {n: o.state_dict() for n, o in extras.items()}
-        io_state = {n: o.dump_io_state() for n, o in io_states.items()}
     else:
         dense_state = {n: stager.stage(("dense", n), t) for n, t in dense.items()}
-        extra_state = copy.deepcopy({n: o.state_dict() for n, o in extras.items()})
-        io_state = copy.deepcopy({n: o.dump_io_state() for n, o in io_states.items()})
+        extra_state = copy.deepcopy(extra_state)
+        io_state = copy.deepcopy(io_state)
         stager.finish()
     return SaveState(states, dense_state, extra_state, io_state)

@@ -15,22 +15,11 @@ import torch
 
 from recsave import _C, knobs
 from recsave.argcheck import check
-from recsave.argcheck import fail as type_error
-from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
-from recsave.tables import partition
-from recsave.tables.idmap import flat_ids, make_id_map
-from recsave.tables.memhint import advise_hugepages
-
-_MIN_CAPACITY = 1024
-
-
-def _check_ids(ids: Any, where: str) -> None:
-    """Ids are an int64 tensor; anything else is a type error naming `ids`."""
-    if not isinstance(ids, torch.Tensor):
-        raise type_error(where, "ids", "an int64 tensor", ids)
-    if ids.dtype != torch.int64:
-        raise ArgumentTypeError(f"{where}: ids must be an int64 tensor, got {str(ids.dtype)[6:]} tensor "
-                                f"(convert with ids.long() if the values are ids)", key="ids")
+from recsave.errors import ShapeMismatchError, UsageError
+from recsave.tables import partition, tablestate
+from recsave.tables.grads import RowGrads
+from recsave.tables.idmap import check_ids, flat_ids, make_id_map
+from recsave.tables.rows import RowStorage
 
 
 class _Lookup(torch.autograd.Function):
@@ -45,7 +34,7 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:
         (rows,) = ctx.saved_tensors
-        ctx.table._accumulate_grad(rows, grad)  # noqa: SLF001 (as above)
+        ctx.table._grads.add(rows, grad)  # noqa: SLF001 (as above)
         return None, None, None
 
 
@@ -90,10 +79,8 @@ class HashTable(torch.nn.Module):
         self._dtype = dtype
         self._id_map_kind = id_map
         self._map = make_id_map(self._device, id_map)
-        self._weight = torch.empty(0, embedding_dim, dtype=dtype, device=self._device)
-        self._slots: Dict[str, torch.Tensor] = {}
-        self._slot_init: Dict[str, float] = {}
-        self._grads: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._store = RowStorage(embedding_dim, dtype, self._device)
+        self._grads = RowGrads(embedding_dim)
         self._partition: Optional[Tuple[int, int, int]] = None  # (rank, world_size, num_buckets)
         # A leaf that requires grad, so autograd calls _Lookup.backward; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)
@@ -114,6 +101,15 @@ class HashTable(torch.nn.Module):
     def __len__(self) -> int:
         return len(self._map)
 
+    # The row storage's columns (tables/rows.py), under the names the row-writing methods use.
+    @property
+    def _weight(self) -> torch.Tensor:
+        return self._store.weight
+
+    @property
+    def _slots(self) -> Dict[str, torch.Tensor]:
+        return self._store.slots
+
     def extra_repr(self) -> str:
         return f"{self.embedding_dim}, name={self.table_name!r}, rows={len(self)}, slots={sorted(self._slots)}"
 
@@ -128,14 +124,10 @@ class HashTable(torch.nn.Module):
 
     def delete(self, ids: torch.Tensor) -> int:
         """Removes the given ids; returns how many were present."""
-        _check_ids(ids, "HashTable.delete")
+        check_ids(ids, "HashTable.delete")
         freed = self._map.erase(flat_ids(ids))
         freed = freed[freed >= 0]
-        if freed.numel() and self._grads:
-            # A freed row is reused by the next new id: pending gradients must not follow it there.
-            freed_d = freed.to(self._device)
-            self._grads = [(r[keep], g[keep]) for r, g in self._grads
-                           for keep in [~torch.isin(r, freed_d)]]
+        self._grads.forget_rows(freed)
         return int(freed.numel())
 
     def set_partition(self, rank: int, world_size: int, num_buckets: int = partition.DEFAULT_NUM_BUCKETS) -> None:
@@ -152,19 +144,11 @@ class HashTable(torch.nn.Module):
         return self._partition
 
     def _check_owned(self, ids: torch.Tensor) -> None:
-        rank, world, num_buckets = self._partition  # type: ignore[misc]
-        owners = partition.owner_of(ids, world, num_buckets)
-        foreign = owners != rank
-        if bool(foreign.any()):
-            i = int(foreign.nonzero()[0])
-            raise UsageError(
-                f"table {self.table_name!r} is the shard of rank {rank} of {world}, but id "
-                f"{int(ids[i])} belongs to rank {int(owners[i])}; route ids to their owners with "
-                f"recsave.partition.route / owner_of before the lookup", key=self.table_name)
+        partition.check_owned(ids, self._partition, self.table_name)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------ slots
     def slot_names(self) -> List[str]:
-        return sorted(self._slots)
+        return self._store.slot_names()
 
     def add_slot(self, slot: str, init: float = 0.0) -> None:
         """Creates a row-aligned [rows, dim] slot (e.g. an optimizer accumulator) filled with `init`;
@@ -174,11 +158,7 @@ class HashTable(torch.nn.Module):
         check(init, numbers.Real, "init", "HashTable.add_slot")
         if not slot or "@" in slot or slot in ("id", "embedding"):
             raise UsageError(f"slot name {slot!r} is reserved or invalid")
-        if slot in self._slots:
-            self._slot_init[slot] = float(init)
-            return
-        self._slots[slot] = torch.full_like(self._weight, init)
-        self._slot_init[slot] = float(init)
+        self._store.add_slot(slot, float(init))
 
     def slot(self, slot: str) -> torch.Tensor:
         """The slot's storage for rows [0, row_capacity) (index it with rows from lookup())."""
@@ -197,7 +177,7 @@ class HashTable(torch.nn.Module):
     def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor:
         """Rows of flat int64 ids (int64, on the id map's device: the CPU for CPU tables); -1 for
         absent ids unless `insert`."""
-        _check_ids(ids, "HashTable.lookup")
+        check_ids(ids, "HashTable.lookup")
         flat = flat_ids(ids)
         if not insert:
             return self._map.lookup(flat)
@@ -205,12 +185,13 @@ class HashTable(torch.nn.Module):
             self._check_owned(flat)
         rows, is_new, num_new = self._map.lookup_or_insert(flat)
         if num_new:
-            self._ensure_capacity(self._map.row_capacity)
-            self._init_rows(flat.to(is_new.device)[is_new], rows[is_new])
+            self._store.ensure_capacity(self._map.row_capacity)
+            new_rows = rows[is_new].to(self._device)
+            self._store.init_rows(new_rows, self.initial_rows(flat.to(is_new.device)[is_new]))
         return rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(ids, f"HashTable {self.table_name!r}")
+        check_ids(ids, f"HashTable {self.table_name!r}")
         rows = self.lookup(ids, insert=self.training).to(self._device)
         if torch.is_grad_enabled():
             out = _Lookup.apply(self._anchor, self, rows)
@@ -226,37 +207,14 @@ class HashTable(torch.nn.Module):
         return out
 
     # -------------------------------------------------------------------------------- gradients
-    def _accumulate_grad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        grad = grad.reshape(-1, self.embedding_dim)
-        keep = rows >= 0
-        if not bool(keep.all()):
-            rows, grad = rows[keep], grad[keep]
-        self._grads.append((rows, grad))
-
     def coalesced_grad(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(unique rows ascending, summed row gradients) of everything since the last zero_grad."""
-        if not self._grads:
-            return None
-        rows = torch.cat([r for r, _ in self._grads])
-        grads = torch.cat([g for _, g in self._grads])
-        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-        summed = torch.zeros(unique.numel(), self.embedding_dim, dtype=grads.dtype, device=grads.device)
-        summed.index_add_(0, inverse, grads)
-        return unique, summed
+        return self._grads.coalesced()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.clear()
 
-    # --------------------------------------------------------------------------- storage growth
-    def _ensure_capacity(self, rows: int, huge_pages: bool = True) -> None:
-        cap = self._weight.shape[0]
-        if rows <= cap:
-            return
-        new_cap = max(rows, 2 * cap, _MIN_CAPACITY)  # doubling: amortised O(1) copies per row
-        self._weight = _grow(self._weight, new_cap, huge_pages)
-        for slot, storage in self._slots.items():
-            self._slots[slot] = _grow(storage, new_cap, huge_pages)
-
+    # ------------------------------------------------------------------------- initial values
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows these ids get when inserted: normal(0, init_std) as a pure function of (seed, id,
         column), float32 on the CPU."""
@@ -268,33 +226,36 @@ class HashTable(torch.nn.Module):
 
     def slot_init(self, slot: str) -> float:
         """The value a slot takes for newly inserted rows."""
-        return self._slot_init[slot]
+        return self._store.slot_init[slot]
 
-    def _init_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Initialises the rows of newly inserted ids (embedding and every slot)."""
-        rows = rows.to(self._device)
-        self._weight[rows] = self.initial_rows(ids).to(device=self._device, dtype=self._dtype)
-        for slot, storage in self._slots.items():
-            storage[rows] = self._slot_init[slot]
-
-    # ---------------------------------------------------------------------- checkpoint support
+    # ----------------------------------------------------- PyTorch interop (tables/tablestate.py)
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        # The table itself is the entry, so split_sparse_dense_state_dict can separate it.
-        destination[self.table_name or prefix[:-1]] = self
+        # The table itself is the entry, so split_sparse_dense_state_dict can separate it; the key
+        # lies under the module's prefix, where load_state_dict looks for it.
+        destination[tablestate.state_key(prefix)] = self
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs) -> None:
-        key = self.table_name or prefix[:-1]
-        other = state_dict.get(key)
-        if other is None:
-            if strict:
-                missing_keys.append(key)
-            return
-        if not isinstance(other, HashTable):
-            error_msgs.append(f"{key}: expected a HashTable, got {type(other).__name__}")
-            return
-        ids, values, slots = other.export()
-        self.load_rows(ids, values, slots, clear=True)
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        tablestate.load_entry(self, HashTable, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickles (torch.save, copy.deepcopy) as configuration + ids, rows and slots; pending
+        gradients are not kept."""
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_map", "_store")}
+        state["_grads"] = RowGrads(self.embedding_dim)
+        state["_packed_rows"] = tablestate.pack(self)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        packed = state.pop("_packed_rows")
+        part = state.pop("_partition")
+        super().__setstate__(state)
+        self._partition = None  # set after the rows: it restricts later inserts, not these
+        self._map = make_id_map(self._device, self._id_map_kind)
+        self._store = RowStorage(self.embedding_dim, self._dtype, self._device)
+        tablestate.unpack(self, packed)
+        self._partition = part
 
     def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every live id, in row order (CPU int64)."""
@@ -303,21 +264,19 @@ class HashTable(torch.nn.Module):
 
     def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment."""
-        rows_d = rows.to(self._device)
-        values = self._weight.index_select(0, rows_d).cpu()
-        return values, {s: t.index_select(0, rows_d).cpu() for s, t in self._slots.items()}
+        return self._store.gather(rows)
 
     def columns(self) -> Dict[str, torch.Tensor]:
         """The whole storage of the embedding ('embedding') and of every slot: row r of each belongs
         to the id mapped to r; rows from row_capacity on hold nothing yet."""
-        return {"embedding": self._weight, **{s: self._slots[s] for s in self.slot_names()}}
+        return self._store.columns()
 
     def export(self, ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
         """One consistent snapshot: ids (row order unless given), their embedding rows and every slot."""
         if ids is None:
             ids, rows = self.id_rows()
         else:
-            _check_ids(ids, "HashTable.export")
+            check_ids(ids, "HashTable.export")
             rows = self.lookup(ids, insert=False)
             if bool((rows < 0).any()):
                 raise UsageError(f"table {self.table_name!r}: export of ids that are not in the table")
@@ -333,7 +292,7 @@ class HashTable(torch.nn.Module):
         other = HashTable(self.embedding_dim, self.table_name, dtype=self._dtype, device=self._device,
                           init_std=self.init_std, seed=self.seed, id_map=self._id_map_kind)
         for slot in self.slot_names():
-            other.add_slot(slot, self._slot_init[slot])
+            other.add_slot(slot, self.slot_init(slot))
         if copy_rows and len(self):
             ids, values, slots = self.export()
             other.load_rows(ids, values, slots, clear=True)
@@ -352,12 +311,11 @@ class HashTable(torch.nn.Module):
         self._set_contents(other._contents())  # noqa: SLF001 (same class)
         other._set_contents(mine)  # noqa: SLF001 (same class)
 
-    def _contents(self) -> Tuple[Any, torch.Tensor, Dict[str, torch.Tensor], Dict[str, float], List[Any]]:
-        return self._map, self._weight, self._slots, self._slot_init, self._grads
+    def _contents(self) -> Tuple[Any, RowStorage, RowGrads]:
+        return self._map, self._store, self._grads
 
-    def _set_contents(self, contents: Tuple[Any, torch.Tensor, Dict[str, torch.Tensor], Dict[str, float],
-                                            List[Any]]) -> None:
-        self._map, self._weight, self._slots, self._slot_init, self._grads = contents
+    def _set_contents(self, contents: Tuple[Any, RowStorage, RowGrads]) -> None:
+        self._map, self._store, self._grads = contents
 
     def prepare_load(self, ids: torch.Tensor, columns: List[str],
                      fill: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None,
@@ -375,19 +333,11 @@ class HashTable(torch.nn.Module):
         n = ids.numel()
         # Filled on 4 KB pages (a huge page is zeroed whole before the read overwrites it: an extra
         # pass over memory), advised for huge pages after the fill.
-        self._ensure_capacity(n, huge_pages=False)
         self._map.reserve(n)
         if self._partition is not None:
             self._check_owned(ids)
-        for slot in columns:
-            if slot != "embedding" and slot not in self._slots:
-                self.add_slot(slot)
-        if "embedding" not in columns:
-            self._weight[:n] = self.initial_rows(ids).to(device=self._device, dtype=self._dtype)
-        for slot, storage in self._slots.items():
-            if slot not in columns:
-                storage[:n] = self._slot_init[slot]
-        views = {c: (self._weight if c == "embedding" else self._slots[c])[:n] for c in columns}
+        initial = self.initial_rows(ids) if "embedding" not in columns else torch.empty(0)
+        views = self._store.restore_views(n, columns, initial)
         # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
             filled = pool.submit(fill, views) if pool and fill else None
@@ -402,8 +352,7 @@ class HashTable(torch.nn.Module):
             if error is not None:
                 raise error
             return None
-        for storage in [self._weight, *self._slots.values()]:
-            advise_hugepages(storage)
+        self._store.advise_hugepages()
         return views
 
     def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:
@@ -448,20 +397,8 @@ class HashTable(torch.nn.Module):
             self._slots[slot][rows] = t.to(device=self._device, dtype=self._slots[slot].dtype)
 
 
-def _grow(t: torch.Tensor, rows: int, huge_pages: bool = True) -> torch.Tensor:
-    # New rows are left uninitialised: a row is written (_init_rows, a load) when an id takes it,
-    # and nothing reads rows no id has taken — filling them would only add a pass over memory.
-    out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    if huge_pages:
-        advise_hugepages(out)
-    out[: t.shape[0]] = t
-    return out
-
-
 def split_sparse_dense_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, "HashTable"], Dict[str, Any]]:
-    """(sparse, dense): HashTable entries and everything else. The input is not modified."""
-    sparse = {k: v for k, v in state_dict.items() if isinstance(v, HashTable)}
-    dense = {k: v for k, v in state_dict.items() if not isinstance(v, HashTable)}
-    return sparse, dense
-
-
+    """(sparse, dense): the HashTable entries keyed by their checkpoint names (the table's name,
+    else its module path: key ``emb.user.table`` -> ``emb.user``), and every other entry under its
+    key. UsageError when two different tables would share a name. The input is not modified."""
+    return tablestate.split(state_dict, HashTable)

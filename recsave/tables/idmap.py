@@ -13,12 +13,13 @@ and therefore its checkpoints, do not depend on which map it uses.
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Any, Tuple
 
 import torch
 
 from recsave import _C, knobs
-from recsave.errors import UsageError
+from recsave.argcheck import fail as type_error
+from recsave.errors import ArgumentTypeError, UsageError
 
 # murmur3 fmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap).
 _FMIX_1 = 0xFF51AFD7ED558CCD - (1 << 64)
@@ -243,6 +244,15 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def check_ids(ids: Any, where: str) -> None:
+    """Ids are an int64 tensor; anything else is an ArgumentTypeError naming `ids` and `where`."""
+    if not isinstance(ids, torch.Tensor):
+        raise type_error(where, "ids", "an int64 tensor", ids)
+    if ids.dtype != torch.int64:
+        raise ArgumentTypeError(f"{where}: ids must be an int64 tensor, got {str(ids.dtype)[6:]} tensor "
+                                f"(convert with ids.long() if the values are ids)", key="ids")
 
 
 def flat_ids(ids: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ _TABLES = "an nn.Module, a HashTable or an iterable of HashTables"
 
 def _collect_tables(model_or_tables: TablesArg, where: str) -> Dict[str, HashTable]:
     """name -> table. Names are the tables' own names, else their attribute path in the model (the
-    same key HashTable uses in state_dict, so optimizer state and table checkpoints line up)."""
+    names split_sparse_dense_state_dict gives them, so optimizer state and checkpoints line up)."""
     if isinstance(model_or_tables, HashTable):
         found = [(model_or_tables.table_name, model_or_tables)]
     elif isinstance(model_or_tables, torch.nn.Module):

@@ -12,7 +12,7 @@ by N ranks can be loaded by M: each reads the byte ranges of the buckets it owns
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -87,3 +87,17 @@ def route(ids: torch.Tensor, world_size: int, num_buckets: int = DEFAULT_NUM_BUC
     order = torch.argsort(owners, stable=True)
     counts = torch.bincount(owners, minlength=world_size).tolist()
     return order, counts
+
+
+def check_owned(ids: torch.Tensor, part: Tuple[int, int, int], table_name: Optional[str]) -> None:
+    """UsageError naming the table unless rank `part[0]` of `part[1]` (with `part[2]` buckets)
+    owns every id."""
+    rank, world, num_buckets = part
+    owners = owner_of(ids, world, num_buckets)
+    foreign = owners != rank
+    if bool(foreign.any()):
+        i = int(foreign.nonzero()[0])
+        raise UsageError(
+            f"table {table_name!r} is the shard of rank {rank} of {world}, but id {int(ids[i])} belongs "
+            f"to rank {int(owners[i])}; route ids to their owners with recsave.partition.route / "
+            f"owner_of before the lookup", key=table_name)

@@ -1,0 +1,97 @@
+"""The row storage behind a HashTable: the embedding and every slot, row-aligned, grown by doubling.
+
+Row r of every column belongs to the id the table's id map gives row r; rows no id has taken hold
+nothing meaningful. The table owns one ``RowStorage`` and decides which rows to write; this class
+only keeps the columns aligned as they grow.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from recsave.tables.memhint import advise_hugepages
+
+MIN_CAPACITY = 1024
+
+
+class RowStorage:
+    """Columns ``weight`` ([capacity, dim]) and ``slots`` (name -> [capacity, dim]), with the value
+    each slot takes in newly initialised rows (``slot_init``)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device):
+        self.weight = torch.empty(0, dim, dtype=dtype, device=device)
+        self.slots: Dict[str, torch.Tensor] = {}
+        self.slot_init: Dict[str, float] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.weight.shape[0]
+
+    def slot_names(self) -> List[str]:
+        return sorted(self.slots)
+
+    def add_slot(self, slot: str, init: float) -> None:
+        """A new slot filled with `init` (an existing one only takes `init` for later rows)."""
+        if slot not in self.slots:
+            self.slots[slot] = torch.full_like(self.weight, init)
+        self.slot_init[slot] = float(init)
+
+    def column(self, name: str) -> torch.Tensor:
+        """The whole storage of 'embedding' or of a slot."""
+        return self.weight if name == "embedding" else self.slots[name]
+
+    def columns(self) -> Dict[str, torch.Tensor]:
+        return {"embedding": self.weight, **{s: self.slots[s] for s in self.slot_names()}}
+
+    def ensure_capacity(self, rows: int, huge_pages: bool = True) -> None:
+        cap = self.capacity
+        if rows <= cap:
+            return
+        new_cap = max(rows, 2 * cap, MIN_CAPACITY)  # doubling: amortised O(1) copies per row
+        self.weight = _grow(self.weight, new_cap, huge_pages)
+        for slot, storage in self.slots.items():
+            self.slots[slot] = _grow(storage, new_cap, huge_pages)
+
+    def init_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes `values` as the embedding of `rows` (on the storage's device) and every slot's
+        init value into them."""
+        self.weight[rows] = values.to(device=self.weight.device, dtype=self.weight.dtype)
+        for slot, storage in self.slots.items():
+            storage[rows] = self.slot_init[slot]
+
+    def restore_views(self, n: int, columns: List[str], initial: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Rows [0, n) of `columns` ('embedding' and / or slots, added if new) to restore into;
+        the other columns' rows [0, n) take their initial values (`initial` for the embedding).
+        Grown on 4 KB pages: a huge page is zeroed whole before the read overwrites it (an extra
+        pass over memory); call advise_hugepages() after the fill."""
+        self.ensure_capacity(n, huge_pages=False)
+        for slot in columns:
+            if slot != "embedding" and slot not in self.slots:
+                self.add_slot(slot, 0.0)
+        if "embedding" not in columns:
+            self.weight[:n] = initial.to(device=self.weight.device, dtype=self.weight.dtype)
+        for slot, storage in self.slots.items():
+            if slot not in columns:
+                storage[:n] = self.slot_init[slot]
+        return {c: self.column(c)[:n] for c in columns}
+
+    def gather(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Copies (CPU) of the embedding and of every slot at `rows`."""
+        rows_d = rows.to(self.weight.device)
+        values = self.weight.index_select(0, rows_d).cpu()
+        return values, {s: t.index_select(0, rows_d).cpu() for s, t in self.slots.items()}
+
+    def advise_hugepages(self) -> None:
+        for storage in [self.weight, *self.slots.values()]:
+            advise_hugepages(storage)
+
+
+def _grow(t: torch.Tensor, rows: int, huge_pages: bool = True) -> torch.Tensor:
+    # New rows are left uninitialised: a row is written (init_rows, a load) when an id takes it,
+    # and nothing reads rows no id has taken — filling them would only add a pass over memory.
+    out = torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    if huge_pages:
+        advise_hugepages(out)
+    out[: t.shape[0]] = t
+    return out

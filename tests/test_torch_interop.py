@@ -1,0 +1,257 @@
+"""HashTables fit PyTorch: load_state_dict, torch.save / pickle, copy.deepcopy and DCP
+(docs/API.md, "PyTorch interop")."""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import recsave
+from recsave import HashTable
+from recsave.tables.optim import SparseAdagrad
+
+torch.set_num_threads(1)
+
+
+class Tower(torch.nn.Module):
+    """A named table and an unnamed one inside a submodule, and a dense layer."""
+
+    def __init__(self, dim: int = 4, id_map: str = "auto", seed: int = 0):
+        super().__init__()
+        self.emb = torch.nn.Module()
+        self.emb.user = HashTable(dim, name="user", seed=seed + 1, id_map=id_map)
+        self.emb.anon = HashTable(dim, seed=seed + 2, id_map=id_map)
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(dim, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb.user(ids) + self.emb.anon(ids * 7)).sum()
+
+
+def trained(id_map: str = "auto", steps: int = 3, seed: int = 0) -> tuple:
+    model = Tower(id_map=id_map, seed=seed)
+    opt = SparseAdagrad(model, lr=0.1)
+    for step in range(steps):
+        model(torch.arange(step * 5, step * 5 + 9, dtype=torch.int64) * 1_000_003).backward()
+        opt.step()
+        opt.zero_grad()
+    model.emb.user.delete(torch.tensor([5_000_015]))  # a freed row in the middle
+    return model, opt
+
+
+def table_contents(table: HashTable) -> dict:
+    ids, values, slots = table.export()
+    return {"ids": ids, "embedding": values, **slots}
+
+
+def assert_tables_equal(a: HashTable, b: HashTable) -> None:
+    ca, cb = table_contents(a), table_contents(b)
+    assert sorted(ca) == sorted(cb)
+    for k in ca:
+        assert torch.equal(ca[k], cb[k]), k
+    assert [a.slot_init(s) for s in a.slot_names()] == [b.slot_init(s) for s in b.slot_names()]
+
+
+def assert_models_equal(a: Tower, b: Tower) -> None:
+    assert_tables_equal(a.emb.user, b.emb.user)
+    assert_tables_equal(a.emb.anon, b.emb.anon)
+    assert torch.equal(a.lin.weight, b.lin.weight) and torch.equal(a.lin.bias, b.lin.bias)
+
+
+# ------------------------------------------------------------------------------ state_dict
+def test_state_dict_keys_live_under_the_module_path_and_split_keeps_checkpoint_names():
+    model, _ = trained()
+    sd = model.state_dict()
+    assert set(sd) == {"emb.user.table", "emb.anon.table", "lin.weight", "lin.bias"}
+    assert sd["emb.user.table"] is model.emb.user
+    sparse, dense = recsave.split_sparse_dense_state_dict(sd)
+    assert sparse == {"user": model.emb.user, "emb.anon": model.emb.anon}
+    assert set(dense) == {"lin.weight", "lin.bias"}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_round_trips_tables_exactly(strict):
+    a, _ = trained()
+    b = Tower(seed=9)
+    SparseAdagrad(b, lr=0.1)
+    result = b.load_state_dict(a.state_dict(), strict=strict)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert len(b.emb.user) == len(a.emb.user) > 0
+    assert_models_equal(a, b)
+
+
+def test_load_state_dict_creates_slots_with_their_init_values():
+    a, _ = trained()
+    b = Tower()  # no optimizer: no slots yet
+    b.load_state_dict(a.state_dict())
+    assert b.emb.user.slot_names() == ["adagrad_acc"]
+    assert_models_equal(a, b)
+
+
+def test_load_state_dict_of_a_root_table_and_of_itself():
+    a, _ = trained()
+    t = HashTable(4, name="user", seed=1)
+    assert list(a.emb.user.state_dict()) == ["table"]
+    t.load_state_dict(a.emb.user.state_dict())
+    assert_tables_equal(a.emb.user, t)
+    before = table_contents(t)
+    t.load_state_dict(t.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in table_contents(t).items())
+
+
+def test_missing_table_is_reported_strict_and_non_strict():
+    a, _ = trained()
+    b = Tower(seed=3)
+    sd = a.state_dict()
+    del sd["emb.anon.table"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "emb.anon.table"'):
+        b.load_state_dict(sd)
+    c = Tower(seed=3)
+    result = c.load_state_dict(sd, strict=False)
+    assert result.missing_keys == ["emb.anon.table"] and result.unexpected_keys == []
+    assert_tables_equal(a.emb.user, c.emb.user)
+    assert len(c.emb.anon) == 0
+
+
+def test_unexpected_keys_under_a_table_are_reported():
+    a, _ = trained()
+    sd = dict(a.state_dict(), **{"emb.user.ids": torch.zeros(3, dtype=torch.int64)})
+    result = Tower().load_state_dict(sd, strict=False)
+    assert result.unexpected_keys == ["emb.user.ids"]
+
+
+@pytest.mark.parametrize("entry, message", [
+    (lambda: torch.zeros(3), "emb.user.table: expected a HashTable, got Tensor"),
+    (lambda: HashTable(5), "emb.user.table: the state holds a table of dim 5, float32; "
+                           "this table is dim 4, float32"),
+    (lambda: HashTable(4, dtype=torch.float64), "emb.user.table: the state holds a table of dim 4, "
+                                                "float64; this table is dim 4, float32"),
+])
+def test_mismatched_entry_names_the_key_and_changes_nothing(entry, message):
+    a, _ = trained()
+    b, _ = trained(seed=4)
+    before = table_contents(b.emb.user)
+    sd = dict(a.state_dict(), **{"emb.user.table": entry()})
+    for strict in (True, False):
+        with pytest.raises(RuntimeError) as err:
+            b.load_state_dict(sd, strict=strict)
+        assert message in str(err.value)
+    assert all(torch.equal(before[k], v) for k, v in table_contents(b.emb.user).items())
+
+
+def test_split_refuses_two_tables_under_one_checkpoint_name():
+    model = torch.nn.Module()
+    model.a = HashTable(4, name="same")
+    model.b = HashTable(4, name="same")
+    with pytest.raises(recsave.UsageError, match="'same'.*'a.table' and 'b.table'"):
+        recsave.split_sparse_dense_state_dict(model.state_dict())
+
+
+# ----------------------------------------------------------------------- pickle / deepcopy
+@pytest.mark.parametrize("id_map", ["cpu", "tensor"])
+def test_torch_save_of_a_state_dict_round_trips(tmp_path, id_map):
+    a, _ = trained(id_map)
+    torch.save(a.state_dict(), tmp_path / "sd.pt")
+    sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+    assert isinstance(sd["emb.user.table"], HashTable)
+    assert_tables_equal(a.emb.user, sd["emb.user.table"])
+    b = Tower(id_map=id_map, seed=5)
+    b.load_state_dict(sd)
+    assert_models_equal(a, b)
+
+
+@pytest.mark.parametrize("id_map", ["cpu", "tensor"])
+def test_pickled_table_keeps_its_configuration(id_map):
+    a, _ = trained(id_map)
+    a.emb.user.set_partition(0, 2)
+    a.eval()
+    t = pickle.loads(pickle.dumps(a.emb.user))
+    assert (t.embedding_dim, t.name, t.dtype, t.device, t.init_std, t.seed, t.partition, t.training) == \
+        (4, "user", torch.float32, torch.device("cpu"), 0.01, 1, (0, 2, 4096), False)
+    assert type(t.lookup(torch.tensor([1]), insert=False)) is torch.Tensor
+    assert_tables_equal(a.emb.user, t)
+    new = torch.tensor([123456789])
+    assert torch.equal(t.initial_rows(new), a.emb.user.initial_rows(new))
+
+
+@pytest.mark.parametrize("id_map", ["cpu", "tensor"])
+def test_deepcopy_is_exact_and_independent(id_map):
+    a, _ = trained(id_map)
+    before = {k: v.clone() for k, v in table_contents(a.emb.user).items()}
+    b = copy.deepcopy(a)
+    assert_models_equal(a, b)
+    assert b.emb.user is not a.emb.user
+    opt_b = SparseAdagrad(b, lr=0.5)
+    b(torch.arange(100, 120, dtype=torch.int64)).backward()
+    opt_b.step()
+    assert len(b.emb.user) > len(a.emb.user)
+    after = table_contents(a.emb.user)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_weights_only_load_refuses_a_pickled_table(tmp_path):
+    a, _ = trained()
+    torch.save(a.state_dict(), tmp_path / "sd.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "sd.pt", weights_only=True)
+
+
+def test_plain_state_dict_loads_with_weights_only(tmp_path):
+    a, _ = trained()
+    plain = recsave.to_dcp_state_dict(a)
+    assert set(plain) == {"emb.user.table.ids", "emb.user.table.embedding", "emb.user.table.slot.adagrad_acc",
+                          "emb.anon.table.ids", "emb.anon.table.embedding", "emb.anon.table.slot.adagrad_acc",
+                          "lin.weight", "lin.bias"}
+    assert all(type(v) is torch.Tensor for v in plain.values())
+    buf = io.BytesIO()
+    torch.save(plain, buf)
+    buf.seek(0)
+    b = Tower(seed=6)
+    recsave.from_dcp_state_dict(b, torch.load(buf, weights_only=True))
+    assert_models_equal(a, b)
+
+
+def test_plain_state_dict_missing_table_raises_naming_it():
+    a, _ = trained()
+    plain = recsave.to_dcp_state_dict(a)
+    del plain["emb.anon.table.embedding"]
+    b = Tower(seed=6)
+    with pytest.raises(recsave.UsageError, match="emb.anon.table.embedding"):
+        recsave.from_dcp_state_dict(b, plain)
+    assert len(b.emb.user) == 0  # nothing loaded
+    plain = {k: v for k, v in recsave.to_dcp_state_dict(a).items() if not k.startswith("emb.anon.")}
+    with pytest.raises(recsave.UsageError, match=r"missing \['emb.anon.table'\], unexpected \[\]"):
+        recsave.from_dcp_state_dict(b, plain)
+    result = recsave.from_dcp_state_dict(b, plain, strict=False)
+    assert result.missing_keys == ["emb.anon.table"] and result.unexpected_keys == []
+    assert_tables_equal(a.emb.user, b.emb.user)
+
+
+# ---------------------------------------------------------------------------------------- DCP
+def test_dcp_save_load_round_trip(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    a, _ = trained()
+    path = str(tmp_path / "dcp")
+    b = Tower(seed=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(recsave.to_dcp_state_dict(a), checkpoint_id=path)
+        reader = dcp.FileSystemReader(path)
+        dest = recsave.to_dcp_state_dict(b, metadata=reader.read_metadata())
+        dcp.load(dest, storage_reader=reader)
+    recsave.from_dcp_state_dict(b, dest)
+    assert_models_equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_table_pickles_and_deep_copies():
+    t = HashTable(4, name="g", device="cuda", seed=2)
+    t(torch.arange(10, dtype=torch.int64))
+    t.add_slot("acc", 0.5)
+    for other in (pickle.loads(pickle.dumps(t)), copy.deepcopy(t)):
+        assert other.device.type == "cuda"
+        assert_tables_equal(t, other)
