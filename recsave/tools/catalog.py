@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from recsave import _C, knobs
+from recsave import _C, argcheck, knobs
 from recsave.errors import CorruptCheckpointError, RecsaveError
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
@@ -19,6 +19,7 @@ from recsave.storage.lock import hold as hold_writer_lock
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds."""
+    argcheck.path(output_dir, "output_dir", "list_checkpoints")
     storage = get_storage(output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
@@ -34,6 +35,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
 
 def describe(ckpt: str) -> Dict[str, Any]:
     """What a checkpoint holds, from its index alone."""
+    argcheck.path(ckpt, "ckpt", "describe")
     src = open_source(ckpt)
     if not isinstance(src, CheckpointSource):
         raise RecsaveError(f"{ckpt} is a Parquet export, not a checkpoint", path=ckpt)
@@ -61,6 +63,9 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
     """Checks every file and every checksum of a checkpoint, reading in bounded chunks. Returns the
     problems found (empty: the checkpoint is intact). `on_start(total_bytes)` and `progress(bytes)`
     report progress."""
+    argcheck.path(ckpt, "ckpt", "verify")
+    argcheck.callback(progress, "progress", "verify")
+    argcheck.callback(on_start, "on_start", "verify")
     try:
         src = open_source(ckpt)
     except RecsaveError as exc:
