@@ -178,6 +178,15 @@ def _catalog(fn, *args, **kw):
 
 _V = torch.zeros(3, 4)
 _IDS = torch.arange(3)
+_TYPE = recsave.ArgumentTypeError
+
+
+def _entry(e):
+    return {"path": e["out"], "strict": False}  # the live table has a slot the checkpoint lacks
+
+
+def _plan(e):
+    return e["saver"].plan_model_bank([_entry(e)])
 
 # call -> (exception type, message fragment); every call leaves the table and output dir unchanged
 ENTRY_CASES = {
@@ -191,7 +200,7 @@ ENTRY_CASES = {
     "load_rows-slots-list": (lambda e: e["table"].load_rows(_IDS, _V, [_V]), recsave.ArgumentTypeError,
                              "load_rows: slots must be a dict of slot name -> tensor, got list"),
     "load_rows-slot-value-list": (lambda e: e["table"].load_rows(_IDS, _V, {"sgd_dummy": [1]}),
-                                  recsave.ArgumentTypeError, "slots must map slot names (str) to tensors, got str -> list"),
+                                  _TYPE, "slots must map slot names (str) to tensors, got str -> list"),
     "load_rows-clear": (lambda e: e["table"].load_rows(_IDS, _V, clear="no"), recsave.ArgumentTypeError,
                         "load_rows: clear must be a bool, got str"),
     "load_rows-ids": (lambda e: e["table"].load_rows([0, 1, 2], _V), recsave.ArgumentTypeError,
@@ -207,18 +216,16 @@ ENTRY_CASES = {
                            recsave.ShapeMismatchError, "slot 'sgd_dummy' has (2, 4) rows for 3 ids"),
     "load_model_bank-str-entry": (lambda e: e["saver"].load_model_bank([e["out"]]), recsave.ConfigError,
                                   "model bank entry 0 must be a dict like {'path': ...}"),
-    "manager-load_model_bank-str-entry": (lambda e: e["mgr"].load_model_bank([{"path": e["out"], "strict": False}, e["out"]]),
+    "manager-load_model_bank-str-entry": (lambda e: e["mgr"].load_model_bank([_entry(e), e["out"]]),
                                           recsave.ConfigError, "model bank entry 1 must be a dict like {'path': ...}"),
     "plan_model_bank-None-entry": (lambda e: e["saver"].plan_model_bank([5]), recsave.ConfigError,
                                    "model bank entry 0 must be a dict like {'path': ...}"),
     "load_model_bank-shard_id": (lambda e: e["saver"].load_model_bank([{"path": e["out"]}], shard_id="0"),
-                                 recsave.ArgumentTypeError, "plan_model_bank: shard_id must be an int or None, got str"),
-    "execute_plan-only-type": (lambda e: e["saver"].execute_plan(e["saver"].plan_model_bank([{"path": e["out"], "strict": False}]),
-                                                                 only="t"),
+                                 _TYPE, "plan_model_bank: shard_id must be an int or None, got str"),
+    "execute_plan-only-type": (lambda e: e["saver"].execute_plan(_plan(e), only="t"),
                                recsave.ArgumentTypeError, "execute_plan: only must be a set of model names"),
-    "execute_plan-only-unknown": (lambda e: e["saver"].execute_plan(e["saver"].plan_model_bank([{"path": e["out"], "strict": False}]),
-                                                                    only={"t", "nope"}),
-                                  UsageError, "only names 'nope' that the plan does not load; it loads ['global_step', 't']"),
+    "execute_plan-only-unknown": (lambda e: e["saver"].execute_plan(_plan(e), only={"t", "nope"}), UsageError,
+                                  "only names 'nope' that the plan does not load; it loads ['global_step', 't']"),
     "restore-fallback-str": (lambda e: e["mgr"].restore(fallback="no"), recsave.ArgumentTypeError,
                              "restore: fallback must be a bool, got str 'no'"),
     "to_parquet-out_dir-None": (lambda e: _export(e, out=None, ckpt=None), recsave.ArgumentTypeError,
