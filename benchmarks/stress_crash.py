@@ -2,6 +2,8 @@
 latest committed checkpoint always restores bit for bit and that the job carries on from it.
 
     python benchmarks/stress_crash.py [--trials 200] [--seed 0] [--save-interval 2] [--json PATH]
+    python benchmarks/stress_crash.py --mode load [--trials 200] [--seed 0]   (faults during loads:
+        benchmarks/stress_load.py)
 
 The job is the small CTR job of tests/helpers.py (two hash tables with Adagrad slots, batch norm,
 MLP, Adam registered as an extra, a reader registered as io state) driven by a CheckpointManager with
@@ -470,7 +472,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--horizon", type=int, default=120, help="steps of the reference run")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--mode", choices=["save", "load"], default="save",
+                    help="save: SIGKILL during autosaves; load: faults inside loads (stress_load.py)")
     args = ap.parse_args(argv)
+    if args.mode == "load":
+        import stress_load  # benchmarks/stress_load.py
+
+        s = stress_load.run(args.trials, args.seed, verbose=args.verbose)
+        stress_load.print_summary(s)
+        return C.finish(s, args.json)
     s = run(args.trials, args.seed, args.save_interval, horizon=args.horizon, verbose=args.verbose)
     print_summary(s)
     return C.finish(s, args.json)

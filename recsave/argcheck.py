@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Optional, Tuple, Type, Union
 
-from recsave.errors import ArgumentTypeError
+from recsave.errors import ArgumentTypeError, UsageError
 
 Kind = Union[Type[Any], Tuple[Type[Any], ...]]
 
@@ -32,3 +32,19 @@ def check(value: Any, kind: Kind, arg: str, where: str, *, optional: bool = Fals
         return value
     want = expected or " or ".join(_NAMES.get(k, f"a {k.__name__}") for k in kinds)
     raise fail(where, arg, want + (" or None" if optional else ""), value)
+
+
+def path(value: Any, arg: str, where: str) -> str:
+    """A path argument: a str (ArgumentTypeError otherwise) that is not empty (UsageError)."""
+    check(value, str, arg, where, expected="a str (a local path or an fsspec URL)")
+    if not value:
+        raise UsageError(f"{where}: {arg} must name a directory (a local path or an fsspec URL), got ''",
+                         key=arg)
+    return value
+
+
+def callback(value: Any, arg: str, where: str) -> Any:
+    """An optional callable argument (None or a callable; ArgumentTypeError otherwise)."""
+    if value is not None and not callable(value):
+        raise fail(where, arg, "a callable or None", value)
+    return value

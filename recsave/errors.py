@@ -95,4 +95,9 @@ class WriterLockedError(RecsaveError, RuntimeError):
 
 
 class RankFailedError(RecsaveError, RuntimeError):
-    """Another rank failed (raised an error, died, or timed out) during a collective save or load."""
+    """Another rank failed (raised an error, died, or timed out) during a collective save or load.
+
+    ``collective_failed`` is True when a collective itself failed (a peer died or timed out), so
+    that the group cannot be used any more, False when every rank learnt of the failure."""
+
+    collective_failed: bool = False

@@ -6,7 +6,11 @@ Scenarios: ``save`` (build this rank's shard of a known table set and save it), 
 latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed`` / ``save_error``
 (rank 1 SIGKILLs itself / rank 2 raises in the middle of a second save; the others must raise),
 ``load_damaged`` (load into a model holding other rows; dump what each rank holds after).
-OUT_SCHEME=file makes the output dir a file:// URL (the fsspec path).
+``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
+of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
+shard_id=1). OUT_SCHEME=file makes the output dir a
+file:// URL (the fsspec path); PER_RANK_OUT=1 gives each rank its own output dir out_RANK (per-rank
+local disks).
 """
 import datetime
 import json
@@ -60,6 +64,8 @@ def build(work_dir):
     model = Model()
     opt = SparseAdagrad(model, lr=0.1)
     out = os.path.join(work_dir, "out")
+    if os.environ.get("PER_RANK_OUT"):
+        out = os.path.join(work_dir, f"out_{dist.get_rank()}")
     if os.environ.get("OUT_SCHEME") == "file":  # the fsspec path, shared by the ranks
         out = "file://" + out
     saver = Saver(model, sparse_optim=opt, output_dir=out, max_keep=2)
@@ -74,6 +80,15 @@ def fill(model, rank, world, offset=0.0):
     for salt, table in ((offset, model.user), (offset + 100.0, model.item)):
         table.set_partition(rank, world)
         table.load_rows(mine, expected_rows(mine, salt), {"adagrad_acc": expected_rows(mine, salt + 0.5)})
+
+
+def listing(root):
+    """Every path under root, directories marked with a trailing slash."""
+    out = []
+    for base, dirs, files in os.walk(root):
+        out += [os.path.relpath(os.path.join(base, d), root) + "/" for d in dirs]
+        out += [os.path.relpath(os.path.join(base, f), root) for f in files]
+    return sorted(out)
 
 
 def main():
@@ -102,6 +117,31 @@ def main():
                 # Skip interpreter teardown: with a peer gone, gloo's background threads can abort the
                 # process while static destructors run, which would hide the exit code under test.
                 os._exit(3)
+    elif scenario == "save_foreign":
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        out_dir = saver.output_dir.replace("file://", "")
+        with open(os.path.join(work_dir, f"listing_{rank}.json"), "w") as f:
+            json.dump(listing(out_dir), f)
+        if rank == 1:  # ids of rank 0 in the second table written ("user" sorts after "item")
+            ids = global_ids()
+            theirs = ids[partition.owner_of(ids, world) == 0][:10]
+            model.user.set_partition(0, 1)  # an unsharded table takes any id; the save shards it again
+            model.user.load_rows(theirs, expected_rows(theirs, 3.0), clear=False)
+        try:
+            saver.save("ckpt_2")
+        except recsave.RecsaveError as exc:
+            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            os._exit(3)
+    elif scenario == "save_as_rank1":  # every rank claims to be rank 1: rank 0 must refuse
+        fill(model, rank, world)
+        try:
+            saver.save("ckpt_1", shard_id=1, shard_num=world)
+        except recsave.RecsaveError as exc:
+            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            os._exit(3)
     elif scenario == "async_save":
         fill(model, rank, world)
         reader.position = 1000 + rank

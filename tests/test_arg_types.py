@@ -152,3 +152,120 @@ def test_argument_type_error_is_exported():
     assert issubclass(recsave.ArgumentTypeError, RecsaveError)
     assert issubclass(recsave.ArgumentTypeError, TypeError)
     assert "ArgumentTypeError" in recsave.__all__ and "ArgumentTypeError" in recsave.errors.__all__
+
+
+# ------------------------------------------------------------------ arguments checked at entry
+def _state(table):
+    ids, values, slots = table.export()
+    return ids.tolist(), values.tolist(), {k: v.tolist() for k, v in slots.items()}
+
+
+def _sharded_table_loading_foreign_ids(e):
+    e["table"].set_partition(0, 2)
+    theirs = torch.arange(1000)[recsave.partition.owner_of(torch.arange(1000), 2) == 1][:2]
+    e["table"].load_rows(theirs, torch.zeros(2, 4))
+
+
+def _export(e, out=None, **kw):
+    from recsave.tools.export import to_parquet
+    return to_parquet(kw.pop("ckpt", e["out"]), out if out is not None else os.path.join(e["out"], "..", "pq"), **kw)
+
+
+def _catalog(fn, *args, **kw):
+    from recsave.tools import catalog
+    return getattr(catalog, fn)(*args, **kw)
+
+
+_V = torch.zeros(3, 4)
+_IDS = torch.arange(3)
+_TYPE = recsave.ArgumentTypeError
+
+
+def _entry(e):
+    return {"path": e["out"], "strict": False}  # the live table has a slot the checkpoint lacks
+
+
+def _plan(e):
+    return e["saver"].plan_model_bank([_entry(e)])
+
+# call -> (exception type, message fragment); every call leaves the table and output dir unchanged
+ENTRY_CASES = {
+    "load_rows-unknown-slot": (lambda e: e["table"].load_rows(_IDS, _V, {"nope": _V}), UsageError,
+                               "table 't' has no slot(s) ['nope']; its slots: ['sgd_dummy']. Create a slot with "
+                               "add_slot(name, init) first"),
+    "load_rows-unknown-slot-merge": (lambda e: e["table"].load_rows(_IDS, _V, {"nope": _V}, clear=False),
+                                     UsageError, "has no slot(s) ['nope']"),
+    "load_rows-values-list": (lambda e: e["table"].load_rows(_IDS, [[0.0] * 4] * 3), recsave.ArgumentTypeError,
+                              "load_rows: values must be a [len(ids), embedding_dim] tensor, got list"),
+    "load_rows-slots-list": (lambda e: e["table"].load_rows(_IDS, _V, [_V]), recsave.ArgumentTypeError,
+                             "load_rows: slots must be a dict of slot name -> tensor, got list"),
+    "load_rows-slot-value-list": (lambda e: e["table"].load_rows(_IDS, _V, {"sgd_dummy": [1]}),
+                                  _TYPE, "slots must map slot names (str) to tensors, got str -> list"),
+    "load_rows-clear": (lambda e: e["table"].load_rows(_IDS, _V, clear="no"), recsave.ArgumentTypeError,
+                        "load_rows: clear must be a bool, got str"),
+    "load_rows-ids": (lambda e: e["table"].load_rows([0, 1, 2], _V), recsave.ArgumentTypeError,
+                      "load_rows: ids must be an int64 tensor, got list"),
+    "load_rows-foreign-ids": (_sharded_table_loading_foreign_ids, UsageError, "is the shard of rank 0 of 2"),
+    "set_slot_rows-unknown-slot": (lambda e: e["table"].set_slot_rows(_IDS, {"nope": _V}), UsageError,
+                                   "table 't' has no slot(s) ['nope']"),
+    "set_slot_rows-slots-str": (lambda e: e["table"].set_slot_rows(_IDS, "nope"), recsave.ArgumentTypeError,
+                                "set_slot_rows: slots must be a dict of slot name -> tensor, got str"),
+    "set_slot_rows-ids": (lambda e: e["table"].set_slot_rows([1], {}), recsave.ArgumentTypeError,
+                          "set_slot_rows: ids must be an int64 tensor, got list"),
+    "set_slot_rows-rows": (lambda e: e["table"].set_slot_rows(_IDS, {"sgd_dummy": torch.zeros(2, 4)}),
+                           recsave.ShapeMismatchError, "slot 'sgd_dummy' has (2, 4) rows for 3 ids"),
+    "load_model_bank-str-entry": (lambda e: e["saver"].load_model_bank([e["out"]]), recsave.ConfigError,
+                                  "model bank entry 0 must be a dict like {'path': ...}"),
+    "manager-load_model_bank-str-entry": (lambda e: e["mgr"].load_model_bank([_entry(e), e["out"]]),
+                                          recsave.ConfigError, "model bank entry 1 must be a dict like {'path': ...}"),
+    "plan_model_bank-None-entry": (lambda e: e["saver"].plan_model_bank([5]), recsave.ConfigError,
+                                   "model bank entry 0 must be a dict like {'path': ...}"),
+    "load_model_bank-shard_id": (lambda e: e["saver"].load_model_bank([{"path": e["out"]}], shard_id="0"),
+                                 _TYPE, "plan_model_bank: shard_id must be an int or None, got str"),
+    "execute_plan-only-type": (lambda e: e["saver"].execute_plan(_plan(e), only="t"),
+                               recsave.ArgumentTypeError, "execute_plan: only must be a set of model names"),
+    "execute_plan-only-unknown": (lambda e: e["saver"].execute_plan(_plan(e), only={"t", "nope"}), UsageError,
+                                  "only names 'nope' that the plan does not load; it loads ['global_step', 't']"),
+    "restore-fallback-str": (lambda e: e["mgr"].restore(fallback="no"), recsave.ArgumentTypeError,
+                             "restore: fallback must be a bool, got str 'no'"),
+    "to_parquet-out_dir-None": (lambda e: _export(e, out=None, ckpt=None), recsave.ArgumentTypeError,
+                                "to_parquet: ckpt must be a str"),
+    "to_parquet-out_dir": (lambda e: _export(e, out=5), recsave.ArgumentTypeError, "to_parquet: out_dir must be a str"),
+    "to_parquet-out_dir-empty": (lambda e: _export(e, out=""), UsageError,
+                                 "to_parquet: out_dir must name a directory"),
+    "to_parquet-tables-int": (lambda e: _export(e, tables=5), recsave.ArgumentTypeError,
+                              "to_parquet: tables must be a table name or a list of them"),
+    "to_parquet-tables-item": (lambda e: _export(e, tables=["t", 5]), recsave.ArgumentTypeError,
+                               "to_parquet: tables must be a list of table names (str), got int"),
+    "to_parquet-row_group_rows-str": (lambda e: _export(e, row_group_rows="5"), recsave.ArgumentTypeError,
+                                      "to_parquet: row_group_rows must be an int, got str"),
+    "to_parquet-row_group_rows-0": (lambda e: _export(e, row_group_rows=0), UsageError,
+                                    "row_group_rows must be a positive int, got 0"),
+    "to_parquet-rows_per_file-float": (lambda e: _export(e, rows_per_file=2.0), recsave.ArgumentTypeError,
+                                       "to_parquet: rows_per_file must be an int or None, got float"),
+    "to_parquet-progress": (lambda e: _export(e, progress=5), recsave.ArgumentTypeError,
+                            "to_parquet: progress must be a callable or None, got int"),
+    "list_checkpoints-None": (lambda e: _catalog("list_checkpoints", None), recsave.ArgumentTypeError,
+                              "list_checkpoints: output_dir must be a str"),
+    "list_checkpoints-empty": (lambda e: _catalog("list_checkpoints", ""), UsageError,
+                               "list_checkpoints: output_dir must name a directory"),
+    "describe-None": (lambda e: _catalog("describe", None), recsave.ArgumentTypeError, "describe: ckpt must be a str"),
+    "verify-None": (lambda e: _catalog("verify", None), recsave.ArgumentTypeError, "verify: ckpt must be a str"),
+    "verify-progress": (lambda e: _catalog("verify", e["out"], progress=5), recsave.ArgumentTypeError,
+                        "verify: progress must be a callable or None"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENTRY_CASES))
+def test_arguments_are_checked_where_they_enter(env, case):
+    call, exc_type, fragment = ENTRY_CASES[case]
+    env["table"].add_slot("sgd_dummy")
+    env["table"].set_slot_rows(_IDS, {"sgd_dummy": torch.ones(3, 4)})
+    before, listing = _state(env["table"]), sorted(os.listdir(os.path.dirname(env["out"])))
+    with pytest.raises(exc_type) as exc:
+        call(env)
+    assert fragment in str(exc.value)
+    assert type(exc.value) is exc_type  # not a subclass standing in for another kind of error
+    assert _state(env["table"]) == before
+    assert env["table"].slot_names() == ["sgd_dummy"]
+    assert sorted(os.listdir(os.path.dirname(env["out"]))) == listing

@@ -172,6 +172,7 @@ def test_half_precision_tables_round_trip_bit_for_bit(tmp_path, dtype, arrow_typ
     # Every bit pattern is fair game, NaN payloads and infinities included.
     values = torch.randint(-2**15, 2**15, (300, 6), dtype=torch.int16, generator=g).view(dtype)
     slot = torch.randint(-2**15, 2**15, (300, 6), dtype=torch.int16, generator=g).view(dtype)
+    model.emb.add_slot("acc")  # load_rows sets existing slots only
     model.emb.load_rows(ids, values, {"acc": slot})
     ck = recsave.Saver(model, output_dir=str(tmp_path / "run")).save("ckpt_1")
     out = str(tmp_path / "out")

@@ -26,6 +26,7 @@ def _single_table_checkpoint(out: str) -> str:
     model.lin = torch.nn.Linear(3, 2)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(-2**62, 2**62, (50,), generator=g)
+    model.emb.add_slot("acc")  # load_rows sets existing slots only
     model.emb.load_rows(ids, torch.randn(50, 6, generator=g), {"acc": torch.rand(50, 6, generator=g)})
     saver = recsave.Saver(model, output_dir=out)
     saver.register_io_state("reader", Reader(3))

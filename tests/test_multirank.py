@@ -11,7 +11,7 @@ import torch
 from recsave import partition
 from recsave.format import read_index
 
-from mr_worker import expected_rows, global_ids
+from mr_worker import expected_rows, global_ids, listing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.multirank
@@ -131,3 +131,31 @@ def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
             assert sorted(got["ids"].tolist()) == sorted(owned.tolist())
             assert torch.equal(got["values"], expected_rows(got["ids"], salt)), (r, name)
             assert torch.equal(got["acc"], expected_rows(got["ids"], salt + 0.5)), (r, name)
+
+
+@pytest.mark.parametrize("layout", ["shared", "per_rank"])
+def test_a_failed_save_leaves_every_ranks_output_dir_as_before(tmp_path, layout):
+    """Rank 1 holds ids of rank 0 in its second table (UsageError after its first table's files are
+    written): every rank removes what it created, on a shared output dir and on per-rank ones."""
+    codes, outs = run_ranks("save_foreign", 2, tmp_path, {"PER_RANK_OUT": "1"} if layout == "per_rank" else {})
+    assert codes == [3, 3], outs
+    assert "holds ids owned by other ranks" in (tmp_path / "error_1.txt").read_text()
+    assert "RankFailedError" in (tmp_path / "error_0.txt").read_text()
+
+    def stable(names):  # the writer lock's heartbeat may be caught in its temporary file
+        return [n for n in names if ".recsave-writer.lock.tmp" not in n]
+    for r in range(2):
+        out = tmp_path / ("out" if layout == "shared" else f"out_{r}")
+        before = json.loads((tmp_path / f"listing_{0 if layout == 'shared' else r}.json").read_text())
+        assert not (out / "ckpt_2").exists(), listing(out)
+        assert stable(listing(out)) == stable(before)
+
+
+def test_a_shard_id_other_than_the_group_rank_is_refused(tmp_path):
+    """Both ranks pass shard_id=1: without the check nobody commits, yet both saves return."""
+    codes, outs = run_ranks("save_as_rank1", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "5"})
+    assert codes == [3, 3], outs
+    assert "UsageError: cannot save as rank 1 of 2: this process is rank 0" in (tmp_path / "error_0.txt").read_text()
+    assert "RankFailedError" in (tmp_path / "error_1.txt").read_text()
+    assert not (tmp_path / "out" / "ckpt_1").exists()
+    assert not (tmp_path / "out" / "checkpoint").exists()

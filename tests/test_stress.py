@@ -1,4 +1,5 @@
-"""Short runs of the reliability tools in benchmarks/: SIGKILL during autosave (stress_crash.py) and
+"""Short runs of the reliability tools in benchmarks/: SIGKILL during autosave and faults during loads
+(stress_crash.py, --mode load) and
 corruption fuzzing of the reader (fuzz.py). Each runs as its own process (it forks jobs after
 importing torch, and this test process has used the C++ engine's thread pool already)."""
 from __future__ import annotations
@@ -33,6 +34,15 @@ def test_sigkill_during_autosave_never_loses_the_last_checkpoint(tmp_path):
     point_kills = sum(n for name, n in s["kill_points"].items() if not name.startswith("delay"))
     assert point_kills >= 5, text
     assert s["restores_verified"] >= s["trials"] // 2, text
+
+
+def test_faults_inside_loads_leave_the_model_before_or_loaded_never_mixed(tmp_path):
+    s, text = _run("stress_crash.py", ["--mode", "load", "--trials", "40", "--seed", "7"], tmp_path)
+    assert s["mode"] == "load" and s["trials"] == 40
+    assert s["failures"] == [], text
+    assert s["faults_fired"] >= 30, text
+    assert set(s["outcomes"]) <= {"unchanged", "loaded"}, text
+    assert len({name.split(":")[0] for name in s["kill_points"]}) == 3, text  # restore, load, bank
 
 
 def test_corrupted_checkpoints_raise_or_load_identical(tmp_path):

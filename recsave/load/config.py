@@ -39,9 +39,11 @@ class LoadConf:
 def parse(conf: Optional[Mapping[str, Any]], *, where: str = "load_conf", path: Optional[str] = None,
           require_path: bool = False) -> LoadConf:
     """Validates a config dict; ConfigError names the offending key and what to do."""
+    if conf is not None and not isinstance(conf, Mapping):
+        shown = repr(conf) if len(repr(conf)) <= 60 else repr(conf)[:57] + "..."
+        raise ConfigError(f"{where} must be a dict like {{'path': ...}} (keys: {list(ENTRY_KEYS)}), got "
+                          f"{type(conf).__name__} {shown}")
     conf = dict(conf or {})
-    if not isinstance(conf, dict):
-        raise ConfigError(f"{where} must be a dict, got {type(conf).__name__}")
     unknown = sorted(set(conf) - set(ENTRY_KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {list(ENTRY_KEYS)}")

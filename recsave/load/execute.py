@@ -105,6 +105,9 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             ids, data = src.read_table(src_table, list(columns.values()), rank, world, target.concurrency)
             values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
             slot_values = {c: v for c, v in values.items() if c != "embedding"}
+            for slot in slot_values:  # a slot of the checkpoint the live table lacks is created
+                if slot not in table.slot_names():
+                    table.add_slot(slot)
             if has_embedding:
                 table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear)
                 loaded_rows = ids.numel()

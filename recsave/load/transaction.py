@@ -57,19 +57,19 @@ class LoadTransaction:
         """Applies every staged change in order (tables, dense, then the calls); on an error undoes
         what it applied and re-raises."""
         try:
+            # Each undo is registered before its change: an error (or an interrupt) that lands
+            # right after a change, or half way through it, is undone too.
             for name, scratch in self._scratch.items():
                 live = self._tables[name]
-                before = live.partition
+                self._undo.append((f"table {name}", _swap_back(live, scratch, live.partition)))
                 live.swap_contents(scratch)
                 if name in self._partitions:
                     live.set_partition(*self._partitions[name])
-                self._undo.append((f"table {name}", _swap_back(live, scratch, before)))
             for name, value in self._dense_values.items():
                 target = self._dense[name]
-                old = target.detach().clone()
+                self._undo.append((f"dense {name}", _copy_back(target, target.detach().clone())))
                 with torch.no_grad():
                     target.copy_(value)
-                self._undo.append((f"dense {name}", _copy_back(target, old)))
             for what, change in self._changes:
                 self._undo.append((what, change()))
         except BaseException:
@@ -116,10 +116,14 @@ def _guarded(change: Callable[[], Any], undo: Undo) -> Undo:
 
 
 def _swap_back(live: HashTable, scratch: HashTable, partition: Optional[Tuple[int, int, int]]) -> Undo:
+    """Swaps back, only when the staged contents are in `live` (the swap may not have happened)."""
+    staged = scratch.columns()["embedding"]
+
     def undo() -> None:
-        live.swap_contents(scratch)
-        if partition is not None:
-            live.set_partition(*partition)
+        if live.columns()["embedding"] is staged:
+            live.swap_contents(scratch)
+        if live.partition != partition:
+            live.set_partition(*(partition or (0, 1)))  # a world of 1: no partition
     return undo
 
 

@@ -3,9 +3,11 @@ docs/ARCHITECTURE.md, "A save"): shard files and io state of every rank, then on
 extra.pt, the index (the commit point) and the `checkpoint` list, then pruning."""
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from recsave import knobs, threads
@@ -31,6 +33,13 @@ def io_state_file(rank: int) -> str:
     return f"io_state_{rank}.pt"
 
 
+@dataclass
+class _Made:
+    """What one rank created for a save: its files, and whether it created the directory."""
+    directory: bool = False
+    files: List[str] = field(default_factory=list)
+
+
 class CheckpointWriter:
     """Writes checkpoints into `output_dir` and keeps its `checkpoint` list and max_keep rotation.
 
@@ -51,23 +60,65 @@ class CheckpointWriter:
 
     def write(self, ckpt_id: str, state: SaveState, rank: int, world: int) -> str:
         """Writes `state` as checkpoint `ckpt_id` on every rank and commits it; returns its path.
-        On failure rank 0 removes the partial directory; the previous checkpoint stays latest."""
+        On failure every rank removes the files and directory it created, then rank 0 the partial
+        directory (_clean_up_failed); the previous checkpoint stays latest."""
         ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
-        dist.run_everywhere(f"preparing {ckpt_dir}", lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
-                            only_rank0=True, rank=rank)
+        made = _Made()
+        stage = "prepare"
         try:
-            self.storage.makedirs(ckpt_dir)
+            dist.run_everywhere(f"preparing {ckpt_dir}", lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
+                                only_rank0=True, rank=rank)
+            stage = "write"
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
-                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world), world)
+                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
             parts = dist.gather_objects(mine, world)
+            stage = "commit"
             dist.run_everywhere(f"committing {ckpt_dir}",
                                 lambda: self._commit(ckpt_dir, ckpt_id, parts, state, world),
                                 world, only_rank0=True, rank=rank)
-        except BaseException:
-            if rank == 0:
-                self._discard_uncommitted(ckpt_dir, ckpt_id)
+        except BaseException as exc:
+            if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
+                self._clean_up_failed(ckpt_dir, ckpt_id, made, rank, world, stage == "commit",
+                                      not getattr(exc, "collective_failed", False))
             raise
         return ckpt_dir
+
+    def _clean_up_failed(self, ckpt_dir: str, ckpt_id: str, made: "_Made", rank: int, world: int,
+                         committing: bool, group_usable: bool) -> None:
+        """Best effort, never raising (the save's own error is the one to report): removes what
+        this rank created for a failed save, unless the failure came after rank 0 listed it.
+
+        Every rank but 0 removes its files, and the directory when it created it and it is empty
+        (per-rank local disks each have their own output dir); after all ranks are done, rank 0
+        removes the whole directory. With a broken group (a dead peer) nothing waits for the
+        others, and a rank other than 0 keeps its files when the failure came during the commit."""
+        collective = group_usable and world > 1
+        try:
+            if committing:
+                verdict: Optional[bool] = self._listed(ckpt_id) if rank == 0 else None
+                if collective:
+                    verdict = dist.gather_objects(verdict, world)[0]
+                if verdict is not False:  # listed, or unknown: keep everything
+                    return
+            if rank != 0:
+                for path in made.files:
+                    with contextlib.suppress(Exception):
+                        self.storage.remove_file(path)
+                if made.directory and not self.storage.listdir(ckpt_dir):
+                    self.storage.remove_tree(ckpt_dir)
+            if collective:
+                dist.barrier(world)
+            if rank == 0:
+                self._discard_uncommitted(ckpt_dir, ckpt_id)
+        except Exception:  # the original error matters more; the next save cleans leftovers
+            pass
+
+    def _listed(self, ckpt_id: str) -> Optional[bool]:
+        """Whether `ckpt_id` is in the `checkpoint` list (None when the list cannot be read)."""
+        try:
+            return ckpt_id in ckptlist.read(self.storage, self.output_dir)
+        except Exception:
+            return None
 
     def close(self) -> None:
         """Releases the writer lock (a later write takes it again)."""
@@ -107,8 +158,10 @@ class CheckpointWriter:
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
 
-    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int
+    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int, made: "_Made"
                           ) -> Tuple[IndexPart, Dict[str, int]]:
+        made.directory = not self.storage.exists(ckpt_dir)
+        self.storage.makedirs(ckpt_dir)
         part = index_mod.new_part(rank)
         rows: Dict[str, int] = {}
         names = sorted(state.tables)
@@ -130,12 +183,14 @@ class CheckpointWriter:
                     layout = upcoming.result()
                     upcoming = order(k + 1) if k + 1 < len(names) else None
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
+                    made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
                     rows[name] = layout.num_rows
                     part = part.joined(table_part)
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
                     futures_wait([upcoming])
                 raise
+        made.files.append(self.storage.join(ckpt_dir, io_state_file(rank)))
         part = part.with_files({io_state_file(rank): torchio.save(self.storage, ckpt_dir, io_state_file(rank),
                                                                   state.io_state, rank)})
         return part, rows

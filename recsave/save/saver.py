@@ -311,11 +311,20 @@ class Saver:
         """Dry run of load_model_bank: resolves every entry and lists, per name, the source, rows and
         bytes to read, and what stays initialised. Reads only indexes; changes nothing."""
         check(entries, (list, tuple), "entries", "plan_model_bank", expected="a list of entry dicts")
+        check(shard_id, int, "shard_id", "plan_model_bank", optional=True)
         return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True)
 
     def execute_plan(self, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
         """Carries out a plan made by plan_model_bank (only for the model names in `only`, when
         given). A pending async write is waited for first (its error stays pending)."""
         check(plan, LoadPlan, "plan", "execute_plan", expected="a LoadPlan (from plan_model_bank)")
+        check(only, (set, frozenset, list, tuple), "only", "execute_plan", optional=True,
+              expected="a set of model names")
+        if only is not None:
+            only = set(only)
+            odd = sorted(repr(n) for n in only if not isinstance(n, str) or n not in plan.items)
+            if odd:
+                raise UsageError(f"execute_plan: only names {', '.join(odd)} that the plan does not load; it "
+                                 f"loads {sorted(plan.items)}", key="only")
         self._background.collect(consume=False)
         return execute(self._target(), plan, only)

@@ -24,17 +24,34 @@ def initialized() -> bool:
     return torch_dist.is_available() and torch_dist.is_initialized()
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not an int; set it to this process's "
+                         f"{'rank' if name == 'RANK' else 'number of ranks'}, or unset it for a single "
+                         f"process") from None
+
+
 def resolve(shard_id: Optional[int] = None, shard_num: Optional[int] = None) -> Tuple[int, int]:
     """(rank, world_size) from the arguments, torch.distributed or the environment."""
     if initialized():
         rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
+        source = "torch.distributed"
     else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        source = "the environment (RANK / WORLD_SIZE)"
     rank = rank if shard_id is None else shard_id
     world = world if shard_num is None else shard_num
     if not isinstance(rank, int) or not isinstance(world, int) or world < 1 or not 0 <= rank < world:
-        raise UsageError(f"shard_id {rank!r} / shard_num {world!r} do not describe a rank of a world; "
-                         f"need 0 <= shard_id < shard_num")
+        given = "shard_id / shard_num" if shard_id is not None and shard_num is not None else \
+            f"shard_id / shard_num and {source}"
+        raise UsageError(f"rank {rank!r} of world size {world!r} (from {given}) is not a rank of a world; "
+                         f"need 0 <= rank < world size: pass shard_id and shard_num together, or set "
+                         f"RANK and WORLD_SIZE together")
     return rank, world
 
 
@@ -50,6 +67,11 @@ def require_group_for_save(rank: int, world_size: int) -> None:
             f"parts into one index; initialise torch.distributed (torch.distributed.init_process_group) "
             f"with {world_size} ranks before saving, or unset RANK/WORLD_SIZE (and pass no shard_id / "
             f"shard_num) for a single-process save")
+    if collective(world_size) and rank != torch_dist.get_rank():
+        # Two ranks saving as the same one: no rank or two ranks 0 would commit.
+        raise UsageError(
+            f"cannot save as rank {rank} of {world_size}: this process is rank {torch_dist.get_rank()} "
+            f"of the torch.distributed process group; pass shard_id={torch_dist.get_rank()} or no shard_id")
 
 
 def collective(world_size: int) -> bool:
@@ -62,7 +84,9 @@ def recsave_group():
     timeout = datetime.timedelta(seconds=float(knobs.get("collective_timeout_s")))
     key = (id(torch_dist.group.WORLD), timeout)  # the default group: a new init gets a new group
     if key not in _groups:
-        _groups[key] = torch_dist.new_group(backend="gloo", timeout=timeout)
+        # Creating it is itself a collective: a rank that never comes fails it like any other.
+        _groups[key] = _guard("creating recsave's gloo group",
+                              lambda: torch_dist.new_group(backend="gloo", timeout=timeout))
     return _groups[key]
 
 
@@ -72,10 +96,11 @@ def _guard(what: str, fn: Callable[[], T]) -> T:
     except RecsaveError:
         raise
     except Exception as exc:  # gloo reports a dead peer or a timeout as RuntimeError / DistBackendError
-        raise RankFailedError(
+        err = RankFailedError(
             f"{what} failed: another rank died, failed or did not answer within "
-            f"{knobs.get('collective_timeout_s')} s ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})"
-        ) from exc
+            f"{knobs.get('collective_timeout_s')} s ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})")
+        err.collective_failed = True  # the group cannot be used for clean-up
+        raise err from exc
 
 
 def barrier(world_size: int) -> None:

@@ -355,19 +355,40 @@ class HashTable(torch.nn.Module):
         self._store.advise_hugepages()
         return views
 
+    def _check_slot_values(self, slots: Any, where: str) -> Dict[str, torch.Tensor]:
+        """`slots` is a dict of this table's slot names to tensors (a new slot is created with
+        add_slot first, so a typo never becomes a slot)."""
+        check(slots, dict, "slots", where, expected="a dict of slot name -> tensor")
+        for slot, t in slots.items():
+            if not isinstance(slot, str) or not isinstance(t, torch.Tensor):
+                raise ArgumentTypeError(f"{where}: slots must map slot names (str) to tensors, got "
+                                        f"{type(slot).__name__} -> {type(t).__name__}", key="slots")
+        unknown = sorted(set(slots) - set(self._slots))
+        if unknown:
+            raise UsageError(f"table {self.table_name!r} has no slot(s) {unknown}; its slots: "
+                             f"{sorted(self._slots)}. Create a slot with add_slot(name, init) first",
+                             key=self.table_name)
+        return slots
+
     def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:
         """Sets slot values of the `ids` already in the table (others are ignored); returns how many
-        ids were updated. Used to warm-start optimizer state without touching embeddings."""
-        rows = self.lookup(ids, insert=False)
-        keep = rows >= 0
-        rows_d = rows[keep].to(self._device)
+        ids were updated. Used to warm-start optimizer state without touching embeddings. Every slot
+        must exist (add_slot) already."""
+        where = f"HashTable {self.table_name!r}.set_slot_rows"
+        _check_ids(ids, where)
+        self._check_slot_values(slots, where)
         for slot, t in slots.items():
-            if slot not in self._slots:
-                self.add_slot(slot)
+            if t.dim() == 0 or t.shape[0] != ids.numel():
+                raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} has {tuple(t.shape)} rows "
+                                         f"for {ids.numel()} ids", key=self.table_name)
             if t.shape[1:] != self._slots[slot].shape[1:]:
                 raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} rows have shape "
                                          f"{tuple(t.shape[1:])}, expected {tuple(self._slots[slot].shape[1:])}",
                                          key=self.table_name)
+        rows = self.lookup(ids, insert=False)
+        keep = rows >= 0
+        rows_d = rows[keep].to(self._device)
+        for slot, t in slots.items():
             self._slots[slot][rows_d] = t[keep].to(device=self._device, dtype=self._slots[slot].dtype)
         return int(keep.sum())
 
@@ -375,22 +396,26 @@ class HashTable(torch.nn.Module):
                   *, clear: bool = True) -> None:
         """Sets the rows of `ids` to `values` (and the given slots); clears the table first when
         `clear`, else merges (ids present in both take the loaded values). Slots not given keep their
-        values for existing ids and their init value for new ones."""
+        values for existing ids and their init value for new ones; every slot given must exist
+        (add_slot) already. Nothing changes when an argument is refused."""
+        where = f"HashTable {self.table_name!r}.load_rows"
+        _check_ids(ids, where)
+        check(values, torch.Tensor, "values", where, expected="a [len(ids), embedding_dim] tensor")
+        check(clear, bool, "clear", where)
+        slots = self._check_slot_values({} if slots is None else slots, where)
         n = ids.numel()
         if values.dim() != 2 or values.shape[0] != n or values.shape[1] != self.embedding_dim:
             raise ShapeMismatchError(
                 f"table {self.table_name!r}: {n} ids with values of shape {tuple(values.shape)}; the "
                 f"table expects [{n}, {self.embedding_dim}]", key=self.table_name)
-        slots = slots or {}
         for slot, t in slots.items():
             if tuple(t.shape) != tuple(values.shape):
                 raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} has shape "
                                          f"{tuple(t.shape)}, expected {tuple(values.shape)}", key=self.table_name)
+        if self._partition is not None and n:
+            self._check_owned(flat_ids(ids))  # before clear(): a refused load changes nothing
         if clear:
             self.clear()
-        for slot in slots:
-            if slot not in self._slots:
-                self.add_slot(slot)
         rows = self.lookup(ids, insert=True).to(self._device)
         self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
         for slot, t in slots.items():

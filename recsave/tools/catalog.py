@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from recsave import _C, knobs
+from recsave import _C, argcheck, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError, UsageError
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
@@ -20,6 +20,7 @@ from recsave.storage.lock import hold as hold_writer_lock
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds.
     Raises CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
+    argcheck.path(output_dir, "output_dir", "list_checkpoints")
     storage = get_storage(output_dir)
     _require(storage, output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -36,6 +37,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
 
 def describe(ckpt: str) -> Dict[str, Any]:
     """What a checkpoint holds, from its index alone."""
+    argcheck.path(ckpt, "ckpt", "describe")
     src = open_source(ckpt)
     if not isinstance(src, CheckpointSource):
         raise RecsaveError(f"{ckpt} is a Parquet export, not a checkpoint", path=ckpt)
@@ -65,6 +67,9 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
     report progress. A path that holds no checkpoint at all (missing, or no index, `checkpoint` file
     or checkpoint file in it) raises CheckpointNotFoundError, a Parquet export UsageError: neither is
     damage. An unreadable index, or a checkpoint directory without one, is a problem found."""
+    argcheck.path(ckpt, "ckpt", "verify")
+    argcheck.callback(progress, "progress", "verify")
+    argcheck.callback(on_start, "on_start", "verify")
     storage = get_storage(ckpt)
     try:
         src = open_source(ckpt)

@@ -11,6 +11,8 @@ from typing import IO, Any, Callable, Dict, List, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recsave import argcheck
+from recsave.argcheck import check
 from recsave.errors import ConfigError, CorruptCheckpointError, UsageError
 from recsave.format.reader import read_tensors
 from recsave.load.arrow import (
@@ -41,10 +43,21 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     it removes what it created (files, then the directories it made, `out_dir` and its parents
     included, when empty); what `out_dir` held before is left as it was.
     `progress`, when given, is called with the number of rows written after each row group."""
-    if type(row_group_rows) is not int or row_group_rows < 1:
-        raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}")
-    if rows_per_file is not None and (type(rows_per_file) is not int or rows_per_file < 1):
-        raise UsageError(f"rows_per_file must be a positive int or None, got {rows_per_file!r}")
+    where = "to_parquet"
+    argcheck.path(ckpt, "ckpt", where)
+    argcheck.path(out_dir, "out_dir", where)
+    if tables is not None and not isinstance(tables, str):
+        check(tables, (list, tuple), "tables", where, optional=True, expected="a table name or a list of them")
+        for name in tables:
+            check(name, str, "tables", where, expected="a list of table names (str)")
+    check(row_group_rows, int, "row_group_rows", where)
+    check(rows_per_file, int, "rows_per_file", where, optional=True)
+    argcheck.callback(progress, "progress", where)
+    if row_group_rows < 1:
+        raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}", key="row_group_rows")
+    if rows_per_file is not None and rows_per_file < 1:
+        raise UsageError(f"rows_per_file must be a positive int or None (one file per table), got "
+                         f"{rows_per_file!r}", key="rows_per_file")
     from recsave.load.sources import open_source  # not at import time: sources imports this module
 
     src = open_source(ckpt)
