@@ -182,9 +182,9 @@ def test_repair_api_reports_what_it_did(run):
     _damage(out, "not_utf8")
     result = catalog.repair(out)
     assert result == {"output_dir": out, "file": _list_path(out), "problem": "is not UTF-8 text",
-                      "ids": IDS, "stale": [], "left_out": {}, "rewritten": True}
+                      "ids": IDS, "stale": [], "left_out": {}, "rebuilt": True, "rewritten": True}
     assert catalog.repair(out) == {"output_dir": out, "file": _list_path(out), "problem": None, "ids": IDS,
-                                   "stale": [], "left_out": {}, "rewritten": False}
+                                   "stale": [], "left_out": {}, "rebuilt": False, "rewritten": False}
 
 
 def test_repair_exits_1_when_something_damaged_is_left_out(run, capsys):
@@ -202,12 +202,12 @@ def test_repair_exits_1_when_something_damaged_is_left_out(run, capsys):
 def test_repair_exits_1_for_stale_entries_and_2_when_nothing_is_there(run, tmp_path, capsys):
     out, _ = run
     with open(_list_path(out), "w") as f:
-        f.write("ckpt_10\nckpt_15\nckpt_30\n")
+        f.write("ckpt_10\nckpt_15\nckpt_20\nckpt_30\n")
     shutil.rmtree(os.path.join(out, "ckpt_10"))
     assert cli_main(["repair", out]) == 1
     text = capsys.readouterr().out
     assert "lists checkpoints whose directory or index is gone: ckpt_10, ckpt_15" in text
-    assert "dropped ckpt_10, ckpt_15" in text
+    assert "rewrote it without them: ckpt_20, ckpt_30" in text and "dropped ckpt_10, ckpt_15" in text
     assert _list_file(out) == b"ckpt_20\nckpt_30\n"
     assert cli_main(["repair", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
