@@ -97,8 +97,8 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
     else:
         try:
             raw = storage.read_bytes(path, MAX_LIST_BYTES)
-        except CorruptCheckpointError:  # over the size limit (a StorageError propagates: maybe transient)
-            problem, garbled = f"is over {MAX_LIST_BYTES} bytes", True
+        except CorruptCheckpointError as exc:  # too big, not a file (a StorageError propagates: maybe transient)
+            problem, garbled = f"cannot be read ({' '.join(str(exc).split())})", True
         else:
             listed, problem = _parse(raw)
             garbled = problem is not None
