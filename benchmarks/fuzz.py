@@ -1,6 +1,7 @@
 """Corruption fuzzing of the checkpoint reader.
 
-    python benchmarks/fuzz.py [--mutations 2000] [--seed 0] [--workers 2] [--asan] [--json PATH]
+    python benchmarks/fuzz.py [--mutations 2000] [--seed 0] [--workers 2] [--kinds reader]
+                              [--asan] [--json PATH]
 
 Builds a small valid output dir (the CTR job of tests/helpers.py: two hash tables with Adagrad slots,
 batch norm and MLP, Adam and global_step as extras, a reader as io state; autosaved at steps 2 and 4,
@@ -16,6 +17,17 @@ checkpoint, a `checkpoint` file still naming a valid checkpoint) - load values b
 reference of the checkpoint it names. Another exception, a silent wrong value, a hang (per-case
 timeout), a crashed worker (segfault, abort) or, with ``--asan``, any AddressSanitizer / UBSan report
 is a failure. Exits 1 on any failure.
+
+``--kinds`` picks the mutation kinds (comma-separated kinds or groups): ``reader`` (default: the
+byte-level kinds above), ``list`` (the `checkpoint` file deleted, emptied, garbled, with stale ids
+or duplicated lines) and ``dirs`` (extra directories: empty, with junk, a copy of a checkpoint
+without index; most with a damaged `checkpoint` file too), or ``all``. For ``list`` and ``dirs``
+cases every checkpoint directory is intact, and the worker instead restores with a
+CheckpointManager (fallback on), saves ``ckpt_100`` (max_keep 2) and runs ``recsave gc``: the
+restore must return the newest intact checkpoint that the file means (docs/FORMAT.md section 1:
+the list rebuilt from the indexes when the file is lost or garbled, stale ids skipped), and
+afterwards exactly the checkpoints max_keep keeps of that list plus ``ckpt_100`` may remain, with
+no other committed checkpoint deleted and other directories untouched.
 
 ``--asan`` compiles csrc/core/*.cc + csrc/bindings/*.cc with ``-fsanitize=address,undefined`` into
 ``recsave/_C*.so`` of a temporary copy of the package, puts it first on PYTHONPATH of the workers and
@@ -110,10 +122,52 @@ def worker_main(ref_path: str) -> int:
             return {"outcome": "different", "msg": f"tensors differ: {bad[:10]}"}
         return {"outcome": "identical", "ckpt": LATEST}
 
+    def restore_save_gc(out: str) -> Dict[str, Any]:
+        """list / dirs cases: restore, one save (rotation), gc; what was restored and what is left."""
+        import warnings
+
+        from recsave.tools import catalog
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                job = make_job(out, save_interval=2, max_keep=2)
+                step = job.manager.restore()
+                state = job_state(job)
+            except BaseException as exc:  # noqa: BLE001
+                return {"restore": {"outcome": "exception", "type": type(exc).__name__, "msg": tail(exc)}}
+            restored: Dict[str, Any] = {"outcome": "different", "step": step}
+            for cid, ref in refs.items():
+                try:
+                    assert_jobs_equal(state, ref["job"])
+                except AssertionError:
+                    continue
+                restored = {"outcome": "identical", "ckpt": cid, "step": step}
+            try:
+                job.manager.global_step = 100
+                job.manager.save()
+                job.saver.close()
+                catalog.collect_garbage(out)
+            except BaseException as exc:  # noqa: BLE001
+                return {"restore": restored, "after": {"outcome": "exception", "type": type(exc).__name__,
+                                                       "msg": tail(exc)}}
+        dirs = sorted(n for n in os.listdir(out) if os.path.isdir(os.path.join(out, n)))
+        try:
+            with open(os.path.join(out, "checkpoint")) as f:
+                listed: Optional[str] = f.read()
+        except (OSError, UnicodeDecodeError):
+            listed = None
+        return {"restore": restored, "warnings": [str(w.message)[:300] for w in caught],
+                "after": {"outcome": "done", "dirs": dirs, "list": listed,
+                          "committed": [d for d in dirs if os.path.isfile(os.path.join(out, d, "index"))]}}
+
     for line in sys.stdin:
         req = json.loads(line)
-        res = {"case": req["case"], "load": load(req["out"]),
-               "read": read(os.path.join(req["out"], LATEST))}
+        if req.get("mode") == "list":
+            res = {"case": req["case"], **restore_save_gc(req["out"])}
+        else:
+            res = {"case": req["case"], "load": load(req["out"]),
+                   "read": read(os.path.join(req["out"], LATEST))}
         sys.stdout.write(RESULT + json.dumps(res) + "\n")
         sys.stdout.flush()
     return 0
@@ -218,6 +272,12 @@ class Mutation:
     names: Set[str] = field(default_factory=lambda: {LATEST})  # what `checkpoint` may name as latest
     damaged: Set[str] = field(default_factory=set)  # checkpoints with a byte that matters changed
     allowed_read: bool = True  # read_tensors(ckpt_4) may return identical values
+    index_touched: Set[str] = field(default_factory=set)  # checkpoints whose index changed in any way
+    # list / dirs kinds: what restore must return and which committed checkpoints remain after a
+    # save of ckpt_100 (max_keep 2) and gc; directories that must survive
+    expect_restore: Optional[str] = None
+    expect_kept: List[str] = field(default_factory=list)
+    must_remain: List[str] = field(default_factory=list)
 
     @property
     def allowed_load(self) -> Set[str]:
@@ -234,23 +294,55 @@ def _files(out: str) -> List[str]:
     return sorted(rels)
 
 
-def _latest_of(data: bytes) -> Tuple[Optional[Set[str]], str]:
-    """Which checkpoints a `checkpoint` file with these bytes may name as latest (None: must raise)."""
+ID = r"[A-Za-z0-9_.-]+"
+
+
+def _parse_list(data: bytes) -> Optional[List[str]]:
+    """The ids of a `checkpoint` file (a repeated id counts where it appears last), None when it
+    is garbled (FORMAT.md section 1)."""
+    import re
     try:
         lines = [ln.strip() for ln in data.decode("utf-8").splitlines()]
     except UnicodeDecodeError:
-        return None, "not utf-8"
-    import re
-    ids = [ln for ln in lines if ln]
-    if not ids or any(not re.fullmatch(r"[A-Za-z0-9_.-]+", i) or i in (".", "..", "checkpoint") for i in ids):
-        return None, "invalid line or empty"
-    # FORMAT.md: the last line is the latest. The library drops repeated ids keeping the first
-    # occurrence, which for "a b a" names b: accept both readings (reported as an ambiguity).
-    dedup = list(dict.fromkeys(ids))
-    names = {ids[-1], dedup[-1]}
-    if not names <= {LATEST, OLDER}:
-        return None, f"names {sorted(names)}"
-    return names, "ok"
+        return None
+    ids: List[str] = []
+    for ln in filter(None, lines):
+        if not re.fullmatch(ID, ln) or ln in (".", "..", "checkpoint"):
+            return None
+        if ln in ids:
+            ids.remove(ln)
+        ids.append(ln)
+    return ids
+
+
+def _has_index(out: str, ckpt: str) -> bool:
+    return os.path.lexists(os.path.join(out, ckpt, "index"))
+
+
+def _list_model(out: str) -> Tuple[Optional[List[str]], List[str]]:
+    """(the ids as a reader takes them, None when it rebuilds from the indexes; the listed ids
+    that are stale). A reader rebuilds when the file is missing, empty, garbled or lists no id
+    with an index; a writer also drops stale ids."""
+    data = _read(os.path.join(out, "checkpoint"))
+    ids = _parse_list(data) if data is not None else None
+    if not ids:
+        return None, []
+    stale = [i for i in ids if not _has_index(out, i)]
+    return (None, stale) if len(stale) == len(ids) else (ids, stale)
+
+
+def expected_latest(out: str, m: Mutation) -> Set[str]:
+    """Which checkpoints a plain Saver.load() of the output dir may load (reader kinds)."""
+    ids, _ = _list_model(out)  # a `checkpoint` that is no regular file counts as garbled
+    if ids is not None:
+        return {ids[-1]}
+    names: Set[str] = set()  # rebuilt: the newest index that validates; a changed one may or may not
+    for c in (LATEST, OLDER):
+        if _has_index(out, c) and not os.path.isdir(os.path.join(out, c, "index")):
+            names.add(c)
+            if c not in m.index_touched:
+                break
+    return names
 
 
 def _strict_eq(a: Any, b: Any) -> bool:
@@ -352,15 +444,14 @@ def classify(m: Mutation, rel: str, old: Optional[bytes], new: Optional[bytes], 
         return
     parts = rel.split(os.sep)
     if parts == ["checkpoint"]:
-        names = _latest_of(new)[0] if new is not None else None
-        m.names = set(names or ())
-        return  # a reader of the latest dir never looks at `checkpoint`
+        return  # mutate() works out what it names at the end; a reader of the latest dir never looks at it
     ckpt, fname = parts[0], parts[-1]
     if fname == "io_state_count":
         return  # written and listed, but never read: the loader takes the count from the index meta
     if fname == "index":
         if symlink:
             return  # FORMAT.md refuses symlinks among the files the index lists; the index is not one
+        m.index_touched.add(ckpt)
         ok = False
         if old is not None and new is not None:
             try:
@@ -572,6 +663,84 @@ def mutate(rng: random.Random, out: str, kind: str) -> Mutation:
         os.mkdir(path)
         classify(m, rel, old, None)
         m.desc = f"{rel}: replaced by a directory"
+    m.names = expected_latest(out, m)
+    return m
+
+
+LIST_KINDS = ["list_deleted", "list_emptied", "list_garbled", "list_stale", "list_duplicated"]
+DIR_KINDS = ["dir_empty", "dir_junk", "dir_copy"]
+GROUPS = {"reader": KINDS, "list": LIST_KINDS, "dirs": DIR_KINDS, "all": KINDS + LIST_KINDS + DIR_KINDS}
+STALE_IDS = ["ckpt_9", "ckpt_1", "ckpt_3", "ckpt_6", "old", "ckpt_99", "ckpt_lo"]
+NEW_ID = "ckpt_100"  # what the worker saves after the restore
+
+
+def _damage_list(rng: random.Random, out: str, kind: str) -> str:
+    """Applies one `checkpoint` file mutation of `kind`; returns what it did."""
+    path = os.path.join(out, "checkpoint")
+    pristine = [OLDER, LATEST]
+    if kind == "list_deleted":
+        os.remove(path)
+        return "checkpoint deleted"
+    if kind == "list_emptied":
+        new = rng.choice([b"", b"\n", b"  \n\n", b"\r\n", b" "])
+    elif kind == "list_garbled":
+        text = "".join(f"{i}\n" for i in pristine).encode()
+        new = rng.choice([b"\xff\xfe\n", b"ckpt_2\n\xc3\x28\n", b"ckpt_2\n../x\n", b"/etc\n", b"checkpoint\n",
+                          b"ckpt_4\x00\n", b"ckpt_2 ckpt_4\n", b'{"latest": "ckpt_4"}\n', b"..\n", b"x" * 300 + b"\n",
+                          os.urandom(rng.randrange(1, 40)), text[:rng.randrange(1, len(text))],
+                          text + b"ckpt_4/../ckpt_2\n"])
+    elif kind == "list_stale":
+        ids = list(pristine)
+        if rng.random() < 0.3:
+            ids = []  # only ids that do not exist
+        for _ in range(rng.randrange(1, 4)):
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(STALE_IDS))
+        new = "".join(f"{i}\n" for i in ids).encode()
+    else:  # list_duplicated
+        ids = list(pristine)
+        for _ in range(rng.randrange(1, 4)):
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(ids))
+        new = "".join(f"{i}\n" for i in ids).encode()
+    _write(path, new)
+    return f"checkpoint := {new[:60]!r}"
+
+
+def mutate_listing(rng: random.Random, out: str, kind: str) -> Mutation:
+    """A list / dirs mutation; every checkpoint directory stays intact. Works out what restore must
+    return and what a save of ckpt_100 (max_keep 2) and gc must leave."""
+    m = Mutation(kind, "")
+    descs = []
+    if kind in LIST_KINDS:
+        descs.append(_damage_list(rng, out, kind))
+    else:
+        for _ in range(rng.randrange(1, 3)):
+            name = rng.choice(["ckpt_6", "ckpt_8", "ckpt_lo", "ckpt_3", "extra", "ckpt_2.bak"])
+            path = os.path.join(out, name)
+            if os.path.exists(path):
+                continue
+            if kind == "dir_empty":
+                os.mkdir(path)
+                m.must_remain.append(name)
+                descs.append(f"{name}/: empty directory")
+            elif kind == "dir_junk":
+                os.mkdir(path)
+                _write(os.path.join(path, rng.choice(["notes.txt", "index.bak", "model.pt.old"])), b"junk")
+                m.must_remain.append(name)
+                descs.append(f"{name}/: directory with junk")
+            else:  # a copy of a checkpoint without its index (a crashed save): gc may remove it
+                shutil.copytree(os.path.join(out, rng.choice([OLDER, LATEST])), path)
+                os.remove(os.path.join(path, "index"))
+                descs.append(f"{name}/: copy of a checkpoint without index")
+        if rng.random() < 0.7:
+            descs.append(_damage_list(rng, out, rng.choice(LIST_KINDS)))
+    m.desc = "; ".join(descs)
+    ids, stale = _list_model(out)
+    if ids is None:
+        ids, stale = [OLDER, LATEST], []  # rebuilt from the indexes: both are intact
+    intact = [i for i in ids if i not in stale]
+    m.expect_restore = intact[-1]  # the fallback skips stale ids
+    m.expect_kept = (intact + [NEW_ID])[-2:]  # a writer drops stale ids, then max_keep 2
+    m.names = {m.expect_restore}
     return m
 
 
@@ -593,7 +762,8 @@ class Worker:
         self.case = (case, m, out)
         self.deadline = time.monotonic() + timeout
         self.log_pos = os.path.getsize(self.log_path)
-        self.proc.stdin.write(json.dumps({"case": case, "out": out}) + "\n")
+        mode = "list" if m.kind in LIST_KINDS + DIR_KINDS else "reader"
+        self.proc.stdin.write(json.dumps({"case": case, "out": out, "mode": mode}) + "\n")
         self.proc.stdin.flush()
 
     def log_tail(self, since: int = 0) -> str:
@@ -612,8 +782,42 @@ class Worker:
 SAN_MARKERS = ("ERROR: AddressSanitizer", "AddressSanitizer: CHECK failed", "runtime error:", "ERROR: LeakSanitizer", "UndefinedBehaviorSanitizer")
 
 
+def judge_listing(m: Mutation, res: Dict[str, Any], tally: Dict[str, Counter], failures: List[Dict[str, Any]],
+                  case: int) -> None:
+    """list / dirs cases: restore returns the newest intact checkpoint the file means; a save and
+    gc then leave exactly what max_keep keeps, delete no other committed checkpoint and touch no
+    other directory."""
+    r, after = res["restore"], res.get("after", {})
+    ref_step = {OLDER: 2, LATEST: 4}
+    if r["outcome"] == "identical" and r["ckpt"] == m.expect_restore and r["step"] == ref_step[r["ckpt"]]:
+        verdicts = ["restore:newest-intact"]
+    else:
+        verdicts = [f"FAIL:restore-{r['outcome']}"]
+    if any("rebuilt the list" in w for w in res.get("warnings", [])):
+        verdicts.append("warned:rebuilt")
+    kept = sorted(m.expect_kept)
+    want_list = "".join(f"{i}\n" for i in m.expect_kept)
+    if after.get("outcome") != "done":
+        verdicts.append(f"FAIL:save-{after.get('type', 'missing')}")
+    elif after["committed"] != kept or after["list"] != want_list:
+        verdicts.append("FAIL:committed-after-save-gc")
+    elif not set(m.must_remain) <= set(after["dirs"]):
+        verdicts.append("FAIL:other-dir-removed")
+    else:
+        verdicts.append("after:kept-exactly")
+    for v in verdicts:
+        tally[m.kind][v] += 1
+        if v.startswith("FAIL"):
+            failures.append({"case": case, "kind": m.kind, "mutation": m.desc, "loader": "restore+save+gc",
+                             "verdict": v, "detail": json.dumps({"expect_restore": m.expect_restore,
+                                                                 "expect_kept": m.expect_kept, **res})[:1500]})
+
+
 def judge(m: Mutation, res: Dict[str, Any], tally: Dict[str, Counter], failures: List[Dict[str, Any]],
           notes: Counter, case: int) -> None:
+    if "restore" in res:
+        judge_listing(m, res, tally, failures, case)
+        return
     for loader in ("load", "read"):
         r = res[loader]
         o = r["outcome"]
@@ -634,8 +838,21 @@ def judge(m: Mutation, res: Dict[str, Any], tally: Dict[str, Counter], failures:
                              "verdict": verdict, "detail": r.get("msg", r.get("ckpt", ""))})
 
 
+def parse_kinds(text: str) -> List[str]:
+    """Kinds named by a comma-separated list of kinds and groups (GROUPS)."""
+    kinds: List[str] = []
+    for word in filter(None, (w.strip() for w in text.split(","))):
+        for k in GROUPS.get(word, [word]):
+            if k not in GROUPS["all"]:
+                raise SystemExit(f"--kinds: unknown kind or group {word!r}; groups: {', '.join(GROUPS)}")
+            if k not in kinds:
+                kinds.append(k)
+    return kinds
+
+
 def run(mutations: int = 2000, seed: int = 0, workers: int = 2, asan: bool = False,
-        timeout: Optional[float] = None, verbose: bool = False) -> Dict[str, Any]:
+        timeout: Optional[float] = None, verbose: bool = False, kinds: Optional[List[str]] = None) -> Dict[str, Any]:
+    kinds = kinds or KINDS
     t0 = time.monotonic()
     rng = random.Random(seed)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -664,8 +881,10 @@ def run(mutations: int = 2000, seed: int = 0, workers: int = 2, asan: bool = Fal
                 if w.case is None and next_case < mutations:
                     case_dir = os.path.join(work, f"case-{next_case}")
                     shutil.copytree(pristine, case_dir, symlinks=True)
-                    kind = KINDS[next_case % len(KINDS)] if next_case < len(KINDS) else rng.choice(KINDS)
-                    m = mutate(random.Random(f"{seed}-{next_case}"), case_dir, kind)
+                    kind = kinds[next_case % len(kinds)] if next_case < len(kinds) else rng.choice(kinds)
+                    case_rng = random.Random(f"{seed}-{next_case}")
+                    m = mutate(case_rng, case_dir, kind) if kind in KINDS else \
+                        mutate_listing(case_rng, case_dir, kind)
                     w.send(next_case, m, case_dir, timeout)
                     next_case += 1
             busy = [w for w in pool if w.case]
@@ -757,11 +976,15 @@ def print_summary(s: Dict[str, Any]) -> None:
     if s.get("extension"):
         print(f"  extension: {s['extension']['_C']}"
               + (f" (built in {s['asan_build_seconds']} s)" if s.get("asan_build_seconds") else ""))
-    cols = ["load:error", "load:identical", "read:error", "read:identical"]
-    print(f"  {'kind':<16}" + "".join(f"{c:>16}" for c in cols) + "  other")
-    for kind, c in s["tally"].items():
-        other = {k: v for k, v in c.items() if k not in cols}
-        print(f"  {kind:<16}" + "".join(f"{c.get(col, 0):>16}" for col in cols) + f"  {other or ''}")
+    for group, cols in ((KINDS, ["load:error", "load:identical", "read:error", "read:identical"]),
+                        (LIST_KINDS + DIR_KINDS, ["restore:newest-intact", "after:kept-exactly", "warned:rebuilt"])):
+        rows = {k: c for k, c in s["tally"].items() if k in group}
+        if not rows:
+            continue
+        print(f"  {'kind':<16}" + "".join(f"{c:>22}" for c in cols) + "  other")
+        for kind, c in rows.items():
+            other = {k: v for k, v in c.items() if k not in cols}
+            print(f"  {kind:<16}" + "".join(f"{c.get(col, 0):>22}" for col in cols) + f"  {other or ''}")
     for note, n in s["notes"].items():
         print(f"  note: {note}: {n} case(s)")
     for f in s["failures"][:15]:
@@ -779,12 +1002,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--mutations", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--kinds", default="reader", type=parse_kinds,
+                    help="comma-separated mutation kinds or groups: reader (default), list, dirs, all")
     ap.add_argument("--asan", action="store_true", help="run the cases under an ASan+UBSan build")
     ap.add_argument("--timeout", type=float, help="seconds per case (default 30, 180 with --asan)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    s = run(args.mutations, args.seed, args.workers, args.asan, args.timeout, args.verbose)
+    s = run(args.mutations, args.seed, args.workers, args.asan, args.timeout, args.verbose, args.kinds)
     print_summary(s)
     return C.finish(s, args.json)
 

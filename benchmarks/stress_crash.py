@@ -168,11 +168,16 @@ def _wait(pid: int, timeout: float) -> str:
 
 
 def read_list(out: str) -> List[str]:
+    """The committed ids. A kill between the first index and the first `checkpoint` write leaves no
+    list: readers then rebuild it from the indexes (docs/FORMAT.md section 1)."""
     path = os.path.join(out, "checkpoint")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [line.strip() for line in f if line.strip()]
+    ids: List[str] = []
+    if os.path.exists(path):
+        with open(path) as f:
+            ids = [line.strip() for line in f if line.strip()]
+    if not ids and os.path.isdir(out):
+        ids = sorted((d for d in os.listdir(out) if os.path.isfile(os.path.join(out, d, "index"))), key=step_of)
+    return ids
 
 
 def step_of(ckpt_id: str) -> int:

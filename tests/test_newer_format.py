@@ -126,14 +126,20 @@ def test_gc_keeps_a_newer_checkpoint(tmp_path, capsys):
     out = tmp_path / "out"
     job, _ = two_steps(out)
     job.manager.close()
-    with open(out / "checkpoint", "w") as f:  # neither is listed any more: both look like leftovers
-        f.write("")
+    with open(out / "checkpoint", "w") as f:  # ckpt_4 is not listed: it looks like a leftover
+        f.write("ckpt_2\n")
     before = tree(out / "ckpt_4")
-    assert catalog.collect_garbage(str(out)) == ["ckpt_2"]
+    assert catalog.collect_garbage(str(out)) == []
     assert tree(out / "ckpt_4") == before
     assert cli_main(["gc", str(out)]) == 0
     assert tree(out / "ckpt_4") == before
-    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == ["ckpt_4"]
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == ["ckpt_2", "ckpt_4"]
+    with open(out / "checkpoint", "w") as f:  # emptied: rebuilt from the indexes, the newer one listed
+        f.write("")
+    with pytest.warns(RuntimeWarning, match="is empty; rebuilt .* indexes: ckpt_2, ckpt_4; rewrote the file"):
+        assert catalog.collect_garbage(str(out)) == []
+    assert tree(out / "ckpt_4") == before
+    assert listed(out) == ["ckpt_2", "ckpt_4"]
 
 
 def test_a_version_no_recsave_writes_is_damage_and_fallback_skips_it(tmp_path):

@@ -51,3 +51,12 @@ def test_corrupted_checkpoints_raise_or_load_identical(tmp_path):
     assert s["failures"] == [], text
     errors = sum(n for c in s["tally"].values() for k, n in c.items() if k.endswith(":error"))
     assert errors > 300, text  # most mutations are detected (both loaders count)
+
+
+def test_damaged_checkpoint_list_never_loses_a_committed_checkpoint(tmp_path):
+    s, text = _run("fuzz.py", ["--mutations", "40", "--seed", "5", "--kinds", "list,dirs"], tmp_path)
+    assert s["mutations"] == 40
+    assert s["failures"] == [], text
+    assert sum(c.get("restore:newest-intact", 0) for c in s["tally"].values()) == 40, text
+    assert sum(c.get("after:kept-exactly", 0) for c in s["tally"].values()) == 40, text
+    assert sum(c.get("warned:rebuilt", 0) for c in s["tally"].values()) >= 10, text

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import List, Optional
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
 
 from recsave import knobs
-from recsave.errors import CorruptCheckpointError, RecsaveError, UsageError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
+from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
 from recsave.format.index import FORMAT_VERSION, INDEX_FILE
 from recsave.storage import Storage
@@ -25,33 +28,166 @@ def validate_id(ckpt_id: object) -> str:
 
 
 def read(storage: Storage, output_dir: str) -> List[str]:
-    """Committed ids, oldest first; [] when there is no `checkpoint` file."""
+    """Committed ids as the `checkpoint` file lists them, oldest first; [] when there is no such
+    file. A garbled file raises CorruptCheckpointError (`committed` rebuilds it instead)."""
     path = storage.join(output_dir, LIST_FILE)
     if not storage.exists(path):
         return []
-    raw = storage.read_bytes(path, MAX_LIST_BYTES)
+    ids, problem = _parse(storage.read_bytes(path, MAX_LIST_BYTES))
+    if problem is not None:
+        raise CorruptCheckpointError(f"{path}: {problem}; run `recsave repair {output_dir}` to rebuild it "
+                                     f"from the checkpoints' indexes", path=path)
+    return ids
+
+
+def _parse(raw: bytes) -> Tuple[List[str], Optional[str]]:
+    """(ids, None) for a well-formed list, else ([], what is wrong with it)."""
     try:
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError:
-        raise CorruptCheckpointError(f"{path}: not UTF-8 text; repair or delete it", path=path) from None
+        return [], "is not UTF-8 text"
     ids: List[str] = []
     for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
             continue
-        if not is_plain_name(line) or line == LIST_FILE:
-            raise CorruptCheckpointError(
-                f"{path}: line {n} {line!r} is not a checkpoint id (plain directory names only; "
-                f"'..' and paths are refused); repair the file", path=path)
+        if not is_plain_name(line) or line == LIST_FILE:  # '..' and paths are refused
+            return [], f"line {n} {line!r} is not a checkpoint id"
         if line in ids:  # a repeated id counts where it appears last (the last line is the latest)
             ids.remove(line)
         ids.append(line)
-    return ids
+    return ids, None
 
 
 def write(storage: Storage, output_dir: str, ids: List[str]) -> None:
     """Replaces the `checkpoint` file atomically (temp + rename locally, one put remotely)."""
     storage.write_atomic(storage.join(output_dir, LIST_FILE), "".join(f"{i}\n" for i in ids).encode())
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The committed checkpoints of an output dir, as `committed` found them."""
+
+    ids: List[str]  # oldest first
+    found: bool  # a `checkpoint` file or a committed checkpoint directory exists: an output dir
+    problem: Optional[str] = None  # what was wrong with the file; None: it was used as it is
+    stale: List[str] = field(default_factory=list)  # listed ids left out: directory or index gone
+    left_out: Dict[str, str] = field(default_factory=dict)  # directories with an invalid index -> why
+    rebuilt: bool = False  # `ids` come from the indexes, not from the file
+    rewritten: bool = False  # the file was replaced by `ids`
+
+
+def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn: bool = True,
+              warned: Optional[Set[str]] = None, being_written: Optional[str] = None) -> Listing:
+    """The committed checkpoints of output_dir, oldest first (docs/FORMAT.md section 1).
+
+    The `checkpoint` file says which they are, unless it is missing, empty, garbled (not UTF-8, a
+    line that is no id) or lists no id whose index exists while committed directories do: then the
+    list is rebuilt from the indexes (`rebuild`). With `rewrite` (only for a caller that holds the
+    writer lock: a save, gc, repair) the rebuilt list replaces the file, and listed ids whose
+    directory or index is gone are dropped from it too, so that they never take a max_keep slot
+    from a committed checkpoint; readers leave both to the fallback load. Every change is reported
+    by one RuntimeWarning naming the file (with `warn`; a message already in `warned` is not
+    repeated). `being_written`: the id a save is committing, which a rebuild does not count."""
+    path = storage.join(output_dir, LIST_FILE)
+    listed: List[str] = []
+    problem: Optional[str] = None
+    garbled = False
+    if not storage.exists(path):
+        problem = "is missing"
+    else:
+        try:
+            raw = storage.read_bytes(path, MAX_LIST_BYTES)
+        except CorruptCheckpointError as exc:  # too big, not a file (a StorageError propagates: maybe transient)
+            problem, garbled = f"cannot be read ({' '.join(str(exc).split())})", True
+        else:
+            listed, problem = _parse(raw)
+            garbled = problem is not None
+            if problem is None and not listed:
+                problem = "is empty"
+    stale = [i for i in listed if not storage.exists(storage.join(output_dir, i, INDEX_FILE))]
+    if problem is None and stale and len(stale) == len(listed):
+        problem = f"lists no checkpoint whose index exists: {', '.join(stale)}"
+    if problem is None:
+        if not stale or not rewrite:
+            return Listing(listed, True)
+        ids = [i for i in listed if i not in stale]
+        write(storage, output_dir, ids)
+        problem = f"lists checkpoints whose directory or index is gone: {', '.join(stale)}"
+        _warn(f"{path}: {problem}; dropped them; rewrote the file", warn, None)
+        return Listing(ids, True, problem, stale, rewritten=True)
+    ids, left_out = rebuild(storage, output_dir)
+    ids = [i for i in ids if i != being_written]
+    if not ids and not garbled:  # nothing to rebuild from: the file stands (loads report what is missing)
+        return Listing(listed, bool(listed or left_out) or problem != "is missing", left_out=left_out)
+    stale = [i for i in listed if i not in ids and i not in left_out]
+    if rewrite:
+        write(storage, output_dir, ids)
+    _warn(f"{path}: {problem}; rebuilt the list of committed checkpoints from their indexes: "
+          f"{', '.join(ids) or 'none'}" + "".join(f"; left out {n} ({why})" for n, why in left_out.items())
+          + ("; rewrote the file" if rewrite else
+             f"; the file is left as it is: run `recsave repair {output_dir}` to rewrite it"),
+          warn, None if rewrite else warned)
+    return Listing(ids, True, problem, stale, left_out, rebuilt=True, rewritten=rewrite)
+
+
+def _warn(message: str, warn: bool, warned: Optional[Set[str]]) -> None:
+    if not warn or (warned is not None and message in warned):
+        return
+    if warned is not None:
+        warned.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def rebuild(storage: Storage, output_dir: str) -> Tuple[List[str], Dict[str, str]]:
+    """The committed checkpoints of output_dir found by their indexes, and the directories left
+    out because their index is not valid (name -> why).
+
+    A directory is committed when its `index` validates (section 3), or was written by a newer
+    recsave (newer_format_version). Order: `step` of the index (none before any), then
+    `created_at`, then the id. Directories without an index (leftovers of crashed saves) and
+    anything that is not a plain-named directory are skipped."""
+    found: List[Tuple[Tuple[int, str, str], str]] = []
+    left_out: Dict[str, str] = {}
+    if not storage.isdir(output_dir, follow_links=True):
+        return [], left_out
+    for name in storage.listdir(output_dir):
+        ckpt_dir = storage.join(output_dir, name)
+        path = storage.join(ckpt_dir, INDEX_FILE)
+        if not is_plain_name(name) or name == LIST_FILE or not storage.isdir(ckpt_dir) \
+                or not storage.exists(path):
+            continue
+        if storage.isdir(path, follow_links=True):
+            left_out[name] = f"{path} is a directory"
+            continue
+        try:
+            data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+            index = index_mod.parse(data, path)
+            step, created = index.step, index.created_at
+        except FormatVersionError as exc:
+            newer = _newer_order(data)
+            if newer is None:
+                left_out[name] = str(exc)
+                continue
+            step, created = newer
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:  # damaged, or removed meanwhile
+            left_out[name] = str(exc)
+            continue
+        found.append(((-1 if step is None else step, created, name), name))
+    return [name for _, name in sorted(found)], left_out
+
+
+def _newer_order(data: bytes) -> Optional[Tuple[Optional[int], str]]:
+    """(step, created_at) of an index written by a newer recsave, else None."""
+    try:
+        index = json.loads(data.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    if not isinstance(index, dict) or type(index.get("format_version")) is not int \
+            or index["format_version"] <= FORMAT_VERSION:
+        return None
+    step, created = index.get("step"), index.get("created_at")
+    return (step if type(step) is int else None), (created if isinstance(created, str) else "")
 
 
 # Files a recsave checkpoint directory may hold (temporary names of interrupted writes included).

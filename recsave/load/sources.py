@@ -161,8 +161,8 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
         ckpt_dir = storage.join(path, ckptlist.validate_id(ckpt_id))
     elif direct_path or storage.exists(storage.join(path, index_mod.INDEX_FILE)):
         ckpt_dir = path
-    elif storage.exists(storage.join(path, ckptlist.LIST_FILE)):
-        ids = ckptlist.read(storage, path)
+    elif (listing := ckptlist.committed(storage, path)).found:  # rebuilt when the list is lost or garbled
+        ids = listing.ids
         if not ids:
             raise CheckpointNotFoundError(f"{path}: the 'checkpoint' file lists no committed checkpoint",
                                           path=path)

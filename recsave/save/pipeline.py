@@ -55,6 +55,7 @@ class CheckpointWriter:
         self.concurrency = concurrency
         self.num_buckets = num_buckets
         self.damaged: Set[str] = set()
+        self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
         self._warned_newer: Set[str] = set()
 
@@ -141,7 +142,10 @@ class CheckpointWriter:
             raise CheckpointExistsError(
                 f"{ckpt_dir} was written by a newer recsave (format_version {newer}); save under "
                 f"another id, or upgrade recsave", path=ckpt_dir)
-        listed_ids = ckptlist.read(self.storage, self.output_dir)
+        # A lost or garbled list is rebuilt from the indexes, and stale ids dropped, before anything
+        # is written (docs/FORMAT.md section 5).
+        listed_ids = list(ckptlist.committed(self.storage, self.output_dir, rewrite=True,
+                                             warned=self.list_warnings).ids)
         if ckpt_id in self.damaged and ckpt_id in listed_ids:
             # A fallback restore skipped this damaged checkpoint: unlist it, then write it anew.
             ckptlist.write(self.storage, self.output_dir, [i for i in listed_ids if i != ckpt_id])
@@ -228,11 +232,13 @@ class CheckpointWriter:
         """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what fell out
         of max_keep and leftovers of crashed saves. Never deletes the checkpoint just written."""
         st, out = self.storage, self.output_dir
-        ids: List[str] = [i for i in ckptlist.read(st, out) if i != ckpt_id] + [ckpt_id]
+        listing = ckptlist.committed(st, out, rewrite=True, warned=self.list_warnings, being_written=ckpt_id)
+        ids: List[str] = [i for i in listing.ids if i != ckpt_id] + [ckpt_id]
         keep = ids if self.max_keep is None else ids[-self.max_keep:]
         keep = [i for i in ids if i in keep or self._written_by_newer(i)]
         ckptlist.write(st, out, keep)
-        ckptlist.collect_garbage(st, out, keep)
+        # Directories a rebuilt list left out as damaged are not pruned: `recsave repair` names them.
+        ckptlist.collect_garbage(st, out, keep + list(listing.left_out))
 
     def _written_by_newer(self, ckpt_id: str) -> bool:
         """Whether a checkpoint falling out of max_keep was written by a newer recsave: rotation

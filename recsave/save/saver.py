@@ -136,10 +136,18 @@ class Saver:
 
     # ----------------------------------------------------------------------------------- listing
     def checkpoints(self) -> List[str]:
-        """Paths of the committed checkpoints, oldest first."""
-        return [self.storage.join(self.output_dir, i) for i in ckptlist.read(self.storage, self.output_dir)]
+        """Paths of the committed checkpoints, oldest first. When the `checkpoint` file is lost or
+        garbled, the list is rebuilt from the checkpoints' indexes with a RuntimeWarning (the next
+        save rewrites the file; docs/FORMAT.md section 1)."""
+        return [self.storage.join(self.output_dir, i) for i in self._committed(self.output_dir).ids]
+
+    def _committed(self, path: str) -> ckptlist.Listing:
+        """The committed checkpoints of output dir `path`, read only (warnings given once per Saver)."""
+        return ckptlist.committed(get_storage(path) if path != self.output_dir else self.storage, path,
+                                  warned=self._checkpoints.list_warnings)
 
     def latest_checkpoint(self) -> Optional[str]:
+        """Path of the latest committed checkpoint (see checkpoints()), None when there is none."""
         ckpts = self.checkpoints()
         return ckpts[-1] if ckpts else None
 
@@ -272,9 +280,12 @@ class Saver:
         path = conf["path"]
         st = get_storage(path)
         target = self._target()
-        if st.exists(st.join(path, index_mod.INDEX_FILE)) or not st.exists(st.join(path, ckptlist.LIST_FILE)):
+        if st.exists(st.join(path, index_mod.INDEX_FILE)):
+            return load_entries(target, [conf], shard_id=shard_id)  # a checkpoint directory
+        listing = self._committed(path)
+        if not listing.found:
             return load_entries(target, [conf], shard_id=shard_id)  # not an output dir
-        ids = ckptlist.read(st, path)
+        ids = listing.ids
         for n, ckpt_id in enumerate(reversed(ids)):
             try:
                 return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)

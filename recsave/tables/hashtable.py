@@ -15,7 +15,7 @@ import torch
 
 from recsave import _C, knobs
 from recsave.argcheck import check
-from recsave.errors import ShapeMismatchError, UsageError
+from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables import partition, tablestate
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
@@ -375,7 +375,7 @@ class HashTable(torch.nn.Module):
         ids were updated. Used to warm-start optimizer state without touching embeddings. Every slot
         must exist (add_slot) already."""
         where = f"HashTable {self.table_name!r}.set_slot_rows"
-        _check_ids(ids, where)
+        check_ids(ids, where)
         self._check_slot_values(slots, where)
         for slot, t in slots.items():
             if t.dim() == 0 or t.shape[0] != ids.numel():
@@ -399,7 +399,7 @@ class HashTable(torch.nn.Module):
         values for existing ids and their init value for new ones; every slot given must exist
         (add_slot) already. Nothing changes when an argument is refused."""
         where = f"HashTable {self.table_name!r}.load_rows"
-        _check_ids(ids, where)
+        check_ids(ids, where)
         check(values, torch.Tensor, "values", where, expected="a [len(ids), embedding_dim] tensor")
         check(clear, bool, "clear", where)
         slots = self._check_slot_values({} if slots is None else slots, where)

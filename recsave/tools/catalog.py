@@ -1,5 +1,6 @@
 """Looking at checkpoints without loading them: list, describe, verify every checksum, collect
-garbage. Used by the `recsave` command line (ls, inspect, verify, gc)."""
+garbage, repair a lost `checkpoint` file. Used by the `recsave` command line (ls, inspect, verify,
+gc, repair)."""
 from __future__ import annotations
 
 import datetime
@@ -25,7 +26,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     _require(storage, output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
-    for ckpt_id in ckptlist.read(storage, output_dir):
+    for ckpt_id in ckptlist.committed(storage, output_dir).ids:  # rebuilt (warning) if the list is lost
         path = storage.join(output_dir, ckpt_id)
         index = index_mod.read(path, storage)
         created = datetime.datetime.strptime(index.created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
@@ -137,7 +138,10 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     _require(storage, output_dir)  # before the lock, which would create the directory
     lock = hold_writer_lock(None, storage, output_dir)
     try:
-        dirs = ckptlist.collect_garbage(storage, output_dir, ckptlist.read(storage, output_dir))
+        # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
+        # every committed checkpoint is kept, and so are directories left out as damaged.
+        listing = ckptlist.committed(storage, output_dir, rewrite=True)
+        dirs = ckptlist.collect_garbage(storage, output_dir, listing.ids + list(listing.left_out))
         temps = ckptlist.remove_temp_files(storage, output_dir)
         return {"removed_checkpoints": dirs, "removed_temp_files": temps}
     finally:
@@ -158,3 +162,31 @@ def _recsave_files_at(storage: Storage, path: str) -> bool:
         return True
     parent, name = storage.split(path)
     return bool(name) and ckptlist.looks_like_checkpoint(storage, parent, name)
+
+
+def repair(output_dir: str) -> Dict[str, Any]:
+    """Rebuilds a lost, empty or garbled `checkpoint` file of output_dir from the committed
+    checkpoints' indexes (docs/FORMAT.md section 1) and drops listed ids whose directory or index
+    is gone; deletes nothing else. Takes the writer lock like collect_garbage.
+
+    Returns {"output_dir", "file", "problem" (None: the file was fine and is left as it is), "ids"
+    (committed, oldest first), "stale" (listed ids dropped), "left_out" (directories holding an
+    index that is not valid -> why), "rebuilt" (from the indexes), "rewritten"}.
+    CheckpointNotFoundError when output_dir holds neither a `checkpoint` file nor a committed
+    checkpoint."""
+    storage = get_storage(output_dir)
+    if not storage.isdir(output_dir, follow_links=True):
+        raise CheckpointNotFoundError(f"{output_dir} is not a directory; give a Saver's output_dir",
+                                      path=output_dir)
+    lock = hold_writer_lock(None, storage, output_dir)
+    try:
+        listing = ckptlist.committed(storage, output_dir, rewrite=True, warn=False)
+    finally:
+        if lock is not None:
+            lock.release()
+    if not listing.found:
+        raise CheckpointNotFoundError(f"{output_dir}: no 'checkpoint' file and no committed checkpoint "
+                                      f"(no directory with a valid index); nothing to repair", path=output_dir)
+    return {"output_dir": output_dir, "file": storage.join(output_dir, ckptlist.LIST_FILE),
+            "problem": listing.problem, "ids": list(listing.ids), "stale": list(listing.stale),
+            "left_out": dict(listing.left_out), "rebuilt": listing.rebuilt, "rewritten": listing.rewritten}

@@ -222,6 +222,25 @@ def _gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@command("repair", "rebuild a lost or garbled 'checkpoint' file from the checkpoints' indexes "
+                   "(exit 0 fine or rebuilt, 1 something damaged left out)", _output_dir_argument)
+def _repair(args: argparse.Namespace) -> int:
+    from recsave.tools.catalog import repair
+
+    r = repair(args.output_dir)
+    ids = ", ".join(r["ids"]) or "none"
+    if r["problem"] is None:
+        print(f"{r['file']}: fine, lists {len(r['ids'])} checkpoint(s): {ids}")
+        return EXIT_OK
+    how = "rebuilt from the indexes" if r["rebuilt"] else "rewrote it without them"
+    print(f"{r['file']}: {r['problem']}; {how}: {ids}")
+    if r["stale"]:
+        print(f"  dropped {', '.join(r['stale'])}: directory or index gone")
+    for name, why in r["left_out"].items():
+        print(f"  left out {name}: {' '.join(why.split())}")
+    return EXIT_FAILURE if r["stale"] or r["left_out"] else EXIT_OK
+
+
 # -------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recsave", description="Inspect and convert recsave checkpoints.")

@@ -1,0 +1,279 @@
+"""A lost, emptied or garbled `checkpoint` file is rebuilt from the committed checkpoints' indexes
+(docs/FORMAT.md sections 1 and 5): restore, listing, rotation and gc never fall back to "nothing
+committed" and never delete a committed checkpoint; `recsave repair` rewrites the file."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+
+import recsave
+from recsave.format import ckptlist
+from recsave.storage import get_storage
+from recsave.tools import catalog
+from recsave.tools.cli import main as cli_main
+
+from helpers import assert_jobs_equal, job_state, make_job
+
+IDS = ["ckpt_10", "ckpt_20", "ckpt_30"]
+FULL = "ckpt_10\nckpt_20\nckpt_30\n"
+
+# damage -> (what it does to the `checkpoint` file, the problem the warning names)
+DAMAGE = {
+    "deleted": (None, "is missing"),
+    "emptied": (b"", "is empty"),
+    "blank_lines": (b"\n \n\n", "is empty"),
+    "not_utf8": (b"ckpt_10\n\xff\xfe\n", "is not UTF-8 text"),
+    "bad_line": (b"ckpt_10\n../x\nckpt_30\n", "line 2 '../x' is not a checkpoint id"),
+    "all_stale": (b"ckpt_99\nckpt_98\n", "lists no checkpoint whose index exists: ckpt_99, ckpt_98"),
+}
+REBUILT = r"rebuilt the list of committed checkpoints from their indexes: ckpt_10, ckpt_20, ckpt_30"
+
+
+def _list_path(out) -> str:
+    return os.path.join(out, "checkpoint")
+
+
+def _list_file(out):
+    """The `checkpoint` file's bytes, None when it is missing."""
+    try:
+        with open(_list_path(out), "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _damage(out, damage: str) -> None:
+    data = DAMAGE[damage][0]
+    if data is None:
+        os.remove(_list_path(out))
+    else:
+        with open(_list_path(out), "wb") as f:
+            f.write(data)
+
+
+def _dirs(out):
+    return sorted(n for n in os.listdir(out) if os.path.isdir(os.path.join(out, n)))
+
+
+@pytest.fixture()
+def run(tmp_path):
+    """ckpt_10/20/30 committed by a manager job (max_keep 3), plus a crash leftover without index
+    and an unrelated directory; returns (output dir, job state at step 30)."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=10, max_keep=3)
+    for step in (10, 20, 30):
+        job.train(1)
+        job.manager.global_step = step
+        job.manager.save()
+    state = job_state(job)
+    job.saver.close()
+    shutil.copytree(os.path.join(out, "ckpt_30"), os.path.join(out, "ckpt_35"))
+    os.remove(os.path.join(out, "ckpt_35", "index"))  # a crash before the commit point
+    os.makedirs(os.path.join(out, "notes"))
+    assert _list_file(out) == FULL.encode()
+    return out, state
+
+
+def _warning(caught, out, damage):
+    """The one rebuild warning among `caught`; checks it names the file and the problem."""
+    rebuilt = [w for w in caught if "rebuilt the list" in str(w.message)]
+    assert len(rebuilt) == 1, [str(w.message) for w in caught]
+    assert rebuilt[0].category is RuntimeWarning
+    msg = str(rebuilt[0].message)
+    assert msg.startswith(f"{_list_path(out)}: {DAMAGE[damage][1]}; "), msg
+    assert f"from their indexes: {', '.join(IDS)}" in msg
+    return msg
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_restore_rebuilds_in_memory_and_warns_once(run, damage):
+    out, state = run
+    _damage(out, damage)
+    before = _list_file(out)
+    fresh = make_job(out, save_interval=10, max_keep=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fresh.manager.restore() == 30
+    msg = _warning(caught, out, damage)
+    assert f"run `recsave repair {out}`" in msg
+    assert_jobs_equal(job_state(fresh), state)
+    assert _list_file(out) == before  # a pure read does not write
+    assert _dirs(out) == ["ckpt_10", "ckpt_20", "ckpt_30", "ckpt_35", "notes"]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_saver_listing_is_rebuilt(run, damage):
+    out, _ = run
+    _damage(out, damage)
+    before = _list_file(out)
+    saver = make_job(out, max_keep=3).saver
+    with pytest.warns(RuntimeWarning, match=REBUILT):
+        assert saver.checkpoints() == [os.path.join(out, i) for i in IDS]
+    assert saver.latest_checkpoint() == os.path.join(out, "ckpt_30")
+    assert _list_file(out) == before
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_plain_load_of_the_output_dir_uses_the_rebuilt_list(run, damage):
+    out, state = run
+    _damage(out, damage)
+    fresh = make_job(out, max_keep=3)
+    with pytest.warns(RuntimeWarning, match=REBUILT):
+        report = fresh.saver.load()
+    assert report.checkpoints == [os.path.join(out, "ckpt_30")]
+    assert_jobs_equal(job_state(fresh), state)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_rotation_after_a_save_prunes_the_rebuilt_list(run, damage):
+    out, state = run
+    _damage(out, damage)
+    fresh = make_job(out, save_interval=10, max_keep=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fresh.manager.restore() == 30
+        fresh.train(1)
+        fresh.manager.global_step = 40
+        fresh.manager.save()
+    msgs = [str(w.message) for w in caught if "rebuilt the list" in str(w.message)]
+    assert len(msgs) == 2, msgs  # the read, then the save that rewrote the file
+    assert msgs[1].endswith("; rewrote the file"), msgs[1]
+    fresh.saver.close()
+    assert _list_file(out) == b"ckpt_20\nckpt_30\nckpt_40\n"
+    assert _dirs(out) == ["ckpt_20", "ckpt_30", "ckpt_40", "notes"]  # ckpt_10 pruned, the leftover gone
+    check = make_job(out, save_interval=10)
+    assert check.manager.restore(30) == 30
+    assert_jobs_equal(job_state(check), state)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_gc_keeps_every_committed_checkpoint_and_rewrites_the_file(run, damage):
+    out, _ = run
+    _damage(out, damage)
+    with pytest.warns(RuntimeWarning, match=REBUILT + "; rewrote the file"):
+        assert catalog.collect_garbage(out) == ["ckpt_35"]
+    assert _list_file(out) == FULL.encode()
+    assert _dirs(out) == ["ckpt_10", "ckpt_20", "ckpt_30", "notes"]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_repair_rewrites_the_file(run, damage, capsys):
+    out, _ = run
+    _damage(out, damage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # repair reports, it does not warn
+        assert cli_main(["repair", out]) == (1 if damage == "all_stale" else 0)  # stale ids are left out
+    text = capsys.readouterr().out
+    assert f"{_list_path(out)}: {DAMAGE[damage][1]}" in text
+    assert "rebuilt from the indexes: ckpt_10, ckpt_20, ckpt_30" in text
+    assert _list_file(out) == FULL.encode()
+    assert _dirs(out) == ["ckpt_10", "ckpt_20", "ckpt_30", "ckpt_35", "notes"]  # repair deletes nothing
+    # and again: the file is fine now
+    assert cli_main(["repair", out]) == 0
+    assert f"{_list_path(out)}: fine, lists 3 checkpoint(s): ckpt_10, ckpt_20, ckpt_30" in capsys.readouterr().out
+
+
+def test_repair_api_reports_what_it_did(run):
+    out, _ = run
+    _damage(out, "not_utf8")
+    result = catalog.repair(out)
+    assert result == {"output_dir": out, "file": _list_path(out), "problem": "is not UTF-8 text",
+                      "ids": IDS, "stale": [], "left_out": {}, "rebuilt": True, "rewritten": True}
+    assert catalog.repair(out) == {"output_dir": out, "file": _list_path(out), "problem": None, "ids": IDS,
+                                   "stale": [], "left_out": {}, "rebuilt": False, "rewritten": False}
+
+
+def test_repair_exits_1_when_something_damaged_is_left_out(run, capsys):
+    out, _ = run
+    with open(os.path.join(out, "ckpt_20", "index"), "w") as f:
+        f.write("{not json")
+    os.remove(_list_path(out))
+    assert cli_main(["repair", out]) == 1
+    text = capsys.readouterr().out
+    assert "rebuilt from the indexes: ckpt_10, ckpt_30" in text
+    assert "left out ckpt_20: " in text and "index is not UTF-8 JSON" in text
+    assert _list_file(out) == b"ckpt_10\nckpt_30\n"
+
+
+def test_repair_exits_1_for_stale_entries_and_2_when_nothing_is_there(run, tmp_path, capsys):
+    out, _ = run
+    with open(_list_path(out), "w") as f:
+        f.write("ckpt_10\nckpt_15\nckpt_20\nckpt_30\n")
+    shutil.rmtree(os.path.join(out, "ckpt_10"))
+    assert cli_main(["repair", out]) == 1
+    text = capsys.readouterr().out
+    assert "lists checkpoints whose directory or index is gone: ckpt_10, ckpt_15" in text
+    assert "rewrote it without them: ckpt_20, ckpt_30" in text and "dropped ckpt_10, ckpt_15" in text
+    assert _list_file(out) == b"ckpt_20\nckpt_30\n"
+    assert cli_main(["repair", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_garbled_file_error_points_to_repair(run):
+    out, _ = run
+    _damage(out, "bad_line")
+    with pytest.raises(recsave.CorruptCheckpointError, match=r"run `recsave repair .*run`"):
+        ckptlist.read(get_storage(out), out)
+
+
+def test_writers_drop_stale_entries_before_rotation(run):
+    """A listed id whose directory is gone never takes a max_keep slot from a committed one."""
+    out, _ = run
+    with open(_list_path(out), "w") as f:
+        f.write("ckpt_10\nckpt_20\nckpt_30\nckpt_33\n")
+    fresh = make_job(out, save_interval=10, max_keep=3)
+    with pytest.warns(RuntimeWarning, match="ckpt_33.*falling back.*ckpt_30"):
+        assert fresh.manager.restore() == 30
+    fresh.manager.global_step = 40
+    with pytest.warns(RuntimeWarning, match=r"lists checkpoints whose directory or index is gone: ckpt_33; "
+                                            r"dropped them; rewrote the file"):
+        fresh.manager.save()
+    fresh.saver.close()
+    assert _list_file(out) == b"ckpt_20\nckpt_30\nckpt_40\n"
+    assert _dirs(out) == ["ckpt_20", "ckpt_30", "ckpt_40", "notes"]
+
+
+def test_rebuild_orders_by_step_then_created_at_then_id(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=None)
+    for ckpt_id in ("zeta", "alpha", "ckpt_5", "ckpt_3"):
+        job.train(1)
+        job.saver.save(ckpt_id)
+    job.saver.close()
+    shutil.copytree(os.path.join(out, "ckpt_5"), os.path.join(out, "ckpt_5b"))  # same step and time
+    os.remove(_list_path(out))
+    with pytest.warns(RuntimeWarning, match="from their indexes: zeta, alpha, ckpt_3, ckpt_5, ckpt_5b;"):
+        names = [os.path.basename(p) for p in make_job(out, max_keep=None).saver.checkpoints()]
+    assert names == ["zeta", "alpha", "ckpt_3", "ckpt_5", "ckpt_5b"]
+
+
+def test_rebuild_keeps_newer_format_checkpoints(run):
+    out, _ = run
+    path = os.path.join(out, "ckpt_30", "index")
+    with open(path) as f:
+        index = json.load(f)
+    index["format_version"] = 2
+    with open(path, "w") as f:
+        json.dump(index, f)
+    _damage(out, "emptied")
+    with pytest.warns(RuntimeWarning, match=REBUILT):
+        assert catalog.collect_garbage(out) == ["ckpt_35"]
+    assert _list_file(out) == FULL.encode()
+    assert _dirs(out) == ["ckpt_10", "ckpt_20", "ckpt_30", "notes"]
+
+
+def test_a_fresh_output_dir_is_not_damage(tmp_path):
+    out = str(tmp_path / "run")
+    os.makedirs(os.path.join(out, "ckpt_7"))  # a leftover only: nothing committed, nothing to rebuild
+    with open(os.path.join(out, "ckpt_7", "model.pt"), "wb") as f:
+        f.write(b"partial")
+    job = make_job(out, save_interval=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert job.saver.checkpoints() == []
+        assert job.manager.restore() == 0
+    assert _list_file(out) is None
