@@ -653,3 +653,21 @@ def test_training_on_after_a_fallback_replaces_the_damaged_checkpoint(tmp_path):
     check = make_job(out, save_interval=3)
     assert check.manager.restore(fallback=False) == 6
     assert_jobs_equal(job_state(check), job_state(fresh))
+
+
+@pytest.mark.parametrize("err", [recsave.FormatVersionError("newer format"), recsave.UsageError("bad call"),
+                                 recsave.CorruptCheckpointError("damaged")])
+def test_recsave_errors_pass_through_remote_retries_unwrapped(err):
+    """storage.retry.call retries transient I/O only: an error of recsave's own (a newer format, a
+    usage error, damage) raises as it is, at once, never re-wrapped as a StorageError."""
+    from recsave.storage import retry
+
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise err
+
+    with pytest.raises(type(err)) as exc:
+        retry.call("reading", "memory://x/index", fail)
+    assert exc.value is err and not isinstance(exc.value, recsave.StorageError) and len(calls) == 1

@@ -8,7 +8,7 @@ import time
 from typing import Callable, Optional, TypeVar
 
 from recsave import knobs
-from recsave.errors import CorruptCheckpointError, StorageError
+from recsave.errors import RecsaveError, StorageError
 
 T = TypeVar("T")
 
@@ -26,7 +26,7 @@ def call(what: str, path: str, fn: Callable[[], T]) -> T:
     for attempt in range(1, total + 1):
         try:
             return fn()
-        except (FileNotFoundError, StorageError, CorruptCheckpointError):
+        except (FileNotFoundError, RecsaveError):
             raise
         except Exception as exc:  # classified below; anything not transient is raised at once
             if not is_transient(exc) or attempt == total:
