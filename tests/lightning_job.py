@@ -16,14 +16,13 @@ from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from helpers import CTR, item_ids, model_state, user_ids
 
-from helpers import CTR, item_ids, model_state, user_ids  # noqa: E402
-
-from recsave import CheckpointManager, Saver  # noqa: E402
-from recsave.lightning import RecsaveCallback  # noqa: E402
-from recsave.tables.optim import SparseAdagrad  # noqa: E402
+from recsave import CheckpointManager, Saver
+from recsave.lightning import RecsaveCallback
+from recsave.tables.optim import SparseAdagrad
 
 N_SAMPLES = 800
 BATCH = 16          # 50 batches per epoch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -16,10 +17,8 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from helpers import CTR, assert_obj_equal, assert_states_equal, model_state  # noqa: E402
-from lightning_job import (BATCH, EPOCHS, INTERVAL, N_SAMPLES, Module, ResumableSampler,  # noqa: E402
-                           dataset, fit, state)
+from lightning_job import BATCH, EPOCHS, INTERVAL, N_SAMPLES, Module, ResumableSampler, dataset, fit, state  # noqa: E402
 
-import recsave  # noqa: E402
 from recsave import CheckpointManager, Saver  # noqa: E402
 from recsave.errors import ArgumentTypeError  # noqa: E402
 from recsave.lightning import RecsaveCallback  # noqa: E402
@@ -86,6 +85,68 @@ def test_fresh_fit_saves_every_interval_and_at_the_end(tmp_path):
     assert callback.restored_step is None
     assert [p.rsplit("/", 1)[-1] for p in callback.saved] == ["ckpt_60", "ckpt_120", "ckpt_180", "ckpt_200"]
     assert trainer.global_step == 200
+
+
+def lightning_fit(module: Module, root, *, max_epochs: int, callbacks=(), ckpt_path=None, weights_only=None):
+    """A plain Lightning fit of `module` with Lightning's own ModelCheckpoint on (under `root`)."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=list(callbacks),
+                         logger=False, enable_checkpointing=True, default_root_dir=str(root),
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=module.sampler)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path, weights_only=weights_only)
+    return trainer
+
+
+def fresh_module() -> Module:
+    torch.manual_seed(0)
+    return Module(ResumableSampler(N_SAMPLES, BATCH))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_model_checkpoint_of_hashtables_restores_with_weights_only_false(tmp_path):
+    trained = fresh_module()
+    trainer = lightning_fit(trained, tmp_path / "pl", max_epochs=1)
+    files = glob.glob(str(tmp_path / "pl" / "**" / "*.ckpt"), recursive=True)
+    assert [os.path.basename(f) for f in files] == ["epoch=0-step=50.ckpt"]
+    ckpt, want = files[0], model_state(trained.model)
+    assert len(trained.model.user) > 0 and len(trained.model.user.slot_names()) == 1  # rows and Adagrad slots
+
+    # Lightning 2.6 passes weights_only=None to torch.load, which (torch >= 2.6) means True: a
+    # pickled HashTable is refused (docs/API.md section 9).
+    with pytest.raises(pickle.UnpicklingError, match="HashTable"):
+        Module.load_from_checkpoint(ckpt, sampler=ResumableSampler(N_SAMPLES, BATCH))
+    with pytest.raises(pickle.UnpicklingError, match="HashTable"):
+        lightning_fit(fresh_module(), tmp_path / "again", max_epochs=1, ckpt_path=ckpt)
+
+    loaded = Module.load_from_checkpoint(ckpt, sampler=ResumableSampler(N_SAMPLES, BATCH), weights_only=False)
+    assert_states_equal(want, model_state(loaded.model), "load_from_checkpoint")  # ids, rows, slots, dense
+
+    resumed = fresh_module()
+    t2 = lightning_fit(resumed, tmp_path / "again", max_epochs=1, ckpt_path=ckpt, weights_only=False)
+    assert_states_equal(want, model_state(resumed.model), "fit(ckpt_path)")
+    assert t2.global_step == 50 and resumed.seen == []  # the epoch was done: nothing trained again
+    assert_obj_equal(trainer.optimizers[0].state_dict(), t2.optimizers[0].state_dict(), "dense optimizer")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fit_with_ckpt_path_is_not_also_restored_by_the_callback(tmp_path):
+    first = fresh_module()
+    lightning_fit(first, tmp_path / "pl", max_epochs=1)  # epoch=0-step=50.ckpt
+    ckpt, want = glob.glob(str(tmp_path / "pl" / "**" / "*.ckpt"), recursive=True)[0], model_state(first.model)
+    _, _, callback = fit(str(tmp_path / "run"))  # recsave checkpoints up to ckpt_200: another state
+    assert callback.saved[-1].endswith("ckpt_200")
+
+    module = fresh_module()
+    saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=str(tmp_path / "run"))
+    callback = RecsaveCallback(CheckpointManager(saver, INTERVAL), save_on_train_end=False)
+    try:
+        trainer = lightning_fit(module, tmp_path / "pl2", max_epochs=1, callbacks=[callback], ckpt_path=ckpt,
+                                weights_only=False)
+    finally:
+        saver.close()
+    assert callback.restored_step is None  # the .ckpt alone was restored: model, optimizer and loop agree
+    assert_states_equal(want, model_state(module.model), "model")
+    assert trainer.global_step == 50
 
 
 def test_arguments_are_checked(tmp_path):
