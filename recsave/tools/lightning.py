@@ -80,7 +80,8 @@ class RecsaveCallback(pl.Callback):
     - ``on_fit_start``: restores the latest committed checkpoint (or ``ckpt_<global_step>`` when
       `global_step` is given): tables, sparse and dense optimizers, LR schedulers, extras, io states
       and Lightning's loop counters, so fit continues at the next batch. Nothing to restore: a fresh
-      start. With ``restore=False`` it never restores.
+      start. With ``restore=False``, or when ``Trainer.fit`` was given a ``ckpt_path`` (Lightning
+      restores that file), it does not restore.
     - ``on_train_batch_end``: saves ``ckpt_<trainer.global_step>`` each time the global step reaches a
       multiple of the manager's save_interval (the manager's async_mode applies).
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
@@ -111,6 +112,11 @@ class RecsaveCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.saved, self.restored_step = trainer, [], None
         if not self.restore:
+            return
+        if trainer.ckpt_path is not None:
+            # fit(ckpt_path=...) restores that file: Lightning loads its model state before this hook
+            # and its optimizers and loop after it, so restoring here too would mix two checkpoints.
+            log.info("%s: not restoring, Trainer.fit restores %s", self.manager.saver.output_dir, trainer.ckpt_path)
             return
         if self.global_step is None and self.manager.saver.latest_checkpoint() is None:
             return  # nothing saved yet: a fresh start

@@ -1,0 +1,147 @@
+"""The Lightning fit of tests/test_lightning.py (not a test module): the model, a resumable sampler,
+the fit itself and its end state; also a child script for the SIGKILL test.
+
+    python lightning_job.py kill OUT K PROGRESS   fit into OUT, autosaving every INTERVAL steps; at
+                                                  global batch K write "STEP EPOCH BATCH_IDX" (the
+                                                  batch reached, not trained) to PROGRESS and SIGKILL
+                                                  this process
+"""
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import sys
+from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning.pytorch as pl
+import torch
+from helpers import CTR, item_ids, model_state, user_ids
+
+from recsave import CheckpointManager, Saver
+from recsave.lightning import RecsaveCallback
+from recsave.tables.optim import SparseAdagrad
+
+N_SAMPLES = 800
+BATCH = 16          # 50 batches per epoch
+EPOCHS = 4          # 200 batches in all
+INTERVAL = 7        # autosave every 7 steps
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    uid = user_ids(torch.randint(0, 300, (N_SAMPLES,), generator=g))
+    iid = item_ids(torch.randint(0, 200, (N_SAMPLES,), generator=g))
+    label = torch.randint(0, 2, (N_SAMPLES,), generator=g).to(torch.float32)
+    return torch.utils.data.TensorDataset(torch.arange(N_SAMPLES), uid, iid, label)
+
+
+class ResumableSampler(torch.utils.data.Sampler):
+    """A shuffled order per epoch whose io state is the position *training* reached (Lightning
+    fetches a batch ahead, so the sampler's own progress would be one batch too far): training_step
+    calls advance(epoch, batch_idx); __iter__ starts after the batches done in that epoch."""
+
+    def __init__(self, n: int, batch_size: int, seed: int = 0):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.batches_done = 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if self.batches_done * self.batch_size >= self.n:  # the previous epoch is complete
+            self.epoch, self.batches_done = self.epoch + 1, 0
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return iter(order[self.batches_done * self.batch_size:].tolist())
+
+    def advance(self, epoch: int, batch_idx: int) -> None:
+        self.epoch, self.batches_done = epoch, batch_idx + 1
+
+    def dump_io_state(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def load_io_state(self, state: Dict[str, int]) -> None:
+        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+
+
+class Module(pl.LightningModule):
+    """The helpers' CTR model; dense Adam from configure_optimizers, sparse Adagrad stepped by hand."""
+
+    def __init__(self, sampler: ResumableSampler, fail_at: Optional[int] = None, kill_at: Optional[int] = None,
+                 progress: Optional[str] = None):
+        super().__init__()
+        self.automatic_optimization = False  # the sparse optimizer is not a torch optimizer
+        self.model = CTR(seed=3)
+        self.sparse_opt = SparseAdagrad(self.model, lr=0.05, initial_accumulator_value=0.1)
+        self.sampler, self.fail_at, self.kill_at, self.progress = sampler, fail_at, kill_at, progress
+        self.seen: List[Tuple[int, int, int, List[int]]] = []  # (global step, epoch, batch_idx, samples)
+
+    def training_step(self, batch, batch_idx):
+        index, uid, iid, label = batch
+        if self.fail_at is not None and len(self.seen) == self.fail_at:
+            raise RuntimeError(f"killed at batch {self.fail_at}")
+        if self.kill_at is not None and len(self.seen) == self.kill_at:
+            _die(self.progress, (self.global_step, self.current_epoch, batch_idx))
+        self.seen.append((self.global_step, self.current_epoch, batch_idx, index.tolist()))
+        dense = self.optimizers()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(uid, iid), label)
+        dense.zero_grad()
+        self.sparse_opt.zero_grad()
+        self.manual_backward(loss)
+        dense.step()
+        self.sparse_opt.step()
+        self.sampler.advance(self.current_epoch, batch_idx)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.model.parameters(), lr=1e-2)
+
+
+def fit(output_dir: str, fail_at: Optional[int] = None, save_interval: int = INTERVAL, *,
+        kill_at: Optional[int] = None, progress: Optional[str] = None):
+    """A 4-epoch fit autosaving every `save_interval` steps into `output_dir` (resuming from it when
+    it holds a checkpoint); it raises at global batch `fail_at`, or SIGKILLs itself at `kill_at`."""
+    torch.manual_seed(0)
+    sampler = ResumableSampler(N_SAMPLES, BATCH)
+    module = Module(sampler, fail_at, kill_at, progress)
+    saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=output_dir, max_keep=2)
+    saver.register_io_state("sampler", sampler)
+    callback = RecsaveCallback(CheckpointManager(saver, save_interval))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    finally:
+        saver.close()
+    return module, trainer, callback
+
+
+def state(module: Module, trainer) -> Dict[str, object]:
+    return {"model": model_state(module.model), "sparse_opt": copy.deepcopy(module.sparse_opt.state_dict()),
+            "dense_opt": copy.deepcopy(trainer.optimizers[0].state_dict()), "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch, "sampler": module.sampler.dump_io_state()}
+
+
+def _die(progress: Optional[str], reached: Tuple[int, int, int]) -> None:
+    """Records the batch reached, then dies the hard way: no exception, no callback, no cleanup."""
+    if progress is not None:
+        with open(progress, "w") as f:
+            f.write(" ".join(map(str, reached)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore")  # Lightning's tips and "not resumable" warnings
+    command, out, kill_at, progress = sys.argv[1:]
+    if command != "kill":
+        sys.exit(f"unknown command {command!r}")
+    fit(out, kill_at=int(kill_at), progress=progress)
+    sys.exit("the fit ended without being killed")
