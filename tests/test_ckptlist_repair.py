@@ -277,3 +277,59 @@ def test_a_fresh_output_dir_is_not_damage(tmp_path):
         assert job.saver.checkpoints() == []
         assert job.manager.restore() == 0
     assert _list_file(out) is None
+
+
+# ------------------------------------------------------------------ damaged directories (review)
+def _two_saved(out):
+    job = make_job(str(out), max_keep=None)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    job.train(1)
+    job.saver.save("ckpt_2")
+    return job
+
+
+@pytest.mark.parametrize("then", ["save", "repair_then_save", "repair_then_gc"])
+def test_a_directory_with_a_damaged_index_survives_saves_and_gc(tmp_path, then):
+    """A rebuild leaves out ckpt_2 (its index no longer validates) and names it; neither the next
+    save's rotation nor gc may delete it afterwards, also once the rewritten list is intact."""
+    out = tmp_path / "run"
+    job = _two_saved(out)
+    with open(out / "ckpt_2" / "index", "wb") as f:
+        f.write(b"{not json")
+    _damage(out, "bad_line")
+    job.saver.close()  # repair and gc take the writer lock (a later save takes it again)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if then.startswith("repair"):
+            assert catalog.repair(str(out))["left_out"].keys() == {"ckpt_2"}
+        if then.endswith("gc"):
+            assert catalog.clean_output_dir(str(out))["removed_checkpoints"] == []
+        else:
+            job.train(1)
+            job.saver.save("ckpt_3")
+    assert "ckpt_2" in _dirs(out) and (out / "ckpt_2" / "index").read_bytes() == b"{not json"
+    assert ckptlist.damaged(get_storage(str(out)), str(out), "ckpt_2") is not None
+
+
+def test_a_save_never_removes_a_users_directory_named_like_the_id(tmp_path):
+    out = tmp_path / "run"
+    job = make_job(str(out))
+    (out / "eval").mkdir(parents=True)
+    (out / "eval" / "notes.txt").write_text("mine")
+    job.train(1)
+    with pytest.raises(recsave.CheckpointExistsError, match="holds files recsave did not write"):
+        job.saver.save("eval")
+    assert (out / "eval" / "notes.txt").read_text() == "mine"
+    (out / "empty").mkdir()  # an empty directory is a leftover (a crash right after mkdir): replaced
+    job.saver.save("empty")
+    assert (out / "empty" / "index").exists()
+
+
+def test_repair_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    _two_saved(out)
+    _damage(out, "emptied")
+    assert cli_main(["repair", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ids"] == ["ckpt_1", "ckpt_2"] and doc["rebuilt"] is True and doc["left_out"] == {}

@@ -152,29 +152,46 @@ def rebuild(storage: Storage, output_dir: str) -> Tuple[List[str], Dict[str, str
     if not storage.isdir(output_dir, follow_links=True):
         return [], left_out
     for name in storage.listdir(output_dir):
-        ckpt_dir = storage.join(output_dir, name)
-        path = storage.join(ckpt_dir, INDEX_FILE)
-        if not is_plain_name(name) or name == LIST_FILE or not storage.isdir(ckpt_dir) \
-                or not storage.exists(path):
+        if not is_plain_name(name) or name == LIST_FILE or not storage.isdir(storage.join(output_dir, name)):
             continue
-        if storage.isdir(path, follow_links=True):
-            left_out[name] = f"{path} is a directory"
+        state = _index_state(storage, storage.join(output_dir, name))
+        if state is None:
+            continue  # no index: a leftover of a crashed save
+        if isinstance(state, str):
+            left_out[name] = state
             continue
-        try:
-            data = storage.read_bytes(path, knobs.get("max_index_bytes"))
-            index = index_mod.parse(data, path)
-            step, created = index.step, index.created_at
-        except FormatVersionError as exc:
-            newer = _newer_order(data)
-            if newer is None:
-                left_out[name] = str(exc)
-                continue
-            step, created = newer
-        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:  # damaged, or removed meanwhile
-            left_out[name] = str(exc)
-            continue
+        step, created = state
         found.append(((-1 if step is None else step, created, name), name))
     return [name for _, name in sorted(found)], left_out
+
+
+def _index_state(storage: Storage, ckpt_dir: str) -> "Optional[str | Tuple[Optional[int], str]]":
+    """What the index of ckpt_dir says: None when there is none, (step, created_at) when it
+    validates or was written by a newer recsave, else why it is damaged. An index is renamed into
+    place whole, so one that exists but does not validate is damage, never a crash leftover."""
+    path = storage.join(ckpt_dir, INDEX_FILE)
+    if not storage.exists(path):
+        return None
+    if storage.isdir(path, follow_links=True):
+        return f"{path} is a directory"
+    try:
+        data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+        index = index_mod.parse(data, path)
+        return index.step, index.created_at
+    except FormatVersionError as exc:
+        newer = _newer_order(data)
+        return str(exc) if newer is None else newer
+    except CheckpointNotFoundError:  # removed meanwhile
+        return None
+    except CorruptCheckpointError as exc:
+        return str(exc)
+
+
+def damaged(storage: Storage, output_dir: str, name: str) -> Optional[str]:
+    """Why checkpoint directory output_dir/name holds a damaged index (one that exists but does not
+    validate), else None. Such a directory is never deleted by rotation or gc (section 1)."""
+    state = _index_state(storage, storage.join(output_dir, name))
+    return state if isinstance(state, str) else None
 
 
 def _newer_order(data: bytes) -> Optional[Tuple[Optional[int], str]]:
@@ -227,12 +244,14 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
 
 def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[str]:
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
-    crashed saves); returns their names. Other files and directories, and checkpoints written by a
-    newer recsave (newer_format_version), are never touched."""
+    crashed saves); returns their names. Other files and directories, checkpoints written by a
+    newer recsave (newer_format_version) and directories holding a damaged index (damaged: the
+    user decides what to do with them, e.g. after `recsave repair` named them) are never touched."""
     removed = []
     for name in storage.listdir(output_dir):
         if name not in keep and looks_like_checkpoint(storage, output_dir, name) \
-                and newer_format_version(storage, output_dir, name) is None:
+                and newer_format_version(storage, output_dir, name) is None \
+                and damaged(storage, output_dir, name) is None:
             storage.remove_tree(storage.join(output_dir, name))
             removed.append(name)
     return removed

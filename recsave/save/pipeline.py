@@ -157,8 +157,14 @@ class CheckpointWriter:
                 f"{ckpt_dir} is a committed checkpoint already; save under another id or delete it first",
                 path=ckpt_dir)
         # A leftover of a crashed save (no index, or an index that never made it into the list) was
-        # never committed: safe to replace.
+        # never committed: safe to replace. A directory holding files recsave does not write is the
+        # user's: never removed.
         if self.storage.exists(ckpt_dir):
+            if self.storage.listdir(ckpt_dir) and \
+                    not ckptlist.looks_like_checkpoint(self.storage, self.output_dir, ckpt_id):
+                raise CheckpointExistsError(
+                    f"{ckpt_dir} exists and holds files recsave did not write; save under another id "
+                    f"or move that directory away", path=ckpt_dir)
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
 

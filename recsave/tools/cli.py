@@ -228,6 +228,10 @@ def _repair(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import repair
 
     r = repair(args.output_dir)
+    code = EXIT_FAILURE if r["stale"] or r["left_out"] else EXIT_OK
+    if args.json:
+        _print_json(r)
+        return code
     ids = ", ".join(r["ids"]) or "none"
     if r["problem"] is None:
         print(f"{r['file']}: fine, lists {len(r['ids'])} checkpoint(s): {ids}")
@@ -238,7 +242,7 @@ def _repair(args: argparse.Namespace) -> int:
         print(f"  dropped {', '.join(r['stale'])}: directory or index gone")
     for name, why in r["left_out"].items():
         print(f"  left out {name}: {' '.join(why.split())}")
-    return EXIT_FAILURE if r["stale"] or r["left_out"] else EXIT_OK
+    return code
 
 
 # -------------------------------------------------------------------------------------- main
