@@ -36,7 +36,7 @@ class Knob:
         if not ok_type:
             raise ArgumentTypeError(f"knob {name!r} takes a {self.kind.__name__}, got {value!r} "
                                     f"({type(value).__name__})", key=name)
-        if self.lo is not None and value < self.lo:
+        if self.lo is not None and not value >= self.lo:  # (NaN is never >= anything)
             raise UsageError(f"knob {name!r} must be >= {self.lo}, got {value!r}", key=name)
         return float(value) if self.kind is float else value
 

@@ -17,7 +17,8 @@ def test_override_with_a_wrong_type_raises_type_error_naming_the_knob(name, valu
 
 
 @pytest.mark.parametrize("name,value", [("concurrency", -1), ("concurrency", 0), ("segment_bytes", 0),
-                                        ("io_retries", -1), ("collective_timeout_s", 0.0)])
+                                        ("io_retries", -1), ("collective_timeout_s", 0.0),
+                                        ("collective_timeout_s", float("nan"))])
 def test_override_out_of_range_raises_usage_error_naming_the_knob(name, value):
     with pytest.raises(UsageError, match=f"knob '{name}' must be >="):
         with knobs.override(**{name: value}):
@@ -44,7 +45,8 @@ def test_boolean_environment_values_are_the_documented_ones(monkeypatch, raw, ex
 @pytest.mark.parametrize("var,raw,match", [("RECSAVE_WRITER_LOCK", "maybe", "is not a boolean"),
                                            ("RECSAVE_CONCURRENCY", "four", "is not a valid int"),
                                            ("RECSAVE_CONCURRENCY", "-2", "must be >= 1"),
-                                           ("RECSAVE_SEGMENT_BYTES", "1.5", "is not a valid int")])
+                                           ("RECSAVE_SEGMENT_BYTES", "1.5", "is not a valid int"),
+                                           ("RECSAVE_COLLECTIVE_TIMEOUT_S", "nan", "must be >=")])
 def test_bad_environment_values_raise_usage_error_naming_the_variable(monkeypatch, var, raw, match):
     monkeypatch.setenv(var, raw)
     name = var[len("RECSAVE_"):].lower()

@@ -195,3 +195,56 @@ def test_a_failed_partition_change_after_the_swap_is_undone(tmp_path, monkeypatc
     monkeypatch.undo()
     assert_jobs_equal(job_state(job), before)
     assert all(t.partition is None for t in tables_of(job.model).values())
+
+
+def test_a_failed_load_drops_its_staged_tables_even_while_the_error_is_kept(tmp_path, monkeypatch):
+    """The caller may keep the exception (its traceback references the load's frames): the scratch
+    tables holding the staged rows must not live on with it."""
+    import gc
+    import weakref
+
+    out = tmp_path / "run"
+    job = _trained(out)
+    ckpt = job.saver.save("ckpt_4")
+    _flip(ckpt, "user@embedding")
+    staged = []
+    real_new_like = HashTable.new_like
+
+    def tracked(self, copy_rows=False):
+        table = real_new_like(self, copy_rows)
+        staged.append(weakref.ref(table))
+        return table
+
+    monkeypatch.setattr(HashTable, "new_like", tracked)
+    with pytest.raises(CorruptCheckpointError) as kept:
+        job.saver.load()
+    gc.collect()
+    assert staged and all(ref() is None for ref in staged), "staged tables outlived the failed load"
+    assert kept.value is not None
+
+
+def test_rollback_runs_every_undo_step_and_names_the_one_that_failed():
+    from recsave.load.transaction import LoadTransaction
+
+    undone = []
+
+    def change(name, undo_fails=False, apply_fails=False):
+        def apply():
+            if apply_fails:
+                raise RuntimeError(f"{name} refused its state")
+
+            def undo():
+                undone.append(name)
+                if undo_fails:
+                    raise RuntimeError(f"{name} cannot go back")
+            return undo
+        return apply
+
+    tx = LoadTransaction({}, {})
+    tx.stage_call("extra a", change("a", undo_fails=True))
+    tx.stage_call("extra b", change("b"))
+    tx.stage_call("extra c", change("c", apply_fails=True))
+    with pytest.raises(recsave.RecsaveError, match="could not restore extra a") as exc:
+        tx.apply()
+    assert undone == ["b", "a"]  # newest first, and b's undo ran although a's failed after it
+    assert "c refused its state" in str(exc.value.__context__)

@@ -4,6 +4,7 @@ a load that fails, on any rank, leaves the model as it was."""
 from __future__ import annotations
 
 import functools
+import traceback
 from typing import Any, Dict, Optional, Set
 
 import torch
@@ -43,13 +44,20 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
 
     # Every rank has read and verified what it needs before any rank changes its model.
     where = ", ".join(report.checkpoints) or "the model bank"
-    dist.run_everywhere(f"reading {where}", stage, ex.world)
     try:
-        dist.run_everywhere(f"applying the load of {where}", tx.apply, ex.world)
-    except BaseException:
-        tx.rollback()  # another rank failed to apply: undo here too
+        dist.run_everywhere(f"reading {where}", stage, ex.world)
+        try:
+            dist.run_everywhere(f"applying the load of {where}", tx.apply, ex.world)
+        except BaseException:
+            tx.rollback()  # another rank failed to apply: undo here too
+            raise
+    except BaseException as exc:
+        # A caller may keep the error (a fallback load tries the next checkpoint meanwhile): the
+        # locals of the finished frames in its traceback (a half-staged table among them) go now.
+        traceback.clear_frames(exc.__traceback__)
         raise
-    tx.done()
+    finally:
+        tx.done()  # the staged (or, after a success, the replaced) tables are dropped
     target.extra_data.update(extra_data)
     rows_per_table: Dict[str, int] = {}
     for name, item in report.loaded.items():
@@ -103,11 +111,11 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             loaded_rows = len(table)
         else:
             ids, data = src.read_table(src_table, list(columns.values()), rank, world, target.concurrency)
+            for slot in columns:  # a slot of the checkpoint the (scratch) table lacks is created first:
+                if slot != "embedding" and slot not in table.slot_names():  # padding reads its init
+                    table.add_slot(slot)
             values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
             slot_values = {c: v for c, v in values.items() if c != "embedding"}
-            for slot in slot_values:  # a slot of the checkpoint the live table lacks is created
-                if slot not in table.slot_names():
-                    table.add_slot(slot)
             if has_embedding:
                 table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear)
                 loaded_rows = ids.numel()

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from recsave.errors import ShapeMismatchError
+from recsave.errors import RecsaveError, ShapeMismatchError
 from recsave.tables.hashtable import HashTable
 
 Undo = Callable[[], None]
@@ -77,15 +77,31 @@ class LoadTransaction:
             raise
 
     def rollback(self) -> None:
-        """Undoes what apply() did, newest first (a no-op when nothing is applied)."""
+        """Undoes what apply() did, newest first (a no-op when nothing is applied). Every step runs
+        even when one fails; then the first failure is raised, naming the step (the error being
+        handled, if any, stays its context)."""
+        failed: List[Tuple[str, BaseException]] = []
         while self._undo:
-            _, undo = self._undo.pop()
-            undo()
+            what, undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as exc:  # the other steps must still run
+                failed.append((what, exc))
+        if failed:
+            step, error = failed[0]
+            others = f" ({len(failed) - 1} more undo step(s) failed too)" if len(failed) > 1 else ""
+            raise RecsaveError(f"undoing a failed load could not restore {step}{others}: "
+                               f"{type(error).__name__}: {error}; that object may hold part of the "
+                               f"checkpoint's state: reload or restart the job") from error
 
     def done(self) -> None:
-        """Forgets the undo steps and the replaced contents (the load succeeded everywhere)."""
+        """Drops what the load staged and the undo steps, with the contents they hold (the
+        replaced tables after a success, the staged ones after a failure)."""
         self._undo.clear()
         self._scratch.clear()
+        self._partitions.clear()
+        self._dense_values.clear()
+        self._changes.clear()
 
 
 def state_dict_change(obj: Any, state: Any) -> Callable[[], Undo]:
