@@ -5,7 +5,7 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
@@ -155,43 +155,48 @@ def rebuild(storage: Storage, output_dir: str) -> Tuple[List[str], Dict[str, str
         if not is_plain_name(name) or name == LIST_FILE or not storage.isdir(storage.join(output_dir, name)):
             continue
         state = _index_state(storage, storage.join(output_dir, name))
-        if state is None:
-            continue  # no index: a leftover of a crashed save
-        if isinstance(state, str):
-            left_out[name] = state
-            continue
-        step, created = state
-        found.append(((-1 if step is None else step, created, name), name))
+        if state.kind == "damaged":
+            left_out[name] = state.why
+        elif state.kind != "none":  # valid, or written by a newer recsave
+            found.append(((-1 if state.step is None else state.step, state.created_at, name), name))
     return [name for _, name in sorted(found)], left_out
 
 
-def _index_state(storage: Storage, ckpt_dir: str) -> "Optional[str | Tuple[Optional[int], str]]":
-    """What the index of ckpt_dir says: None when there is none, (step, created_at) when it
-    validates or was written by a newer recsave, else why it is damaged. An index is renamed into
-    place whole, so one that exists but does not validate is damage, never a crash leftover."""
+class IndexState(NamedTuple):
+    """What a checkpoint directory's index says: `kind` is "none" (no index: a crash leftover),
+    "valid", "newer" (written by a newer recsave: intact, only unreadable here) or "damaged"."""
+    kind: str
+    step: Optional[int] = None
+    created_at: str = ""
+    why: str = ""  # for "damaged"
+
+
+def _index_state(storage: Storage, ckpt_dir: str) -> IndexState:
+    """The IndexState of ckpt_dir. An index is renamed into place whole, so one that exists but
+    does not validate is damage, never a crash leftover."""
     path = storage.join(ckpt_dir, INDEX_FILE)
     if not storage.exists(path):
-        return None
+        return IndexState("none")
     if storage.isdir(path, follow_links=True):
-        return f"{path} is a directory"
+        return IndexState("damaged", why=f"{path} is a directory")
     try:
         data = storage.read_bytes(path, knobs.get("max_index_bytes"))
         index = index_mod.parse(data, path)
-        return index.step, index.created_at
+        return IndexState("valid", index.step, index.created_at)
     except FormatVersionError as exc:
         newer = _newer_order(data)
-        return str(exc) if newer is None else newer
+        return IndexState("damaged", why=str(exc)) if newer is None else IndexState("newer", *newer)
     except CheckpointNotFoundError:  # removed meanwhile
-        return None
+        return IndexState("none")
     except CorruptCheckpointError as exc:
-        return str(exc)
+        return IndexState("damaged", why=str(exc))
 
 
 def damaged(storage: Storage, output_dir: str, name: str) -> Optional[str]:
     """Why checkpoint directory output_dir/name holds a damaged index (one that exists but does not
     validate), else None. Such a directory is never deleted by rotation or gc (section 1)."""
     state = _index_state(storage, storage.join(output_dir, name))
-    return state if isinstance(state, str) else None
+    return state.why if state.kind == "damaged" else None
 
 
 def _newer_order(data: bytes) -> Optional[Tuple[Optional[int], str]]:
@@ -249,9 +254,9 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[
     user decides what to do with them, e.g. after `recsave repair` named them) are never touched."""
     removed = []
     for name in storage.listdir(output_dir):
+        # One read of the index decides: only a leftover without one, or an unkept valid one, goes.
         if name not in keep and looks_like_checkpoint(storage, output_dir, name) \
-                and newer_format_version(storage, output_dir, name) is None \
-                and damaged(storage, output_dir, name) is None:
+                and _index_state(storage, storage.join(output_dir, name)).kind in ("none", "valid"):
             storage.remove_tree(storage.join(output_dir, name))
             removed.append(name)
     return removed
