@@ -128,12 +128,11 @@ class CheckpointWriter:
             self._lock = None
 
     def _discard_uncommitted(self, ckpt_dir: str, ckpt_id: str) -> None:
-        """Removes a failed save's directory unless it made it into the `checkpoint` list."""
-        try:
-            if ckpt_id not in ckptlist.read(self.storage, self.output_dir):
+        """Removes a failed save's directory unless it made it into the `checkpoint` list (or the
+        list cannot be read: then nothing is removed)."""
+        if self._listed(ckpt_id) is False:
+            with contextlib.suppress(Exception):  # the original error matters more; the next save cleans up
                 self.storage.remove_tree(ckpt_dir)
-        except Exception:  # the original error matters more; the next save cleans leftovers
-            pass
 
     def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
         self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
@@ -243,8 +242,8 @@ class CheckpointWriter:
         keep = ids if self.max_keep is None else ids[-self.max_keep:]
         keep = [i for i in ids if i in keep or self._written_by_newer(i)]
         ckptlist.write(st, out, keep)
-        # Directories a rebuilt list left out as damaged are not pruned: `recsave repair` names them.
-        ckptlist.collect_garbage(st, out, keep + list(listing.left_out))
+        # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
+        ckptlist.collect_garbage(st, out, keep)
 
     def _written_by_newer(self, ckpt_id: str) -> bool:
         """Whether a checkpoint falling out of max_keep was written by a newer recsave: rotation

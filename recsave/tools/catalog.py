@@ -139,9 +139,9 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     lock = hold_writer_lock(None, storage, output_dir)
     try:
         # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
-        # every committed checkpoint is kept, and so are directories left out as damaged.
+        # every committed checkpoint is kept (collect_garbage keeps damaged directories itself).
         listing = ckptlist.committed(storage, output_dir, rewrite=True)
-        dirs = ckptlist.collect_garbage(storage, output_dir, listing.ids + list(listing.left_out))
+        dirs = ckptlist.collect_garbage(storage, output_dir, listing.ids)
         temps = ckptlist.remove_temp_files(storage, output_dir)
         return {"removed_checkpoints": dirs, "removed_temp_files": temps}
     finally:
