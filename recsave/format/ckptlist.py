@@ -9,9 +9,11 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
+from recsave.format import chain
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
-from recsave.format.index import FORMAT_VERSION, INDEX_FILE
+from recsave.format.index import INDEX_FILE
+from recsave.format.records import MAX_FORMAT_VERSION
 from recsave.storage import Storage
 from recsave.storage.lock import LOCK_FILE
 
@@ -206,7 +208,7 @@ def _newer_order(data: bytes) -> Optional[Tuple[Optional[int], str]]:
     except ValueError:  # UnicodeDecodeError included
         return None
     if not isinstance(index, dict) or type(index.get("format_version")) is not int \
-            or index["format_version"] <= FORMAT_VERSION:
+            or index["format_version"] <= MAX_FORMAT_VERSION:
         return None
     step, created = index.get("step"), index.get("created_at")
     return (step if type(step) is int else None), (created if isinstance(created, str) else "")
@@ -242,7 +244,7 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
             "format_version")
     except (RecsaveError, OSError, ValueError, AttributeError):  # unreadable or not an object: not newer
         return None
-    if type(version) is int and version > FORMAT_VERSION:
+    if type(version) is int and version > MAX_FORMAT_VERSION:
         return version
     return None
 
@@ -251,7 +253,9 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
     crashed saves); returns their names. Other files and directories, checkpoints written by a
     newer recsave (newer_format_version) and directories holding a damaged index (damaged: the
-    user decides what to do with them, e.g. after `recsave repair` named them) are never touched."""
+    user decides what to do with them, e.g. after `recsave repair` named them) are never touched,
+    nor are the chain members a kept delta checkpoint needs (format/chain.py)."""
+    keep = sorted(chain.needed_by(storage, output_dir, keep))
     removed = []
     for name in storage.listdir(output_dir):
         # One read of the index decides: only a leftover without one, or an unkept valid one, goes.

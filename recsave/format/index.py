@@ -11,8 +11,12 @@ from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageErr
 from recsave.format import checks
 from recsave.format.dtypes import from_name
 from recsave.format.records import (
+    DELTA_FORMAT_VERSION,
     FORMAT_VERSION,
+    KIND_DELTA,
+    KIND_FULL,
     MAGIC,
+    READABLE_VERSIONS,
     BucketRange,
     Chunk,
     DenseMeta,
@@ -20,6 +24,7 @@ from recsave.format.records import (
     Index,
     IndexPart,
     Meta,
+    Parent,
     Partition,
     TableMeta,
     TensorEntry,
@@ -96,10 +101,10 @@ def validate(index: Any, path: str) -> Index:
     version = index.get("format_version")
     if type(version) is not int:
         raise checks.corrupt(path, f"format_version must be an integer, found {version!r}")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise FormatVersionError(
             f"{path}: format_version {version!r} is not supported by recsave {__version__} (reads "
-            f"version {FORMAT_VERSION}); upgrade recsave to read this checkpoint", path=path)
+            f"versions {list(READABLE_VERSIONS)}); upgrade recsave to read this checkpoint", path=path)
     absent = [k for k in REQUIRED_KEYS if k not in index]
     if absent:
         raise checks.corrupt(path, f"index lacks required key(s) {absent}")
@@ -135,9 +140,42 @@ def validate(index: Any, path: str) -> Index:
     for key in ("recsave_version", "created_at"):
         if not isinstance(index[key], str):
             raise checks.corrupt(path, f"{key} must be a string, found {index[key]!r}")
+    kind, parent, base = _parse_chain(index, version, path)
+    meta = parse_meta(index["meta"], tensors, path)
+    if kind == KIND_DELTA:
+        for name, t in (meta.tables if meta is not None else {}).items():
+            if t.cleared is None or t.tombstones is None or f"{name}@tombstone" not in tensors:
+                raise checks.corrupt(path, f"delta table {name!r} needs 'cleared', 'tombstones' and "
+                                     f"its tensor {name}@tombstone")
+            if tensors[f"{name}@tombstone"].shape[:1] != (t.tombstones,):
+                raise checks.corrupt(path, f"table {name!r} records {t.tombstones} tombstones, its "
+                                     f"tensor {name}@tombstone holds {tensors[f'{name}@tombstone'].shape}")
     return Index(magic=MAGIC, format_version=version, recsave_version=index["recsave_version"],
                  created_at=index["created_at"], step=step, world_size=world_size, partition=partition,
-                 files=files, tensors=tensors, meta=parse_meta(index["meta"], tensors, path))
+                 files=files, tensors=tensors, meta=meta, kind=kind, parent=parent, base=base)
+
+
+def _parse_chain(index: Dict[str, Any], version: int, path: str) -> Tuple[str, Optional[Parent], Optional[str]]:
+    """(kind, parent, base) of an index (docs/FORMAT.md section 8): a delta needs format_version 2,
+    a parent {"id", "crc32c"} and the id of its chain's base; a full checkpoint has neither."""
+    kind = index.get("kind", KIND_FULL)
+    if kind not in (KIND_FULL, KIND_DELTA):
+        raise checks.corrupt(path, f"unknown checkpoint kind {kind!r} (this recsave knows "
+                             f"{[KIND_FULL, KIND_DELTA]})")
+    if kind == KIND_FULL:
+        if "parent" in index or "base" in index:
+            raise checks.corrupt(path, "a full checkpoint's index must not have 'parent' or 'base'")
+        return kind, None, None
+    if version != DELTA_FORMAT_VERSION:
+        raise checks.corrupt(path, f"a delta index must have format_version {DELTA_FORMAT_VERSION}, "
+                             f"found {version}")
+    raw = index.get("parent")
+    if not isinstance(raw, dict):
+        raise checks.corrupt(path, f"a delta index needs 'parent': {{'id', 'crc32c'}}, found {raw!r}")
+    parent = Parent(checks.as_plain_name(raw.get("id"), "parent id", path),
+                    checks.as_int(raw.get("crc32c"), "parent crc32c", path, hi=0xFFFFFFFF))
+    base = checks.as_plain_name(index.get("base"), "base id", path)
+    return kind, parent, base
 
 
 def _parse_partition(partition: Any, path: str) -> Optional[Partition]:
@@ -259,10 +297,16 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
     for name, t in meta["tables"].items():
         if not isinstance(t, dict):
             raise bad(f"table {name!r} is not an object")
+        cleared = t.get("cleared")
+        if cleared is not None and not isinstance(cleared, bool):
+            raise bad(f"cleared of table {name!r} must be true or false, found {cleared!r}")
         tables[name] = TableMeta(checks.as_int(t.get("dim"), f"dim of table {name!r}", path),
                                  _text(t.get("dtype"), f"dtype of table {name!r}", bad),
                                  _texts(t.get("slots"), f"slots of table {name!r}", bad),
-                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path))
+                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path),
+                                 _opt_int(t.get("step"), f"step of table {name!r}", path),
+                                 cleared,
+                                 _opt_int(t.get("tombstones"), f"tombstones of table {name!r}", path))
     dense: Dict[str, DenseMeta] = {}
     for name, d in meta["dense"].items():
         if not isinstance(d, dict):
@@ -278,6 +322,10 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
                 raise checks.corrupt(path, f"table {name!r} lacks its tensor {name}@{suffix}")
     return Meta(tables, dense, _texts(meta["extras"], "extras", bad), _texts(meta["io_states"], "io_states", bad),
                 count)
+
+
+def _opt_int(value: Any, what: str, path: str) -> Optional[int]:
+    return None if value is None else checks.as_int(value, what, path)
 
 
 def _text(value: Any, what: str, bad: Callable[[str], Exception]) -> str:

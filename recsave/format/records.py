@@ -18,7 +18,11 @@ from recsave.errors import UsageError
 from recsave.format.dtypes import BY_NAME, DType
 
 MAGIC = "recsave.index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1          # full checkpoints (an index without `kind`)
+DELTA_FORMAT_VERSION = 2    # delta (incremental) checkpoints: `kind`, `parent`, `base`, tombstones
+READABLE_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION)
+MAX_FORMAT_VERSION = max(READABLE_VERSIONS)
+KIND_FULL, KIND_DELTA = "full", "delta"
 
 
 @dataclass(frozen=True)
@@ -147,14 +151,27 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class TableMeta:
-    """A hash table of the checkpoint: embedding dim and dtype, optimizer slots, rows saved."""
+    """A hash table of the checkpoint: embedding dim and dtype, optimizer slots, rows (of a full
+    checkpoint: rows saved; of a delta: live rows of the table once the chain is applied), the table
+    step (None in checkpoints without it) and, in a delta only, `cleared` (every row of the parent
+    is dropped first) and the number of `tombstones` (ids removed since the parent)."""
     dim: int
     dtype: str
     slots: Tuple[str, ...]
     rows: int = 0
+    step: Optional[int] = None
+    cleared: Optional[bool] = None
+    tombstones: Optional[int] = None
 
     def to_json(self) -> Dict[str, Any]:
-        return {"dim": self.dim, "dtype": self.dtype, "slots": self.slots, "rows": self.rows}
+        out: Dict[str, Any] = {"dim": self.dim, "dtype": self.dtype, "slots": self.slots, "rows": self.rows}
+        if self.step is not None:
+            out["step"] = self.step
+        if self.cleared is not None:
+            out["cleared"] = self.cleared
+        if self.tombstones is not None:
+            out["tombstones"] = self.tombstones
+        return out
 
 
 @dataclass(frozen=True)
@@ -195,6 +212,17 @@ def _tensors_json(tensors: Mapping[str, TensorEntry]) -> Dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Parent:
+    """The checkpoint a delta applies to: its id (a directory next to the delta's) and the CRC32C
+    of its index bytes, so that a parent rewritten since is detected."""
+    id: str
+    crc32c: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"id": self.id, "crc32c": self.crc32c}
+
+
+@dataclass(frozen=True)
 class IndexPart:
     """What one rank wrote (docs/FORMAT.md section 3, "Index parts"): write_shards returns one,
     merge_parts merges them into an Index."""
@@ -231,6 +259,13 @@ class Index:
     files: Mapping[str, FileEntry]
     tensors: Mapping[str, TensorEntry]
     meta: Optional[Meta]
+    kind: str = KIND_FULL
+    parent: Optional[Parent] = None   # deltas only
+    base: Optional[str] = None        # deltas only: id of the chain's full checkpoint
+
+    @property
+    def is_delta(self) -> bool:
+        return self.kind == KIND_DELTA
 
     def tensor(self, name: str) -> TensorEntry:
         """The entry of tensor `name` (KeyError when the index has none)."""
@@ -262,10 +297,12 @@ class Index:
         return dataclasses.replace(self, files={**self.files, **files})
 
     def to_json(self) -> Dict[str, Any]:
-        """The JSON object, keys in the order recsave writes them."""
-        return {
-            "magic": self.magic,
-            "format_version": self.format_version,
+        """The JSON object, keys in the order recsave writes them (`kind` only when it is not
+        "full", so that full indexes read as they always did; `parent` and `base` of a delta last)."""
+        out: Dict[str, Any] = {"magic": self.magic, "format_version": self.format_version}
+        if self.kind != KIND_FULL:
+            out["kind"] = self.kind
+        out.update({
             "recsave_version": self.recsave_version,
             "created_at": self.created_at,
             "step": self.step,
@@ -274,7 +311,12 @@ class Index:
             "files": _files_json(self.files),
             "tensors": _tensors_json(self.tensors),
             "meta": self.meta.to_json() if self.meta is not None else {},
-        }
+        })
+        if self.parent is not None:
+            out["parent"] = self.parent.to_json()
+        if self.base is not None:
+            out["base"] = self.base
+        return out
 
 
 def _no_overlap(a: Mapping[str, Any], b: Mapping[str, Any], what: str) -> None:

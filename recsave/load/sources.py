@@ -175,4 +175,9 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here (no 'checkpoint' file, no index, no Parquet); check "
             f"the path, or save a checkpoint first", path=path)
-    return CheckpointSource(storage, ckpt_dir, index_mod.read(ckpt_dir, storage))
+    index = index_mod.read(ckpt_dir, storage)
+    if index.is_delta:
+        from recsave.load.merge import ChainSource  # merge builds on CheckpointSource
+
+        return ChainSource(storage, ckpt_dir, index)
+    return CheckpointSource(storage, ckpt_dir, index)

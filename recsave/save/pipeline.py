@@ -18,6 +18,7 @@ from recsave.format.commits import DeferredCommits
 from recsave.format.records import IndexPart, Partition
 from recsave.format.writer import write_shards
 from recsave.load import contents
+from recsave.save import delta
 from recsave.save.layout import TableLayout, bucket_layout
 from recsave.save.snapshot import SaveState
 from recsave.storage import Storage, dist
@@ -168,11 +169,11 @@ class CheckpointWriter:
         self.storage.makedirs(self.output_dir)
 
     def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int, made: "_Made"
-                          ) -> Tuple[IndexPart, Dict[str, int]]:
+                          ) -> Tuple[IndexPart, Dict[str, Tuple[int, int]]]:
         made.directory = not self.storage.exists(ckpt_dir)
         self.storage.makedirs(ckpt_dir)
         part = index_mod.new_part(rank)
-        rows: Dict[str, int] = {}
+        rows: Dict[str, Tuple[int, int]] = {}  # table -> (live rows, tombstones) of this rank
         names = sorted(state.tables)
         # The next table's bucket order is computed while this one is written (two in memory at
         # most). Durable files are fsynced and renamed together when the block exits, before the
@@ -193,7 +194,8 @@ class CheckpointWriter:
                     upcoming = order(k + 1) if k + 1 < len(names) else None
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
-                    rows[name] = layout.num_rows
+                    table = state.tables[name]
+                    rows[name] = (layout.num_rows if state.parent is None else table.live_rows, layout.tombstones)
                     part = part.joined(table_part)
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
@@ -208,17 +210,20 @@ class CheckpointWriter:
                      commits: DeferredCommits) -> IndexPart:
         """Writes one table's files (the engine gathers embedding and slots in bucket order)."""
         return write_shards(ckpt_dir, layout.tensors, rank=rank, concurrency=self.concurrency,
-                            storage=self.storage, chunk_meta={t: layout.meta for t in layout.tensors},
+                            storage=self.storage, chunk_meta={t: layout.chunk_meta(t) for t in layout.tensors},
                             first_part=first_part, segments=layout.segments, commits=commits)
 
-    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[Tuple[IndexPart, Dict[str, int]]],
+    def _commit(self, ckpt_dir: str, ckpt_id: str,
+                gathered: Sequence[Tuple[IndexPart, Dict[str, Tuple[int, int]]]],
                 state: SaveState, world: int) -> None:
         st = self.storage
         parts = [part for part, _ in gathered]
         rows: Dict[str, int] = {}
+        tombstones: Dict[str, int] = {}
         for _, table_rows in gathered:
-            for name, count in table_rows.items():
+            for name, (count, dead) in table_rows.items():
                 rows[name] = rows.get(name, 0) + count
+                tombstones[name] = tombstones.get(name, 0) + dead
         files = {
             MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.cpu() for n, t in state.dense.items()}, 0),
             EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, state.extras, 0),
@@ -229,6 +234,9 @@ class CheckpointWriter:
         index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
                                       partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta)
+        index = delta.with_tables(index, state, tombstones)
+        if state.parent is not None:
+            index = delta.as_delta(st, self.output_dir, index, state.parent)
         index = index.with_files(files)
         index_mod.write(ckpt_dir, index, storage=st)
         self._publish(ckpt_id)

@@ -20,6 +20,7 @@ from recsave.load.config import SPARSE_OPTIM
 from recsave.load.execute import execute, load_entries
 from recsave.load.plan import LoadPlan, LoadTarget, plan_entries
 from recsave.load.report import LoadReport
+from recsave.save import delta
 from recsave.save.background import BackgroundWrite
 from recsave.save.pipeline import CheckpointWriter
 from recsave.save.snapshot import SaveState, Stager, capture
@@ -57,6 +58,8 @@ class Saver:
         self._extra_data: Dict[str, Any] = {}
         self._stager: Optional[Stager] = None  # host buffers of async saves, reused
         self._background = BackgroundWrite()
+        self._baseline: Optional[delta.Baseline] = None  # what the next delta is relative to
+        self.last_save_kind: Optional[str] = None  # "full" or "delta": what the last save wrote
         if sparse_optim is not None:
             self._check_stateful("sparse_optim", sparse_optim, "Saver")
             self._extras[SPARSE_OPTIM] = sparse_optim
@@ -160,20 +163,37 @@ class Saver:
         return self._extra_data[name]
 
     # -------------------------------------------------------------------------------------- save
-    def save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None) -> str:
+    def save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
+             incremental: bool = False) -> str:
         """Writes checkpoint `ckpt_id` under output_dir and commits it; returns its path.
+
+        With `incremental`, the checkpoint is a delta of this Saver's latest checkpoint (saved or
+        restored by it): only the rows changed since and the ids removed, plus the dense part,
+        extras and io states (docs/FORMAT.md section 8). When that baseline is unknown (nothing
+        saved or restored yet, a model-bank load or a failed save since, a table's changes moved
+        by someone else or not tracked) the save is full, logged at INFO; `last_save_kind` tells.
 
         Order (docs/FORMAT.md section 5): shard files and io state of every rank, then on rank 0
         model.pt, extra.pt, the index (the commit point) and the `checkpoint` list, then pruning.
         On failure the partial directory is removed and the previous checkpoint stays latest.
         A pending async_save is waited for first; if it failed, its error is raised here.
         """
+        check(incremental, bool, "incremental", "save")
         rank, world = self._save_args("save", ckpt_id, shard_id, shard_num)
         self._background.collect(consume=True)
-        return self._checkpoints.write(ckpt_id, self._capture(rank, world, None), rank, world)
+        state, after = self._capture(rank, world, None, incremental)
+        return self._write(ckpt_id, state, rank, world, after)
+
+    def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int, after: Dict[str, int]) -> str:
+        """Writes and commits; on success the baseline of the next delta is this checkpoint, on
+        failure it is unknown (the next incremental save is full)."""
+        self._baseline = None
+        path = self._checkpoints.write(ckpt_id, state, rank, world)
+        self._baseline = delta.Baseline(ckpt_id, after)
+        return path
 
     def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
-                   pinned: bool = False) -> Tuple[Future, Future]:
+                   pinned: bool = False, incremental: bool = False) -> Tuple[Future, Future]:
         """Saves like save(), but returns once the state is snapshotted: returns
         ``(stage_future, write_future)``.
 
@@ -185,20 +205,23 @@ class Saver:
         `stage_future` is done on return; `write_future` yields the checkpoint path, or the error
         of the write, which is also raised by the next save / async_save, wait() or close(). Every
         rank calls async_save in the same order (the writes run collectives on recsave's group).
-        The host copy costs memory of about the size of the tables and dense tensors.
+        The host copy costs memory of about the size of the tables and dense tensors (of the
+        changed rows only, for a delta: `incremental` as in save()).
         """
         check(pinned, bool, "pinned", "async_save")
+        check(incremental, bool, "incremental", "async_save")
         rank, world = self._save_args("async_save", ckpt_id, shard_id, shard_num)
         self._background.collect(consume=True)
         if dist.collective(world):
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
-        state = self._capture(rank, world, self._stager)
+        state, after = self._capture(rank, world, self._stager, incremental)
         stage_future: Future = Future()
         stage_future.set_result(None)  # staging is done on this thread, before returning
-        write = knobs.carried(self._checkpoints.write)
-        write_future = self._background.submit(ckpt_id, lambda: write(ckpt_id, state, rank, world))
+        write = knobs.carried(self._write)
+        self._baseline = None  # until the write succeeds (the next save collects it first)
+        write_future = self._background.submit(ckpt_id, lambda: write(ckpt_id, state, rank, world, after))
         return stage_future, write_future
 
     @staticmethod
@@ -224,12 +247,21 @@ class Saver:
         close to raise)."""
         return self._background.pending_id
 
-    def _capture(self, rank: int, world: int, stager: Optional[Stager]) -> SaveState:
+    def _capture(self, rank: int, world: int, stager: Optional[Stager],
+                 incremental: bool) -> Tuple[SaveState, Dict[str, int]]:
+        """The snapshot, and each table's change epoch after it (the next delta's baseline)."""
         tables, dense = contents.model_state(self.model)
         if world > 1:
             for table in tables.values():
                 table.set_partition(rank, world, self.num_buckets)
-        return capture(tables, dense, self._extras, self._io_states, stager)
+        deltas, after = delta.take(tables, self._baseline, incremental, self.storage, self.output_dir, world)
+        parent = self._baseline.ckpt_id if deltas is not None and self._baseline is not None else None
+        self.last_save_kind = "delta" if deltas is not None else "full"
+        try:
+            return capture(tables, dense, self._extras, self._io_states, stager, deltas, parent), after
+        except BaseException:
+            self._baseline = None  # the changes were taken: the next save must be full
+            raise
 
     def close(self) -> None:
         """Waits for a pending async write (raising its error), frees the async host buffers and
@@ -271,9 +303,29 @@ class Saver:
         if ckpt_path is not None:
             conf["path"] = ckpt_path
         conf.setdefault("path", self.output_dir)
+        whole = set(conf) == {"path"}
+        self._baseline = None  # a load changes the tables: known again only after a whole restore
         if fallback and ckpt_id is None and not direct_path:
-            return self._load_with_fallback(conf, shard_id)
-        return load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id, direct_path=direct_path)
+            report = self._load_with_fallback(conf, shard_id)
+        else:
+            report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
+                                  direct_path=direct_path)
+        if whole:
+            self._restored(report)
+        return report
+
+    def _restored(self, report: LoadReport) -> None:
+        """After a whole restore of one of this output dir's checkpoints, the next delta can be
+        relative to it: every table's change baseline moves to now."""
+        if len(report.checkpoints) != 1:
+            return
+        out_dir, ckpt_id = self.storage.split(report.checkpoints[0])
+        if self.storage.join(self.output_dir, ckpt_id) != self.storage.join(out_dir, ckpt_id):
+            return
+        tables, _ = contents.model_state(self.model)
+        for table in tables.values():
+            table.reset_changes()
+        self._baseline = delta.Baseline(ckpt_id, {n: int(t.change_epoch) for n, t in tables.items()})
 
     def _load_with_fallback(self, conf: Dict[str, Any], shard_id: Optional[int]) -> LoadReport:
         """Loads the newest loadable committed checkpoint of the output dir conf["path"]."""
@@ -338,4 +390,5 @@ class Saver:
                 raise UsageError(f"execute_plan: only names {', '.join(odd)} that the plan does not load; it "
                                  f"loads {sorted(plan.items)}", key="only")
         self._background.collect(consume=False)
+        self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
         return execute(self._target(), plan, only)

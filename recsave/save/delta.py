@@ -1,0 +1,101 @@
+"""Incremental (delta) saves (docs/FORMAT.md section 8): decide, on every rank alike, whether a save
+can be a delta of the Saver's latest checkpoint, take each table's changes at the snapshot, and
+turn the committed index into a delta's (kind, parent with its index CRC32C, base)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Set, Tuple
+
+import torch
+
+from recsave.format import chain
+from recsave.format import index as index_mod
+from recsave.format.records import DELTA_FORMAT_VERSION, KIND_DELTA, Index, Parent
+from recsave.save.snapshot import Delta, SaveState
+from recsave.storage import Storage, dist
+from recsave.tables.hashtable import HashTable
+
+log = logging.getLogger("recsave")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What a delta save is relative to: the checkpoint the Saver saved or restored last, and the
+    change epoch each of its tables had right after (HashTable.change_epoch)."""
+    ckpt_id: str
+    epochs: Mapping[str, int]
+
+
+def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], storage: Storage,
+             output_dir: str) -> Optional[str]:
+    """Why this rank cannot save a delta (None: it can)."""
+    if baseline is None:
+        return ("the change baseline is unknown (no save or restore by this Saver yet, a model-bank "
+                "load or a failed save since)")
+    if set(tables) != set(baseline.epochs):
+        return f"the model's tables {sorted(tables)} are not those of {baseline.ckpt_id!r}"
+    for name, table in tables.items():
+        changes = table.pending_changes()
+        if not changes.tracked:
+            return f"table {name!r} does not track changes (knob track_changes is off)"
+        if table.change_epoch != baseline.epochs[name]:
+            return f"the change baseline of table {name!r} was moved by someone other than this Saver"
+    if not storage.exists(storage.join(output_dir, baseline.ckpt_id, index_mod.INDEX_FILE)):
+        return f"the parent {baseline.ckpt_id!r} is no longer committed"
+    return None
+
+
+def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremental: bool, storage: Storage,
+         output_dir: str, world: int) -> Tuple[Optional[Dict[str, Delta]], Dict[str, int]]:
+    """Moves every table's change baseline to now (a full save too, so the next delta is relative to
+    it); returns (the deltas to write, or None for a full save; each table's epoch after). Every
+    rank takes part (one small collective when several): all write a delta or all a full, and a
+    table cleared on one rank is written whole, and marked cleared, by all."""
+    reason: Optional[str] = "incremental=False" if not incremental else why_full(tables, baseline, storage, output_dir)
+    cleared: Set[str] = {n for n, t in tables.items() if reason is None and t.pending_changes().cleared}
+    if dist.collective(world):
+        votes: List[Tuple[Optional[str], Set[str]]] = dist.gather_objects((reason, cleared), world)
+        reasons = [r for r, _ in votes if r is not None]
+        reason = reasons[0] if reasons else None
+        cleared = set().union(*(c for _, c in votes))
+    taken = {n: t.take_changes() for n, t in tables.items()}
+    epochs = {n: int(t.change_epoch) for n, t in tables.items()}
+    if reason is not None:
+        if incremental:
+            log.info("recsave: saving a full checkpoint instead of a delta: %s", reason)
+        return None, epochs
+    deltas: Dict[str, Delta] = {}
+    for name, changes in taken.items():
+        if name in cleared and not changes.cleared:  # cleared on another rank: this one writes all its rows
+            ids, rows = tables[name].id_rows()
+            deltas[name] = Delta(ids, rows, torch.empty(0, dtype=torch.int64), True)
+        else:
+            deltas[name] = Delta(changes.ids, changes.rows, changes.tombstones, bool(changes.cleared))
+    return deltas, epochs
+
+
+def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -> Index:
+    """The index with each table's step and, for a delta, its cleared flag and tombstone count."""
+    if index.meta is None:
+        return index
+    tables = {}
+    for name, meta in index.meta.tables.items():
+        table = state.tables.get(name)
+        if table is None:
+            tables[name] = meta
+            continue
+        extra = {} if state.parent is None else {"cleared": table.cleared, "tombstones": int(tombstones.get(name, 0))}
+        tables[name] = dataclasses.replace(meta, step=table.step, **extra)
+    return dataclasses.replace(index, meta=dataclasses.replace(index.meta, tables=tables))
+
+
+def as_delta(storage: Storage, output_dir: str, index: Index, parent_id: str) -> Index:
+    """The index as a delta of checkpoint `parent_id` (format_version 2, kind, parent, base)."""
+    parent_dir = storage.join(output_dir, parent_id)
+    parent = index_mod.read(parent_dir, storage)
+    crc = chain.index_crc(storage, parent_dir)
+    base = parent.base if parent.is_delta and parent.base is not None else parent_id
+    return dataclasses.replace(index, format_version=DELTA_FORMAT_VERSION, kind=KIND_DELTA,
+                               parent=Parent(parent_id, crc), base=base)
