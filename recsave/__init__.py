@@ -21,6 +21,8 @@ from recsave.manager import CheckpointManager
 from recsave.save.saver import Saver
 from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.tables.interop import from_dcp_state_dict, to_dcp_state_dict
+from recsave.tools.catalog import describe
+from recsave.tools.compact import compact
 from recsave.version import __version__
 
 __all__ = [
@@ -29,7 +31,7 @@ __all__ = [
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
-    "RankFailedError", "ArgumentTypeError",
+    "RankFailedError", "ArgumentTypeError", "compact", "describe",
 ]
 
 _compat.install()

@@ -86,8 +86,11 @@ def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -
         if table is None:
             tables[name] = meta
             continue
-        extra = {} if state.parent is None else {"cleared": table.cleared, "tombstones": int(tombstones.get(name, 0))}
-        tables[name] = dataclasses.replace(meta, step=table.step, **extra)
+        if state.parent is None:
+            tables[name] = dataclasses.replace(meta, step=table.step)
+        else:
+            tables[name] = dataclasses.replace(meta, step=table.step, cleared=table.cleared,
+                                               tombstones=int(tombstones.get(name, 0)))
     return dataclasses.replace(index, meta=dataclasses.replace(index.meta, tables=tables))
 
 

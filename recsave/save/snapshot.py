@@ -142,7 +142,7 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
     for name, table in tables.items():
         columns = table.columns()
         meta = meta_columns(table)
-        info = dict(step=int(table.step), live_rows=len(table))
+        step, live = int(table.step), len(table)
         delta = deltas.get(name) if deltas is not None else None
         if delta is not None:
             ids, rows = delta.ids, delta.rows
@@ -155,16 +155,19 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
                         for c, t in meta.items()}
                 rows = torch.arange(need, dtype=torch.int64)
             states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta,
-                                      tombstones=delta.tombstones, cleared=delta.cleared, **info)
+                                      tombstones=delta.tombstones, cleared=delta.cleared, step=step,
+                                      live_rows=live)
             continue
         if stager is None:
-            states[name] = TableState(table.embedding_dim, table.dtype, columns, table=table, meta=meta, **info)
+            states[name] = TableState(table.embedding_dim, table.dtype, columns, table=table, meta=meta, step=step,
+                                      live_rows=live)
             continue
         ids, rows = table.id_rows()
         used = len(table.weight)  # row_capacity: rows beyond it hold nothing
         columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
         meta = {c: stager.stage((name, "@meta", c), t[:used], room=t.numel()) for c, t in meta.items()}
-        states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta, **info)
+        states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta, step=step,
+                                  live_rows=live)
     if stager is None:
         dense_state = {n: t.detach() for n, t in dense.items()}
     else:

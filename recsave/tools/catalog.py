@@ -13,6 +13,7 @@ from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, Recs
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
+from recsave.load.merge import ChainSource
 from recsave.load.sources import CheckpointSource, open_source
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
@@ -46,10 +47,18 @@ def describe(ckpt: str) -> Dict[str, Any]:
     shards = {n: f for n, f in index.files.items() if n.endswith(".safetensors")}
     tables = {}
     for name, t in (index.meta.tables if index.meta is not None else {}).items():
-        nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in ("id", "embedding", *t.slots))
-        tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes}
+        stored = [c for c in ("id", "embedding", *t.slots, "last_step", "count", "tombstone")
+                  if f"{name}@{c}" in index.tensors]
+        nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in stored)
+        tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes,
+                        "tombstones": t.tombstones or 0}
+        if index.is_delta:  # rows of a delta: live rows once applied; changed: rows it stores
+            tables[name].update(changed=index.tensor(f"{name}@id").shape[0], cleared=bool(t.cleared))
+    chain_ids = src.chain_ids if isinstance(src, ChainSource) else [src.storage.split(src.ckpt_dir)[1]]
     return {
         "path": src.ckpt_dir, "step": index.step, "created_at": index.created_at,
+        "kind": index.kind, "parent": index.parent.to_json() if index.parent is not None else None,
+        "base": index.base if index.is_delta else chain_ids[0], "chain": chain_ids,
         "format_version": index.format_version, "recsave_version": index.recsave_version,
         "world_size": index.world_size,
         "partition": index.partition.to_json() if index.partition is not None else None, "tables": tables,
@@ -84,18 +93,21 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         raise UsageError(f"{ckpt} is a Parquet export, not a checkpoint; verify checks checkpoints",
                          path=ckpt)
     problems: List[str] = []
+    # A delta is intact when its whole chain is: every member's files are checked (base first).
+    members = [src.member_source(m) for m in src.members] if isinstance(src, ChainSource) else [src]
     if on_start is not None:
-        on_start(src.index.total_bytes)
-    for fname, entry in sorted(src.index.files.items()):
-        try:
-            if fname.endswith(".safetensors"):
-                _verify_shard(src, fname)
-            else:
-                torchio.read_bytes(src.storage, src.ckpt_dir, fname, src.index)
-        except RecsaveError as exc:
-            problems.append(str(exc))
-        if progress is not None:
-            progress(entry.size)
+        on_start(sum(m.index.total_bytes for m in members))
+    for member in members:
+        for fname, entry in sorted(member.index.files.items()):
+            try:
+                if fname.endswith(".safetensors"):
+                    _verify_shard(member, fname)
+                else:
+                    torchio.read_bytes(member.storage, member.ckpt_dir, fname, member.index)
+            except RecsaveError as exc:
+                problems.append(str(exc))
+            if progress is not None:
+                progress(entry.size)
     return problems
 
 
