@@ -159,10 +159,17 @@ def _parse_chain(index: Dict[str, Any], version: int, path: str) -> Tuple[str, O
     """(kind, parent, base) of an index (docs/FORMAT.md section 8): a delta needs format_version 2,
     a parent {"id", "crc32c"} and the id of its chain's base; a full checkpoint has neither."""
     kind = index.get("kind", KIND_FULL)
+    if version != FORMAT_VERSION and "kind" not in index:
+        raise FormatVersionError(
+            f"{path}: format_version {version} without a 'kind' is not supported by recsave {__version__} "
+            f"(version {version} indexes name their kind, e.g. 'delta'); upgrade recsave to read this "
+            f"checkpoint", path=path)
     if kind not in (KIND_FULL, KIND_DELTA):
         raise checks.corrupt(path, f"unknown checkpoint kind {kind!r} (this recsave knows "
                              f"{[KIND_FULL, KIND_DELTA]})")
     if kind == KIND_FULL:
+        if version != FORMAT_VERSION:
+            raise checks.corrupt(path, f"a full checkpoint's index must have format_version {FORMAT_VERSION}")
         if "parent" in index or "base" in index:
             raise checks.corrupt(path, "a full checkpoint's index must not have 'parent' or 'base'")
         return kind, None, None

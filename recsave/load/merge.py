@@ -1,74 +1,22 @@
-"""A delta checkpoint as a load source: its chain (base first, format/chain.py) merged into the rows
-one full checkpoint would hold (docs/FORMAT.md section 8: apply the base, then each delta in order:
-cleared, tombstones, then upserts, newest wins), in bucket order like a full checkpoint's. Dense
-state, extras and io states come from the delta itself (it holds them whole)."""
+"""The rows of a delta checkpoint's chain (base first, format/chain.py) merged into the rows one full
+checkpoint would hold (docs/FORMAT.md section 8: apply the base, then each delta in order:
+cleared, tombstones, then upserts, newest wins), in bucket order like a full checkpoint's. Used by
+load/sources.py's ChainSource; sources are duck-typed here (CheckpointSource: ckpt_dir, index,
+storage, num_buckets, row_ranges)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from recsave.errors import CorruptCheckpointError
-from recsave.format import chain
-from recsave.format.reader import bytes_to_read, read_tensors
-from recsave.format.records import Index
-from recsave.load.sources import CheckpointSource
-from recsave.storage import Storage
+from recsave.format.reader import read_tensors
 from recsave.tables import partition
 
 META_COLUMNS = ("last_step", "count")  # row metadata, [n, 1] int64; 0 where a member lacks it
 
 
-class ChainSource(CheckpointSource):
-    """A delta checkpoint: reads give the merged rows of its whole chain; each chain member's byte
-    ranges are read once per read_table. Opening it checks the chain (CorruptCheckpointError naming
-    a missing or damaged member, or a parent whose index changed)."""
-
-    kind = "chain"
-
-    def __init__(self, storage: Storage, ckpt_dir: str, index: Index):
-        super().__init__(storage, ckpt_dir, index)
-        self.members = chain.resolve(storage, ckpt_dir, index)
-
-    @property
-    def chain_ids(self) -> List[str]:
-        return [m.ckpt_id for m in self.members]
-
-    def member_source(self, m: chain.Member) -> CheckpointSource:
-        return self if m.ckpt_dir == self.ckpt_dir else CheckpointSource(self.storage, m.ckpt_dir, m.index)
-
-    def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
-        """Rows of the merged table (exact with one rank, else the owned share of them) and the bytes
-        every chain member contributes per column ('id' includes the tombstones)."""
-        rows = self.contents.tables[table].rows
-        if world > 1:
-            lo, hi = partition.bucket_range(rank, world, self.num_buckets)
-            rows = rows * (hi - lo) // self.num_buckets
-        cost = {c: 0 for c in ["id", *columns]}
-        for m in self.members:
-            src = self.member_source(m)
-            if f"{table}@id" not in m.index.tensors:
-                continue
-            ranges = src.row_ranges(table, rank, world)
-            for c in cost:
-                if f"{table}@{c}" in m.index.tensors:
-                    cost[c] += bytes_to_read(m.index, f"{table}@{c}", ranges)
-            if f"{table}@tombstone" in m.index.tensors:
-                cost["id"] += bytes_to_read(m.index, f"{table}@tombstone", _tomb_ranges(src, table, rank, world))
-        return rows, cost
-
-    def read_table(self, table: str, columns: Sequence[str], rank: int, world: int, concurrency: int,
-                   out: Optional[Dict[str, torch.Tensor]] = None,
-                   with_ids: bool = True) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
-        ids, data = merged_table(self, table, list(columns), rank, world, concurrency)
-        if out:
-            for c, dest in out.items():
-                dest.copy_(data[c])
-                data[c] = dest
-        return (ids if with_ids else None), data
-
-
-def _tomb_ranges(src: CheckpointSource, table: str, rank: int, world: int) -> Optional[List[Tuple[int, int]]]:
+def tomb_ranges(src: Any, table: str, rank: int, world: int) -> Optional[List[Tuple[int, int]]]:
     if world == 1:
         return None
     lo, hi = partition.bucket_range(rank, world, src.num_buckets)
@@ -83,7 +31,7 @@ def _tomb_ranges(src: CheckpointSource, table: str, rank: int, world: int) -> Op
     return ranges
 
 
-def _read_member(src: CheckpointSource, table: str, columns: List[str], rank: int, world: int,
+def _read_member(src: Any, table: str, columns: List[str], rank: int, world: int,
                  concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """(ids, columns, tombstones or None) of one member, in one read of its files. Row metadata a
     member lacks (written before recsave saved it) reads as 0s."""
@@ -100,7 +48,7 @@ def _read_member(src: CheckpointSource, table: str, columns: List[str], rank: in
     tomb = f"{table}@tombstone" if f"{table}@tombstone" in index.tensors else None
     if tomb is not None:
         names.append(tomb)
-        tr = _tomb_ranges(src, table, rank, world)
+        tr = tomb_ranges(src, table, rank, world)
         if tr is not None and rows is not None:
             rows[tomb] = tr
     data = read_tensors(src.ckpt_dir, names, index=index, storage=src.storage, concurrency=concurrency, rows=rows)
@@ -111,7 +59,7 @@ def _read_member(src: CheckpointSource, table: str, columns: List[str], rank: in
     return ids, cols, (data[tomb] if tomb is not None else None)
 
 
-def merged_table(src: ChainSource, table: str, columns: List[str], rank: int, world: int,
+def merged_table(src: Any, table: str, columns: List[str], rank: int, world: int,
                  concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The table as its compacted full checkpoint would hold it (the rows rank `rank` of `world`
     owns): ids and the given columns, in bucket order (ties in merge order)."""

@@ -13,8 +13,7 @@ from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, Recs
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
-from recsave.load.merge import ChainSource
-from recsave.load.sources import CheckpointSource, open_source
+from recsave.load.sources import ChainSource, CheckpointSource, open_source
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
 
