@@ -303,26 +303,30 @@ class Saver:
         if ckpt_path is not None:
             conf["path"] = ckpt_path
         conf.setdefault("path", self.output_dir)
-        whole = set(conf) == {"path"}
         self._baseline = None  # a load changes the tables: known again only after a whole restore
         if fallback and ckpt_id is None and not direct_path:
             report = self._load_with_fallback(conf, shard_id)
         else:
             report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
                                   direct_path=direct_path)
-        if whole:
-            self._restored(report)
+        self._restored(report, conf)
         return report
 
-    def _restored(self, report: LoadReport) -> None:
-        """After a whole restore of one of this output dir's checkpoints, the next delta can be
-        relative to it: every table's change baseline moves to now."""
-        if len(report.checkpoints) != 1:
+    def _restored(self, report: LoadReport, conf: Dict[str, Any]) -> None:
+        """After a restore of every table (all its columns, cleared first, under its own name) from
+        one of this output dir's checkpoints, the next delta can be relative to it: every table's
+        change baseline moves to now."""
+        if len(report.checkpoints) != 1 or conf.get("hashtable_clear", True) is not True or conf.get("oname"):
             return
         out_dir, ckpt_id = self.storage.split(report.checkpoints[0])
         if self.storage.join(self.output_dir, ckpt_id) != self.storage.join(out_dir, ckpt_id):
             return
         tables, _ = contents.model_state(self.model)
+        for name, table in tables.items():
+            for column in [name] + [f"{name}@{s}" for s in table.slot_names()]:
+                item = report.loaded.get(column)
+                if item is None or item.category not in ("sparse", "sparse_opt") or item.source != column:
+                    return
         for table in tables.values():
             table.reset_changes()
         self._baseline = delta.Baseline(ckpt_id, {n: int(t.change_epoch) for n, t in tables.items()})

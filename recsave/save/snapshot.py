@@ -165,7 +165,9 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
         ids, rows = table.id_rows()
         used = len(table.weight)  # row_capacity: rows beyond it hold nothing
         columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
-        meta = {c: stager.stage((name, "@meta", c), t[:used], room=t.numel()) for c, t in meta.items()}
+        # meta_columns() are views up to row_capacity: room for the whole storage behind them
+        meta = {c: stager.stage((name, "@meta", c), t[:used], room=t.untyped_storage().nbytes() // t.element_size())
+                for c, t in meta.items()}
         states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta, step=step,
                                   live_rows=live)
     if stager is None:
