@@ -339,3 +339,29 @@ def test_cleared_table_is_a_cleared_delta(tmp_path):
     idx = index_mod.read(os.path.join(out, "b"))
     assert idx.kind == "delta" and idx.meta.tables["user"].cleared and not idx.meta.tables["item"].cleared
     assert_same(job.state(), restored(out, "b").state(), "cleared")
+
+
+def test_restore_applies_deltas_to_the_base_in_place(chain_dir, monkeypatch):
+    """A restore reads the base straight into the table and applies each delta with table ops: it
+    never builds the merged rows (a second copy of the table), and reads each member's files once."""
+    out, states = chain_dir
+    import recsave.format.reader as reader_mod
+    from recsave.load import merge
+
+    def no_merge(*args, **kwargs):
+        raise AssertionError("merged_table used by a restore")
+    monkeypatch.setattr(merge, "merged_table", no_merge)
+    opened = []
+    real_open = recsave.storage.local.LocalStorage.open_shard
+
+    def open_shard(self, path, size=None):
+        opened.append(path)
+        return real_open(self, path, size)
+    monkeypatch.setattr(recsave.storage.local.LocalStorage, "open_shard", open_shard)
+    assert reader_mod  # the engine reads through Storage.open_shard
+    got = restored(out, "ckpt_6")
+    assert_same(states["ckpt_6"], got.state(), "in place")
+    # A delta's files are read once; the base's twice (ids, then the columns while the ids hash)
+    for path in set(opened):
+        assert opened.count(path) == (2 if "/ckpt_0/" in path else 1), path
+    assert {os.path.basename(os.path.dirname(p)) for p in opened} == {f"ckpt_{i}" for i in range(7)}

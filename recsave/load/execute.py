@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Set
 import torch
 
 from recsave.errors import ConfigError
-from recsave.load import contents
+from recsave.load import contents, merge
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport
@@ -109,8 +109,11 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         table = tx.table(table_name, keep_rows=keep_rows,
                          partition=(rank, world, src.num_buckets) if world > 1 else None)
         meta = _meta_columns(src, src_table) if has_embedding else []
-        if has_embedding and _load_in_place(target, table, src, src_table, {**columns, **{m: m for m in meta}},
-                                            plan, rank, world):
+        if has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
+                                                                          plan, rank, world):
+            loaded_rows = len(table)
+        elif has_embedding and _load_in_place(target, table, src, src_table, {**columns, **{m: m for m in meta}},
+                                              plan, rank, world):
             loaded_rows = len(table)
         else:
             ids, data = src.read_table(src_table, list(columns.values()) + meta, rank, world, target.concurrency)
@@ -148,6 +151,34 @@ def _table_step(src: Any, table: str) -> Optional[int]:
     index = getattr(src, "index", None)
     info = index.meta.tables.get(table) if index is not None and index.meta is not None else None
     return info.step if info is not None else None
+
+
+def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],
+                         plan: Plan, rank: int, world: int) -> bool:
+    """A delta's restore: the chain's base through the fast path (straight into the table), then
+    each delta applied with table ops (clear when cleared, delete its tombstones, upsert its rows with
+    their metadata): docs/FORMAT.md section 8. Each member is read once. False: use the general path
+    (the table's state is then replaced by it)."""
+    base = src.member_source(src.members[0])
+    base_meta = _meta_columns(base, src_table)
+    if not _load_in_place(target, table, base, src_table, {**columns, **{m: m for m in base_meta}},
+                          plan, rank, world):
+        return False
+    for member in src.members[1:]:
+        info = member.index.meta.tables.get(src_table) if member.index.meta is not None else None
+        if info is None or any(f"{src_table}@{c}" not in member.index.tensors for c in columns.values()):
+            return False
+        ids, data, tombstones = merge.read_member(src.member_source(member), src_table,
+                                                  list(columns.values()) + list(META_COLUMNS), rank, world,
+                                                  target.concurrency)
+        if info.cleared:
+            table.clear()
+        if tombstones is not None and tombstones.numel():
+            table.delete(tombstones)
+        slots = {c: data[s] for c, s in columns.items() if c != "embedding"}
+        table.load_rows(ids, data[columns["embedding"]], slots, clear=False,
+                        meta={m: data[m] for m in META_COLUMNS})
+    return True
 
 
 def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],

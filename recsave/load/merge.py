@@ -31,7 +31,7 @@ def tomb_ranges(src: Any, table: str, rank: int, world: int) -> Optional[List[Tu
     return ranges
 
 
-def _read_member(src: Any, table: str, columns: List[str], rank: int, world: int,
+def read_member(src: Any, table: str, columns: List[str], rank: int, world: int,
                  concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Optional[torch.Tensor]]:
     """(ids, columns, tombstones or None) of one member, in one read of its files. Row metadata a
     member lacks (written before recsave saved it) reads as 0s."""
@@ -70,7 +70,7 @@ def merged_table(src: Any, table: str, columns: List[str], rank: int, world: int
         if info is None:  # the table did not exist yet (or no more): nothing of it here
             ids, cols = None, {}
             continue
-        m_ids, m_cols, tomb = _read_member(src.member_source(m), table, columns, rank, world, concurrency)
+        m_ids, m_cols, tomb = read_member(src.member_source(m), table, columns, rank, world, concurrency)
         if not m.index.is_delta or info.cleared or ids is None:
             ids, cols = m_ids, m_cols
             continue

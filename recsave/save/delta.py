@@ -30,16 +30,13 @@ class Baseline:
 
 def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], storage: Storage,
              output_dir: str) -> Optional[str]:
-    """Why this rank cannot save a delta (None: it can)."""
+    """Why this rank cannot save a delta (None: it can), before the changes are taken."""
     if baseline is None:
         return ("the change baseline is unknown (no save or restore by this Saver yet, a model-bank "
                 "load or a failed save since)")
     if set(tables) != set(baseline.epochs):
         return f"the model's tables {sorted(tables)} are not those of {baseline.ckpt_id!r}"
     for name, table in tables.items():
-        changes = table.pending_changes()
-        if not changes.tracked:
-            return f"table {name!r} does not track changes (knob track_changes is off)"
         if table.change_epoch != baseline.epochs[name]:
             return f"the change baseline of table {name!r} was moved by someone other than this Saver"
     if not storage.exists(storage.join(output_dir, baseline.ckpt_id, index_mod.INDEX_FILE)):
@@ -54,14 +51,17 @@ def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremen
     rank takes part (one small collective when several): all write a delta or all a full, and a
     table cleared on one rank is written whole, and marked cleared, by all."""
     reason: Optional[str] = "incremental=False" if not incremental else why_full(tables, baseline, storage, output_dir)
-    cleared: Set[str] = {n for n, t in tables.items() if reason is None and t.pending_changes().cleared}
+    taken = {n: t.take_changes() for n, t in tables.items()}  # every save moves the baselines
+    epochs = {n: int(t.change_epoch) for n, t in tables.items()}
+    untracked = sorted(n for n, c in taken.items() if not c.tracked)
+    if reason is None and untracked:
+        reason = f"table(s) {untracked} do not track changes (knob track_changes is off)"
+    cleared: Set[str] = {n for n, c in taken.items() if reason is None and c.cleared}
     if dist.collective(world):
         votes: List[Tuple[Optional[str], Set[str]]] = dist.gather_objects((reason, cleared), world)
         reasons = [r for r, _ in votes if r is not None]
         reason = reasons[0] if reasons else None
         cleared = set().union(*(c for _, c in votes))
-    taken = {n: t.take_changes() for n, t in tables.items()}
-    epochs = {n: int(t.change_epoch) for n, t in tables.items()}
     if reason is not None:
         if incremental:
             log.info("recsave: saving a full checkpoint instead of a delta: %s", reason)
