@@ -365,3 +365,22 @@ def test_restore_applies_deltas_to_the_base_in_place(chain_dir, monkeypatch):
     for path in set(opened):
         assert opened.count(path) == (2 if "/ckpt_0/" in path else 1), path
     assert {os.path.basename(os.path.dirname(p)) for p in opened} == {f"ckpt_{i}" for i in range(7)}
+
+
+def test_delta_chain_on_fsspec_memory(tmp_path):
+    """Chains resolve through fsspec storage too (parents next to the delta, CRC of their index)."""
+    import uuid
+
+    out = f"memory://recsave-delta-{uuid.uuid4().hex}"
+    job = Job(out, max_keep=1)
+    job.step()
+    job.saver.save("ckpt_0", incremental=True)
+    states = {}
+    for k in (1, 2):
+        job.step(batch=4)
+        job.saver.save(f"ckpt_{k}", incremental=True)
+        assert job.saver.last_save_kind == "delta"
+        states[k] = job.state()
+    assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_2"]
+    assert recsave.describe(out)["chain"] == ["ckpt_0", "ckpt_1", "ckpt_2"]
+    assert_same(states[2], restored(out, "ckpt_2").state(), "memory://")
