@@ -29,7 +29,7 @@ class Baseline:
 
 
 def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], storage: Storage,
-             output_dir: str) -> Optional[str]:
+             output_dir: str, rank: int = 0) -> Optional[str]:
     """Why this rank cannot save a delta (None: it can), before the changes are taken."""
     if baseline is None:
         return ("the change baseline is unknown (no save or restore by this Saver yet, a model-bank "
@@ -39,18 +39,19 @@ def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], stor
     for name, table in tables.items():
         if table.change_epoch != baseline.epochs[name]:
             return f"the change baseline of table {name!r} was moved by someone other than this Saver"
-    if not storage.exists(storage.join(output_dir, baseline.ckpt_id, index_mod.INDEX_FILE)):
+    # Rank 0 writes the index (other ranks may have output dirs of their own)
+    if rank == 0 and not storage.exists(storage.join(output_dir, baseline.ckpt_id, index_mod.INDEX_FILE)):
         return f"the parent {baseline.ckpt_id!r} is no longer committed"
     return None
 
 
 def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremental: bool, storage: Storage,
-         output_dir: str, world: int) -> Tuple[Optional[Dict[str, Delta]], Dict[str, int]]:
+         output_dir: str, rank: int, world: int) -> Tuple[Optional[Dict[str, Delta]], Dict[str, int]]:
     """Moves every table's change baseline to now (a full save too, so the next delta is relative to
     it); returns (the deltas to write, or None for a full save; each table's epoch after). Every
     rank takes part (one small collective when several): all write a delta or all a full, and a
     table cleared on one rank is written whole, and marked cleared, by all."""
-    reason: Optional[str] = "incremental=False" if not incremental else why_full(tables, baseline, storage, output_dir)
+    reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
     taken = {n: t.take_changes() for n, t in tables.items()}  # every save moves the baselines
     epochs = {n: int(t.change_epoch) for n, t in tables.items()}
     untracked = sorted(n for n, c in taken.items() if not c.tracked)

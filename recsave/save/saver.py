@@ -254,7 +254,8 @@ class Saver:
         if world > 1:
             for table in tables.values():
                 table.set_partition(rank, world, self.num_buckets)
-        deltas, after = delta.take(tables, self._baseline, incremental, self.storage, self.output_dir, world)
+        deltas, after = delta.take(tables, self._baseline, incremental, self.storage, self.output_dir, rank,
+                                   world)
         parent = self._baseline.ckpt_id if deltas is not None and self._baseline is not None else None
         self.last_save_kind = "delta" if deltas is not None else "full"
         try:
