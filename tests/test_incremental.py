@@ -384,3 +384,52 @@ def test_delta_chain_on_fsspec_memory(tmp_path):
     assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_2"]
     assert recsave.describe(out)["chain"] == ["ckpt_0", "ckpt_1", "ckpt_2"]
     assert_same(states[2], restored(out, "ckpt_2").state(), "memory://")
+
+
+def test_changed_slots_save_full(tmp_path):
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a", incremental=True)
+    job.model.user.add_slot("extra_slot", 1.0)
+    job.saver.save("b", incremental=True)
+    assert job.saver.last_save_kind == "full"
+    job.saver.save("c", incremental=True)
+    assert job.saver.last_save_kind == "delta"
+    assert_same(job.state(), restored_with_slot(out, "c").state(), "c")
+
+
+def restored_with_slot(out, ckpt_id):
+    job = Job(out, seed=7)
+    job.model.user.add_slot("extra_slot", 1.0)
+    job.saver.load(ckpt_id=ckpt_id)
+    return job
+
+
+def test_async_delta_stages_only_the_changed_rows(chain_dir, tmp_path):
+    out, _ = chain_dir
+    mine = str(tmp_path / "out")
+    shutil.copytree(out, mine)
+    job = Job(mine, seed=3)
+    job.saver.load(ckpt_id="ckpt_10")
+    job.step(batch=2)
+    changed = sum(int(t.pending_changes().ids.numel()) for t in tables_of(job.model).values())
+    _, write = job.saver.async_save("ckpt_11", incremental=True)
+    write.result()
+    assert job.saver.last_save_kind == "delta"
+    table_bytes = sum(sum(c.nbytes for c in t.columns().values()) for t in tables_of(job.model).values())
+    row_bytes = 3 * 8 * 4 + 2 * 8  # embedding, adam_m, adam_v (dim 8, float32), last_step, count
+    dense = sum(t.nbytes for t in job.model.state_dict().values() if isinstance(t, torch.Tensor))
+    staged = job.saver._stager.nbytes - dense  # noqa: SLF001 (table buffers: room for 2x the changed rows)
+    assert 0 < staged <= 2 * changed * row_bytes and staged < table_bytes / 4
+    assert_same(job.state(), restored(mine, "ckpt_11").state(), "async delta")
+
+
+def test_compact_refuses_an_existing_checkpoint(chain_dir, tmp_path, capsys):
+    out, _ = chain_dir
+    target = str(tmp_path / "c")
+    recsave.compact(os.path.join(out, "ckpt_2"), target)
+    with pytest.raises(recsave.CheckpointExistsError, match="ckpt_2"):
+        recsave.compact(os.path.join(out, "ckpt_2"), target)
+    assert cli(["compact", os.path.join(out, "ckpt_2"), target]) == 2
+    assert "exists already" in capsys.readouterr().err

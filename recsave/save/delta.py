@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Set, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -26,6 +26,13 @@ class Baseline:
     change epoch each of its tables had right after (HashTable.change_epoch)."""
     ckpt_id: str
     epochs: Mapping[str, int]
+    columns: Mapping[str, Tuple[str, ...]]  # per table: its slots then (a delta needs the same)
+
+    @classmethod
+    def of(cls, ckpt_id: str, tables: Mapping[str, HashTable]) -> "Baseline":
+        """The baseline `ckpt_id` with the tables as they are now (epochs and slots)."""
+        return cls(ckpt_id, {n: int(t.change_epoch) for n, t in tables.items()},
+                   {n: tuple(t.slot_names()) for n, t in tables.items()})
 
 
 def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], storage: Storage,
@@ -37,6 +44,8 @@ def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], stor
     if set(tables) != set(baseline.epochs):
         return f"the model's tables {sorted(tables)} are not those of {baseline.ckpt_id!r}"
     for name, table in tables.items():
+        if tuple(table.slot_names()) != baseline.columns[name]:
+            return f"the slots of table {name!r} changed since {baseline.ckpt_id!r}"
         if table.change_epoch != baseline.epochs[name]:
             return f"the change baseline of table {name!r} was moved by someone other than this Saver"
     # Rank 0 writes the index (other ranks may have output dirs of their own)
@@ -46,14 +55,18 @@ def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], stor
 
 
 def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremental: bool, storage: Storage,
-         output_dir: str, rank: int, world: int) -> Tuple[Optional[Dict[str, Delta]], Dict[str, int]]:
+         output_dir: str, rank: int, world: int) -> Tuple[Optional[Dict[str, Delta]], Callable[[str], Baseline]]:
     """Moves every table's change baseline to now (a full save too, so the next delta is relative to
-    it); returns (the deltas to write, or None for a full save; each table's epoch after). Every
+    it); returns (the deltas to write, or None for a full save; the next baseline, given the id
+    this save commits as). Every
     rank takes part (one small collective when several): all write a delta or all a full, and a
     table cleared on one rank is written whole, and marked cleared, by all."""
     reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
     taken = {n: t.take_changes() for n, t in tables.items()}  # every save moves the baselines
-    epochs = {n: int(t.change_epoch) for n, t in tables.items()}
+    after = Baseline.of("", tables)
+
+    def next_baseline(ckpt_id: str) -> Baseline:
+        return dataclasses.replace(after, ckpt_id=ckpt_id)
     untracked = sorted(n for n, c in taken.items() if not c.tracked)
     if reason is None and untracked:
         reason = f"table(s) {untracked} do not track changes (knob track_changes is off)"
@@ -66,7 +79,7 @@ def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremen
     if reason is not None:
         if incremental:
             log.info("recsave: saving a full checkpoint instead of a delta: %s", reason)
-        return None, epochs
+        return None, next_baseline
     deltas: Dict[str, Delta] = {}
     for name, changes in taken.items():
         if name in cleared and not changes.cleared:  # cleared on another rank: this one writes all its rows
@@ -74,7 +87,7 @@ def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremen
             deltas[name] = Delta(ids, rows, torch.empty(0, dtype=torch.int64), True)
         else:
             deltas[name] = Delta(changes.ids, changes.rows, changes.tombstones, bool(changes.cleared))
-    return deltas, epochs
+    return deltas, next_baseline
 
 
 def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -> Index:

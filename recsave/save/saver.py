@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import Future
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -184,12 +184,13 @@ class Saver:
         state, after = self._capture(rank, world, None, incremental)
         return self._write(ckpt_id, state, rank, world, after)
 
-    def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int, after: Dict[str, int]) -> str:
+    def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int,
+               after: Callable[[str], delta.Baseline]) -> str:
         """Writes and commits; on success the baseline of the next delta is this checkpoint, on
         failure it is unknown (the next incremental save is full)."""
         self._baseline = None
         path = self._checkpoints.write(ckpt_id, state, rank, world)
-        self._baseline = delta.Baseline(ckpt_id, after)
+        self._baseline = after(ckpt_id)
         return path
 
     def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
@@ -248,8 +249,8 @@ class Saver:
         return self._background.pending_id
 
     def _capture(self, rank: int, world: int, stager: Optional[Stager],
-                 incremental: bool) -> Tuple[SaveState, Dict[str, int]]:
-        """The snapshot, and each table's change epoch after it (the next delta's baseline)."""
+                 incremental: bool) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
+        """The snapshot, and the next delta's baseline once it commits (given its id)."""
         tables, dense = contents.model_state(self.model)
         if world > 1:
             for table in tables.values():
@@ -330,7 +331,7 @@ class Saver:
                     return
         for table in tables.values():
             table.reset_changes()
-        self._baseline = delta.Baseline(ckpt_id, {n: int(t.change_epoch) for n, t in tables.items()})
+        self._baseline = delta.Baseline.of(ckpt_id, tables)
 
     def _load_with_fallback(self, conf: Dict[str, Any], shard_id: Optional[int]) -> LoadReport:
         """Loads the newest loadable committed checkpoint of the output dir conf["path"]."""
