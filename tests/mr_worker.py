@@ -185,6 +185,17 @@ def main():
             kinds.append(saver.last_save_kind)
         with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
             json.dump(kinds, f)
+    elif scenario == "delta_cleared":  # rank 0 clears `user` and refills a few rows; rank 1 does not
+        fill(model, rank, world)
+        saver.save("ckpt_1", incremental=True)
+        if rank == 0:
+            ids = global_ids()
+            mine = ids[partition.owner_of(ids, world) == 0][:50]
+            model.user.clear()
+            model.user.load_rows(mine, expected_rows(mine, 5.0), {"adagrad_acc": expected_rows(mine, 5.5)})
+        saver.save("ckpt_2", incremental=True)
+        with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
+            json.dump([saver.last_save_kind], f)
     elif scenario == "delta_continue":  # restore the latest with this world size, change, save a delta
         saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None)
         delta_step(model, rank, world, 3)

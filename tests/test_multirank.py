@@ -218,3 +218,25 @@ def test_delta_chain_across_world_sizes(tmp_path):
         codes, outs = run_ranks("load", world, tmp_path, {"NO_IO": "1", "CKPT_ID": "ckpt_4"})
         assert codes == [0] * world, outs
         _check_loaded(tmp_path, world, _expected_after(3))
+
+
+def test_delta_of_a_table_cleared_on_one_rank(tmp_path):
+    """A table cleared on one rank only: every rank writes its rows whole and marks the table
+    cleared, so the merge (drop all, then upsert) gives back exactly what the ranks held."""
+    codes, outs = run_ranks("delta_cleared", 2, tmp_path)
+    assert codes == [0, 0], outs
+    assert all(json.loads((tmp_path / f"kinds_2_{r}.json").read_text()) == ["delta"] for r in range(2))
+    index = read_index(str(tmp_path / "out" / "ckpt_2"))
+    assert index.meta.tables["user"].cleared and not index.meta.tables["item"].cleared
+    codes, outs = run_ranks("load", 1, tmp_path, {"NO_IO": "1", "CKPT_ID": "ckpt_2"})
+    assert codes == [0], outs
+    ids = global_ids()
+    kept = ids[partition.owner_of(ids, 2) == 0][:50]
+    user = torch.load(tmp_path / "user_1_0.pt", weights_only=True)
+    want = {i: 5.0 for i in kept.tolist()}
+    want.update({i: 0.0 for i in ids[partition.owner_of(ids, 2) == 1].tolist()})
+    assert sorted(user["ids"].tolist()) == sorted(want)
+    for i, row, acc in zip(user["ids"], user["values"], user["acc"]):
+        assert torch.equal(row, mr_rows(i, want[int(i)])) and torch.equal(acc, mr_rows(i, want[int(i)] + 0.5))
+    item = torch.load(tmp_path / "item_1_0.pt", weights_only=True)
+    assert sorted(item["ids"].tolist()) == sorted(ids.tolist())
