@@ -4,12 +4,14 @@ chain's base, a full checkpoint. A missing or damaged member, or a parent whose 
 is a CorruptCheckpointError naming it."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Set, Tuple
 
 from recsave import _C, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError
 from recsave.format import index as index_mod
+from recsave.format.checks import is_plain_name
 from recsave.format.records import Index
 from recsave.storage import Storage, get_storage
 
@@ -91,12 +93,21 @@ def _reachable(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
     current: Optional[str] = ckpt_id
     while current is not None and current not in out and len(out) <= MAX_CHAIN:
         out.append(current)
-        try:
-            index = index_mod.read(storage.join(output_dir, current), storage)
-        except (RecsaveError, OSError):
-            break
-        current = index.parent.id if index.parent is not None else None
+        current = _parent_id(storage, storage.join(output_dir, current))
     return out
+
+
+def _parent_id(storage: Storage, ckpt_dir: str) -> Optional[str]:
+    """The `parent.id` of ckpt_dir's index, read as plain JSON (retention errs on keeping: a parent
+    named by an index that does not validate is kept too); None when there is none."""
+    try:
+        raw = json.loads(storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE),
+                                            knobs.get("max_index_bytes")).decode("utf-8"))
+    except (RecsaveError, OSError, ValueError):
+        return None
+    parent = raw.get("parent") if isinstance(raw, dict) else None
+    pid = parent.get("id") if isinstance(parent, dict) else None
+    return pid if isinstance(pid, str) and is_plain_name(pid) else None
 
 
 def describe(storage: Storage, ckpt_dir: str, index: Index) -> Tuple[List[str], Optional[str]]:
