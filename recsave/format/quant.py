@@ -10,7 +10,7 @@ smallest positive value when it is not 0):
 both computed in float32 with `scale` and `offset` widened to float32. With float16 scales the
 product ``(code + 128) * scale`` is exact in float32 (8 + 11 significant bits), so a fused or an
 unfused multiply-add gives the same bits. Every value is within ``scale / 2`` of the original (plus
-float32 rounding of the last addition), i.e. ``(max - min) / 510`` plus the rounding of scale and
+float32 rounding of the subtraction, division and addition), i.e. ``(max - min) / 510`` plus the rounding of scale and
 offset to their dtype.
 """
 from __future__ import annotations
