@@ -13,8 +13,7 @@ from safetensors import safe_open
 
 import recsave
 from recsave import HashTable, Saver, partition
-from recsave.errors import (CheckpointExistsError, ConfigError, CorruptCheckpointError, FormatVersionError,
-                            UsageError)
+from recsave.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, FormatVersionError, UsageError
 from recsave.format import index as index_mod
 from recsave.format.quant import quantize_rows
 from recsave.format.reader import read_tensors

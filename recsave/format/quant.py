@@ -1,17 +1,17 @@
 """Per-row int8 quantisation of serving checkpoints (docs/FORMAT.md section 8).
 
 Each row `x` (cast to float32) gets an `offset` (its minimum, rounded down to the scale dtype) and a
-`scale` (``(max - offset) / 255`` rounded to nearest in the scale dtype, at least the dtype's
-smallest positive value when it is not 0):
+`scale` (``(max - offset) / 255`` rounded to nearest in the scale dtype; when that rounds a
+positive value to 0, 2**-24 for float16, the smallest normal value for float32):
 
-    code = clamp(round_half_even((x - offset) / scale), 0, 255) - 128       (int8; 0 when scale == 0)
-    x'   = (code + 128) * scale + offset                                   (float32)
+    code = clamp(round_half_even((x - offset) / scale), 0, 255) - 128   (int8; -128 when scale == 0)
+    x'   = (code + 128) * scale + offset                               (float32)
 
 both computed in float32 with `scale` and `offset` widened to float32. With float16 scales the
 product ``(code + 128) * scale`` is exact in float32 (8 + 11 significant bits), so a fused or an
-unfused multiply-add gives the same bits. Every value is within ``scale / 2`` of the original (plus
-float32 rounding of the subtraction, division and addition), i.e. ``(max - min) / 510`` plus the rounding of scale and
-offset to their dtype.
+unfused multiply-add gives the same bits. Every value is within ``scale / 2`` of the original,
+plus float32 rounding of the subtraction, division and addition: ``(max - min) / 510`` plus what
+rounding scale and offset to their dtype adds.
 """
 from __future__ import annotations
 
