@@ -283,6 +283,9 @@ def test_argument_errors_and_existing_output(source, tmp_path):
         recsave.export_serving(ckpt, str(tmp_path / "x"), "int4")
     with pytest.raises(ConfigError, match="no table"):
         recsave.export_serving(ckpt, str(tmp_path / "x"), "int8", tables=["nope"])
+    with pytest.raises(UsageError, match="is the output dir of"):
+        recsave.export_serving(ckpt, os.path.dirname(ckpt) + "/", "int8", ckpt_id="serving")
+    assert not os.path.exists(os.path.join(os.path.dirname(ckpt), "serving"))
     with pytest.raises(recsave.ArgumentTypeError):
         recsave.export_serving(ckpt, str(tmp_path / "x"), 8)
     path = recsave.export_serving(ckpt, str(tmp_path / "x"), "fp16", tables="item")
@@ -302,3 +305,12 @@ def test_cli_export_serving(source, tmp_path, capsys):
     assert index_mod.read(os.path.join(out, "ckpt_7")).tensor("user@embedding").dtype == "bfloat16"
     assert main(["export-serving", ckpt, out]) == 2  # exists already
     assert "exists already" in capsys.readouterr().err
+    out8 = str(tmp_path / "serve8")
+    assert main(["export-serving", ckpt, out8, "--tables", "user"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", "--json", out8]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "serving" and doc["format_version"] == 2
+    assert doc["tables"]["user"]["bytes"] == 3000 * (8 + DIM + 2 + 2)  # ids, codes, scale, offset
+    assert main(["inspect", out8]) == 0 and "format 2 (serving)" in capsys.readouterr().out
+    assert main(["verify", out8]) == 0

@@ -221,7 +221,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(d)
         return EXIT_OK
-    print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}, "
+    kind = "" if d["kind"] == "full" else f" ({d['kind']})"
+    print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}{kind}, "
           f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}")
     print(f"tables ({len(d['tables'])}):")
     for name, t in sorted(d["tables"].items()):

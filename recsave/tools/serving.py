@@ -85,6 +85,9 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
         raise ConfigError(f"{src.ckpt_dir}: no table(s) {unknown} in the checkpoint; it has "
                           f"{sorted(available)}", path=src.ckpt_dir, key=unknown[0])
     storage = get_storage(out_dir)
+    if storage.split(src.ckpt_dir)[0].rstrip("/") == out_dir.rstrip("/"):
+        raise UsageError(f"{out_dir} is the output dir of {src.ckpt_dir}; export to another directory (a "
+                         f"serving checkpoint there would become the training job's latest)", path=out_dir)
     ckpt_id = ckptlist.validate_id(ckpt_id if ckpt_id is not None else storage.split(src.ckpt_dir)[1])
     storage.makedirs(out_dir)
     lock = hold_writer_lock(None, storage, out_dir)
