@@ -33,12 +33,12 @@ def quantize_rows(rows: torch.Tensor, scale_dtype: torch.dtype = torch.float16, 
     if x.numel() == 0:
         return (torch.empty(x.shape, dtype=torch.int8), torch.empty(n, 1, dtype=scale_dtype),
                 torch.empty(n, 1, dtype=scale_dtype))
-    if not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).any(1).nonzero()[0, 0])
+    lo, hi = torch.aminmax(x, dim=1, keepdim=True)  # NaN propagates, so this finds NaN and inf rows
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    if not bool(finite.all()):
+        bad = int((~finite).squeeze(1).nonzero()[0, 0])
         raise UsageError(f"{what}: row {bad} has NaN or infinite values; int8 cannot represent them "
                          f"(export with dtype='fp32', 'fp16' or 'bf16', or fix the rows)")
-    lo = x.amin(1, keepdim=True)
-    hi = x.amax(1, keepdim=True)
     offset = lo.to(scale_dtype)
     above = offset.to(torch.float32) > lo  # rounded up: step down once, so offset <= min
     if bool(above.any()):
@@ -48,11 +48,11 @@ def quantize_rows(rows: torch.Tensor, scale_dtype: torch.dtype = torch.float16, 
     tiny = torch.finfo(scale_dtype).smallest_normal if scale_dtype == torch.float32 else 2.0 ** -24
     scale = torch.where((span > 0) & (scale == 0), torch.full_like(scale, tiny), scale)
     if not (bool(torch.isfinite(offset).all()) and bool(torch.isfinite(scale).all())):
-        raise UsageError(f"{what}: values up to {float(x.abs().max()):.6g} exceed what a {scale_dtype} "
-                         f"scale / offset can hold; pass scale_dtype='float32'")
+        raise UsageError(f"{what}: values up to {float(torch.maximum(lo.abs(), hi.abs()).max()):.6g} exceed "
+                         f"what a {scale_dtype} scale / offset can hold; pass scale_dtype='float32'")
     s32, o32 = scale.to(torch.float32), offset.to(torch.float32)
-    steps = torch.where(s32 > 0, (x - o32) / torch.where(s32 > 0, s32, torch.ones_like(s32)),
-                        torch.zeros_like(x))
+    # scale is 0 only when every value equals offset: (x - offset) is then 0, and 0 / 1 gives code -128.
+    steps = (x - o32).div_(torch.where(s32 > 0, s32, torch.ones_like(s32)))
     codes = steps.round_().clamp_(0, 255).sub_(128).to(torch.int8)
     return codes, scale, offset
 

@@ -26,6 +26,7 @@ from recsave.errors import ConfigError, UsageError
 from recsave.load.arrow import DTYPE_KEY, arrow_errors, arrow_type, table_dir_name, to_arrow
 from recsave.load.config import TableInfo
 from recsave.storage import Storage, get_storage
+from recsave.tables.idmap import CpuIdMap
 from recsave.tools.export import ArrowSink
 from recsave.version import __version__
 
@@ -114,25 +115,25 @@ def diff_rows(old_ids: torch.Tensor, old_rows: torch.Tensor, new_ids: torch.Tens
     """(positions in `new_ids` of the upserts, positions in `old_ids` of the deletes): ids new to
     `new_ids` or whose row bytes differ, and ids `new_ids` lacks. Rows are compared bit for bit
     (a NaN equals the same NaN, -0.0 differs from 0.0)."""
-    found = torch.zeros(new_ids.numel(), dtype=torch.bool)
-    changed = torch.ones(new_ids.numel(), dtype=torch.bool)
-    if old_ids.numel() and new_ids.numel():
-        sorted_old, order = torch.sort(old_ids)
-        pos = torch.searchsorted(sorted_old, new_ids).clamp_(max=old_ids.numel() - 1)
-        found = sorted_old[pos] == new_ids
-        match = order[pos[found]]
-        changed[found] = (_bits(new_rows[found]) != _bits(old_rows[match])).any(1)
-    gone = torch.ones(old_ids.numel(), dtype=torch.bool)
-    if old_ids.numel() and new_ids.numel():
-        sorted_new = torch.sort(new_ids).values
-        pos = torch.searchsorted(sorted_new, old_ids).clamp_(max=new_ids.numel() - 1)
-        gone = sorted_new[pos] != old_ids
+    old_rows_of_new = _positions(old_ids, new_ids)  # -1: not in old
+    changed = old_rows_of_new < 0
+    found = ~changed
+    changed[found] = (_bits(new_rows[found]) != _bits(old_rows[old_rows_of_new[found]])).any(1)
+    gone = _positions(new_ids, old_ids) < 0
     return changed.nonzero().squeeze(1), gone.nonzero().squeeze(1)
 
 
+def _positions(ids: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
+    """Position in `ids` of each of `of` (-1 where absent), through the C++ id map (hashing: no sort)."""
+    index = CpuIdMap()
+    index.reserve(ids.numel())
+    if not index.load_distinct(ids):
+        raise UsageError("the ids of a table repeat; a checkpoint's table holds each id once")
+    return index.lookup(of)
+
+
 def _bits(rows: torch.Tensor) -> torch.Tensor:
-    rows = rows.contiguous()
-    return rows.view(_INT_OF_SIZE[rows.element_size()]) if rows.numel() else rows.reshape(rows.shape[0], -1)
+    return rows.contiguous().view(_INT_OF_SIZE[rows.element_size()])  # same bits, compared as integers
 
 
 def _state(src: Any, name: str, info: TableInfo) -> Tuple[torch.Tensor, torch.Tensor]:
