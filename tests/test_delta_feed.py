@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import make_job, table_state
 
-from recsave.errors import ConfigError, UsageError
+from recsave.errors import ArgumentTypeError, ConfigError, UsageError
 from recsave.export import DELTA_MANIFEST, export_delta, to_parquet
 from recsave.tools.cli import main
 from recsave.tools.deltafeed import diff_rows
@@ -142,6 +142,10 @@ def test_cli_export_since(two, tmp_path, capsys):
 
 def test_errors(two, tmp_path):
     a, b = two[0], two[1]
+    with pytest.raises(ArgumentTypeError, match="out_dir"):
+        export_delta(a, b, 5)
+    with pytest.raises(UsageError, match="row_group_rows"):
+        export_delta(a, b, str(tmp_path / "x"), row_group_rows=0)
     with pytest.raises(ConfigError, match="no table"):
         export_delta(a, b, str(tmp_path / "x"), tables=["nope"])
     other = make_job(str(tmp_path / "other"), item_dim=4)

@@ -314,3 +314,24 @@ def test_cli_export_serving(source, tmp_path, capsys):
     assert doc["tables"]["user"]["bytes"] == 3000 * (8 + DIM + 2 + 2)  # ids, codes, scale, offset
     assert main(["inspect", out8]) == 0 and "format 2 (serving)" in capsys.readouterr().out
     assert main(["verify", out8]) == 0
+
+
+def test_a_training_job_loads_a_serving_checkpoint_excluding_what_it_lacks(tmp_path):
+    from helpers import make_job, table_state
+
+    job = make_job(str(tmp_path / "run"))  # Adagrad slots, an extra and an io state registered
+    job.train(3)
+    ckpt = job.saver.save("ckpt_3")
+    recsave.export_serving(ckpt, str(tmp_path / "serve"), "int8")
+    fresh = make_job(str(tmp_path / "fresh"), seed=9)
+    with pytest.raises(ConfigError, match="lacks"):  # no slots, extras or io states in it
+        fresh.saver.load(str(tmp_path / "serve"))
+    report = fresh.saver.load(str(tmp_path / "serve"),
+                              load_conf={"exclude": ["sparse_opt", "extra", "io_state"]})
+    assert "user" in report.loaded and "user@adagrad_acc" not in report.loaded
+    got = stored(str(tmp_path / "serve" / "ckpt_3"), "user", ("id", "embedding", "scale", "offset"))
+    want = reference_dequant(got["embedding"], got["scale"], got["offset"])
+    state = table_state(fresh.model.user)
+    order = torch.argsort(got["id"])
+    assert torch.equal(state["@id"], got["id"][order]) and torch.equal(state["@embedding"], want[order])
+    assert torch.equal(fresh.model.mlp[0].weight, job.model.mlp[0].weight)
