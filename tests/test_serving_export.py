@@ -214,6 +214,7 @@ def test_model_bank_loads_a_serving_checkpoint_with_patterns(source, tmp_path):
 
 
 # ------------------------------------------------------------------------------- N -> M ranks
+@pytest.mark.multirank
 def test_two_rank_checkpoint_exports_and_loads_on_three_ranks(tmp_path, monkeypatch):
     from mr_worker import Model, expected_rows, global_ids
     from test_multirank import run_ranks
@@ -239,6 +240,28 @@ def test_two_rank_checkpoint_exports_and_loads_on_three_ranks(tmp_path, monkeypa
             assert torch.equal(loaded_rows(table, ids), reference_dequant(codes_, scale, offset))
         seen += model.user.ids().tolist()
     assert sorted(seen) == sorted(ids_all.tolist())
+
+
+def test_one_rank_export_loads_on_three_ranks(source, tmp_path, monkeypatch):
+    ckpt, _ = source
+    path = recsave.export_serving(ckpt, str(tmp_path / "serve"), "fp16")
+    src = stored(path, "user", ("id", "embedding"))
+    seen = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        model = Net()
+        report = Saver(model, output_dir=str(tmp_path / f"r{rank}")).load(
+            str(tmp_path / "serve"), load_conf={"dtype_policy": "cast"})
+        ids = torch.sort(model.user.ids()).values
+        owned = src["id"][partition.owner_of(src["id"], 3) == rank]
+        assert ids.tolist() == sorted(owned.tolist())
+        keep = torch.isin(src["id"], ids)
+        order = torch.argsort(src["id"][keep])
+        assert torch.equal(loaded_rows(model.user, ids), src["embedding"][keep][order].float())
+        assert report.loaded["user"].rows == owned.numel()
+        seen += ids.tolist()
+    assert sorted(seen) == sorted(src["id"].tolist())
 
 
 # ------------------------------------------------------------------------------- index rules
