@@ -300,6 +300,17 @@ def test_index_kind_rules(source, tmp_path):
         index_mod.read(path)
 
 
+def test_which_indexes_count_as_written_by_a_newer_recsave():
+    from recsave.format.records import is_newer_index
+
+    assert not is_newer_index({"format_version": 1})
+    assert not is_newer_index({"format_version": 2, "kind": "serving"})  # read here
+    assert is_newer_index({"format_version": 2})                         # a full index of version 2
+    assert is_newer_index({"format_version": 2, "kind": "sketch"})       # a kind this recsave lacks
+    assert is_newer_index({"format_version": 3, "kind": "serving"})
+    assert not is_newer_index({"format_version": "2"}) and not is_newer_index([2])
+
+
 def test_argument_errors_and_existing_output(source, tmp_path):
     ckpt, _ = source
     with pytest.raises(UsageError, match="dtype must be one of"):

@@ -24,6 +24,7 @@ READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION)
 KIND_FULL = "full"
 KIND_SERVING = "serving"     # weights only, possibly quantised (docs/FORMAT.md section 8)
 KINDS = (KIND_FULL, KIND_SERVING)
+QUANT_INT8 = "int8"          # TableMeta.quant: per-row affine int8 rows (recsave/format/quant.py)
 
 
 def is_newer_index(index: Any) -> bool:
@@ -36,8 +37,6 @@ def is_newer_index(index: Any) -> bool:
     if type(version) is not int or version <= FORMAT_VERSION:
         return False
     return not (version == DELTA_FORMAT_VERSION and kind in KINDS and kind != KIND_FULL)
-
-QUANT_INT8 = "int8"          # TableMeta.quant: per-row affine int8 rows (recsave/format/quant.py)
 
 
 @dataclass(frozen=True)

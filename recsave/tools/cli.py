@@ -80,7 +80,7 @@ def _name_list(text: str) -> List[str]:
 # ------------------------------------------------------------------------------------ export
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or output dir (its latest checkpoint); "
-                                                "a local path or an fsspec URL")
+                                                "a local path or an fsspec URL (with --since: the newer one)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write <table>/part-*.parquet and the manifest")
     p.add_argument("--tables", type=_name_list, default=None, metavar="A,B",
                    help="comma-separated tables to export (default: all)")
@@ -127,6 +127,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _export_delta(args: argparse.Namespace) -> int:
+    from recsave.storage import get_storage
     from recsave.tools.deltafeed import DELTA_MANIFEST, export_delta
 
     if args.rows_per_file is not None:
@@ -136,7 +137,7 @@ def _export_delta(args: argparse.Namespace) -> int:
           f"(step {m['new']['step']}) in {args.out_dir}")
     for name, t in sorted(m["tables"].items()):
         print(f"  {name}: {t['upserts']} upsert(s), {t['deletes']} delete(s), {_human(t['files'][0]['size'])}")
-    print(f"manifest {args.out_dir.rstrip('/')}/{DELTA_MANIFEST}")
+    print(f"manifest {get_storage(args.out_dir).join(args.out_dir, DELTA_MANIFEST)}")
     return EXIT_OK
 
 
