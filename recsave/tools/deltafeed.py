@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recsave import argcheck
+from recsave import argcheck, knobs
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
 from recsave.load.arrow import DTYPE_KEY, arrow_errors, arrow_type, table_dir_name, to_arrow
@@ -133,14 +133,16 @@ def _positions(ids: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
 
 
 def _bits(rows: torch.Tensor) -> torch.Tensor:
-    return rows.contiguous().view(_INT_OF_SIZE[rows.element_size()])  # same bits, compared as integers
+    rows = rows.contiguous()  # the same bits, compared as integers
+    size = rows.element_size()
+    return rows.view(_INT_OF_SIZE[size]) if size in _INT_OF_SIZE else rows.view(torch.uint8)
 
 
 def _state(src: Any, name: str, info: TableInfo) -> Tuple[torch.Tensor, torch.Tensor]:
     """The table's merged ids and embedding rows (empty when the checkpoint lacks the table)."""
     if name not in src.contents.tables:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, info.dim, dtype=getattr(torch, info.dtype))
-    ids, cols = src.read_table(name, ["embedding"], 0, 1, 4)
+    ids, cols = src.read_table(name, ["embedding"], 0, 1, knobs.get("concurrency"))
     return ids, cols["embedding"]
 
 
