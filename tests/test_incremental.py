@@ -1,5 +1,5 @@
 """Incremental (delta) checkpoints: format, save, restore of every chain member, model bank / plan /
-export against the compacted checkpoint, damaged chains, retention, tools (docs/FORMAT.md section 8)."""
+export against the compacted checkpoint, damaged chains, retention, tools (docs/FORMAT.md section 9)."""
 from __future__ import annotations
 
 import copy
@@ -433,3 +433,17 @@ def test_compact_refuses_an_existing_checkpoint(chain_dir, tmp_path, capsys):
         recsave.compact(os.path.join(out, "ckpt_2"), target)
     assert cli(["compact", os.path.join(out, "ckpt_2"), target]) == 2
     assert "exists already" in capsys.readouterr().err
+
+
+def test_parquet_delta_feed_between_chain_members(chain_dir, tmp_path):
+    """The Parquet delta feed (recsave export --since) takes delta checkpoints like full ones."""
+    from recsave.tools.deltafeed import export_delta
+
+    out, _ = chain_dir
+    c4 = recsave.compact(os.path.join(out, "ckpt_4"), str(tmp_path / "c"))
+    c7 = recsave.compact(os.path.join(out, "ckpt_7"), str(tmp_path / "c"))
+    a = export_delta(os.path.join(out, "ckpt_4"), os.path.join(out, "ckpt_7"), str(tmp_path / "feed_delta"))
+    b = export_delta(c4, c7, str(tmp_path / "feed_full"))
+    for name in ("user", "item"):
+        assert {k: v for k, v in a["tables"][name].items() if k != "files"} == \
+            {k: v for k, v in b["tables"][name].items() if k != "files"}

@@ -1,4 +1,4 @@
-"""Chains of delta checkpoints (docs/FORMAT.md section 8): a delta names its parent, a checkpoint
+"""Chains of delta checkpoints (docs/FORMAT.md section 9): a delta names its parent, a checkpoint
 in the same output dir, and the CRC32C of the parent's index bytes; following parents ends at the
 chain's base, a full checkpoint. A missing or damaged member, or a parent whose index bytes changed,
 is a CorruptCheckpointError naming it."""
@@ -12,7 +12,7 @@ from recsave import _C, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
-from recsave.format.records import Index
+from recsave.format.records import KIND_FULL, Index
 from recsave.storage import Storage, get_storage
 
 MAX_CHAIN = 100_000  # a cycle of parents is damage, never followed for ever
@@ -65,6 +65,10 @@ def resolve(storage: Storage, ckpt_dir: str, index: Optional[Index] = None) -> L
         seen.add(parent.id)
         chain.append(Member(parent_dir, parent.id, parent_index))
     chain.reverse()
+    if chain[0].index.kind != KIND_FULL:
+        raise CorruptCheckpointError(f"{chain[0].ckpt_dir}: the chain of {ckpt_dir} starts at a checkpoint of kind "
+                                     f"{chain[0].index.kind!r}; a chain's base must be a full checkpoint",
+                                     path=chain[0].ckpt_dir)
     if chain[-1].index.base is not None and chain[0].ckpt_id != chain[-1].index.base:
         raise CorruptCheckpointError(f"{ckpt_dir}: the chain's base is {chain[0].ckpt_id!r} but the index "
                                      f"names {chain[-1].index.base!r}; the index is damaged", path=ckpt_dir)

@@ -15,8 +15,10 @@ from recsave.format.records import (
     FORMAT_VERSION,
     KIND_DELTA,
     KIND_FULL,
+    KINDS,
     MAGIC,
-    READABLE_VERSIONS,
+    QUANT_INT8,
+    READABLE_FORMAT_VERSIONS,
     BucketRange,
     Chunk,
     DenseMeta,
@@ -101,10 +103,22 @@ def validate(index: Any, path: str) -> Index:
     version = index.get("format_version")
     if type(version) is not int:
         raise checks.corrupt(path, f"format_version must be an integer, found {version!r}")
-    if version not in READABLE_VERSIONS:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise FormatVersionError(
             f"{path}: format_version {version!r} is not supported by recsave {__version__} (reads "
-            f"versions {list(READABLE_VERSIONS)}); upgrade recsave to read this checkpoint", path=path)
+            f"versions {list(READABLE_FORMAT_VERSIONS)}); upgrade recsave to read this checkpoint", path=path)
+    kind = index.get("kind", KIND_FULL)
+    if not isinstance(kind, str):
+        raise checks.corrupt(path, f"kind must be a string, found {kind!r}")
+    if kind not in KINDS:
+        raise FormatVersionError(f"{path}: checkpoint kind {kind!r} is not supported by recsave {__version__} "
+                                 f"(reads {list(KINDS)}); upgrade recsave to read this checkpoint", path=path)
+    if kind != KIND_FULL and version == FORMAT_VERSION:
+        raise checks.corrupt(path, f"a {kind!r} index must have format_version > {FORMAT_VERSION}, found {version}")
+    if kind == KIND_FULL and version != FORMAT_VERSION:  # version 2 is only defined for the other kinds
+        raise FormatVersionError(
+            f"{path}: format_version {version} of a full checkpoint is not supported by recsave {__version__} "
+            f"(reads version {FORMAT_VERSION} for full checkpoints); upgrade recsave to read it", path=path)
     absent = [k for k in REQUIRED_KEYS if k not in index]
     if absent:
         raise checks.corrupt(path, f"index lacks required key(s) {absent}")
@@ -140,7 +154,7 @@ def validate(index: Any, path: str) -> Index:
     for key in ("recsave_version", "created_at"):
         if not isinstance(index[key], str):
             raise checks.corrupt(path, f"{key} must be a string, found {index[key]!r}")
-    kind, parent, base = _parse_chain(index, version, path)
+    parent, base = _parse_chain(index, kind, version, path)
     meta = parse_meta(index["meta"], tensors, path)
     if kind == KIND_DELTA:
         for name, t in (meta.tables if meta is not None else {}).items():
@@ -155,24 +169,13 @@ def validate(index: Any, path: str) -> Index:
                  files=files, tensors=tensors, meta=meta, kind=kind, parent=parent, base=base)
 
 
-def _parse_chain(index: Dict[str, Any], version: int, path: str) -> Tuple[str, Optional[Parent], Optional[str]]:
-    """(kind, parent, base) of an index (docs/FORMAT.md section 8): a delta needs format_version 2,
-    a parent {"id", "crc32c"} and the id of its chain's base; a full checkpoint has neither."""
-    kind = index.get("kind", KIND_FULL)
-    if version != FORMAT_VERSION and "kind" not in index:
-        raise FormatVersionError(
-            f"{path}: format_version {version} without a 'kind' is not supported by recsave {__version__} "
-            f"(version {version} indexes name their kind, e.g. 'delta'); upgrade recsave to read this "
-            f"checkpoint", path=path)
-    if kind not in (KIND_FULL, KIND_DELTA):
-        raise checks.corrupt(path, f"unknown checkpoint kind {kind!r} (this recsave knows "
-                             f"{[KIND_FULL, KIND_DELTA]})")
-    if kind == KIND_FULL:
-        if version != FORMAT_VERSION:
-            raise checks.corrupt(path, f"a full checkpoint's index must have format_version {FORMAT_VERSION}")
+def _parse_chain(index: Dict[str, Any], kind: str, version: int, path: str) -> Tuple[Optional[Parent], Optional[str]]:
+    """(parent, base) of an index (docs/FORMAT.md section 9): a delta needs format_version 2, a
+    parent {"id", "crc32c"} and the id of its chain's base; other kinds have neither."""
+    if kind != KIND_DELTA:
         if "parent" in index or "base" in index:
-            raise checks.corrupt(path, "a full checkpoint's index must not have 'parent' or 'base'")
-        return kind, None, None
+            raise checks.corrupt(path, f"a {kind!r} checkpoint's index must not have 'parent' or 'base'")
+        return None, None
     if version != DELTA_FORMAT_VERSION:
         raise checks.corrupt(path, f"a delta index must have format_version {DELTA_FORMAT_VERSION}, "
                              f"found {version}")
@@ -182,7 +185,7 @@ def _parse_chain(index: Dict[str, Any], version: int, path: str) -> Tuple[str, O
     parent = Parent(checks.as_plain_name(raw.get("id"), "parent id", path),
                     checks.as_int(raw.get("crc32c"), "parent crc32c", path, hi=0xFFFFFFFF))
     base = checks.as_plain_name(index.get("base"), "base id", path)
-    return kind, parent, base
+    return parent, base
 
 
 def _parse_partition(partition: Any, path: str) -> Optional[Partition]:
@@ -304,16 +307,21 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
     for name, t in meta["tables"].items():
         if not isinstance(t, dict):
             raise bad(f"table {name!r} is not an object")
+        quant = t.get("quant")
+        if quant is not None and quant != QUANT_INT8:
+            raise FormatVersionError(f"{path}: table {name!r} is stored as {quant!r}, which recsave "
+                                     f"{__version__} cannot decode (it knows {QUANT_INT8!r}); upgrade recsave",
+                                     path=path)
         cleared = t.get("cleared")
         if cleared is not None and not isinstance(cleared, bool):
             raise bad(f"cleared of table {name!r} must be true or false, found {cleared!r}")
         tables[name] = TableMeta(checks.as_int(t.get("dim"), f"dim of table {name!r}", path),
                                  _text(t.get("dtype"), f"dtype of table {name!r}", bad),
                                  _texts(t.get("slots"), f"slots of table {name!r}", bad),
-                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path),
-                                 _opt_int(t.get("step"), f"step of table {name!r}", path),
-                                 cleared,
-                                 _opt_int(t.get("tombstones"), f"tombstones of table {name!r}", path))
+                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path), quant,
+                                 step=_opt_int(t.get("step"), f"step of table {name!r}", path),
+                                 cleared=cleared,
+                                 tombstones=_opt_int(t.get("tombstones"), f"tombstones of table {name!r}", path))
     dense: Dict[str, DenseMeta] = {}
     for name, d in meta["dense"].items():
         if not isinstance(d, dict):
@@ -324,15 +332,34 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
     if count is not None:
         count = checks.as_int(count, "io_state_count", path, lo=1, hi=1 << 24)
     for name, info in tables.items():
-        for suffix in ("id", "embedding") + info.slots:
+        quantised = ("scale", "offset") if info.quant is not None else ()
+        for suffix in ("id", "embedding") + info.slots + quantised:
             if f"{name}@{suffix}" not in tensors:
                 raise checks.corrupt(path, f"table {name!r} lacks its tensor {name}@{suffix}")
+        if info.quant is not None:
+            _check_quantised(name, info, tensors, path)
     return Meta(tables, dense, _texts(meta["extras"], "extras", bad), _texts(meta["io_states"], "io_states", bad),
                 count)
 
 
 def _opt_int(value: Any, what: str, path: str) -> Optional[int]:
     return None if value is None else checks.as_int(value, what, path)
+
+
+def _check_quantised(name: str, info: TableMeta, tensors: Mapping[str, TensorEntry], path: str) -> None:
+    """An int8 table (docs/FORMAT.md section 8): int8 codes [n, dim], float16/float32 scale and
+    offset [n, 1] of one dtype."""
+    codes, scale, offset = (tensors[f"{name}@{s}"] for s in ("embedding", "scale", "offset"))
+    n = codes.shape[0] if codes.shape else -1
+    if codes.dtype != "int8" or list(codes.shape) != [n, info.dim]:
+        raise checks.corrupt(path, f"int8 table {name!r}: {name}@embedding must be int8 [rows, {info.dim}], "
+                             f"found {codes.dtype} {list(codes.shape)}", f"{name}@embedding")
+    for entry, what in ((scale, "scale"), (offset, "offset")):
+        if entry.dtype not in ("float16", "float32") or entry.dtype != scale.dtype \
+                or list(entry.shape) != [n, 1]:
+            raise checks.corrupt(path, f"int8 table {name!r}: {name}@{what} must be float16 or float32 "
+                                 f"[{n}, 1] like the scale, found {entry.dtype} {list(entry.shape)}",
+                                 f"{name}@{what}")
 
 
 def _text(value: Any, what: str, bad: Callable[[str], Exception]) -> str:

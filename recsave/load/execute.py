@@ -157,7 +157,7 @@ def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_tab
                          plan: Plan, rank: int, world: int) -> bool:
     """A delta's restore: the chain's base through the fast path (straight into the table), then
     each delta applied with table ops (clear when cleared, delete its tombstones, upsert its rows with
-    their metadata): docs/FORMAT.md section 8. Each member is read once. False: use the general path
+    their metadata): docs/FORMAT.md section 9. Each member is read once. False: use the general path
     (the table's state is then replaced by it)."""
     base = src.member_source(src.members[0])
     base_meta = _meta_columns(base, src_table)

@@ -1,4 +1,4 @@
-"""Incremental (delta) saves (docs/FORMAT.md section 8): decide, on every rank alike, whether a save
+"""Incremental (delta) saves (docs/FORMAT.md section 9): decide, on every rank alike, whether a save
 can be a delta of the Saver's latest checkpoint, take each table's changes at the snapshot, and
 turn the committed index into a delta's (kind, parent with its index CRC32C, base)."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
+from recsave.errors import RecsaveError
 from recsave.format import chain
 from recsave.format import index as index_mod
-from recsave.format.records import DELTA_FORMAT_VERSION, KIND_DELTA, Index, Parent
+from recsave.format.records import DELTA_FORMAT_VERSION, KIND_DELTA, KIND_FULL, Index, Parent
 from recsave.save.snapshot import Delta, SaveState
 from recsave.storage import Storage, dist
 from recsave.tables.hashtable import HashTable
@@ -49,9 +50,17 @@ def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], stor
         if table.change_epoch != baseline.epochs[name]:
             return f"the change baseline of table {name!r} was moved by someone other than this Saver"
     # Rank 0 writes the index (other ranks may have output dirs of their own)
-    if rank == 0 and not storage.exists(storage.join(output_dir, baseline.ckpt_id, index_mod.INDEX_FILE)):
-        return f"the parent {baseline.ckpt_id!r} is no longer committed"
-    return None
+    return _parent_problem(storage, storage.join(output_dir, baseline.ckpt_id)) if rank == 0 else None
+
+
+def _parent_problem(storage: Storage, parent_dir: str) -> Optional[str]:
+    """Why the checkpoint in parent_dir cannot be a delta's parent (None: it can): it must be
+    committed and full or a delta (a serving export restored from is no chain member)."""
+    try:
+        kind = index_mod.read(parent_dir, storage).kind
+    except RecsaveError as exc:
+        return f"the parent {parent_dir} cannot be read ({type(exc).__name__})"
+    return None if kind in (KIND_FULL, KIND_DELTA) else f"the parent {parent_dir} is of kind {kind!r}"
 
 
 def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremental: bool, storage: Storage,

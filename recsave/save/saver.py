@@ -169,7 +169,7 @@ class Saver:
 
         With `incremental`, the checkpoint is a delta of this Saver's latest checkpoint (saved or
         restored by it): only the rows changed since and the ids removed, plus the dense part,
-        extras and io states (docs/FORMAT.md section 8). When that baseline is unknown (nothing
+        extras and io states (docs/FORMAT.md section 9). When that baseline is unknown (nothing
         saved or restored yet, a model-bank load or a failed save since, a table's changes moved
         by someone else or not tracked) the save is full, logged at INFO; `last_save_kind` tells.
 

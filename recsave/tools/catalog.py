@@ -46,7 +46,8 @@ def describe(ckpt: str) -> Dict[str, Any]:
     shards = {n: f for n, f in index.files.items() if n.endswith(".safetensors")}
     tables = {}
     for name, t in (index.meta.tables if index.meta is not None else {}).items():
-        stored = [c for c in ("id", "embedding", *t.slots, "last_step", "count", "tombstone")
+        quantised = ("scale", "offset") if t.quant is not None else ()  # int8 serving tables
+        stored = [c for c in ("id", "embedding", *t.slots, *quantised, "last_step", "count", "tombstone")
                   if f"{name}@{c}" in index.tensors]
         nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in stored)
         tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes,

@@ -1,4 +1,4 @@
-"""Compaction: a delta checkpoint's merged state (its whole chain applied, docs/FORMAT.md section 8)
+"""Compaction: a delta checkpoint's merged state (its whole chain applied, docs/FORMAT.md section 9)
 written as one full checkpoint, with the same id, into another output dir (``recsave compact``)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from recsave.errors import CheckpointExistsError, UsageError
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
-from recsave.format.records import FileEntry, IndexPart, Meta, TableMeta
+from recsave.format.records import KIND_DELTA, KIND_FULL, FileEntry, IndexPart, Meta, TableMeta
 from recsave.format.writer import write_shards
 from recsave.load.sources import CheckpointSource, open_source
 from recsave.save.layout import bucket_layout
@@ -34,6 +34,9 @@ def compact(ckpt: str, out_dir: str) -> str:
     src = open_source(ckpt)
     if not isinstance(src, CheckpointSource):
         raise UsageError(f"{ckpt} is a Parquet export, not a checkpoint; compact takes checkpoints", path=ckpt)
+    if src.index.kind not in (KIND_FULL, KIND_DELTA):
+        raise UsageError(f"{src.ckpt_dir} is a {src.index.kind!r} checkpoint; compact takes full and delta "
+                         f"checkpoints", path=src.ckpt_dir)
     ckpt_id = src.storage.split(src.ckpt_dir)[1]
     storage = get_storage(out_dir)
     target = storage.join(out_dir, ckpt_id)
@@ -75,7 +78,7 @@ def _write(src: CheckpointSource, storage, target: str) -> index_mod.Index:
                                             chunk_meta={t: layout.chunk_meta(t) for t in layout.tensors},
                                             first_part=len(part.files), segments=layout.segments,
                                             commits=commits))
-            tables[name] = TableMeta(info.dim, info.dtype, info.slots, int(ids.numel()), info.step)
+            tables[name] = TableMeta(info.dim, info.dtype, info.slots, int(ids.numel()), step=info.step)
     files: Dict[str, FileEntry] = {}
     for fname in _small_files(src):
         entry = src.index.file(fname)

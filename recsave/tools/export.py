@@ -191,7 +191,7 @@ def _write_file(fetch: Callable[[int, int], Dict[str, Any]], names: List[str], c
     rename locally, one upload remotely; a retried upload writes the file again, and reports its
     rows to `progress` again)."""
     def produce(f: IO[bytes]) -> None:
-        with pq.ParquetWriter(_Sink(f), schema, use_dictionary=False, write_statistics=["id"]) as writer:
+        with pq.ParquetWriter(ArrowSink(f), schema, use_dictionary=False, write_statistics=["id"]) as writer:
             for start in range(first, stop, row_group_rows):
                 end = min(stop, start + row_group_rows)
                 data = fetch(start, end)
@@ -207,7 +207,7 @@ def _write_file(fetch: Callable[[int, int], Dict[str, Any]], names: List[str], c
     return stop - first
 
 
-class _Sink:
+class ArrowSink:
     """The storage's file as pyarrow's output: pyarrow must not close it (the storage publishes it
     when `produce` returns)."""
 
