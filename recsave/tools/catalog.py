@@ -13,6 +13,7 @@ from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, Recs
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
+from recsave.format.records import KIND_FULL
 from recsave.load.sources import ChainSource, CheckpointSource, open_source
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
@@ -58,7 +59,8 @@ def describe(ckpt: str) -> Dict[str, Any]:
     return {
         "path": src.ckpt_dir, "step": index.step, "created_at": index.created_at,
         "kind": index.kind, "parent": index.parent.to_json() if index.parent is not None else None,
-        "base": index.base if index.is_delta else chain_ids[0], "chain": chain_ids,
+        "base": index.base if index.is_delta else chain_ids[0] if index.kind == KIND_FULL else None,
+        "chain": chain_ids,
         "format_version": index.format_version, "recsave_version": index.recsave_version,
         "world_size": index.world_size,
         "partition": index.partition.to_json() if index.partition is not None else None, "tables": tables,

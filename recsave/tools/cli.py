@@ -225,11 +225,11 @@ def _inspect(args: argparse.Namespace) -> int:
     kind = "" if d["kind"] == "full" else f" ({d['kind']})"
     print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}{kind}, "
           f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}")
-    if d["kind"] != "full":
+    if d["parent"] is not None:
         print(f"{d['kind']} of {d['parent']['id']}; chain (base first): {' <- '.join(d['chain'])}")
     print(f"tables ({len(d['tables'])}):")
     for name, t in sorted(d["tables"].items()):
-        dead = f", {t['tombstones']} tombstone(s)" if d["kind"] != "full" else ""
+        dead = f", {t['tombstones']} tombstone(s)" if d["parent"] is not None else ""
         print(f"  {name}: {t['rows']} rows{dead}, dim {t['dim']} {t['dtype']}, slots "
               f"{', '.join(t['slots']) or '-'}, {_human(t['bytes'])}")
     print(f"shards: {d['shards']['files']} file(s), {_human(d['shards']['bytes'])}")
