@@ -67,15 +67,16 @@ def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremen
          output_dir: str, rank: int, world: int) -> Tuple[Optional[Dict[str, Delta]], Callable[[str], Baseline]]:
     """Moves every table's change baseline to now (a full save too, so the next delta is relative to
     it); returns (the deltas to write, or None for a full save; the next baseline, given the id
-    this save commits as). Every
-    rank takes part (one small collective when several): all write a delta or all a full, and a
-    table cleared on one rank is written whole, and marked cleared, by all."""
+    this save commits as). Every rank takes part (one small collective when several): all write a
+    delta or all a full, and a table cleared on one rank is written whole, and marked cleared, by
+    all."""
     reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
     taken = {n: t.take_changes() for n, t in tables.items()}  # every save moves the baselines
     after = Baseline.of("", tables)
 
     def next_baseline(ckpt_id: str) -> Baseline:
         return dataclasses.replace(after, ckpt_id=ckpt_id)
+
     untracked = sorted(n for n, c in taken.items() if not c.tracked)
     if reason is None and untracked:
         reason = f"table(s) {untracked} do not track changes (knob track_changes is off)"
