@@ -11,6 +11,7 @@ from recsave import Saver
 from recsave.errors import ConfigError, UsageError
 from recsave.tools import catalog, cli
 from recsave.tools.convert import EXTRA_PREFIX
+from recsave.tools.torchzip import StreamingTorchSave
 
 from helpers import CTR, assert_states_equal, make_job, model_state, tables_of
 
@@ -60,6 +61,8 @@ def test_recsave_to_torch_and_dcp_read_back_equal_the_model(tmp_path):
     pt = recsave.convert(str(tmp_path / "job"), str(tmp_path / "state.pt"), "torch")
     got = torch.load(pt, weights_only=True)
     _assert_layout_equal(got, expected)
+    mapped = torch.load(pt, weights_only=True, mmap=True)
+    assert all(torch.equal(mapped[k], v) if isinstance(v, torch.Tensor) else mapped[k] == v for k, v in got.items())
     extras = {k for k in got if k.startswith("_recsave.extra.")}
     assert {k.split(".")[2] for k in extras} == {"dense_opt", "sparse_optim"}
     assert torch.equal(got["_recsave.extra.dense_opt.state.0.exp_avg"],
@@ -134,3 +137,23 @@ def test_dcp_metadata_is_a_plain_pickle_of_dcp_metadata(tmp_path):
     assert set(md.state_dict_metadata) >= {"user.ids", "user.weight", "item.adagrad_acc", "mlp.0.weight"}
     assert all(info.relative_path.startswith("part_") for info in md.storage_data.values())
     assert job is not None
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_streaming_torch_save_is_read_by_torch_load_exactly(tmp_path, mmap):
+    tensors = {"ids": torch.arange(7) - 3, "w": torch.rand(7, 3), "empty": torch.rand(0, 4),
+               "flag": torch.tensor(True), "bf": torch.rand(5, 2).to(torch.bfloat16),
+               "half": torch.rand(3).half(), "strided": torch.rand(4, 6).t(),
+               "i8": torch.tensor([-1, 2], dtype=torch.int8)}
+    path = tmp_path / "s.pt"
+    with open(path, "wb") as f:
+        writer = StreamingTorchSave(f)
+        obj = {k: writer.add(v) for k, v in reversed(list(tensors.items()))}
+        obj["n"] = 3
+        writer.finish(obj)
+    got = torch.load(path, weights_only=True, mmap=mmap)
+    assert set(got) == set(tensors) | {"n"} and got["n"] == 3
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    with open(tmp_path / "c.pt", "wb") as f, pytest.raises(TypeError, match="complex64"):
+        StreamingTorchSave(f).add(torch.zeros(2, dtype=torch.complex64))

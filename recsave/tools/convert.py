@@ -3,8 +3,9 @@ directory, and those back to a recsave checkpoint (docs/API.md, "PyTorch interop
 is in docs/FORMAT.md section 8).
 
 Every source is opened through the load path (load/sources.py), so whatever a model bank can read
-converts, and tables are read one at a time through it. The torch.save output is one pickled dict
-and holds every table at once; the DCP output and the recsave output stream table by table.
+converts, and tables are read one at a time through it. The torch.save output (written entry by
+entry, tools/torchzip.py) and the DCP output hold one table in memory at a time; the recsave
+output at most two (the checkpoint writer orders the next table while writing one).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import dataclasses
 import numbers
 import pickle
 import warnings
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,6 +26,7 @@ from recsave.save.pipeline import CheckpointWriter
 from recsave.save.snapshot import SaveState, TableState
 from recsave.storage import get_storage
 from recsave.tables import partition
+from recsave.tools.torchzip import StreamingTorchSave
 
 TARGETS = ("recsave", "torch", "dcp")
 EXTRA_PREFIX = "_recsave.extra."  # <prefix><extra name>.<key path>: tensors and numbers of the extras
@@ -63,14 +65,17 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
     storage = get_storage(dst)
     if storage.exists(dst) and (not storage.isdir(dst) or storage.listdir(dst)):
         raise UsageError(f"convert: {dst} exists; convert into a new path (nothing was written)", path=dst)
-    parts = _parts(source, names, dense, concurrency)
     if to == "torch":
-        state: Dict[str, Any] = {}
-        for part in parts:
-            _add(state, part, dst)
-        storage.write_stream(dst, lambda f: torch.save(state, f))
+        def produce(f: IO[bytes]) -> None:  # may run again (a retried remote upload): parts are re-read
+            writer = StreamingTorchSave(f)
+            state: Dict[str, Any] = {}
+            for part in _parts(source, names, dense, concurrency):
+                _add(state, {k: writer.add(v) if isinstance(v, torch.Tensor) else v for k, v in part.items()}, dst)
+            writer.finish(state)
+
+        storage.write_stream(dst, produce)
     else:
-        write_dcp(dst, parts)
+        write_dcp(dst, _parts(source, names, dense, concurrency))
     return dst
 
 
