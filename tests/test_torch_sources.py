@@ -78,6 +78,16 @@ def test_ids_and_slots_beside_the_weight_are_used(tmp_path, kind):
     assert torch.equal(slots["adagrad_acc"], state["emb.adagrad_acc"][order])
 
 
+def test_a_legacy_torch_save_file_loads_too(tmp_path):
+    src = DenseModel(n=50, dim=8)
+    path = tmp_path / "legacy.pt"
+    torch.save(src.state_dict(), path, _use_new_zipfile_serialization=False)
+    model = HashModel(dim=8)
+    Saver(model, output_dir=str(tmp_path / "out")).load_model_bank([{"path": str(path)}])
+    assert torch.equal(_table(model.emb)[1], src.emb.weight.detach())
+    assert torch.equal(model.mlp.weight, src.mlp.weight)
+
+
 def test_oname_maps_a_nested_state_and_to_dcp_state_dict_form_loads(tmp_path):
     src = DenseModel(n=100, dim=8)
     path = _write("torch", {"model": src.state_dict(), "epoch": 3}, tmp_path / "nested.pt")

@@ -191,12 +191,25 @@ class TorchSaveSource(TorchStateSource):
     kind = "torch_save"
 
     def __init__(self, storage: Storage, path: str):
-        self._state = _flatten(load_torch_file(storage, path), "")
-        meta = {k: (tuple(v.shape), v.dtype) for k, v in self._state.items()}
+        obj, mapped = load_torch_file(path)
+        state = _flatten(obj, "")
+        meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        # A mapped file is mapped again for each read: the pages a read touches are released with
+        # the tensors it returns, instead of the whole file staying resident. A file that could not
+        # be mapped is in memory already: keep it.
+        self._state: Optional[Dict[str, torch.Tensor]] = None if mapped else state
+        del obj, state
         super().__init__(path, meta, f"{path}@{storage.ukey(path)}")
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
-        return {k: self._state[k] for k in keys}
+        state = self._state
+        if state is None:
+            state = _flatten(load_torch_file(self.ckpt_dir)[0], "")
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ConfigError(f"{self.ckpt_dir}: {missing[:5]} are gone; the file changed since it was "
+                              f"opened: plan the load again", path=self.ckpt_dir, key=missing[0])
+        return {k: state[k] for k in keys}
 
 
 class DcpSource(TorchStateSource):
@@ -228,16 +241,16 @@ class DcpSource(TorchStateSource):
         return out
 
 
-def load_torch_file(storage: Storage, path: str) -> Any:
-    """torch.load(path, weights_only=True), memory-mapped where the file allows; ConfigError
-    naming the path and the accepted kinds when it is no such file."""
+def load_torch_file(path: str) -> Tuple[Any, bool]:
+    """(torch.load(path, weights_only=True), whether it is memory-mapped: where the file allows);
+    ConfigError naming the path and the accepted kinds when it is no such file."""
     try:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True), True
         except RuntimeError as exc:
             if "mmap" not in str(exc):  # a legacy (non-zip) file cannot be mapped: read it
                 raise
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True), False
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as exc:
         raise ConfigError(f"{path}: not a loadable source ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
                           f"accepted: {ACCEPTED}", path=path) from exc

@@ -71,6 +71,7 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
             state: Dict[str, Any] = {}
             for part in _parts(source, names, dense, concurrency):
                 _add(state, {k: writer.add(v) if isinstance(v, torch.Tensor) else v for k, v in part.items()}, dst)
+                del part  # before the next table is read
             writer.finish(state)
 
         storage.write_stream(dst, produce)
@@ -178,6 +179,7 @@ def write_dcp(dst: str, parts: Iterator[Dict[str, Any]]) -> None:
             merged.storage_data.update(data)
             if isinstance(merged.planner_data, dict) and isinstance(md.planner_data, dict):
                 merged.planner_data.update(md.planner_data)
+        del part  # before the next table is read
     if merged is None:
         raise UsageError(f"convert {dst}: the source holds nothing to convert")
     merged.storage_meta = None  # the load id of the last part's reader: not part of the checkpoint
