@@ -9,7 +9,8 @@ latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed
 ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
 shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
-instead of the HashTables). OUT_SCHEME=file makes the output dir a
+instead of the HashTables), ``torch_bank`` (bank-load a torch.save file and a DCP directory of
+plain tensors written by the test; dump what this rank holds). OUT_SCHEME=file makes the output dir a
 file:// URL (the fsspec path); PER_RANK_OUT=1 gives each rank its own output dir out_RANK (per-rank
 local disks).
 """
@@ -119,6 +120,16 @@ def main():
                             timeout=datetime.timedelta(seconds=60))
     if scenario in ("tt_save", "tt_load"):
         tablelike(scenario, rank, world, work_dir)
+        dist.destroy_process_group()
+        return
+    if scenario == "torch_bank":
+        for kind in ("torch", "dcp"):
+            model, saver, _ = build(work_dir)
+            path = os.path.join(work_dir, "state.pt" if kind == "torch" else "state_dcp")
+            saver.load_model_bank([{"path": path, "load": ["user", "dense.*"]}])
+            ids, values, _ = model.user.export()
+            torch.save({"ids": ids, "values": values, "dense": model.dense.weight.detach()},
+                       os.path.join(work_dir, f"bank_{kind}_{world}_{rank}.pt"))
         dist.destroy_process_group()
         return
     model, saver, reader = build(work_dir)

@@ -88,6 +88,28 @@ def test_a_tablelike_table_saved_by_2_ranks_loads_on_3(tmp_path):
     assert len(seen) == len(set(seen)) == len(ids_all)
 
 
+def test_ranks_bank_load_their_ids_from_torch_save_and_dcp_sources(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ids = global_ids()
+    state = {"user.weight": expected_rows(ids, 0.0), "user.ids": ids, "dense.weight": torch.rand(2, 6),
+             "dense.bias": torch.rand(2)}
+    torch.save(state, tmp_path / "state.pt")
+    dcp.save(state, checkpoint_id=str(tmp_path / "state_dcp"), no_dist=True)
+    codes, outs = run_ranks("torch_bank", 2, tmp_path)
+    assert codes == [0, 0], outs
+    for kind in ("torch", "dcp"):
+        seen = []
+        for r in range(2):
+            got = torch.load(tmp_path / f"bank_{kind}_2_{r}.pt", weights_only=True)
+            owned = ids[partition.owner_of(ids, 2) == r]
+            assert sorted(got["ids"].tolist()) == sorted(owned.tolist())
+            assert torch.equal(got["values"], expected_rows(got["ids"], 0.0))
+            assert torch.equal(got["dense"], state["dense.weight"])
+            seen += got["ids"].tolist()
+        assert len(seen) == len(set(seen)) == len(ids)
+
+
 def test_io_state_of_n_workers_refused_on_m_without_reshard(tmp_path):
     codes, outs = run_ranks("save", 2, tmp_path)
     assert codes == [0, 0], outs
