@@ -24,6 +24,7 @@ import torch
 
 from recsave.errors import ConfigError
 from recsave.load.config import Contents, TableInfo
+from recsave.load.contents import dtype_name
 from recsave.storage import Storage
 from recsave.tables import partition, tablestate
 
@@ -93,15 +94,24 @@ def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
 
 
 class _LazyDense(Mapping):
-    """The dense entries of a source, each read when looked up (a DCP source reads no table)."""
+    """The dense entries of a source, read when looked up: the first lookup of a tensor that is no
+    table's reads all such tensors at once (they are small); a table's tensors are read one at a
+    time (a model with nn.Embedding loads one as dense)."""
 
     def __init__(self, src: "TorchStateSource"):
         self._src = src
+        in_tables = {k for t in src.tables.values() for k in (t.weight, t.ids, *t.slots.values()) if k}
+        self._small = [k for k in src.meta if k not in in_tables]
+        self._cache: Optional[Dict[str, torch.Tensor]] = None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._src.meta:
             raise KeyError(key)
-        return self._src.read_tensors([key])[key]
+        if key not in self._small:
+            return self._src.read_tensors([key])[key]
+        if self._cache is None:
+            self._cache = self._src.read_tensors(self._small)
+        return self._cache[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._src.meta)
@@ -134,9 +144,9 @@ class TorchStateSource:
                 aliases[f"{name}@{slot}"] = (k,)
                 aliases[k] = aliases.get(k, ()) + (name, f"{name}@{slot}")
         self.contents = Contents(
-            tables={n: TableInfo(t.dim, _dtype_name(t.dtype), tuple(sorted(t.slots)), t.rows)
+            tables={n: TableInfo(t.dim, dtype_name(t.dtype), tuple(sorted(t.slots)), t.rows)
                     for n, t in self.tables.items()},
-            dense={k: (tuple(s), _dtype_name(d)) for k, (s, d) in meta.items()},
+            dense={k: (tuple(s), dtype_name(d)) for k, (s, d) in meta.items()},
             aliases=aliases)
 
     @property
@@ -275,8 +285,3 @@ def open_torch_source(storage: Storage, path: str) -> Optional[TorchStateSource]
     if storage.exists(path) and storage.regular_file_size(path) is not None:
         return TorchSaveSource(storage, path)
     return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
