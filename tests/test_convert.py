@@ -157,3 +157,33 @@ def test_streaming_torch_save_is_read_by_torch_load_exactly(tmp_path, mmap):
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
     with open(tmp_path / "c.pt", "wb") as f, pytest.raises(TypeError, match="complex64"):
         StreamingTorchSave(f).add(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_a_failed_dcp_conversion_leaves_nothing_and_repeated_ids_are_refused(tmp_path, monkeypatch):
+    _trained(tmp_path)
+    import recsave.tools.convert as conv
+
+    real = conv._read_table
+    calls = []
+
+    def fail_second(source, name, concurrency):
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device (injected)")
+        return real(source, name, concurrency)
+
+    monkeypatch.setattr(conv, "_read_table", fail_second)
+    with pytest.raises(OSError, match="injected"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "dcp"), "dcp")
+    assert not (tmp_path / "dcp").exists()
+    (tmp_path / "empty").mkdir()
+    calls.clear()
+    with pytest.raises(OSError, match="injected"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "empty"), "dcp")
+    assert list((tmp_path / "empty").iterdir()) == []
+    monkeypatch.setattr(conv, "_read_table", real)
+
+    torch.save({"t.weight": torch.rand(3, 4), "t.ids": torch.tensor([5, 6, 5])}, tmp_path / "dup.pt")
+    with pytest.raises(ConfigError, match="table 't' has repeated ids"):
+        recsave.convert(str(tmp_path / "dup.pt"), str(tmp_path / "out"), "recsave")
+    assert not (tmp_path / "out" / "converted").exists()

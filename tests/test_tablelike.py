@@ -108,3 +108,18 @@ def test_a_flagged_module_missing_methods_is_refused(tmp_path):
     model = torch.nn.Sequential(Half())
     with pytest.raises(UsageError, match=r"Half sets __recsave_table__ but lacks \['table_name'"):
         Saver(model, output_dir=str(tmp_path)).save("ckpt_1")
+
+
+def test_async_save_of_a_tablelike_table_holds_the_state_at_the_call(tmp_path):
+    model = _filled()
+    expected = {k: v.clone() for k, v in model.tt.state().items()}
+    saver = Saver(model, output_dir=str(tmp_path))
+    _, write = saver.async_save("ckpt_1")
+    model.tt.load_rows(torch.tensor([10**9]), torch.ones(1, 8), clear=False)  # after the snapshot
+    write.result(timeout=60)
+    saver.close()
+    fresh = TTModel()
+    Saver(fresh, output_dir=str(tmp_path)).load()
+    assert set(fresh.tt.state()) == set(expected)
+    for k, v in expected.items():
+        assert torch.equal(fresh.tt.state()[k], v), k

@@ -9,6 +9,7 @@ output at most two (the checkpoint writer orders the next table while writing on
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import pickle
@@ -76,7 +77,18 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
 
         storage.write_stream(dst, produce)
     else:
-        write_dcp(dst, _parts(source, names, dense, concurrency))
+        created = not storage.exists(dst)
+        try:
+            write_dcp(dst, _parts(source, names, dense, concurrency))
+        except BaseException:  # leave dst as it was: absent, or the empty directory it was
+            with contextlib.suppress(Exception):
+                if created:
+                    storage.remove_tree(dst)
+                else:
+                    for entry in storage.listdir(dst):
+                        path = storage.join(dst, entry)
+                        storage.remove_tree(path) if storage.isdir(path) else storage.remove_file(path)
+            raise
     return dst
 
 
