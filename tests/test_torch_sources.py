@@ -78,6 +78,20 @@ def test_ids_and_slots_beside_the_weight_are_used(tmp_path, kind):
     assert torch.equal(slots["adagrad_acc"], state["emb.adagrad_acc"][order])
 
 
+def test_unused_tensors_are_reported_once_by_their_key(tmp_path):
+    src = DenseModel(n=50, dim=8)
+    state = dict(src.state_dict())
+    state["other.weight"] = torch.rand(7, 8)
+    state["other.acc"] = torch.rand(7, 8)
+    state["step"] = torch.tensor(3)
+    torch.save(state, tmp_path / "s.pt")
+    saver = Saver(HashModel(dim=8), output_dir=str(tmp_path / "out"))
+    plan = saver.plan_model_bank([{"path": str(tmp_path / "s.pt")}])
+    assert sorted(plan.unexpected) == ["other.acc", "other.weight", "step"]
+    plan = saver.plan_model_bank([{"path": str(tmp_path / "s.pt"), "load": ["sparse"]}])
+    assert plan.unexpected == ["other"] and set(plan.items) == {"emb"}
+
+
 def test_a_legacy_torch_save_file_loads_too(tmp_path):
     src = DenseModel(n=50, dim=8)
     path = tmp_path / "legacy.pt"

@@ -224,6 +224,9 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
         if any(_matches(i, src, category) for i in conf.load) and \
                 not any(_matches(i, src, category) for i in conf.exclude):
             result.unexpected.append(src)
+    # A tensor unexpected both as a table (or slot) and as dense is reported once, by its key.
+    result.unexpected = [n for n in result.unexpected if not (
+        ckpt_names[n] in ("sparse", "sparse_opt") and any(a in result.unexpected for a in ckpt.aliases.get(n, ())))]
     if conf.strict and result.missing:
         raise ConfigError(
             f"{ckpt_dir}: the checkpoint lacks {len(result.missing)} selected name(s) of the model: "

@@ -7,6 +7,7 @@ load/sources.py's sources answer). The names become tables and dense entries:
 - a 2-D ``<name>.weight`` tensor ``[N, dim]`` (nn.Embedding, EmbeddingBag, TorchRec, and what
   ``recsave convert --to torch`` writes) is table ``<name>``, with ids ``<name>.ids`` (1-D int64,
   N of them) when present, else 0..N-1; ``<name>.<slot>`` tensors of the same shape are its slots;
+  with a ``<name>.bias`` and no ids beside it, it is an nn.Linear's: not a table;
 - to_dcp_state_dict's form (``<key>.ids``, ``<key>.embedding``, ``<key>.slot.<slot>``) is table
   ``<module path of key>`` (``emb.user.table`` -> ``emb.user``);
 - any other 2-D floating tensor is also a table named by its key (ids 0..N-1);
@@ -67,9 +68,9 @@ def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
             name, slot_prefix = tablestate.module_path(base), ".slot."
         else:
             continue
-        if not name or "@" in name:
-            continue
         ids_key = f"{base}.ids"
+        if not name or "@" in name or (f"{base}.bias" in meta and ids_key not in meta):  # nn.Linear
+            continue
         if ids_key in meta:
             ids_shape, ids_dtype = meta[ids_key]
             if ids_dtype != torch.int64 or tuple(ids_shape) != (shape[0],):

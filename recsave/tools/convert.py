@@ -45,9 +45,9 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
     - ``"dcp"``: a torch.distributed.checkpoint directory with the same keys;
     - ``"recsave"``: a checkpoint `ckpt_id` (default ``converted``) committed in output dir `dst`.
 
-    For a torch.save / DCP source, `tables` names the tensors that are tables (default: every
-    ``<name>.weight`` with ``<name>.ids`` beside it, and every 2-D floating ``<name>.weight``
-    without a ``<name>.bias``: nn.Embedding yes, nn.Linear no); the rest is dense. Returns the
+    For a torch.save / DCP source, `tables` names the tables to convert (default: every table the
+    model bank sees there but bare 2-D tensors: ``<name>.weight`` with ``<name>.ids`` beside it or
+    without a ``<name>.bias``, i.e. nn.Embedding yes, nn.Linear no); the rest is dense. Returns the
     path written (for ``recsave``, the checkpoint directory)."""
     check(src, str, "src", "convert")
     check(dst, str, "dst", "convert")
@@ -103,8 +103,7 @@ def _split(source: Any, tables: Optional[Sequence[str]]) -> Tuple[List[str], Lis
         return sorted(tables or source.contents.tables), sorted(source.contents.dense)
     found = source.tables
     if tables is None:
-        tables = [n for n, t in found.items() if t.ids is not None or
-                  (t.weight == f"{n}.weight" and f"{n}.bias" not in source.meta)]
+        tables = [n for n, t in found.items() if t.weight != n]  # not bare 2-D tensors
     unknown = sorted(set(tables) - set(found))
     if unknown:
         raise ConfigError(f"{source.ckpt_dir}: {unknown} are not tables (2-D <name>.weight tensors); tables "
