@@ -136,3 +136,27 @@ def test_bad_ids_and_files_that_are_no_source_raise_config_error(tmp_path):
     with pytest.raises(ConfigError, match="table.pt: not a loadable source"):
         saver.plan_model_bank([{"path": str(table)}])
     assert len(model.emb) == 0
+
+
+@pytest.mark.parametrize("kind", ["torch", "dcp"])
+def test_a_dynamic_entry_reloads_when_the_pytorch_source_is_rewritten(tmp_path, kind):
+    import shutil
+
+    from recsave import CheckpointManager
+
+    src = DenseModel(n=40, dim=8)
+    path = _write(kind, src.state_dict(), tmp_path / "src")
+    model = HashModel(dim=8)
+    mgr = CheckpointManager(Saver(model, output_dir=str(tmp_path / "out")), 100)
+    mgr.load_model_bank([{"path": path, "load": ["emb"], "is_dynamic": True}])
+    assert mgr.update_model_bank() is None
+    with torch.no_grad():
+        src.emb.weight.add_(1.0)
+    if kind == "dcp":
+        shutil.rmtree(path)
+    else:
+        (tmp_path / "src").unlink()
+    _write(kind, {**src.state_dict(), "emb.extra": torch.zeros(40, 8)}, tmp_path / "src")  # a new size too
+    report = mgr.update_model_bank()
+    assert report is not None and set(report.loaded) == {"emb"}
+    assert torch.equal(_table(model.emb)[1], src.emb.weight.detach())
