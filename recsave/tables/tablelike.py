@@ -87,7 +87,8 @@ def is_table(module: Any) -> bool:
             raise UsageError(f"{type(module).__name__} sets __recsave_table__ but lacks {missing} of the "
                              f"TableLike protocol (docs/API.md)")
         return True
-    return isinstance(module, torch.nn.Module) and isinstance(module, TableLike)
+    # The cheap test first: a model has many modules and the protocol check looks at every member.
+    return callable(getattr(module, "swap_contents", None)) and isinstance(module, TableLike)
 
 
 def split_model(model: torch.nn.Module) -> Tuple[Dict[str, Any], Dict[str, Any]]:
