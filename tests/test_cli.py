@@ -161,8 +161,9 @@ def test_ls_json_of_an_empty_output_dir(tmp_path, capsys):
 def test_inspect_json(output_dir, capsys):
     assert main(["inspect", "--json", str(output_dir)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert sorted(doc) == ["bytes", "created_at", "dense", "extras", "format_version", "io_states", "partition",
-                           "path", "recsave_version", "shards", "step", "tables", "world_size"]
+    assert sorted(doc) == ["bytes", "created_at", "dense", "extras", "format_version", "io_states", "kind",
+                           "partition", "path", "recsave_version", "shards", "step", "tables", "world_size"]
+    assert doc["kind"] == "full"
     assert doc["path"] == str(output_dir / "ckpt_4") and doc["step"] == 4 and doc["world_size"] == 1
     assert sorted(doc["tables"]) == ["item", "user"]
     assert sorted(doc["tables"]["user"]) == ["bytes", "dim", "dtype", "rows", "slots"]

@@ -11,7 +11,8 @@ from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
-from recsave.format.index import FORMAT_VERSION, INDEX_FILE
+from recsave.format.index import INDEX_FILE
+from recsave.format.records import is_newer_index
 from recsave.storage import Storage
 from recsave.storage.lock import LOCK_FILE
 
@@ -205,8 +206,7 @@ def _newer_order(data: bytes) -> Optional[Tuple[Optional[int], str]]:
         index = json.loads(data.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError included
         return None
-    if not isinstance(index, dict) or type(index.get("format_version")) is not int \
-            or index["format_version"] <= FORMAT_VERSION:
+    if not is_newer_index(index):
         return None
     step, created = index.get("step"), index.get("created_at")
     return (step if type(step) is int else None), (created if isinstance(created, str) else "")
@@ -238,13 +238,10 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
     try:
         if not storage.exists(path):
             return None
-        version = json.loads(storage.read_bytes(path, knobs.get("max_index_bytes")).decode("utf-8")).get(
-            "format_version")
-    except (RecsaveError, OSError, ValueError, AttributeError):  # unreadable or not an object: not newer
+        index = json.loads(storage.read_bytes(path, knobs.get("max_index_bytes")).decode("utf-8"))
+    except (RecsaveError, OSError, ValueError):  # unreadable: not newer
         return None
-    if type(version) is int and version > FORMAT_VERSION:
-        return version
-    return None
+    return index["format_version"] if is_newer_index(index) else None
 
 
 def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[str]:

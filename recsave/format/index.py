@@ -12,7 +12,11 @@ from recsave.format import checks
 from recsave.format.dtypes import from_name
 from recsave.format.records import (
     FORMAT_VERSION,
+    KIND_FULL,
+    KINDS,
     MAGIC,
+    QUANT_INT8,
+    READABLE_FORMAT_VERSIONS,
     BucketRange,
     Chunk,
     DenseMeta,
@@ -96,10 +100,22 @@ def validate(index: Any, path: str) -> Index:
     version = index.get("format_version")
     if type(version) is not int:
         raise checks.corrupt(path, f"format_version must be an integer, found {version!r}")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise FormatVersionError(
             f"{path}: format_version {version!r} is not supported by recsave {__version__} (reads "
-            f"version {FORMAT_VERSION}); upgrade recsave to read this checkpoint", path=path)
+            f"versions {list(READABLE_FORMAT_VERSIONS)}); upgrade recsave to read this checkpoint", path=path)
+    kind = index.get("kind", KIND_FULL)
+    if not isinstance(kind, str):
+        raise checks.corrupt(path, f"kind must be a string, found {kind!r}")
+    if kind not in KINDS:
+        raise FormatVersionError(f"{path}: checkpoint kind {kind!r} is not supported by recsave {__version__} "
+                                 f"(reads {list(KINDS)}); upgrade recsave to read this checkpoint", path=path)
+    if kind != KIND_FULL and version == FORMAT_VERSION:
+        raise checks.corrupt(path, f"a {kind!r} index must have format_version > {FORMAT_VERSION}, found {version}")
+    if kind == KIND_FULL and version != FORMAT_VERSION:  # version 2 is only defined for the other kinds
+        raise FormatVersionError(
+            f"{path}: format_version {version} of a full checkpoint is not supported by recsave {__version__} "
+            f"(reads version {FORMAT_VERSION} for full checkpoints); upgrade recsave to read it", path=path)
     absent = [k for k in REQUIRED_KEYS if k not in index]
     if absent:
         raise checks.corrupt(path, f"index lacks required key(s) {absent}")
@@ -137,7 +153,7 @@ def validate(index: Any, path: str) -> Index:
             raise checks.corrupt(path, f"{key} must be a string, found {index[key]!r}")
     return Index(magic=MAGIC, format_version=version, recsave_version=index["recsave_version"],
                  created_at=index["created_at"], step=step, world_size=world_size, partition=partition,
-                 files=files, tensors=tensors, meta=parse_meta(index["meta"], tensors, path))
+                 files=files, tensors=tensors, meta=parse_meta(index["meta"], tensors, path), kind=kind)
 
 
 def _parse_partition(partition: Any, path: str) -> Optional[Partition]:
@@ -259,10 +275,15 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
     for name, t in meta["tables"].items():
         if not isinstance(t, dict):
             raise bad(f"table {name!r} is not an object")
+        quant = t.get("quant")
+        if quant is not None and quant != QUANT_INT8:
+            raise FormatVersionError(f"{path}: table {name!r} is stored as {quant!r}, which recsave "
+                                     f"{__version__} cannot decode (it knows {QUANT_INT8!r}); upgrade recsave",
+                                     path=path)
         tables[name] = TableMeta(checks.as_int(t.get("dim"), f"dim of table {name!r}", path),
                                  _text(t.get("dtype"), f"dtype of table {name!r}", bad),
                                  _texts(t.get("slots"), f"slots of table {name!r}", bad),
-                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path))
+                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path), quant)
     dense: Dict[str, DenseMeta] = {}
     for name, d in meta["dense"].items():
         if not isinstance(d, dict):
@@ -273,11 +294,30 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
     if count is not None:
         count = checks.as_int(count, "io_state_count", path, lo=1, hi=1 << 24)
     for name, info in tables.items():
-        for suffix in ("id", "embedding") + info.slots:
+        quantised = ("scale", "offset") if info.quant is not None else ()
+        for suffix in ("id", "embedding") + info.slots + quantised:
             if f"{name}@{suffix}" not in tensors:
                 raise checks.corrupt(path, f"table {name!r} lacks its tensor {name}@{suffix}")
+        if info.quant is not None:
+            _check_quantised(name, info, tensors, path)
     return Meta(tables, dense, _texts(meta["extras"], "extras", bad), _texts(meta["io_states"], "io_states", bad),
                 count)
+
+
+def _check_quantised(name: str, info: TableMeta, tensors: Mapping[str, TensorEntry], path: str) -> None:
+    """An int8 table (docs/FORMAT.md section 8): int8 codes [n, dim], float16/float32 scale and
+    offset [n, 1] of one dtype."""
+    codes, scale, offset = (tensors[f"{name}@{s}"] for s in ("embedding", "scale", "offset"))
+    n = codes.shape[0] if codes.shape else -1
+    if codes.dtype != "int8" or list(codes.shape) != [n, info.dim]:
+        raise checks.corrupt(path, f"int8 table {name!r}: {name}@embedding must be int8 [rows, {info.dim}], "
+                             f"found {codes.dtype} {list(codes.shape)}", f"{name}@embedding")
+    for entry, what in ((scale, "scale"), (offset, "offset")):
+        if entry.dtype not in ("float16", "float32") or entry.dtype != scale.dtype \
+                or list(entry.shape) != [n, 1]:
+            raise checks.corrupt(path, f"int8 table {name!r}: {name}@{what} must be float16 or float32 "
+                                 f"[{n}, 1] like the scale, found {entry.dtype} {list(entry.shape)}",
+                                 f"{name}@{what}")
 
 
 def _text(value: Any, what: str, bad: Callable[[str], Exception]) -> str:

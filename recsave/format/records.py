@@ -18,7 +18,25 @@ from recsave.errors import UsageError
 from recsave.format.dtypes import BY_NAME, DType
 
 MAGIC = "recsave.index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1           # a "full" checkpoint (docs/FORMAT.md section 3)
+DELTA_FORMAT_VERSION = 2     # an index of another kind ("serving", ...): older readers refuse it
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION)
+KIND_FULL = "full"
+KIND_SERVING = "serving"     # weights only, possibly quantised (docs/FORMAT.md section 8)
+KINDS = (KIND_FULL, KIND_SERVING)
+QUANT_INT8 = "int8"          # TableMeta.quant: per-row affine int8 rows (recsave/format/quant.py)
+
+
+def is_newer_index(index: Any) -> bool:
+    """Whether a JSON-decoded index was written by a newer recsave: a format_version above 1 that
+    this recsave does not read for its kind (version 2 is read only with a known kind other than
+    "full"). Such a checkpoint is intact, only unreadable here."""
+    if not isinstance(index, dict):
+        return False
+    version, kind = index.get("format_version"), index.get("kind", KIND_FULL)
+    if type(version) is not int or version <= FORMAT_VERSION:
+        return False
+    return not (version == DELTA_FORMAT_VERSION and kind in KINDS and kind != KIND_FULL)
 
 
 @dataclass(frozen=True)
@@ -152,9 +170,13 @@ class TableMeta:
     dtype: str
     slots: Tuple[str, ...]
     rows: int = 0
+    quant: Optional[str] = None  # "int8": `<t>@embedding` holds codes, `<t>@scale` / `@offset` the rows' affine map
 
     def to_json(self) -> Dict[str, Any]:
-        return {"dim": self.dim, "dtype": self.dtype, "slots": self.slots, "rows": self.rows}
+        out: Dict[str, Any] = {"dim": self.dim, "dtype": self.dtype, "slots": self.slots, "rows": self.rows}
+        if self.quant is not None:
+            out["quant"] = self.quant
+        return out
 
 
 @dataclass(frozen=True)
@@ -220,7 +242,8 @@ class IndexPart:
 @dataclass(frozen=True)
 class Index:
     """A validated checkpoint index. `meta` is None when the index's meta is empty (an index not
-    written by a Saver, e.g. by `write_shards` + `merge_parts` alone)."""
+    written by a Saver, e.g. by `write_shards` + `merge_parts` alone). `kind` is "full" (a Saver's
+    checkpoint) or "serving" (recsave.export_serving: weights only)."""
     magic: str
     format_version: int
     recsave_version: str
@@ -231,6 +254,7 @@ class Index:
     files: Mapping[str, FileEntry]
     tensors: Mapping[str, TensorEntry]
     meta: Optional[Meta]
+    kind: str = KIND_FULL
 
     def tensor(self, name: str) -> TensorEntry:
         """The entry of tensor `name` (KeyError when the index has none)."""
@@ -263,9 +287,11 @@ class Index:
 
     def to_json(self) -> Dict[str, Any]:
         """The JSON object, keys in the order recsave writes them."""
+        out: Dict[str, Any] = {"magic": self.magic, "format_version": self.format_version}
+        if self.kind != KIND_FULL:  # absent means "full": indexes of earlier releases stay byte-identical
+            out["kind"] = self.kind
         return {
-            "magic": self.magic,
-            "format_version": self.format_version,
+            **out,
             "recsave_version": self.recsave_version,
             "created_at": self.created_at,
             "step": self.step,

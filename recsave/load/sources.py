@@ -10,6 +10,7 @@ import torch
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from recsave.format import ckptlist, plainstate, torchio
 from recsave.format import index as index_mod
+from recsave.format.quant import dequantize_rows
 from recsave.format.reader import bytes_to_read, read_tensors
 from recsave.format.records import Index
 from recsave.load import contents
@@ -74,8 +75,19 @@ class CheckpointSource:
         """(rows, bytes per column incl. the ids under 'id') a read_table would fetch."""
         ranges = self.row_ranges(table, rank, world)
         rows = self.contents.tables[table].rows if ranges is None else sum(b - a for a, b in ranges)
-        cost = {c: bytes_to_read(self.index, f"{table}@{c}", ranges) for c in ["id", *columns]}
+        cost = {c: sum(bytes_to_read(self.index, t, ranges) for t in self._stored(table, c))
+                for c in ["id", *columns]}
         return rows, cost
+
+    def _quantised(self, table: str) -> bool:
+        meta = self.index.meta
+        return meta is not None and table in meta.tables and meta.tables[table].quant is not None
+
+    def _stored(self, table: str, column: str) -> List[str]:
+        """The tensors holding a column: an int8 table's embedding is its codes, scale and offset."""
+        if column == "embedding" and self._quantised(table):
+            return [f"{table}@embedding", f"{table}@scale", f"{table}@offset"]
+        return [f"{table}@{column}"]
 
     def read_table(self, table: str, columns: Sequence[str], rank: int, world: int, concurrency: int,
                    out: Optional[Dict[str, torch.Tensor]] = None,
@@ -84,10 +96,16 @@ class CheckpointSource:
         given columns; `out` maps columns to destination tensors to read into (e.g. the table's
         storage)."""
         ranges = self.row_ranges(table, rank, world)
-        names = ([f"{table}@id"] if with_ids else []) + [f"{table}@{c}" for c in columns]
+        names = ([f"{table}@id"] if with_ids else []) + [t for c in columns for t in self._stored(table, c)]
+        quantised = "embedding" in columns and self._quantised(table)
+        dest = {f"{table}@{c}": t for c, t in (out or {}).items() if not (quantised and c == "embedding")}
         data = read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage,
                             concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names},
-                            out={f"{table}@{c}": t for c, t in (out or {}).items()})
+                            out=dest)
+        if quantised:  # int8 codes -> float32 rows, exactly as docs/FORMAT.md section 8 defines them
+            rows = dequantize_rows(*(data.pop(f"{table}@{s}") for s in ("embedding", "scale", "offset")))
+            given = (out or {}).get("embedding")
+            data[f"{table}@embedding"] = rows if given is None else given.copy_(rows)
         ids = data.get(f"{table}@id")
         if ids is not None and ranges is not None:  # bucket offsets must agree with the ids they delimit
             lo, hi = partition.bucket_range(rank, world, self.num_buckets)

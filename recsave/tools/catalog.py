@@ -46,11 +46,12 @@ def describe(ckpt: str) -> Dict[str, Any]:
     shards = {n: f for n, f in index.files.items() if n.endswith(".safetensors")}
     tables = {}
     for name, t in (index.meta.tables if index.meta is not None else {}).items():
-        nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in ("id", "embedding", *t.slots))
+        quantised = ("scale", "offset") if t.quant is not None else ()  # int8 serving tables
+        nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in ("id", "embedding", *t.slots, *quantised))
         tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes}
     return {
         "path": src.ckpt_dir, "step": index.step, "created_at": index.created_at,
-        "format_version": index.format_version, "recsave_version": index.recsave_version,
+        "format_version": index.format_version, "kind": index.kind, "recsave_version": index.recsave_version,
         "world_size": index.world_size,
         "partition": index.partition.to_json() if index.partition is not None else None, "tables": tables,
         "shards": {"files": len(shards), "bytes": sum(f.size for f in shards.values())},

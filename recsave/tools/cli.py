@@ -25,7 +25,7 @@ import json
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from recsave.errors import CorruptCheckpointError, RecsaveError, StorageError
+from recsave.errors import CorruptCheckpointError, RecsaveError, StorageError, UsageError
 from recsave.version import __version__
 
 Handler = Callable[[argparse.Namespace], int]
@@ -80,7 +80,7 @@ def _name_list(text: str) -> List[str]:
 # ------------------------------------------------------------------------------------ export
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or output dir (its latest checkpoint); "
-                                                "a local path or an fsspec URL")
+                                                "a local path or an fsspec URL (with --since: the newer one)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="where to write <table>/part-*.parquet and the manifest")
     p.add_argument("--tables", type=_name_list, default=None, metavar="A,B",
                    help="comma-separated tables to export (default: all)")
@@ -88,6 +88,9 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows per Parquet row group, i.e. per read/write step (default: 65536)")
     p.add_argument("--rows-per-file", type=_positive_int, default=None, metavar="N",
                    help="start a new part file every N rows (default: one file per table)")
+    p.add_argument("--since", default=None, metavar="OLD",
+                   help="write the delta feed from checkpoint OLD to CKPT instead (rows upserted / deleted, "
+                        "recsave_delta.json; docs/FORMAT.md section 7)")
 
 
 @command("export", "export a checkpoint's tables to Parquet (one dataset per table)", _export_arguments)
@@ -97,6 +100,8 @@ def _export(args: argparse.Namespace) -> int:
     from recsave.tools.export import MANIFEST, to_parquet
     from recsave.tools.progress import Progress
 
+    if args.since is not None:
+        return _export_delta(args)
     tables = describe(args.ckpt)["tables"]
     bar = Progress("export", sum(t["rows"] for n, t in tables.items() if args.tables is None or n in args.tables),
                    unit=" k rows", scale=1e3)
@@ -118,6 +123,49 @@ def _export(args: argparse.Namespace) -> int:
         total_files += len(t["files"])
     print(f"{len(manifest['tables'])} table(s), {total_rows} rows, {total_files} file(s), {total_bytes} bytes "
           f"({_human(total_bytes)}); manifest {get_storage(args.out_dir).join(args.out_dir, MANIFEST)}")
+    return EXIT_OK
+
+
+def _export_delta(args: argparse.Namespace) -> int:
+    from recsave.storage import get_storage
+    from recsave.tools.deltafeed import DELTA_MANIFEST, export_delta
+
+    if args.rows_per_file is not None:
+        raise UsageError("--rows-per-file does not apply to a delta feed (--since): it writes one file per table")
+    m = export_delta(args.since, args.ckpt, args.out_dir, args.tables, row_group_rows=args.row_group_rows)
+    print(f"delta feed {m['old']['source']} (step {m['old']['step']}) -> {m['new']['source']} "
+          f"(step {m['new']['step']}) in {args.out_dir}")
+    for name, t in sorted(m["tables"].items()):
+        print(f"  {name}: {t['upserts']} upsert(s), {t['deletes']} delete(s), {_human(t['files'][0]['size'])}")
+    print(f"manifest {get_storage(args.out_dir).join(args.out_dir, DELTA_MANIFEST)}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------- export-serving
+def _serving_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or output dir (its latest checkpoint)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="output dir of the serving checkpoint (<OUT_DIR>/<id>, "
+                                                      "listed in <OUT_DIR>/checkpoint)")
+    p.add_argument("--dtype", default="int8", choices=["int8", "fp16", "bf16", "fp32"],
+                   help="how rows are stored (default: int8, per-row scale and offset)")
+    p.add_argument("--scale-dtype", default="float16", choices=["float16", "float32"],
+                   help="dtype of the int8 rows' scale and offset (default: float16)")
+    p.add_argument("--tables", type=_name_list, default=None, metavar="A,B",
+                   help="comma-separated tables to export (default: all)")
+
+
+@command("export-serving", "write a checkpoint's embeddings (int8 / fp16 / bf16 / fp32) and dense "
+                           "params as a serving checkpoint", _serving_arguments)
+def _export_serving(args: argparse.Namespace) -> int:
+    from recsave.format import index as index_mod
+    from recsave.tools.serving import export_serving
+
+    path = export_serving(args.ckpt, args.out_dir, args.dtype, args.tables, scale_dtype=args.scale_dtype)
+    index = index_mod.read(path)
+    print(f"exported {args.dtype} serving checkpoint {path} (step {index.step}, {_human(index.total_bytes)})")
+    for name, t in sorted((index.meta.tables if index.meta is not None else {}).items()):
+        nbytes = sum(e.nbytes for n, e in index.tensors.items() if n.partition("@")[0] == name)
+        print(f"  {name}: {t.rows} rows, dim {t.dim}, {_human(nbytes)}")
     return EXIT_OK
 
 
@@ -174,7 +222,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(d)
         return EXIT_OK
-    print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}, "
+    kind = "" if d["kind"] == "full" else f" ({d['kind']})"
+    print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}{kind}, "
           f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}")
     print(f"tables ({len(d['tables'])}):")
     for name, t in sorted(d["tables"].items()):

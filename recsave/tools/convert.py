@@ -1,6 +1,6 @@
 """`recsave.convert` / ``recsave convert``: a recsave checkpoint to a torch.save state dict or a DCP
 directory, and those back to a recsave checkpoint (docs/API.md, "PyTorch interop"; the layout
-is in docs/FORMAT.md section 8).
+is in docs/FORMAT.md section 9).
 
 Every source is opened through the load path (load/sources.py), so whatever a model bank can read
 converts, and tables are read one at a time through it. The torch.save output (written entry by

@@ -166,7 +166,7 @@ def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str
     rename locally, one upload remotely; a retried upload writes the file again, and reports its
     rows to `progress` again)."""
     def produce(f: IO[bytes]) -> None:
-        with pq.ParquetWriter(_Sink(f), schema, use_dictionary=False, write_statistics=["id"]) as writer:
+        with pq.ParquetWriter(ArrowSink(f), schema, use_dictionary=False, write_statistics=["id"]) as writer:
             for start in range(first, stop, row_group_rows):
                 end = min(stop, start + row_group_rows)
                 data = read_tensors(src.ckpt_dir, names, index=src.index, storage=src.storage,
@@ -183,7 +183,7 @@ def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str
     return stop - first
 
 
-class _Sink:
+class ArrowSink:
     """The storage's file as pyarrow's output: pyarrow must not close it (the storage publishes it
     when `produce` returns)."""
 

@@ -1,0 +1,196 @@
+"""Serving export (``recsave export-serving`` on the command line): a checkpoint's embeddings only,
+as int8 / float16 / bfloat16 / float32 rows, written as a recsave checkpoint of kind "serving"
+(docs/FORMAT.md section 8) that Saver.load and the model bank read like any other.
+
+Rows keep the source's layout: each source rank's chunk of a table becomes one chunk with the same
+bucket ranges (written by format/writer.write_shards, checksum segments cut at bucket boundaries),
+so a serving checkpoint saved by N ranks loads on M."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from recsave import argcheck, knobs
+from recsave.argcheck import check
+from recsave.errors import CheckpointExistsError, ConfigError, UsageError
+from recsave.format import ckptlist, torchio
+from recsave.format import index as index_mod
+from recsave.format.quant import SCALE_DTYPES, quantize_rows
+from recsave.format.reader import read_tensors
+from recsave.format.records import (
+    DELTA_FORMAT_VERSION,
+    KIND_FULL,
+    KIND_SERVING,
+    QUANT_INT8,
+    IndexPart,
+    Meta,
+    TableMeta,
+)
+from recsave.format.writer import RowSource, write_shards
+from recsave.save.layout import bucket_segment_ends
+from recsave.storage import Storage, get_storage
+from recsave.storage.lock import hold as hold_writer_lock
+
+__all__ = ["export_serving", "SERVING_DTYPES"]
+
+MODEL_FILE = "model.pt"
+# dtype argument -> the dtype of the stored rows (None: int8 codes with scale / offset)
+SERVING_DTYPES: Dict[str, Optional[torch.dtype]] = {
+    "int8": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+}
+
+
+def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optional[Sequence[str]] = None, *,
+                   scale_dtype: str = "float16", ckpt_id: Optional[str] = None) -> str:
+    """Writes the embeddings of checkpoint `ckpt` (a checkpoint dir, or an output dir: its latest
+    checkpoint) and its dense parameters (model.pt) into `out_dir` as a committed checkpoint of kind
+    "serving"; no optimizer slots, extras or io states. Returns the new checkpoint's directory,
+    `<out_dir>/<ckpt_id>` (by default the source's id), listed in `<out_dir>/checkpoint`.
+
+    `dtype`: "int8" (per-row affine codes with `scale_dtype` ("float16" or "float32") scale and
+    offset, docs/FORMAT.md section 8), "fp16", "bf16" or "fp32" (rows cast with ``Tensor.to``).
+    `tables`: a table name or a list of them (default: all). Raises ConfigError for an unknown table,
+    CheckpointExistsError when `<out_dir>/<ckpt_id>` exists, UsageError for a source that is not a
+    full checkpoint or rows int8 cannot hold (NaN / inf). On failure the new directory is removed."""
+    where = "export_serving"
+    argcheck.path(ckpt, "ckpt", where)
+    argcheck.path(out_dir, "out_dir", where)
+    check(dtype, str, "dtype", where)
+    check(scale_dtype, str, "scale_dtype", where)
+    check(ckpt_id, str, "ckpt_id", where, optional=True)
+    if tables is not None and not isinstance(tables, str):
+        check(tables, (list, tuple), "tables", where, optional=True, expected="a table name or a list of them")
+        for name in tables:
+            check(name, str, "tables", where, expected="a list of table names (str)")
+    if dtype not in SERVING_DTYPES:
+        raise UsageError(f"dtype must be one of {list(SERVING_DTYPES)}, got {dtype!r}", key="dtype")
+    if scale_dtype not in SCALE_DTYPES:
+        raise UsageError(f"scale_dtype must be one of {list(SCALE_DTYPES)}, got {scale_dtype!r}",
+                         key="scale_dtype")
+    from recsave.load.sources import open_source  # not at import time: sources imports tools.export
+
+    src = open_source(ckpt)
+    if getattr(src, "kind", "checkpoint") != "checkpoint" or src.index.kind != KIND_FULL:
+        raise UsageError(f"{src.ckpt_dir} is not a full recsave checkpoint (it is "
+                         f"{getattr(src.index, 'kind', 'Parquet')}); export from a checkpoint a Saver wrote",
+                         path=src.ckpt_dir)
+    available = src.contents.tables
+    names = list(available) if tables is None else list(dict.fromkeys([tables] if isinstance(tables, str) else tables))
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ConfigError(f"{src.ckpt_dir}: no table(s) {unknown} in the checkpoint; it has "
+                          f"{sorted(available)}", path=src.ckpt_dir, key=unknown[0])
+    storage = get_storage(out_dir)
+    if storage.split(src.ckpt_dir)[0].rstrip("/") == out_dir.rstrip("/"):
+        raise UsageError(f"{out_dir} is the output dir of {src.ckpt_dir}; export to another directory (a "
+                         f"serving checkpoint there would become the training job's latest)", path=out_dir)
+    ckpt_id = ckptlist.validate_id(ckpt_id if ckpt_id is not None else storage.split(src.ckpt_dir)[1])
+    storage.makedirs(out_dir)
+    lock = hold_writer_lock(None, storage, out_dir)
+    try:
+        listed = list(ckptlist.committed(storage, out_dir, rewrite=True).ids)
+        ckpt_dir = storage.join(out_dir, ckpt_id)
+        if storage.exists(ckpt_dir):
+            raise CheckpointExistsError(f"{ckpt_dir} exists already; export to another out_dir or ckpt_id, "
+                                        f"or delete it first", path=ckpt_dir)
+        storage.makedirs(ckpt_dir)
+        try:
+            _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the export's own error is the one to report
+                storage.remove_tree(ckpt_dir)
+            raise
+        ckptlist.write(storage, out_dir, [i for i in listed if i != ckpt_id] + [ckpt_id])
+    finally:
+        if lock is not None:
+            lock.release()
+    return ckpt_dir
+
+
+def _write(src: Any, names: List[str], dtype: Optional[torch.dtype], scale_dtype: torch.dtype,
+           storage: Storage, ckpt_dir: str) -> None:
+    """Shards of every table, model.pt, then the index (the commit point)."""
+    parts: Dict[int, IndexPart] = {}
+    tables: Dict[str, TableMeta] = {}
+    for name in names:
+        info = src.contents.tables[name]
+        rows = 0
+        for k, part in enumerate(_table_parts(src, name, info.dim, dtype, scale_dtype, storage, ckpt_dir,
+                                              {r: len(p.files) for r, p in parts.items()})):
+            parts[k] = parts[k].joined(part) if k in parts else part
+            rows += part.tensors[f"{name}@id"].shape[0]
+        out_dtype = "float32" if dtype is None else str(dtype).replace("torch.", "")
+        tables[name] = TableMeta(info.dim, out_dtype, (), rows, QUANT_INT8 if dtype is None else None)
+    meta = src.index.meta
+    files = {}
+    if MODEL_FILE in src.index.files:
+        files[MODEL_FILE] = torchio.save(storage, ckpt_dir, MODEL_FILE, src.read_pt(MODEL_FILE), 0)
+    index = index_mod.merge_parts(list(parts.values()), step=src.index.step, partition=src.index.partition,
+                                  meta=Meta(tables, dict(meta.dense), (), ()),
+                                  world_size=max(src.index.world_size, len(parts), 1))
+    index = dataclasses.replace(index, kind=KIND_SERVING, format_version=DELTA_FORMAT_VERSION).with_files(files)
+    index_mod.write(ckpt_dir, index, storage=storage)
+
+
+def _table_parts(src: Any, name: str, dim: int, dtype: Optional[torch.dtype], scale_dtype: torch.dtype,
+                 storage: Storage, ckpt_dir: str, first_parts: Dict[int, int]) -> List[IndexPart]:
+    """One index part per chunk of the source's `<name>@id` (one per source rank): the same rows
+    and bucket ranges, written as rank k's files."""
+    out = []
+    emb = f"{name}@embedding"
+    for k, chunk in enumerate(src.index.tensor(f"{name}@id").chunks):
+        c0, c1 = chunk.rows or (0, 0)
+        n = c1 - c0
+        tensors: Dict[str, Any] = {f"{name}@id": _read(src, f"{name}@id", c0, c1)}
+        if dtype is None:
+            codes, scale, offset = _quantise(src, name, c0, c1, dim, scale_dtype)
+            tensors.update({emb: codes, f"{name}@scale": scale, f"{name}@offset": offset})
+        elif n == 0:
+            tensors[emb] = torch.empty(0, dim, dtype=dtype)
+        else:
+            tensors[emb] = RowSource(dtype, (n, dim), _caster(src, emb, c0, dtype))
+        starts: Tuple[int, ...] = chunk.buckets.row_starts if chunk.buckets is not None else (0, n)
+        seg_max = knobs.get("segment_bytes")
+        segments = {t: bucket_segment_ends(starts, _row_bytes(v), seg_max) for t, v in tensors.items()}
+        chunk_meta = {t: {"buckets": chunk.buckets} for t in tensors} if chunk.buckets is not None else None
+        out.append(write_shards(ckpt_dir, tensors, rank=k, storage=storage, first_part=first_parts.get(k, 0),
+                                segments=segments, chunk_meta=chunk_meta))
+    return out
+
+
+def _read(src: Any, tensor: str, a: int, b: int) -> torch.Tensor:
+    return read_tensors(src.ckpt_dir, [tensor], index=src.index, storage=src.storage,
+                        rows={tensor: [(a, b)]})[tensor]
+
+
+def _caster(src: Any, tensor: str, c0: int, dtype: torch.dtype) -> Any:
+    """fetch(a, b) of a RowSource: rows [c0 + a, c0 + b) of the source, cast to `dtype`."""
+    return lambda a, b: _read(src, tensor, c0 + a, c0 + b).to(dtype)
+
+
+def _quantise(src: Any, name: str, c0: int, c1: int, dim: int, scale_dtype: torch.dtype
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 codes, scale and offset of rows [c0, c1), read and quantised a block at a time (the
+    source's float rows are never all in memory)."""
+    n = c1 - c0
+    codes = torch.empty(n, dim, dtype=torch.int8)
+    scale = torch.empty(n, 1, dtype=scale_dtype)
+    offset = torch.empty(n, 1, dtype=scale_dtype)
+    block = max(1, knobs.get("write_block_bytes") // max(4 * dim, 1))
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        rows = _read(src, f"{name}@embedding", c0 + a, c0 + b)
+        codes[a:b], scale[a:b], offset[a:b] = quantize_rows(rows, scale_dtype, what=f"table {name!r} of "
+                                                            f"{src.ckpt_dir}, rows from {c0 + a}")
+    return codes, scale, offset
+
+
+def _row_bytes(t: Any) -> int:
+    n = t.dtype.itemsize
+    for d in t.shape[1:]:
+        n *= d
+    return n
