@@ -133,7 +133,8 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
     """The restore fast path: a cleared CPU table whose shape and dtype match reads the checkpoint
     straight into its storage (no second copy of the table in memory). False: use the general path."""
     info = src.contents.tables.get(src_table)
-    if (not plan.conf.hashtable_clear or src.kind != "checkpoint" or info is None
+    in_place = callable(getattr(table, "prepare_load", None))  # optional in TableLike
+    if (not in_place or not plan.conf.hashtable_clear or src.kind != "checkpoint" or info is None
             or info.dim != table.embedding_dim or info.dtype != contents.dtype_name(table.dtype)):
         return False
     threads = target.concurrency

@@ -16,7 +16,7 @@ import torch
 from recsave.format import plainstate
 from recsave.format.writer import RowSource
 from recsave.tables.devcopy import DeviceGather, PinnedPair
-from recsave.tables.hashtable import HashTable
+from recsave.tables.tablelike import TableLike
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TableState:
     columns: Dict[str, torch.Tensor]
     ids: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
-    table: Optional[HashTable] = None
+    table: Optional[TableLike] = None
 
     def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.table is not None:
@@ -103,7 +103,7 @@ class Stager:
         self._buffers.clear()
 
 
-def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
+def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
             extras: Mapping[str, Any], io_states: Mapping[str, Any],
             stager: Optional[Stager] = None) -> SaveState:
     """The state a save writes. Without a stager it refers to the live tensors and objects; with
@@ -121,7 +121,8 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
             states[name] = TableState(table.embedding_dim, table.dtype, columns, table=table)
             continue
         ids, rows = table.id_rows()
-        used = len(table.weight)  # row_capacity: rows beyond it hold nothing
+        # row_capacity: rows beyond it hold nothing (a TableLike without `weight`: all its rows)
+        used = len(getattr(table, "weight", columns["embedding"]))
         columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
         states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows)
     if stager is None:
