@@ -21,13 +21,16 @@ from recsave.manager import CheckpointManager
 from recsave.save.saver import Saver
 from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.tables.interop import from_dcp_state_dict, to_dcp_state_dict
+from recsave.tables.tablelike import TableLike
 from recsave.tools.catalog import describe
 from recsave.tools.compact import compact
+from recsave.tools.convert import convert
 from recsave.tools.serving import export_serving
 from recsave.version import __version__
 
 __all__ = [
-    "HashTable", "split_sparse_dense_state_dict", "to_dcp_state_dict", "from_dcp_state_dict",
+    "HashTable", "split_sparse_dense_state_dict", "to_dcp_state_dict", "from_dcp_state_dict", "convert",
+    "TableLike",
     "Saver", "CheckpointManager", "LoadReport", "export_serving",
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",

@@ -10,7 +10,9 @@ latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed
 with WORLD ranks, change rows, save the delta ckpt_4); CKPT_ID makes ``load`` load that id.
 ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
-shard_id=1). OUT_SCHEME=file makes the output dir a
+shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
+instead of the HashTables), ``torch_bank`` (bank-load a torch.save file and a DCP directory of
+plain tensors written by the test; dump what this rank holds). OUT_SCHEME=file makes the output dir a
 file:// URL (the fsspec path); PER_RANK_OUT=1 gives each rank its own output dir out_RANK (per-rank
 local disks).
 """
@@ -110,10 +112,45 @@ def listing(root):
     return sorted(out)
 
 
+def tablelike(scenario, rank, world, work_dir):
+    """A model whose table is a TableLike test table: saved by `world` ranks, or loaded by them."""
+    from tablelike_table import TensorTable
+
+    model = torch.nn.Module()
+    model.tt = TensorTable(DIM, name="tt")
+    model.dense = torch.nn.Linear(DIM, 2)
+    saver = Saver(model, output_dir=os.path.join(work_dir, "tt_out"))
+    if scenario == "tt_save":
+        ids = global_ids()
+        mine = ids[partition.owner_of(ids, world) == rank]
+        model.tt.set_partition(rank, world)
+        model.tt.load_rows(mine, expected_rows(mine, 0.0), {"acc": expected_rows(mine, 0.5)})
+        saver.save("ckpt_1")
+    else:
+        report = saver.load()
+        torch.save({"ids": model.tt.ids, "values": model.tt.weight, "acc": model.tt.slot_acc,
+                    "partition": list(model.tt.partition or ()), "rows_read": report.rows_read},
+                   os.path.join(work_dir, f"tt_{world}_{rank}.pt"))
+
+
 def main():
     scenario, rank, world, init_file, work_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    if scenario in ("tt_save", "tt_load"):
+        tablelike(scenario, rank, world, work_dir)
+        dist.destroy_process_group()
+        return
+    if scenario == "torch_bank":
+        for kind in ("torch", "dcp"):
+            model, saver, _ = build(work_dir)
+            path = os.path.join(work_dir, "state.pt" if kind == "torch" else "state_dcp")
+            saver.load_model_bank([{"path": path, "load": ["user", "dense.*"]}])
+            ids, values, _ = model.user.export()
+            torch.save({"ids": ids, "values": values, "dense": model.dense.weight.detach()},
+                       os.path.join(work_dir, f"bank_{kind}_{world}_{rank}.pt"))
+        dist.destroy_process_group()
+        return
     model, saver, reader = build(work_dir)
     if scenario in ("save", "save_killed", "save_error"):
         fill(model, rank, world)

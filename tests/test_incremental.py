@@ -1,5 +1,5 @@
 """Incremental (delta) checkpoints: format, save, restore of every chain member, model bank / plan /
-export against the compacted checkpoint, damaged chains, retention, tools (docs/FORMAT.md section 9)."""
+export against the compacted checkpoint, damaged chains, retention, tools (docs/FORMAT.md section 10)."""
 from __future__ import annotations
 
 import copy

@@ -69,6 +69,47 @@ def test_save_with_n_ranks_load_with_m(tmp_path, save_world, scheme, how, monkey
             assert rep["bytes_read"] <= sparse_bytes / load_world * 1.05 + 4 * (64 << 10) * 4
 
 
+def test_a_tablelike_table_saved_by_2_ranks_loads_on_3(tmp_path):
+    codes, outs = run_ranks("tt_save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    assert read_index(str(tmp_path / "tt_out" / "ckpt_1")).meta.tables["tt"].rows == len(global_ids())
+    codes, outs = run_ranks("tt_load", 3, tmp_path)
+    assert codes == [0, 0, 0], outs
+    ids_all = global_ids()
+    seen = []
+    for r in range(3):
+        got = torch.load(tmp_path / f"tt_3_{r}.pt", weights_only=True)
+        owned = ids_all[partition.owner_of(ids_all, 3) == r]
+        assert sorted(got["ids"].tolist()) == sorted(owned.tolist())
+        assert torch.equal(got["values"], expected_rows(got["ids"], 0.0))
+        assert torch.equal(got["acc"], expected_rows(got["ids"], 0.5))
+        assert got["partition"] == [r, 3, partition.DEFAULT_NUM_BUCKETS]
+        seen += got["ids"].tolist()
+    assert len(seen) == len(set(seen)) == len(ids_all)
+
+
+def test_ranks_bank_load_their_ids_from_torch_save_and_dcp_sources(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ids = global_ids()
+    state = {"user.weight": expected_rows(ids, 0.0), "user.ids": ids, "dense.weight": torch.rand(2, 6),
+             "dense.bias": torch.rand(2)}
+    torch.save(state, tmp_path / "state.pt")
+    dcp.save(state, checkpoint_id=str(tmp_path / "state_dcp"), no_dist=True)
+    codes, outs = run_ranks("torch_bank", 2, tmp_path)
+    assert codes == [0, 0], outs
+    for kind in ("torch", "dcp"):
+        seen = []
+        for r in range(2):
+            got = torch.load(tmp_path / f"bank_{kind}_2_{r}.pt", weights_only=True)
+            owned = ids[partition.owner_of(ids, 2) == r]
+            assert sorted(got["ids"].tolist()) == sorted(owned.tolist())
+            assert torch.equal(got["values"], expected_rows(got["ids"], 0.0))
+            assert torch.equal(got["dense"], state["dense.weight"])
+            seen += got["ids"].tolist()
+        assert len(seen) == len(set(seen)) == len(ids)
+
+
 def test_io_state_of_n_workers_refused_on_m_without_reshard(tmp_path):
     codes, outs = run_ranks("save", 2, tmp_path)
     assert codes == [0, 0], outs

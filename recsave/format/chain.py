@@ -1,4 +1,4 @@
-"""Chains of delta checkpoints (docs/FORMAT.md section 9): a delta names its parent, a checkpoint
+"""Chains of delta checkpoints (docs/FORMAT.md section 10): a delta names its parent, a checkpoint
 in the same output dir, and the CRC32C of the parent's index bytes; following parents ends at the
 chain's base, a full checkpoint. A missing or damaged member, or a parent whose index bytes changed,
 is a CorruptCheckpointError naming it."""

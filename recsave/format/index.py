@@ -170,7 +170,7 @@ def validate(index: Any, path: str) -> Index:
 
 
 def _parse_chain(index: Dict[str, Any], kind: str, version: int, path: str) -> Tuple[Optional[Parent], Optional[str]]:
-    """(parent, base) of an index (docs/FORMAT.md section 9): a delta needs format_version 2, a
+    """(parent, base) of an index (docs/FORMAT.md section 10): a delta needs format_version 2, a
     parent {"id", "crc32c"} and the id of its chain's base; other kinds have neither."""
     if kind != KIND_DELTA:
         if "parent" in index or "base" in index:

@@ -117,6 +117,9 @@ class Contents:
     extras: Set[str] = field(default_factory=set)
     io_states: Set[str] = field(default_factory=set)
     optional: Set[str] = field(default_factory=set)  # names a checkpoint may lack (never "missing")
+    # name -> other names reading the same data (a PyTorch source's `emb.weight` is dense and table
+    # `emb`): a name whose alias is loaded is not reported unexpected.
+    aliases: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
     def categories(self) -> Dict[str, str]:
         out: Dict[str, str] = {}
@@ -216,11 +219,14 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
         result.items[name] = (category, src)
         used_sources.add(src)
     for src, category in sorted(ckpt_names.items()):
-        if src in used_sources:
+        if src in used_sources or any(a in used_sources for a in ckpt.aliases.get(src, ())):
             continue
         if any(_matches(i, src, category) for i in conf.load) and \
                 not any(_matches(i, src, category) for i in conf.exclude):
             result.unexpected.append(src)
+    # A tensor unexpected both as a table (or slot) and as dense is reported once, by its key.
+    result.unexpected = [n for n in result.unexpected if not (
+        ckpt_names[n] in ("sparse", "sparse_opt") and any(a in result.unexpected for a in ckpt.aliases.get(n, ())))]
     if conf.strict and result.missing:
         raise ConfigError(
             f"{ckpt_dir}: the checkpoint lacks {len(result.missing)} selected name(s) of the model: "

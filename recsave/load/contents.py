@@ -10,12 +10,13 @@ from recsave.errors import UsageError
 from recsave.format import checks
 from recsave.format.records import DenseMeta, Index, Meta, TableMeta
 from recsave.load.config import Contents, TableInfo
-from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
+from recsave.tables.tablelike import TableLike, split_model
 
 
-def model_state(model: torch.nn.Module) -> Tuple[Dict[str, HashTable], Dict[str, torch.Tensor]]:
-    """(tables, dense tensors) of the model's state_dict."""
-    sparse, dense = split_sparse_dense_state_dict(model.state_dict(keep_vars=True))
+def model_state(model: torch.nn.Module) -> Tuple[Dict[str, TableLike], Dict[str, torch.Tensor]]:
+    """(tables, dense tensors) of the model: its HashTables and other TableLike modules
+    (tables/tablelike.py), and the rest of its state_dict."""
+    sparse, dense = split_model(model)
     bad = [k for k, v in dense.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise UsageError(f"model state entries {bad[:5]} are neither tensors nor HashTables; register "
@@ -23,7 +24,7 @@ def model_state(model: torch.nn.Module) -> Tuple[Dict[str, HashTable], Dict[str,
     return sparse, dense
 
 
-def of_model(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
+def of_model(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
              extras: Mapping[str, Any], io_states: Mapping[str, Any],
              optional: AbstractSet[str] = frozenset()) -> Contents:
     return Contents(

@@ -108,7 +108,8 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         keep_rows = not (has_embedding and plan.conf.hashtable_clear)
         table = tx.table(table_name, keep_rows=keep_rows,
                          partition=(rank, world, src.num_buckets) if world > 1 else None)
-        meta = _meta_columns(src, src_table) if has_embedding else []
+        # row metadata, for tables that keep it (a TableLike need not)
+        meta = _meta_columns(src, src_table) if has_embedding and callable(getattr(table, "meta_columns", None)) else []
         if has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
                                                                           plan, rank, world):
             loaded_rows = len(table)
@@ -129,7 +130,7 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             else:
                 loaded_rows = table.set_slot_rows(ids, slot_values)
         step = _table_step(src, src_table)
-        if has_embedding and plan.conf.hashtable_clear and step is not None:
+        if has_embedding and plan.conf.hashtable_clear and step is not None and hasattr(table, "advance_step"):
             table.step = step
         for column in columns:
             name = table_name if column == "embedding" else f"{table_name}@{column}"
@@ -157,8 +158,10 @@ def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_tab
                          plan: Plan, rank: int, world: int) -> bool:
     """A delta's restore: the chain's base through the fast path (straight into the table), then
     each delta applied with table ops (clear when cleared, delete its tombstones, upsert its rows with
-    their metadata): docs/FORMAT.md section 9. Each member is read once. False: use the general path
+    their metadata): docs/FORMAT.md section 10. Each member is read once. False: use the general path
     (the table's state is then replaced by it)."""
+    if not all(callable(getattr(table, m, None)) for m in ("prepare_load", "delete", "meta_columns")):
+        return False  # a TableLike: the general path stages the merged rows with load_rows
     base = src.member_source(src.members[0])
     base_meta = _meta_columns(base, src_table)
     if not _load_in_place(target, table, base, src_table, {**columns, **{m: m for m in base_meta}},
@@ -186,7 +189,8 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
     """The restore fast path: a cleared CPU table whose shape and dtype match reads the checkpoint
     straight into its storage (no second copy of the table in memory). False: use the general path."""
     info = src.contents.tables.get(src_table)
-    if (not plan.conf.hashtable_clear or src.kind != "checkpoint" or info is None
+    in_place = callable(getattr(table, "prepare_load", None))  # optional in TableLike
+    if (not in_place or not plan.conf.hashtable_clear or src.kind != "checkpoint" or info is None
             or info.dim != table.embedding_dim or info.dtype != contents.dtype_name(table.dtype)):
         return False
     threads = target.concurrency

@@ -1,5 +1,5 @@
 """The rows of a delta checkpoint's chain (base first, format/chain.py) merged into the rows one full
-checkpoint would hold (docs/FORMAT.md section 9: apply the base, then each delta in order:
+checkpoint would hold (docs/FORMAT.md section 10: apply the base, then each delta in order:
 cleared, tombstones, then upserts, newest wins), in bucket order like a full checkpoint's. Used by
 load/sources.py's ChainSource; sources are duck-typed here (CheckpointSource: ckpt_dir, index,
 storage, num_buckets, row_ranges)."""

@@ -222,7 +222,8 @@ class ParquetBankSource:
 
 def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = False):
     """A checkpoint directory (it has an index), an output dir (its latest committed checkpoint, or
-    `ckpt_id`), or a Parquet export / file."""
+    `ckpt_id`), a Parquet export / file, a torch.save file or a DCP directory
+    (load/torch_sources.py)."""
     storage = get_storage(path)
     if ckpt_id is not None:
         ckpt_dir = storage.join(path, ckptlist.validate_id(ckpt_id))
@@ -236,12 +237,16 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
         ckpt_dir = storage.join(path, ids[-1])
     else:
         from recsave.load.parquet import is_parquet_source
+        from recsave.load.torch_sources import open_torch_source
 
         if is_parquet_source(path):
             return ParquetBankSource(path)
+        torch_source = open_torch_source(storage, path)
+        if torch_source is not None:
+            return torch_source
         raise CheckpointNotFoundError(
-            f"{path}: no committed checkpoint here (no 'checkpoint' file, no index, no Parquet); check "
-            f"the path, or save a checkpoint first", path=path)
+            f"{path}: no committed checkpoint here (no 'checkpoint' file, no index, no Parquet, no "
+            f"torch.save file, no DCP .metadata); check the path, or save a checkpoint first", path=path)
     index = index_mod.read(ckpt_dir, storage)
     if index.is_delta:
         return ChainSource(storage, ckpt_dir, index)

@@ -2,9 +2,10 @@
 fails part way, what was applied is undone, so a failed load leaves the model, its optimizers and
 registered objects exactly as they were (docs/ARCHITECTURE.md, "A load").
 
-Tables are staged in scratch tables (HashTable.new_like) that the load fills through the usual
-paths, then swapped in (HashTable.swap_contents, O(1)); the replaced contents are kept until the
-load has finished, so reloading a model that already holds rows briefly holds both. Dense
+Tables (any TableLike, tables/tablelike.py) are staged in scratch tables (new_like) that the load
+fills through the usual paths, then swapped in (swap_contents, O(1) for a HashTable); the replaced
+contents are kept until the load has finished, so reloading a model that already holds rows
+briefly holds both. Dense
 parameters, extras and io states are applied after the tables, each after a snapshot to undo it."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from recsave.errors import RecsaveError, ShapeMismatchError
-from recsave.tables.hashtable import HashTable
+from recsave.tables.tablelike import TableLike
 
 Undo = Callable[[], None]
 
@@ -22,16 +23,16 @@ Undo = Callable[[], None]
 class LoadTransaction:
     """Collects a load's changes (stage_*), then apply() makes them all or none."""
 
-    def __init__(self, tables: Dict[str, HashTable], dense: Dict[str, torch.Tensor]):
+    def __init__(self, tables: Dict[str, TableLike], dense: Dict[str, torch.Tensor]):
         self._tables = tables
         self._dense = dense
-        self._scratch: Dict[str, HashTable] = {}
+        self._scratch: Dict[str, Any] = {}  # each a new_like() of its live table
         self._partitions: Dict[str, Tuple[int, int, int]] = {}
         self._dense_values: Dict[str, torch.Tensor] = {}
         self._changes: List[Tuple[str, Callable[[], Undo]]] = []  # (what, apply -> its undo)
         self._undo: List[Tuple[str, Undo]] = []
 
-    def table(self, name: str, *, keep_rows: bool, partition: Optional[Tuple[int, int, int]] = None) -> HashTable:
+    def table(self, name: str, *, keep_rows: bool, partition: Optional[Tuple[int, int, int]] = None) -> Any:
         """The scratch table standing for model table `name`: empty (with the live table's config
         and slots), or a copy of its rows with `keep_rows` (merges and slot-only loads). Later
         entries of the same load get the same scratch, holding what earlier entries staged."""
@@ -131,7 +132,7 @@ def _guarded(change: Callable[[], Any], undo: Undo) -> Undo:
     return undo
 
 
-def _swap_back(live: HashTable, scratch: HashTable, partition: Optional[Tuple[int, int, int]]) -> Undo:
+def _swap_back(live: TableLike, scratch: Any, partition: Optional[Tuple[int, int, int]]) -> Undo:
     """Swaps back, only when the staged contents are in `live` (the swap may not have happened)."""
     staged = scratch.columns()["embedding"]
 

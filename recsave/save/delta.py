@@ -1,4 +1,4 @@
-"""Incremental (delta) saves (docs/FORMAT.md section 9): decide, on every rank alike, whether a save
+"""Incremental (delta) saves (docs/FORMAT.md section 10): decide, on every rank alike, whether a save
 can be a delta of the Saver's latest checkpoint, take each table's changes at the snapshot, and
 turn the committed index into a delta's (kind, parent with its index CRC32C, base)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from recsave.format import index as index_mod
 from recsave.format.records import DELTA_FORMAT_VERSION, KIND_DELTA, KIND_FULL, Index, Parent
 from recsave.save.snapshot import Delta, SaveState
 from recsave.storage import Storage, dist
-from recsave.tables.hashtable import HashTable
+from recsave.tables.tablelike import TableLike
 
 log = logging.getLogger("recsave")
 
@@ -30,13 +30,23 @@ class Baseline:
     columns: Mapping[str, Tuple[str, ...]]  # per table: its slots then (a delta needs the same)
 
     @classmethod
-    def of(cls, ckpt_id: str, tables: Mapping[str, HashTable]) -> "Baseline":
+    def of(cls, ckpt_id: str, tables: Mapping[str, TableLike]) -> "Baseline":
         """The baseline `ckpt_id` with the tables as they are now (epochs and slots)."""
-        return cls(ckpt_id, {n: int(t.change_epoch) for n, t in tables.items()},
+        return cls(ckpt_id, {n: _epoch(t) for n, t in tables.items()},
                    {n: tuple(t.slot_names()) for n, t in tables.items()})
 
 
-def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], storage: Storage,
+def tracks_changes(table: TableLike) -> bool:
+    """Whether the table has HashTable's change tracking (a TableLike need not)."""
+    return all(callable(getattr(table, m, None)) for m in ("take_changes", "reset_changes"))
+
+
+def _epoch(table: TableLike) -> int:
+    epoch = getattr(table, "change_epoch", None)
+    return int(epoch) if isinstance(epoch, int) else -1
+
+
+def why_full(tables: Mapping[str, TableLike], baseline: Optional[Baseline], storage: Storage,
              output_dir: str, rank: int = 0) -> Optional[str]:
     """Why this rank cannot save a delta (None: it can), before the changes are taken."""
     if baseline is None:
@@ -47,7 +57,9 @@ def why_full(tables: Mapping[str, HashTable], baseline: Optional[Baseline], stor
     for name, table in tables.items():
         if tuple(table.slot_names()) != baseline.columns[name]:
             return f"the slots of table {name!r} changed since {baseline.ckpt_id!r}"
-        if table.change_epoch != baseline.epochs[name]:
+        if not tracks_changes(table):
+            return f"table {name!r} does not track changes (a TableLike without take_changes)"
+        if _epoch(table) != baseline.epochs[name]:
             return f"the change baseline of table {name!r} was moved by someone other than this Saver"
     # Rank 0 writes the index (other ranks may have output dirs of their own)
     return _parent_problem(storage, storage.join(output_dir, baseline.ckpt_id)) if rank == 0 else None
@@ -63,7 +75,7 @@ def _parent_problem(storage: Storage, parent_dir: str) -> Optional[str]:
     return None if kind in (KIND_FULL, KIND_DELTA) else f"the parent {parent_dir} is of kind {kind!r}"
 
 
-def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremental: bool, storage: Storage,
+def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremental: bool, storage: Storage,
          output_dir: str, rank: int, world: int) -> Tuple[Optional[Dict[str, Delta]], Callable[[str], Baseline]]:
     """Moves every table's change baseline to now (a full save too, so the next delta is relative to
     it); returns (the deltas to write, or None for a full save; the next baseline, given the id
@@ -71,13 +83,14 @@ def take(tables: Mapping[str, HashTable], baseline: Optional[Baseline], incremen
     delta or all a full, and a table cleared on one rank is written whole, and marked cleared, by
     all."""
     reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
-    taken = {n: t.take_changes() for n, t in tables.items()}  # every save moves the baselines
+    taken = {n: t.take_changes() for n, t in tables.items()  # type: ignore[attr-defined]
+             if tracks_changes(t)}  # every save moves the baselines
     after = Baseline.of("", tables)
 
     def next_baseline(ckpt_id: str) -> Baseline:
         return dataclasses.replace(after, ckpt_id=ckpt_id)
 
-    untracked = sorted(n for n, c in taken.items() if not c.tracked)
+    untracked = sorted(n for n in tables if n not in taken or not taken[n].tracked)
     if reason is None and untracked:
         reason = f"table(s) {untracked} do not track changes (knob track_changes is off)"
     cleared: Set[str] = {n for n, c in taken.items() if reason is None and c.cleared}

@@ -169,7 +169,7 @@ class Saver:
 
         With `incremental`, the checkpoint is a delta of this Saver's latest checkpoint (saved or
         restored by it): only the rows changed since and the ids removed, plus the dense part,
-        extras and io states (docs/FORMAT.md section 9). When that baseline is unknown (nothing
+        extras and io states (docs/FORMAT.md section 10). When that baseline is unknown (nothing
         saved or restored yet, a model-bank load or a failed save since, a table's changes moved
         by someone else or not tracked) the save is full, logged at INFO; `last_save_kind` tells.
 
@@ -329,8 +329,10 @@ class Saver:
                 item = report.loaded.get(column)
                 if item is None or item.category not in ("sparse", "sparse_opt") or item.source != column:
                     return
+        if not all(delta.tracks_changes(t) for t in tables.values()):
+            return
         for table in tables.values():
-            table.reset_changes()
+            table.reset_changes()  # type: ignore[attr-defined]
         self._baseline = delta.Baseline.of(ckpt_id, tables)
 
     def _load_with_fallback(self, conf: Dict[str, Any], shard_id: Optional[int]) -> LoadReport:

@@ -16,7 +16,7 @@ import torch
 from recsave.format import plainstate
 from recsave.format.writer import RowSource
 from recsave.tables.devcopy import DeviceGather, PinnedPair
-from recsave.tables.hashtable import HashTable
+from recsave.tables.tablelike import TableLike
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TableState:
     columns: Dict[str, torch.Tensor]
     ids: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
-    table: Optional[HashTable] = None
+    table: Optional[TableLike] = None
     meta: Dict[str, torch.Tensor] = field(default_factory=dict)  # row metadata: last_step, count
     step: Optional[int] = None          # the table step
     live_rows: int = 0                  # rows of the table (a delta writes only the changed ones)
@@ -76,9 +76,17 @@ class Delta:
     cleared: bool
 
 
-def meta_columns(table: HashTable) -> Dict[str, torch.Tensor]:
-    """The table's row metadata storage (last_step, count), [capacity, 1] int64."""
-    return dict(table.meta_columns())
+def meta_columns(table: TableLike) -> Dict[str, torch.Tensor]:
+    """The table's row metadata storage (last_step, count), [capacity, 1] int64; {} for a TableLike
+    without row metadata."""
+    columns = getattr(table, "meta_columns", None)
+    return dict(columns()) if callable(columns) else {}
+
+
+def table_step(table: TableLike) -> Optional[int]:
+    """The table step (HashTable.step); None for a TableLike without one."""
+    step = getattr(table, "step", None)
+    return int(step) if isinstance(step, int) else None
 
 
 class Stager:
@@ -124,7 +132,7 @@ class Stager:
         self._buffers.clear()
 
 
-def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
+def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
             extras: Mapping[str, Any], io_states: Mapping[str, Any],
             stager: Optional[Stager] = None, deltas: Optional[Mapping[str, Delta]] = None,
             parent: Optional[str] = None) -> SaveState:
@@ -142,12 +150,12 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
     for name, table in tables.items():
         columns = table.columns()
         meta = meta_columns(table)
-        step, live = int(table.step), len(table)
+        step, live = table_step(table), len(table)
         delta = deltas.get(name) if deltas is not None else None
         if delta is not None:
             ids, rows = delta.ids, delta.rows
             if stager is not None:  # only the changed rows are copied
-                at = rows.to(table.weight.device)
+                at = rows.to(columns["embedding"].device)
                 need = int(rows.numel())
                 columns = {c: stager.stage((name, c), t.index_select(0, at), room=2 * need * t[:1].numel())
                            for c, t in columns.items()}
@@ -163,7 +171,8 @@ def capture(tables: Mapping[str, HashTable], dense: Mapping[str, torch.Tensor],
                                       live_rows=live)
             continue
         ids, rows = table.id_rows()
-        used = len(table.weight)  # row_capacity: rows beyond it hold nothing
+        # row_capacity: rows beyond it hold nothing (a TableLike without `weight`: all its rows)
+        used = len(getattr(table, "weight", columns["embedding"]))
         columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
         # meta_columns() are views up to row_capacity: room for the whole storage behind them
         meta = {c: stager.stage((name, "@meta", c), t[:used], room=t.untyped_storage().nbytes() // t.element_size())

@@ -315,6 +315,28 @@ def _repair(args: argparse.Namespace) -> int:
     return code
 
 
+# ----------------------------------------------------------------------------------- convert
+def _convert_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="recsave checkpoint or output dir (its latest), torch.save file, "
+                                              "DCP directory, or Parquet export")
+    p.add_argument("dst", metavar="DST", help="the torch.save file, DCP directory, or output dir to write")
+    p.add_argument("--to", required=True, choices=("recsave", "torch", "dcp"), help="what to write")
+    p.add_argument("--tables", type=_name_list, default=None, metavar="A,B",
+                   help="torch.save / DCP sources: the tensors that are tables (default: <name>.weight with "
+                        "<name>.ids beside it, or 2-D without <name>.bias)")
+    p.add_argument("--ckpt-id", default=None, metavar="ID", help="--to recsave: checkpoint id (default: converted)")
+
+
+@command("convert", "convert between recsave checkpoints, torch.save state dicts and DCP directories",
+         _convert_arguments)
+def _convert(args: argparse.Namespace) -> int:
+    from recsave.tools.convert import convert
+
+    written = convert(args.src, args.dst, args.to, tables=args.tables, ckpt_id=args.ckpt_id)
+    print(f"converted {args.src} to {args.to}: {written}")
+    return EXIT_OK
+
+
 # -------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recsave", description="Inspect and convert recsave checkpoints.")

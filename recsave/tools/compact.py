@@ -1,4 +1,4 @@
-"""Compaction: a delta checkpoint's merged state (its whole chain applied, docs/FORMAT.md section 9)
+"""Compaction: a delta checkpoint's merged state (its whole chain applied, docs/FORMAT.md section 10)
 written as one full checkpoint, with the same id, into another output dir (``recsave compact``)."""
 from __future__ import annotations
 

@@ -1,0 +1,288 @@
+"""PyTorch files as model-bank sources: a ``torch.save`` file of a state dict, or a
+torch.distributed.checkpoint (DCP) directory (docs/API.md, "Load / model-bank config").
+
+Both hold named tensors; this module reads them as a recsave source (the questions
+load/sources.py's sources answer). The names become tables and dense entries:
+
+- a 2-D ``<name>.weight`` tensor ``[N, dim]`` (nn.Embedding, EmbeddingBag, TorchRec, and what
+  ``recsave convert --to torch`` writes) is table ``<name>``, with ids ``<name>.ids`` (1-D int64,
+  N of them) when present, else 0..N-1; ``<name>.<slot>`` tensors of the same shape are its slots;
+  with a ``<name>.bias`` and no ids beside it, it is an nn.Linear's: not a table;
+- to_dcp_state_dict's form (``<key>.ids``, ``<key>.embedding``, ``<key>.slot.<slot>``) is table
+  ``<module path of key>`` (``emb.user.table`` -> ``emb.user``);
+- any other 2-D floating tensor is also a table named by its key (ids 0..N-1);
+- every tensor is also a dense entry under its key, so an nn.Embedding model loads its weight.
+Nested dicts (``{"model": state_dict}``) are flattened with '.' (use ``oname`` to map the prefix).
+"""
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from recsave.errors import ConfigError
+from recsave.load.config import Contents, TableInfo
+from recsave.load.contents import dtype_name
+from recsave.storage import Storage
+from recsave.tables import partition, tablestate
+
+DCP_METADATA = ".metadata"
+ACCEPTED = ("a recsave checkpoint directory, an output dir, a Parquet export or file, a torch.save "
+            "file of a state dict (loadable with weights_only=True), or a torch.distributed.checkpoint "
+            "directory (with a .metadata file)")
+Meta = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]  # key -> (shape, dtype)
+_RESERVED_SLOTS = ("id", "ids", "embedding", "weight")
+
+
+@dataclass
+class TableKeys:
+    """Where a table's columns are in the source: the embedding key, the ids key (None: 0..N-1)
+    and slot -> key."""
+    weight: str
+    ids: Optional[str]
+    rows: int
+    dim: int
+    dtype: torch.dtype
+    slots: Dict[str, str] = field(default_factory=dict)
+
+
+def _is_table_weight(shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
+    return len(shape) == 2 and dtype.is_floating_point and shape[1] > 0
+
+
+def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
+    """The tables the named tensors form (rules in the module docstring); ConfigError when a
+    table's ids tensor is not 1-D int64 with one id per row."""
+    tables: Dict[str, TableKeys] = {}
+    used: set = set()
+    for key, (shape, dtype) in sorted(meta.items()):
+        if not _is_table_weight(shape, dtype):
+            continue
+        if key.endswith(".weight"):
+            base, name, slot_prefix = key[: -len(".weight")], key[: -len(".weight")], "."
+        elif key.endswith(".embedding") and f"{key[: -len('.embedding')]}.ids" in meta:
+            base = key[: -len(".embedding")]
+            name, slot_prefix = tablestate.module_path(base), ".slot."
+        else:
+            continue
+        ids_key = f"{base}.ids"
+        if not name or "@" in name or (f"{base}.bias" in meta and ids_key not in meta):  # nn.Linear
+            continue
+        if ids_key in meta:
+            ids_shape, ids_dtype = meta[ids_key]
+            if ids_dtype != torch.int64 or tuple(ids_shape) != (shape[0],):
+                raise ConfigError(f"{path}: {ids_key} must be a 1-D int64 tensor of {shape[0]} ids (one per "
+                                  f"row of {key}), got {ids_dtype} {list(ids_shape)}; fix or drop it",
+                                  path=path, key=ids_key)
+            used.add(ids_key)
+        slots = {}
+        for other, (oshape, odtype) in meta.items():
+            slot = other[len(base) + len(slot_prefix):] if other.startswith(base + slot_prefix) else ""
+            if (slot and "." not in slot and "@" not in slot and slot not in _RESERVED_SLOTS
+                    and tuple(oshape) == tuple(shape) and odtype.is_floating_point):
+                slots[slot] = other
+                used.add(other)
+        tables[name] = TableKeys(key, ids_key if ids_key in meta else None, shape[0], shape[1], dtype, slots)
+        used.add(key)
+    for key, (shape, dtype) in sorted(meta.items()):  # bare [N, dim] tensors: {"user": weight}
+        if key not in used and key not in tables and "@" not in key and _is_table_weight(shape, dtype) \
+                and not key.endswith((".weight", ".embedding")):
+            tables[key] = TableKeys(key, None, shape[0], shape[1], dtype)
+    return tables
+
+
+class _LazyDense(Mapping):
+    """The dense entries of a source, read when looked up: the first lookup of a tensor that is no
+    table's reads all such tensors at once (they are small); a table's tensors are read one at a
+    time (a model with nn.Embedding loads one as dense)."""
+
+    def __init__(self, src: "TorchStateSource"):
+        self._src = src
+        in_tables = {k for t in src.tables.values() for k in (t.weight, t.ids, *t.slots.values()) if k}
+        self._small = [k for k in src.meta if k not in in_tables]
+        self._cache: Optional[Dict[str, torch.Tensor]] = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._src.meta:
+            raise KeyError(key)
+        if key not in self._small:
+            return self._src.read_tensors([key])[key]
+        if self._cache is None:
+            self._cache = self._src.read_tensors(self._small)
+        return self._cache[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._src.meta)
+
+    def __len__(self) -> int:
+        return len(self._src.meta)
+
+
+class TorchStateSource:
+    """Named tensors as a source; subclasses say how to list and read them."""
+
+    kind = "torch"
+    index = None  # no recsave index
+    step: Optional[int] = None
+    io_state_count = 1
+    num_buckets = partition.DEFAULT_NUM_BUCKETS
+
+    def __init__(self, path: str, meta: Meta, version: str):
+        self.ckpt_dir = path
+        self.meta = meta
+        self.version = version
+        self.tables = tables_of(path, meta)
+        aliases: Dict[str, Tuple[str, ...]] = {}
+        for name, t in self.tables.items():
+            keys = (t.weight,) + ((t.ids,) if t.ids else ())
+            aliases[name] = keys
+            for k in keys:
+                aliases[k] = aliases.get(k, ()) + (name,)
+            for slot, k in t.slots.items():
+                aliases[f"{name}@{slot}"] = (k,)
+                aliases[k] = aliases.get(k, ()) + (name, f"{name}@{slot}")
+        self.contents = Contents(
+            tables={n: TableInfo(t.dim, dtype_name(t.dtype), tuple(sorted(t.slots)), t.rows)
+                    for n, t in self.tables.items()},
+            dense={k: (tuple(s), dtype_name(d)) for k, (s, d) in meta.items()},
+            aliases=aliases)
+
+    @property
+    def path(self) -> str:
+        return self.ckpt_dir
+
+    def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _column_key(self, table: str, column: str) -> str:
+        t = self.tables[table]
+        return t.weight if column == "embedding" else t.slots[column]
+
+    def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
+        """Rows (about 1/world of them with several ranks: the hash spreads ids evenly) and bytes
+        per column; every rank reads whole tensors and keeps the ids it owns."""
+        t = self.tables[table]
+        cost = {"id": t.rows * 8 if t.ids else 0}
+        for c in columns:
+            cost[c] = t.rows * t.dim * self.meta[self._column_key(table, c)][1].itemsize
+        return (t.rows // world if world > 1 else t.rows), cost
+
+    def read_table(self, table: str, columns: Sequence[str], rank: int, world: int,
+                   concurrency: int = 1) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """(ids, {column: [n, dim] values}) of the rows whose ids rank `rank` of `world` owns."""
+        t = self.tables[table]
+        keys = {c: self._column_key(table, c) for c in columns}
+        data = self.read_tensors(list(keys.values()) + ([t.ids] if t.ids else []))
+        ids = data[t.ids] if t.ids else torch.arange(t.rows, dtype=torch.int64)
+        values = {c: data[k] for c, k in keys.items()}
+        if world > 1:
+            keep = partition.owner_of(ids, world, self.num_buckets) == rank
+            ids = ids[keep]
+            values = {c: v[keep] for c, v in values.items()}
+        return ids, values
+
+    def read_pt(self, fname: str) -> Any:
+        """model.pt's equivalent: the dense entries, each read when looked up."""
+        if fname != "model.pt":
+            raise ConfigError(f"{self.ckpt_dir}: a PyTorch source holds tensors only (no {fname})",
+                              path=self.ckpt_dir)
+        return _LazyDense(self)
+
+    def pt_size(self, fname: str) -> int:
+        return 0
+
+
+class TorchSaveSource(TorchStateSource):
+    """A torch.save file of a state dict (nested dicts flattened), read with weights_only=True,
+    memory-mapped when the file allows it."""
+
+    kind = "torch_save"
+
+    def __init__(self, storage: Storage, path: str):
+        obj, mapped = load_torch_file(path)
+        state = _flatten(obj, "")
+        meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        # A mapped file is mapped again for each read: the pages a read touches are released with
+        # the tensors it returns, instead of the whole file staying resident. A file that could not
+        # be mapped is in memory already: keep it.
+        self._state: Optional[Dict[str, torch.Tensor]] = None if mapped else state
+        del obj, state
+        super().__init__(path, meta, f"{path}@{storage.ukey(path)}")
+
+    def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+        state = self._state
+        if state is None:
+            state = _flatten(load_torch_file(self.ckpt_dir)[0], "")
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ConfigError(f"{self.ckpt_dir}: {missing[:5]} are gone; the file changed since it was "
+                              f"opened: plan the load again", path=self.ckpt_dir, key=missing[0])
+        return {k: state[k] for k in keys}
+
+
+class DcpSource(TorchStateSource):
+    """A torch.distributed.checkpoint directory, read in one process (no process group needed);
+    each read loads only the tensors asked for."""
+
+    kind = "dcp"
+
+    def __init__(self, storage: Storage, path: str):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        try:
+            md = FileSystemReader(path).read_metadata()
+        except Exception as exc:  # a damaged .metadata: say what it is
+            raise ConfigError(f"{path}: {DCP_METADATA} cannot be read as DCP metadata ({type(exc).__name__}: "
+                              f"{exc}); accepted sources: {ACCEPTED}", path=path) from exc
+        meta: Meta = {k: (tuple(m.size), m.properties.dtype) for k, m in md.state_dict_metadata.items()
+                      if isinstance(m, TensorStorageMetadata)}
+        super().__init__(path, meta, f"{path}@{storage.ukey(storage.join(path, DCP_METADATA))}")
+
+    def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        out = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in dict.fromkeys(keys)}
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load(out, storage_reader=dcp.FileSystemReader(self.ckpt_dir), no_dist=True)
+        return out
+
+
+def load_torch_file(path: str) -> Tuple[Any, bool]:
+    """(torch.load(path, weights_only=True), whether it is memory-mapped: where the file allows);
+    ConfigError naming the path and the accepted kinds when it is no such file."""
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True), True
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):  # a legacy (non-zip) file cannot be mapped: read it
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True), False
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a loadable source ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
+                          f"accepted: {ACCEPTED}", path=path) from exc
+
+
+def _flatten(obj: Any, prefix: str) -> Dict[str, torch.Tensor]:
+    out: Dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix[:-1]] = obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if isinstance(k, str):
+                out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def open_torch_source(storage: Storage, path: str) -> Optional[TorchStateSource]:
+    """A DCP directory or a torch.save file at `path`; None when `path` is neither a file nor a
+    directory with DCP metadata."""
+    if storage.exists(storage.join(path, DCP_METADATA)):
+        return DcpSource(storage, path)
+    if storage.exists(path) and storage.regular_file_size(path) is not None:
+        return TorchSaveSource(storage, path)
+    return None

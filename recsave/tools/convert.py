@@ -1,0 +1,266 @@
+"""`recsave.convert` / ``recsave convert``: a recsave checkpoint to a torch.save state dict or a DCP
+directory, and those back to a recsave checkpoint (docs/API.md, "PyTorch interop"; the layout
+is in docs/FORMAT.md section 9).
+
+Every source is opened through the load path (load/sources.py), so whatever a model bank can read
+converts, and tables are read one at a time through it. The torch.save output (written entry by
+entry, tools/torchzip.py) and the DCP output hold one table in memory at a time; the recsave
+output at most two (the checkpoint writer orders the next table while writing one).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import numbers
+import pickle
+import warnings
+from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from recsave.argcheck import check
+from recsave.errors import ConfigError, UsageError
+from recsave.format import ckptlist
+from recsave.load.sources import open_source
+from recsave.load.torch_sources import TorchStateSource
+from recsave.save.pipeline import CheckpointWriter
+from recsave.save.snapshot import SaveState, TableState
+from recsave.storage import get_storage
+from recsave.tables import partition
+from recsave.tools.torchzip import StreamingTorchSave
+
+TARGETS = ("recsave", "torch", "dcp")
+EXTRA_PREFIX = "_recsave.extra."  # <prefix><extra name>.<key path>: tensors and numbers of the extras
+DEFAULT_CKPT_ID = "converted"
+
+
+def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = None,
+            ckpt_id: Optional[str] = None, concurrency: int = 4) -> str:
+    """Converts `src` (a recsave checkpoint or output dir: its latest; a torch.save file; a DCP
+    directory; a Parquet export) into `dst` as `to`:
+
+    - ``"torch"``: a torch.save file of a flat state dict ``{<table>.ids, <table>.weight,
+      <table>.<slot>, dense entries, _recsave.extra.<name>.<path>}``, loadable with
+      ``torch.load(weights_only=True)``;
+    - ``"dcp"``: a torch.distributed.checkpoint directory with the same keys;
+    - ``"recsave"``: a checkpoint `ckpt_id` (default ``converted``) committed in output dir `dst`.
+
+    For a torch.save / DCP source, `tables` names the tables to convert (default: every table the
+    model bank sees there but bare 2-D tensors: ``<name>.weight`` with ``<name>.ids`` beside it or
+    without a ``<name>.bias``, i.e. nn.Embedding yes, nn.Linear no); the rest is dense. Returns the
+    path written (for ``recsave``, the checkpoint directory)."""
+    check(src, str, "src", "convert")
+    check(dst, str, "dst", "convert")
+    check(to, str, "to", "convert")
+    check(tables, (list, tuple), "tables", "convert", optional=True, expected="a list of table names")
+    check(ckpt_id, str, "ckpt_id", "convert", optional=True)
+    check(concurrency, int, "concurrency", "convert")
+    if to not in TARGETS:
+        raise UsageError(f"convert: `to` must be one of {list(TARGETS)}, got {to!r}")
+    if not dst:
+        raise UsageError("convert: dst must be a non-empty path")
+    source = open_source(src)
+    names, dense = _split(source, tables)
+    if to == "recsave":
+        return _to_recsave(source, names, dense, dst, ckpt_id or DEFAULT_CKPT_ID, concurrency)
+    storage = get_storage(dst)
+    if storage.exists(dst) and (not storage.isdir(dst) or storage.listdir(dst)):
+        raise UsageError(f"convert: {dst} exists; convert into a new path (nothing was written)", path=dst)
+    if to == "torch":
+        def produce(f: IO[bytes]) -> None:  # may run again (a retried remote upload): parts are re-read
+            writer = StreamingTorchSave(f)
+            state: Dict[str, Any] = {}
+            for part in _parts(source, names, dense, concurrency):
+                _add(state, {k: writer.add(v) if isinstance(v, torch.Tensor) else v for k, v in part.items()}, dst)
+                del part  # before the next table is read
+            writer.finish(state)
+
+        storage.write_stream(dst, produce)
+    else:
+        created = not storage.exists(dst)
+        try:
+            write_dcp(dst, _parts(source, names, dense, concurrency))
+        except BaseException:  # leave dst as it was: absent, or the empty directory it was
+            with contextlib.suppress(Exception):
+                if created:
+                    storage.remove_tree(dst)
+                else:
+                    for entry in storage.listdir(dst):
+                        path = storage.join(dst, entry)
+                        storage.remove_tree(path) if storage.isdir(path) else storage.remove_file(path)
+            raise
+    return dst
+
+
+def _split(source: Any, tables: Optional[Sequence[str]]) -> Tuple[List[str], List[str]]:
+    """(table names, dense names) to convert."""
+    if not isinstance(source, TorchStateSource):
+        if tables is not None:
+            unknown = sorted(set(tables) - set(source.contents.tables))
+            if unknown:
+                raise ConfigError(f"{source.ckpt_dir}: no table(s) {unknown}; it has "
+                                  f"{sorted(source.contents.tables)}", path=source.ckpt_dir)
+        return sorted(tables or source.contents.tables), sorted(source.contents.dense)
+    found = source.tables
+    if tables is None:
+        tables = [n for n, t in found.items() if t.weight != n]  # not bare 2-D tensors
+    unknown = sorted(set(tables) - set(found))
+    if unknown:
+        raise ConfigError(f"{source.ckpt_dir}: {unknown} are not tables (2-D <name>.weight tensors); tables "
+                          f"found: {sorted(found)}", path=source.ckpt_dir)
+    used = {k for n in tables for k in (found[n].weight, found[n].ids, *found[n].slots.values()) if k}
+    dense = [k for k in sorted(source.meta) if k not in used and not k.startswith(EXTRA_PREFIX)]
+    return sorted(tables), dense
+
+
+def _parts(source: Any, tables: Sequence[str], dense: Sequence[str], concurrency: int
+           ) -> Iterator[Dict[str, Any]]:
+    """The flat state, one table per part, then the dense entries and the extras."""
+    for name in tables:
+        ids, columns = _read_table(source, name, concurrency)
+        part = {f"{name}.ids": ids, f"{name}.weight": columns.pop("embedding")}
+        part.update({f"{name}.{slot}": v for slot, v in sorted(columns.items())})
+        yield part
+        del ids, columns, part
+    rest: Dict[str, Any] = {}
+    if dense:
+        model = source.read_pt("model.pt")
+        rest.update({k: model[k] for k in dense})
+    if source.contents.extras:
+        for name, state in source.read_pt("extra.pt").items():
+            _flatten_plain(state, f"{EXTRA_PREFIX}{name}", rest)
+    if rest:
+        yield rest
+
+
+def _read_table(source: Any, name: str, concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    slots = list(source.contents.tables[name].slots)
+    ids, columns = source.read_table(name, ["embedding"] + slots, 0, 1, concurrency)
+    return ids, dict(columns)
+
+
+def _flatten_plain(obj: Any, prefix: str, out: Dict[str, Any]) -> None:
+    """Tensors and numbers of a nested state under dotted keys; strings, None and the like are left out."""
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, (bool, numbers.Number)):
+        out[prefix] = obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flatten_plain(v, f"{prefix}.{k}", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _flatten_plain(v, f"{prefix}.{i}", out)
+
+
+def _add(state: Dict[str, Any], part: Mapping[str, Any], where: str) -> None:
+    clash = sorted(set(part) & set(state))
+    if clash:
+        raise UsageError(f"convert {where}: key(s) {clash[:5]} come from two entries (a table's "
+                         f"<table>.<column> and a dense name); rename one", key=clash[0])
+    state.update(part)
+
+
+def write_dcp(dst: str, parts: Iterator[Dict[str, Any]]) -> None:
+    """A DCP directory holding the union of `parts`, written one part at a time (each by dcp.save
+    into `part_<k>/`), then one `.metadata` naming every part's files, so only one part is in
+    memory at once. dcp.load and dcp_to_torch_save read it like any DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    storage = get_storage(dst)
+    storage.makedirs(dst)
+    merged: Any = None
+    keys: Dict[str, Any] = {}
+    for k, part in enumerate(parts):
+        _add(keys, dict.fromkeys(part), dst)
+        sub = f"part_{k}"
+        path = storage.join(dst, sub)
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(part, storage_writer=dcp.FileSystemWriter(path, thread_count=1), no_dist=True)
+        md = dcp.FileSystemReader(path).read_metadata()
+        storage.remove_file(storage.join(path, ".metadata"))
+        data = {i: dataclasses.replace(info, relative_path=f"{sub}/{info.relative_path}")
+                for i, info in md.storage_data.items()}
+        if merged is None:
+            merged = md
+            merged.storage_data = data
+        else:
+            merged.state_dict_metadata.update(md.state_dict_metadata)
+            merged.storage_data.update(data)
+            if isinstance(merged.planner_data, dict) and isinstance(md.planner_data, dict):
+                merged.planner_data.update(md.planner_data)
+        del part  # before the next table is read
+    if merged is None:
+        raise UsageError(f"convert {dst}: the source holds nothing to convert")
+    merged.storage_meta = None  # the load id of the last part's reader: not part of the checkpoint
+    storage.write_atomic(storage.join(dst, ".metadata"), pickle.dumps(merged))
+
+
+# ----------------------------------------------------------------------------- -> recsave
+class _Tables:
+    """Reads tables for the checkpoint writer on demand, in its (sorted) order, keeping at most the
+    two it works on (it orders the next table while writing one)."""
+
+    def __init__(self, source: Any, names: Sequence[str], concurrency: int):
+        self.source, self.names, self.concurrency = source, list(names), concurrency
+        self.cache: Dict[str, Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = {}
+
+    def get(self, name: str) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        if name not in self.cache:
+            k = self.names.index(name)
+            for old in [n for n in self.cache if self.names.index(n) < k - 1]:
+                del self.cache[old]
+            ids, columns = _read_table(self.source, name, self.concurrency)
+            if torch.unique(ids).numel() != ids.numel():
+                raise ConfigError(f"{self.source.ckpt_dir}: table {name!r} has repeated ids; each id must "
+                                  f"appear once", path=self.source.ckpt_dir, key=name)
+            dtype = columns["embedding"].dtype
+            self.cache[name] = (ids.contiguous(), {c: v.to(dtype).contiguous() for c, v in columns.items()})
+        return self.cache[name]
+
+
+class _LazyTable:
+    def __init__(self, tables: _Tables, name: str):
+        self.tables, self.name = tables, name
+
+    def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        ids = self.tables.get(self.name)[0]
+        return ids, torch.arange(ids.numel(), dtype=torch.int64)
+
+
+class _LazyColumns(Mapping):
+    def __init__(self, tables: _Tables, name: str, columns: Sequence[str]):
+        self.tables, self.name, self.names = tables, name, list(columns)
+
+    def __getitem__(self, column: str) -> torch.Tensor:
+        if column not in self.names:
+            raise KeyError(column)
+        return self.tables.get(self.name)[1][column]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: str, ckpt_id: str,
+                concurrency: int) -> str:
+    ckptlist.validate_id(ckpt_id)
+    tables = _Tables(source, names, concurrency)
+    states: Dict[str, TableState] = {}
+    for name in names:
+        info = source.contents.tables[name]
+        if "@" in name:
+            raise UsageError(f"table name {name!r} cannot be a recsave table name (it has '@')", key=name)
+        columns = _LazyColumns(tables, name, ["embedding", *info.slots])
+        states[name] = TableState(info.dim, getattr(torch, info.dtype), columns,  # type: ignore[arg-type]
+                                  table=_LazyTable(tables, name))  # type: ignore[arg-type]
+    model = source.read_pt("model.pt") if dense else {}
+    state = SaveState(states, {k: model[k] for k in dense}, {}, {})
+    writer = CheckpointWriter(get_storage(dst), dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
+    try:
+        return writer.write(ckpt_id, state, 0, 1)
+    finally:
+        writer.close()

@@ -1,0 +1,189 @@
+"""recsave.convert / `recsave convert`: recsave <-> torch.save <-> DCP, exact round trips."""
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import recsave
+from recsave import Saver
+from recsave.errors import ConfigError, UsageError
+from recsave.tools import catalog, cli
+from recsave.tools.convert import EXTRA_PREFIX
+from recsave.tools.torchzip import StreamingTorchSave
+
+from helpers import CTR, assert_states_equal, make_job, model_state, tables_of
+
+
+def _trained(tmp_path):
+    job = make_job(str(tmp_path / "job"))
+    job.train(4)
+    job.saver.save("ckpt_4")
+    return job
+
+
+def _expected_flat(job):
+    """The layout convert writes, from the live model."""
+    out = {}
+    for name, table in tables_of(job.model).items():
+        ids, values, slots = table.export()
+        out[f"{name}.ids"] = ids
+        out[f"{name}.weight"] = values
+        out.update({f"{name}.{s}": v for s, v in slots.items()})
+    out.update({k: v.detach() for k, v in job.model.state_dict().items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _by_id(flat, table):
+    order = torch.argsort(flat[f"{table}.ids"])
+    return {k: v[order] for k, v in flat.items() if k.startswith(f"{table}.") and v.dim() >= 1
+            and v.shape[0] == order.numel()}
+
+
+def _assert_layout_equal(got, expected):
+    tables = {k[: -len(".ids")] for k in expected if k.endswith(".ids")}
+    model_keys = {k for k in got if not k.startswith(EXTRA_PREFIX)}
+    assert model_keys == set(expected)
+    for t in tables:
+        g, e = _by_id(got, t), _by_id(expected, t)
+        assert set(g) == set(e)
+        for k in e:
+            assert torch.equal(g[k], e[k]), k
+    for k, v in expected.items():
+        if k.partition(".")[0] not in tables:
+            assert torch.equal(got[k], v), k
+
+
+def test_recsave_to_torch_and_dcp_read_back_equal_the_model(tmp_path):
+    job = _trained(tmp_path)
+    expected = _expected_flat(job)
+    pt = recsave.convert(str(tmp_path / "job"), str(tmp_path / "state.pt"), "torch")
+    got = torch.load(pt, weights_only=True)
+    _assert_layout_equal(got, expected)
+    mapped = torch.load(pt, weights_only=True, mmap=True)
+    assert all(torch.equal(mapped[k], v) if isinstance(v, torch.Tensor) else mapped[k] == v for k, v in got.items())
+    extras = {k for k in got if k.startswith("_recsave.extra.")}
+    assert {k.split(".")[2] for k in extras} == {"dense_opt", "sparse_optim"}
+    assert torch.equal(got["_recsave.extra.dense_opt.state.0.exp_avg"],
+                       job.dense_opt.state_dict()["state"][0]["exp_avg"])
+
+    out = recsave.convert(str(tmp_path / "job"), str(tmp_path / "dcp"), "dcp")
+    dcp_to_torch_save(out, str(tmp_path / "from_dcp.pt"))
+    back = torch.load(str(tmp_path / "from_dcp.pt"), weights_only=True)
+    assert set(back) == set(got)
+    for k, v in got.items():
+        assert (torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v), k
+    # dcp.load reads it too (one table's keys)
+    meta = dcp.FileSystemReader(out).read_metadata()
+    part = {k: torch.empty(tuple(meta.state_dict_metadata[k].size), dtype=torch.float32)
+            for k in ("user.weight", "user.adagrad_acc")}
+    dcp.load(part, checkpoint_id=out, no_dist=True)
+    assert torch.equal(part["user.weight"], got["user.weight"])
+    assert sorted(p.name for p in (tmp_path / "dcp").iterdir()) == [".metadata", "part_0", "part_1", "part_2"]
+
+
+@pytest.mark.parametrize("via", ["torch", "dcp"])
+def test_torch_and_dcp_to_recsave_then_saver_load_equals_the_source(tmp_path, via):
+    job = _trained(tmp_path)
+    mid = recsave.convert(str(tmp_path / "job"), str(tmp_path / "mid"), via)
+    ckpt = recsave.convert(mid, str(tmp_path / "out"), "recsave", ckpt_id="ckpt_4")
+    assert ckpt.endswith("ckpt_4")
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_4"]
+    fresh = CTR(seed=5)
+    fresh.user.add_slot("adagrad_acc")
+    fresh.item.add_slot("adagrad_acc")
+    report = Saver(fresh, output_dir=str(tmp_path / "out")).load()
+    assert report.step == 4
+    assert_states_equal(model_state(fresh), model_state(job.model), "converted back")
+
+
+def test_nn_embedding_file_to_recsave_picks_embeddings_not_linears(tmp_path):
+    torch.manual_seed(0)
+    src = torch.nn.ModuleDict({"emb": torch.nn.Embedding(300, 8), "mlp": torch.nn.Linear(8, 8)})
+    torch.save(src.state_dict(), tmp_path / "m.pt")
+    assert cli.main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "out"), "--to", "recsave"]) == 0
+    info = catalog.describe(str(tmp_path / "out"))
+    assert set(info["tables"]) == {"emb"} and info["tables"]["emb"]["rows"] == 300
+    assert sorted(info["dense"]) == ["mlp.bias", "mlp.weight"]
+    model = torch.nn.ModuleDict({"emb": recsave.HashTable(8), "mlp": torch.nn.Linear(8, 8)})
+    Saver(model, output_dir=str(tmp_path / "out")).load()
+    ids, values, _ = model["emb"].export()
+    assert torch.equal(values[torch.argsort(ids)], src["emb"].weight.detach())
+    assert torch.equal(model["mlp"].weight, src["mlp"].weight)
+
+
+def test_convert_refuses_bad_arguments_and_existing_outputs(tmp_path):
+    job = _trained(tmp_path)
+    (tmp_path / "taken.pt").write_bytes(b"x")
+    with pytest.raises(UsageError, match="exists"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "taken.pt"), "torch")
+    assert (tmp_path / "taken.pt").read_bytes() == b"x"
+    with pytest.raises(UsageError, match="must be one of"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "x"), "onnx")
+    with pytest.raises(ConfigError, match="no table"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "x"), "torch", tables=["nope"])
+    with pytest.raises(recsave.ArgumentTypeError):
+        recsave.convert(str(tmp_path / "job"), 5, "torch")
+    assert job is not None and not (tmp_path / "x").exists()
+    assert cli.main(["convert", str(tmp_path / "job"), str(tmp_path / "taken.pt"), "--to", "torch"]) == cli.EXIT_ERROR
+
+
+def test_dcp_metadata_is_a_plain_pickle_of_dcp_metadata(tmp_path):
+    job = _trained(tmp_path)
+    out = recsave.convert(str(tmp_path / "job"), str(tmp_path / "dcp"), "dcp")
+    with open(f"{out}/.metadata", "rb") as f:
+        md = pickle.load(f)
+    assert set(md.state_dict_metadata) >= {"user.ids", "user.weight", "item.adagrad_acc", "mlp.0.weight"}
+    assert all(info.relative_path.startswith("part_") for info in md.storage_data.values())
+    assert job is not None
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_streaming_torch_save_is_read_by_torch_load_exactly(tmp_path, mmap):
+    tensors = {"ids": torch.arange(7) - 3, "w": torch.rand(7, 3), "empty": torch.rand(0, 4),
+               "flag": torch.tensor(True), "bf": torch.rand(5, 2).to(torch.bfloat16),
+               "half": torch.rand(3).half(), "strided": torch.rand(4, 6).t(),
+               "i8": torch.tensor([-1, 2], dtype=torch.int8)}
+    path = tmp_path / "s.pt"
+    with open(path, "wb") as f:
+        writer = StreamingTorchSave(f)
+        obj = {k: writer.add(v) for k, v in reversed(list(tensors.items()))}
+        obj["n"] = 3
+        writer.finish(obj)
+    got = torch.load(path, weights_only=True, mmap=mmap)
+    assert set(got) == set(tensors) | {"n"} and got["n"] == 3
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    with open(tmp_path / "c.pt", "wb") as f, pytest.raises(TypeError, match="complex64"):
+        StreamingTorchSave(f).add(torch.zeros(2, dtype=torch.complex64))
+
+
+def test_a_failed_dcp_conversion_leaves_nothing_and_repeated_ids_are_refused(tmp_path, monkeypatch):
+    _trained(tmp_path)
+    import recsave.tools.convert as conv
+
+    real = conv._read_table
+    calls = []
+
+    def fail_second(source, name, concurrency):
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device (injected)")
+        return real(source, name, concurrency)
+
+    monkeypatch.setattr(conv, "_read_table", fail_second)
+    with pytest.raises(OSError, match="injected"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "dcp"), "dcp")
+    assert not (tmp_path / "dcp").exists()
+    (tmp_path / "empty").mkdir()
+    calls.clear()
+    with pytest.raises(OSError, match="injected"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "empty"), "dcp")
+    assert list((tmp_path / "empty").iterdir()) == []
+    monkeypatch.setattr(conv, "_read_table", real)
+
+    torch.save({"t.weight": torch.rand(3, 4), "t.ids": torch.tensor([5, 6, 5])}, tmp_path / "dup.pt")
+    with pytest.raises(ConfigError, match="table 't' has repeated ids"):
+        recsave.convert(str(tmp_path / "dup.pt"), str(tmp_path / "out"), "recsave")
+    assert not (tmp_path / "out" / "converted").exists()
