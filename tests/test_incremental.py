@@ -447,3 +447,25 @@ def test_parquet_delta_feed_between_chain_members(chain_dir, tmp_path):
     for name in ("user", "item"):
         assert {k: v for k, v in a["tables"][name].items() if k != "files"} == \
             {k: v for k, v in b["tables"][name].items() if k != "files"}
+
+
+def test_tablelike_tables_save_full(tmp_path):
+    """A TableLike table without change tracking: every incremental save is full, and it restores."""
+    from tablelike_table import TensorTable
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = TensorTable(4, name="t", slots={"acc": 0.5})
+            self.lin = torch.nn.Linear(2, 2)
+
+    m = M()
+    m.t.load_rows(torch.arange(10) * 3, torch.randn(10, 4), {"acc": torch.rand(10, 4)})
+    saver = Saver(m, output_dir=str(tmp_path / "out"))
+    saver.save("a", incremental=True)
+    saver.save("b", incremental=True)
+    assert saver.last_save_kind == "full"
+    assert index_mod.read(str(tmp_path / "out" / "b")).kind == "full"
+    m2 = M()
+    Saver(m2, output_dir=str(tmp_path / "out")).load()
+    assert_states_equal(m.t.state(), m2.t.state(), "TableLike")

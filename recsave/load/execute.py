@@ -124,8 +124,8 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
             slot_values = {c: v for c, v in values.items() if c != "embedding"}
             if has_embedding:
-                table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear,
-                                meta={m: data[m] for m in meta} or None)
+                with_meta = {"meta": {m: data[m] for m in meta}} if meta else {}  # TableLike: no meta argument
+                table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear, **with_meta)
                 loaded_rows = ids.numel()
             else:
                 loaded_rows = table.set_slot_rows(ids, slot_values)
