@@ -159,10 +159,11 @@ def _ls(args: argparse.Namespace) -> int:
     if not entries:
         print(f"{args.output_dir}: no committed checkpoint")
         return EXIT_OK
-    print(f"{'checkpoint':24} {'step':>10} {'size':>11} {'age':>8}  created")
+    print(f"{'checkpoint':24} {'step':>10} {'size':>11} {'age':>8}  {'created':27}  kept because")
     for e in entries:
         step = "-" if e["step"] is None else str(e["step"])
-        print(f"{e['id']:24} {step:>10} {_human(e['bytes']):>11} {_age(e['age_s']):>8}  {e['created_at']}")
+        print(f"{e['id']:24} {step:>10} {_human(e['bytes']):>11} {_age(e['age_s']):>8}  {e['created_at']:27}  "
+              f"{', '.join(e['kept']) or '-'}")
     return EXIT_OK
 
 
