@@ -2,6 +2,7 @@
 restore by global step, warm start from a model bank."""
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -180,8 +181,10 @@ class CheckpointManager:
         path = self.save(wait=True, metrics=metrics)
         signum = self._preemption.signum
         why = f"signal {signal.Signals(signum).name}" if signum is not None else "another rank's preemption signal"
-        raise Preempted(f"preempted ({why}): saved and committed {path} (global step {self._global_step}); "
-                        f"exiting with status 143; restore() resumes from it", path=path, step=self._global_step)
+        message = (f"preempted ({why}): saved and committed {path} (global step {self._global_step}); "
+                   f"exiting with status 143; restore() resumes from it")
+        logging.getLogger("recsave").warning("recsave: %s", message)
+        raise Preempted(message, path=path, step=self._global_step)
 
     def save(self, wait: bool = True, metrics: Optional[Mapping[str, float]] = None) -> str:
         """Saves ``ckpt_<global_step>`` now; returns its path. If the latest checkpoint (or the one
