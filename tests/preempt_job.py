@@ -36,7 +36,7 @@ import recsave.save.pipeline  # noqa: E402
 from recsave import CheckpointManager, HashTable, Saver, partition  # noqa: E402
 from recsave.tables.optim import SparseAdagrad  # noqa: E402
 
-from helpers import Reader, make_batch, model_state  # noqa: E402
+from helpers import Reader, model_state  # noqa: E402
 
 torch.set_num_threads(1)
 STEP_SECONDS = 0.004  # a small pause per step, so that a signal lands mid-run

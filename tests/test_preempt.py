@@ -248,7 +248,7 @@ def _signal_at_step(procs, target, sig, to=None):
         procs[r].send_signal(sig)
 
 
-def _reference_states(tmp_path, world):
+def reference_states(tmp_path, world):
     """Every rank's state after an uninterrupted run of STEPS steps."""
     results = [tmp_path / f"ref_{world}_{r}.pt" for r in range(world)]
     procs = [subprocess.Popen([sys.executable, SCRIPT, "reference", str(STEPS), str(r), str(world),
@@ -277,15 +277,15 @@ def _train(tmp_path, out, world, hook=None):
 
 @pytest.fixture(scope="module")
 def reference_1(tmp_path_factory):
-    return _reference_states(tmp_path_factory.mktemp("ref1"), 1)
+    return reference_states(tmp_path_factory.mktemp("ref1"), 1)
 
 
 @pytest.fixture(scope="module")
 def reference_2(tmp_path_factory):
-    return _reference_states(tmp_path_factory.mktemp("ref2"), 2)
+    return reference_states(tmp_path_factory.mktemp("ref2"), 2)
 
 
-def _preempt_and_check(tmp_path, world, reference, seed, sig=signal.SIGTERM, to=None, hook=None):
+def preempt_and_check(tmp_path, world, reference, seed, sig=signal.SIGTERM, to=None, hook=None):
     out = str(tmp_path / "run")
     target = random.Random(seed).randint(3, 40)
     procs = _train(tmp_path, out, world, hook)
@@ -309,28 +309,28 @@ def _preempt_and_check(tmp_path, world, reference, seed, sig=signal.SIGTERM, to=
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 def test_sigterm_at_a_random_step_commits_and_resumes_bit_exact(tmp_path, reference_1, seed):
-    _preempt_and_check(tmp_path, 1, reference_1, seed)
+    preempt_and_check(tmp_path, 1, reference_1, seed)
 
 
 @pytest.mark.slow
 def test_sigusr1_works_like_sigterm(tmp_path, reference_1):
-    _preempt_and_check(tmp_path, 1, reference_1, 3, sig=signal.SIGUSR1)
+    preempt_and_check(tmp_path, 1, reference_1, 3, sig=signal.SIGUSR1)
 
 
 @pytest.mark.slow
 def test_a_second_signal_during_the_preemption_save_changes_nothing(tmp_path, reference_1):
-    _preempt_and_check(tmp_path, 1, reference_1, 4, hook="second-signal")
+    preempt_and_check(tmp_path, 1, reference_1, 4, hook="second-signal")
 
 
 @pytest.mark.slow
 def test_sigkill_during_the_preemption_save_leaves_the_previous_checkpoint(tmp_path, reference_1):
-    _preempt_and_check(tmp_path, 1, reference_1, 5, hook="kill-in-save")
+    preempt_and_check(tmp_path, 1, reference_1, 5, hook="kill-in-save")
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("to", [None, [1]], ids=["all_ranks", "rank1_only"])
 def test_two_ranks_preempted_save_the_same_step_and_resume_bit_exact(tmp_path, reference_2, to):
-    _preempt_and_check(tmp_path, 2, reference_2, 6 if to else 7, to=to)
+    preempt_and_check(tmp_path, 2, reference_2, 6 if to else 7, to=to)
 
 
 @pytest.mark.multirank
