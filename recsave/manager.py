@@ -7,6 +7,7 @@ import math
 import signal
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from recsave.argcheck import check
@@ -108,6 +109,9 @@ class CheckpointManager:
                             best_metric=best_metric, best_mode=best_mode)
         self._last_save_at = clock()
         self._preemption = PreemptionFlag()
+        # A manager dropped without close() puts the previous handlers back when collected (on the
+        # main thread: elsewhere signal handlers cannot be changed).
+        weakref.finalize(self, self._preemption.uninstall)
         if save_on_preemption and not self._preemption.install():
             warnings.warn("CheckpointManager was created outside the main thread: SIGTERM / SIGUSR1 "
                           "handlers cannot be installed, so a preemption signal ends the process without a "

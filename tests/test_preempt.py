@@ -101,6 +101,18 @@ def test_handlers_chain_to_the_previous_one_and_close_restores_it(tmp_path, rest
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_a_manager_dropped_without_close_restores_the_handlers_when_collected(tmp_path):
+    import gc
+
+    before = signal.getsignal(signal.SIGTERM)
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    CheckpointManager(job.saver, 0)
+    assert signal.getsignal(signal.SIGTERM) is not before
+    del job  # the Saver (which keeps the manager alive through its global_step extra) goes too
+    gc.collect()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_without_save_on_preemption_no_handler_is_installed(tmp_path, restore_signals):
     before = signal.getsignal(signal.SIGTERM)
     job = make_job(str(tmp_path / "run"), save_interval=None)
