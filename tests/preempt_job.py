@@ -14,7 +14,8 @@ training job with a CheckpointManager that is preempted by a real signal.
         save_interval_seconds=4.5 with a test clock per rank (rank 0: one second per step; others
         skewed and faster); writes the steps at which step() saved to RESULT (JSON).
 
-WORLD 1 runs without torch.distributed (INIT is then ignored). With several ranks each rank
+PREEMPT_JOB_ASYNC=1 makes train / resume autosave with async_mode="async" (background writes run
+collectives while step() agrees on the next save). WORLD 1 runs without torch.distributed (INIT is then ignored). With several ranks each rank
 trains on the ids it owns (recsave.partition) and dense gradients are averaged over the ranks.
 """
 from __future__ import annotations
@@ -123,11 +124,12 @@ def main(argv):
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
+    kw = {"async_mode": "async"} if os.environ.get("PREEMPT_JOB_ASYNC") else {}
     try:
         if mode == "train":
-            train(Job(out, rank, world), steps, argv[7] if len(argv) > 7 else None)
+            train(Job(out, rank, world, **kw), steps, argv[7] if len(argv) > 7 else None)
         elif mode == "resume":
-            job = Job(out, rank, world)
+            job = Job(out, rank, world, **kw)
             print(f"restored {job.manager.restore()}", flush=True)
             train(job, steps)
             torch.save(job.state(), argv[7])

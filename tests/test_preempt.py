@@ -346,6 +346,13 @@ def test_two_ranks_preempted_save_the_same_step_and_resume_bit_exact(tmp_path, r
 
 
 @pytest.mark.multirank
+def test_two_async_ranks_preempted_resume_bit_exact(tmp_path, reference_2, monkeypatch):
+    """Background writes run collectives on their own group while step() agrees on its own."""
+    monkeypatch.setenv("PREEMPT_JOB_ASYNC", "1")
+    preempt_and_check(tmp_path, 2, reference_2, 8)
+
+
+@pytest.mark.multirank
 def test_time_interval_saves_follow_rank0s_clock_on_every_rank(tmp_path):
     out = str(tmp_path / "run")
     init = str(tmp_path / "init-timed")
