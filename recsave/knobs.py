@@ -101,6 +101,9 @@ _KNOBS: Dict[str, Knob] = {
     # Back large table storage with transparent huge pages (madvise): fewer TLB misses on random
     # row access (lookups, the bucket-order gather of a save).
     "hugepages": Knob("RECSAVE_HUGEPAGES", True, bool),
+    # Tables created while this is on track changed rows and removed ids (incremental checkpoints);
+    # off, every save of them is full.
+    "track_changes": Knob("RECSAVE_TRACK_CHANGES", True, bool),
     # Take the writer lock of output_dir when saving (one writing Saver per output dir).
     "writer_lock": Knob("RECSAVE_WRITER_LOCK", True, bool),
 }

@@ -19,7 +19,9 @@ from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables import partition, tablestate
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
-from recsave.tables.rows import RowStorage
+from recsave.tables.lifecycle import TableLifecycle
+from recsave.tables.rows import META_COLUMNS, RowStorage
+from recsave.tables.tracking import ChangeTracker
 
 
 class _Lookup(torch.autograd.Function):
@@ -38,7 +40,7 @@ class _Lookup(torch.autograd.Function):
         return None, None, None
 
 
-class HashTable(torch.nn.Module):
+class HashTable(TableLifecycle, torch.nn.Module):
     """Dynamic-id embedding table.
 
     Args:
@@ -81,6 +83,8 @@ class HashTable(torch.nn.Module):
         self._map = make_id_map(self._device, id_map)
         self._store = RowStorage(embedding_dim, dtype, self._device)
         self._grads = RowGrads(embedding_dim)
+        self._tracker = ChangeTracker(self._device, knobs.get("track_changes"))
+        self._step = 0  # the table step: sparse optimizers advance it (row metadata last_step)
         self._partition: Optional[Tuple[int, int, int]] = None  # (rank, world_size, num_buckets)
         # A leaf that requires grad, so autograd calls _Lookup.backward; it never receives a gradient.
         self._anchor = torch.zeros((), requires_grad=True)
@@ -121,13 +125,18 @@ class HashTable(torch.nn.Module):
         """Removes every id (storage is kept for reuse)."""
         self._map.clear()
         self._grads.clear()
+        self._tracker.clear()
 
     def delete(self, ids: torch.Tensor) -> int:
-        """Removes the given ids; returns how many were present."""
+        """Removes the given ids; returns how many were present (they become tombstones of the
+        next incremental checkpoint)."""
         check_ids(ids, "HashTable.delete")
-        freed = self._map.erase(flat_ids(ids))
-        freed = freed[freed >= 0]
+        flat = flat_ids(ids)
+        freed = self._map.erase(flat)
+        present = freed >= 0
+        freed = freed[present]
         self._grads.forget_rows(freed)
+        self._tracker.removed(flat.to(present.device)[present], freed)
         return int(freed.numel())
 
     def set_partition(self, rank: int, world_size: int, num_buckets: int = partition.DEFAULT_NUM_BUCKETS) -> None:
@@ -186,13 +195,19 @@ class HashTable(torch.nn.Module):
         rows, is_new, num_new = self._map.lookup_or_insert(flat)
         if num_new:
             self._store.ensure_capacity(self._map.row_capacity)
+            self._tracker.reserve(self._map.row_capacity)
             new_rows = rows[is_new].to(self._device)
-            self._store.init_rows(new_rows, self.initial_rows(flat.to(is_new.device)[is_new]))
+            new_ids = flat.to(is_new.device)[is_new]
+            self._store.init_rows(new_rows, new_ids, self.initial_rows(new_ids), self._step)
+            self._tracker.mark(new_rows)
         return rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, f"HashTable {self.table_name!r}")
         rows = self.lookup(ids, insert=self.training).to(self._device)
+        if self.training:  # row metadata, and the rows an optimizer may update next
+            self._store.touch(rows, self._step)
+            self._tracker.mark(rows)
         if torch.is_grad_enabled():
             out = _Lookup.apply(self._anchor, self, rows)
         else:
@@ -241,7 +256,7 @@ class HashTable(torch.nn.Module):
     def __getstate__(self) -> Dict[str, Any]:
         """Pickles (torch.save, copy.deepcopy) as configuration + ids, rows and slots; pending
         gradients are not kept."""
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_map", "_store")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_map", "_store", "_tracker")}
         state["_grads"] = RowGrads(self.embedding_dim)
         state["_packed_rows"] = tablestate.pack(self)
         return state
@@ -254,6 +269,7 @@ class HashTable(torch.nn.Module):
         self._partition = None  # set after the rows: it restricts later inserts, not these
         self._map = make_id_map(self._device, self._id_map_kind)
         self._store = RowStorage(self.embedding_dim, self._dtype, self._device)
+        self._tracker = ChangeTracker(self._device, knobs.get("track_changes"))
         tablestate.unpack(self, packed)
         self._partition = part
 
@@ -294,15 +310,19 @@ class HashTable(torch.nn.Module):
         for slot in self.slot_names():
             other.add_slot(slot, self.slot_init(slot))
         if copy_rows and len(self):
-            ids, values, slots = self.export()
-            other.load_rows(ids, values, slots, clear=True)
+            ids, rows = self.id_rows()
+            values, slots = self.gather_rows(rows)
+            other.load_rows(ids, values, slots, clear=True, meta=self.row_meta(rows))
+        if copy_rows:
+            other.step = self._step
         if self._partition is not None:  # after the copy: it restricts later inserts, not these rows
             other.set_partition(*self._partition)
         return other
 
     def swap_contents(self, other: "HashTable") -> None:
-        """Exchanges ids, rows, slots and pending gradients with `other` (same dim, dtype and
-        device): commits a staged load, and swapping again rolls it back. Partitions stay."""
+        """Exchanges ids, rows, slots, row metadata, the table step, change tracking and pending
+        gradients with `other` (same dim, dtype and device): commits a staged load, and swapping
+        again rolls it back. Partitions stay."""
         if (other.embedding_dim, other.dtype, other.device) != (self.embedding_dim, self._dtype, self._device):
             raise UsageError(f"table {self.table_name!r}: cannot swap contents with a table of dim "
                              f"{other.embedding_dim}, {other.dtype} on {other.device}; expected "
@@ -311,19 +331,20 @@ class HashTable(torch.nn.Module):
         self._set_contents(other._contents())  # noqa: SLF001 (same class)
         other._set_contents(mine)  # noqa: SLF001 (same class)
 
-    def _contents(self) -> Tuple[Any, RowStorage, RowGrads]:
-        return self._map, self._store, self._grads
+    def _contents(self) -> Tuple[Any, RowStorage, RowGrads, ChangeTracker, int]:
+        return self._map, self._store, self._grads, self._tracker, self._step
 
-    def _set_contents(self, contents: Tuple[Any, RowStorage, RowGrads]) -> None:
-        self._map, self._store, self._grads = contents
+    def _set_contents(self, contents: Tuple[Any, RowStorage, RowGrads, ChangeTracker, int]) -> None:
+        self._map, self._store, self._grads, self._tracker, self._step = contents
 
     def prepare_load(self, ids: torch.Tensor, columns: List[str],
                      fill: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None,
                      ) -> Optional[Dict[str, torch.Tensor]]:
         """Restore in place: clears the table, makes `ids` rows 0..n-1 and returns, for each of
-        `columns` ('embedding' and / or slot names), the storage rows [0, n) to read the checkpoint
-        straight into — no second copy of the table (views on the table's device: a CUDA table's
-        are filled by host-to-device copies). Columns not listed get their initial values.
+        `columns` ('embedding', slot names and / or the metadata 'last_step' / 'count', whose
+        views are [n, 1] int64), the storage rows [0, n) to read the checkpoint straight into — no
+        second copy of the table (views on the table's device: a CUDA table's are filled by
+        host-to-device copies). Columns not listed get their initial values (metadata 0).
 
         `fill(views)`, when given, fills the views on another thread while the id map is rebuilt
         (a restore reads the checkpoint while hashing the ids); if it raises, the table is left
@@ -338,6 +359,7 @@ class HashTable(torch.nn.Module):
             self._check_owned(ids)
         initial = self.initial_rows(ids) if "embedding" not in columns else torch.empty(0)
         views = self._store.restore_views(n, columns, initial)
+        self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
         # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
             filled = pool.submit(fill, views) if pool and fill else None
@@ -353,6 +375,7 @@ class HashTable(torch.nn.Module):
                 raise error
             return None
         self._store.advise_hugepages()
+        self._tracker.mark_first(n)
         return views
 
     def _check_slot_values(self, slots: Any, where: str) -> Dict[str, torch.Tensor]:
@@ -390,14 +413,17 @@ class HashTable(torch.nn.Module):
         rows_d = rows[keep].to(self._device)
         for slot, t in slots.items():
             self._slots[slot][rows_d] = t[keep].to(device=self._device, dtype=self._slots[slot].dtype)
+        self._tracker.mark(rows_d)
         return int(keep.sum())
 
     def load_rows(self, ids: torch.Tensor, values: torch.Tensor, slots: Optional[Dict[str, torch.Tensor]] = None,
-                  *, clear: bool = True) -> None:
-        """Sets the rows of `ids` to `values` (and the given slots); clears the table first when
-        `clear`, else merges (ids present in both take the loaded values). Slots not given keep their
-        values for existing ids and their init value for new ones; every slot given must exist
-        (add_slot) already. Nothing changes when an argument is refused."""
+                  *, clear: bool = True, meta: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Sets the rows of `ids` to `values` (and the given slots and row metadata); clears the
+        table first when `clear`, else merges (ids present in both take the loaded values). Slots
+        not given keep their values for existing ids and their init value for new ones; every slot
+        given must exist (add_slot) already. `meta` maps 'last_step' / 'count' to [n] or [n, 1]
+        int64 tensors (metadata not given: kept for existing ids; last_step = the table step and
+        count 0 for new ones). Nothing changes when an argument is refused."""
         where = f"HashTable {self.table_name!r}.load_rows"
         check_ids(ids, where)
         check(values, torch.Tensor, "values", where, expected="a [len(ids), embedding_dim] tensor")
@@ -412,6 +438,7 @@ class HashTable(torch.nn.Module):
             if tuple(t.shape) != tuple(values.shape):
                 raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} has shape "
                                          f"{tuple(t.shape)}, expected {tuple(values.shape)}", key=self.table_name)
+        meta = self._check_meta_values(meta, n, where)
         if self._partition is not None and n:
             self._check_owned(flat_ids(ids))  # before clear(): a refused load changes nothing
         if clear:
@@ -420,6 +447,26 @@ class HashTable(torch.nn.Module):
         self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
         for slot, t in slots.items():
             self._slots[slot][rows] = t.to(device=self._device, dtype=self._slots[slot].dtype)
+        for m, t in meta.items():
+            self._store.meta[m][rows] = t.to(self._device)
+        self._tracker.mark(rows)
+
+    def _check_meta_values(self, meta: Any, n: int, where: str) -> Dict[str, torch.Tensor]:
+        """`meta` as {name: [n] int64} (None: {}); refuses unknown names and other shapes."""
+        if meta is None:
+            return {}
+        check(meta, dict, "meta", where, expected="a dict of 'last_step' / 'count' -> int64 tensor")
+        out: Dict[str, torch.Tensor] = {}
+        for m, t in meta.items():
+            if m not in META_COLUMNS:
+                raise UsageError(f"{where}: unknown row metadata {m!r}; known: {list(META_COLUMNS)}", key=m)
+            check(t, torch.Tensor, f"meta[{m!r}]", where)
+            flat = t.reshape(-1) if t.dim() == 2 and t.shape[1] == 1 else t
+            if flat.dim() != 1 or flat.numel() != n:
+                raise ShapeMismatchError(f"table {self.table_name!r}: row metadata {m!r} has shape "
+                                         f"{tuple(t.shape)}, expected [{n}] or [{n}, 1]", key=self.table_name)
+            out[m] = flat.to(torch.int64)
+        return out
 
 
 def split_sparse_dense_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, "HashTable"], Dict[str, Any]]:

@@ -138,6 +138,8 @@ class SparseOptimizer(abc.ABC):
             rows, grad = coalesced
             if rows.numel():
                 self._update(table, rows, grad.to(table.dtype), self.steps[name])
+                table.mark_rows_changed(rows)
+            table.advance_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

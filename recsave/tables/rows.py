@@ -1,7 +1,8 @@
-"""The row storage behind a HashTable: the embedding and every slot, row-aligned, grown by doubling.
+"""The row storage behind a HashTable: the embedding and every slot, row-aligned, grown by doubling,
+with each row's id and metadata (``last_step``, ``count``).
 
-Row r of every column belongs to the id the table's id map gives row r; rows no id has taken hold
-nothing meaningful. The table owns one ``RowStorage`` and decides which rows to write; this class
+Row r of every column belongs to the id the table's id map gives row r (``row_ids[r]``); rows no id
+has taken hold nothing meaningful. The table owns one ``RowStorage`` and decides which rows to write; this class
 only keeps the columns aligned as they grow.
 """
 from __future__ import annotations
@@ -13,16 +14,23 @@ import torch
 from recsave.tables.memhint import advise_hugepages
 
 MIN_CAPACITY = 1024
+# Per-row metadata (int64): the table step of the row's last training lookup, and how many
+# training lookups it had. Saved as [rows, 1] columns next to the embedding.
+META_COLUMNS = ("last_step", "count")
 
 
 class RowStorage:
     """Columns ``weight`` ([capacity, dim]) and ``slots`` (name -> [capacity, dim]), with the value
-    each slot takes in newly initialised rows (``slot_init``)."""
+    each slot takes in newly initialised rows (``slot_init``); ``row_ids`` ([capacity] int64, the
+    id of each row) and ``meta`` (META_COLUMNS -> [capacity] int64)."""
 
     def __init__(self, dim: int, dtype: torch.dtype, device: torch.device):
         self.weight = torch.empty(0, dim, dtype=dtype, device=device)
         self.slots: Dict[str, torch.Tensor] = {}
         self.slot_init: Dict[str, float] = {}
+        self.row_ids = torch.empty(0, dtype=torch.int64, device=device)
+        self.meta: Dict[str, torch.Tensor] = {m: torch.empty(0, dtype=torch.int64, device=device)
+                                              for m in META_COLUMNS}
 
     @property
     def capacity(self) -> int:
@@ -52,35 +60,59 @@ class RowStorage:
         self.weight = _grow(self.weight, new_cap, huge_pages)
         for slot, storage in self.slots.items():
             self.slots[slot] = _grow(storage, new_cap, huge_pages)
+        self.row_ids = _grow(self.row_ids, new_cap, False)
+        self.meta = {m: _grow(t, new_cap, False) for m, t in self.meta.items()}
 
-    def init_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Writes `values` as the embedding of `rows` (on the storage's device) and every slot's
-        init value into them."""
+    def init_rows(self, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, step: int) -> None:
+        """Rows `rows` (on the storage's device) now hold `ids`: writes `values` as their
+        embedding, every slot's init value, last_step = `step` and count 0."""
         self.weight[rows] = values.to(device=self.weight.device, dtype=self.weight.dtype)
         for slot, storage in self.slots.items():
             storage[rows] = self.slot_init[slot]
+        self.row_ids[rows] = ids.to(self.row_ids.device)
+        self.meta["last_step"][rows] = step
+        self.meta["count"][rows] = 0
+
+    def touch(self, rows: torch.Tensor, step: int) -> None:
+        """A training lookup of `rows` (repeats count once each): count += 1, last_step = step."""
+        count = self.meta["count"]
+        count.index_add_(0, rows, torch.ones_like(rows))
+        self.meta["last_step"][rows] = step
+
+    def meta_columns(self) -> Dict[str, torch.Tensor]:
+        """The metadata as [capacity, 1] views (the layout of a saved column)."""
+        return {m: t.unsqueeze(1) for m, t in self.meta.items()}
 
     def restore_views(self, n: int, columns: List[str], initial: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Rows [0, n) of `columns` ('embedding' and / or slots, added if new) to restore into;
-        the other columns' rows [0, n) take their initial values (`initial` for the embedding).
+        """Rows [0, n) of `columns` ('embedding', slots (added if new) and / or META_COLUMNS,
+        whose views are [n, 1]) to restore into; the other columns' rows [0, n) take their initial
+        values (`initial` for the embedding, 0 for metadata).
         Grown on 4 KB pages: a huge page is zeroed whole before the read overwrites it (an extra
         pass over memory); call advise_hugepages() after the fill."""
         self.ensure_capacity(n, huge_pages=False)
         for slot in columns:
-            if slot != "embedding" and slot not in self.slots:
+            if slot != "embedding" and slot not in self.slots and slot not in self.meta:
                 self.add_slot(slot, 0.0)
         if "embedding" not in columns:
             self.weight[:n] = initial.to(device=self.weight.device, dtype=self.weight.dtype)
         for slot, storage in self.slots.items():
             if slot not in columns:
                 storage[:n] = self.slot_init[slot]
-        return {c: self.column(c)[:n] for c in columns}
+        for m, storage in self.meta.items():
+            if m not in columns:
+                storage[:n] = 0
+        return {c: self.meta[c][:n].unsqueeze(1) if c in self.meta else self.column(c)[:n] for c in columns}
 
     def gather(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies (CPU) of the embedding and of every slot at `rows`."""
         rows_d = rows.to(self.weight.device)
         values = self.weight.index_select(0, rows_d).cpu()
         return values, {s: t.index_select(0, rows_d).cpu() for s, t in self.slots.items()}
+
+    def gather_meta(self, rows: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Copies (CPU, [len(rows), 1]) of the metadata at `rows`."""
+        rows_d = rows.to(self.weight.device)
+        return {m: t.index_select(0, rows_d).unsqueeze(1).cpu() for m, t in self.meta.items()}
 
     def advise_hugepages(self) -> None:
         for storage in [self.weight, *self.slots.values()]:

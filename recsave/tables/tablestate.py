@@ -31,10 +31,11 @@ def module_path(key: str) -> str:
 
 
 def pack(table: Any) -> Dict[str, Any]:
-    """The rows of a pickled table: ids (row order), embedding rows, every slot, slot init values;
-    CPU tensors, no free rows."""
-    ids, values, slots = table.export()
-    return {"ids": ids, "embedding": values, "slots": slots,
+    """The rows of a pickled table: ids (row order), embedding rows, every slot, slot init values,
+    row metadata and the table step; CPU tensors, no free rows."""
+    ids, rows = table.id_rows()
+    values, slots = table.gather_rows(rows)
+    return {"ids": ids, "embedding": values, "slots": slots, "meta": table.row_meta(rows), "step": table.step,
             "slot_init": {s: table.slot_init(s) for s in table.slot_names()}}
 
 
@@ -42,7 +43,9 @@ def unpack(table: Any, packed: Dict[str, Any]) -> None:
     """Fills an empty, unpartitioned table from pack()'s output."""
     for slot, init in packed["slot_init"].items():
         table.add_slot(slot, init)
-    table.load_rows(packed["ids"], packed["embedding"], packed["slots"], clear=True)
+    # (older pickles have no metadata / step)
+    table.load_rows(packed["ids"], packed["embedding"], packed["slots"], clear=True, meta=packed.get("meta"))
+    table.step = packed.get("step", 0)
 
 
 def mismatch(table: Any, other: Any) -> Optional[str]:
@@ -63,8 +66,10 @@ def copy_from(table: Any, other: Any) -> None:
     for slot in other.slot_names():
         if slot not in staged.slot_names():
             staged.add_slot(slot, other.slot_init(slot))
-    ids, values, slots = other.export()
-    staged.load_rows(ids, values, slots, clear=True)
+    ids, rows = other.id_rows()
+    values, slots = other.gather_rows(rows)
+    staged.load_rows(ids, values, slots, clear=True, meta=other.row_meta(rows))
+    staged.step = other.step
     table.swap_contents(staged)
 
 
