@@ -212,7 +212,8 @@ class Saver:
         return path
 
     def _record_commit(self, ckpt_id: str, path: str, rank: int, seconds: float, stall: float,
-                   metrics: Optional[Dict[str, float]]) -> None:
+                       metrics: Optional[Dict[str, float]]) -> None:
+        """Sets last_save; rank 0 logs the commit."""
         info = SaveInfo(ckpt_id, path, step_of_id(ckpt_id), "full", self._checkpoints.last_bytes, seconds,
                         stall, metrics)
         self._last_save = info
