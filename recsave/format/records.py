@@ -208,6 +208,26 @@ class Meta:
         return out
 
 
+@dataclass(frozen=True)
+class Retention:
+    """The retention policy of the writer of an index (the optional top-level `retention`):
+    which committed checkpoints its output dir keeps (recsave/format/retention.py)."""
+    max_keep: Optional[int]
+    keep_every_n_steps: Optional[int] = None
+    keep_best: int = 0
+    best_metric: Optional[str] = None
+    best_mode: str = "max"
+
+    @property
+    def plain(self) -> bool:
+        """Only max_keep: what every Saver did before retention policies (not written to indexes)."""
+        return not self.keep_every_n_steps and not self.keep_best
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"max_keep": self.max_keep, "keep_every_n_steps": self.keep_every_n_steps,
+                "keep_best": self.keep_best, "best_metric": self.best_metric, "best_mode": self.best_mode}
+
+
 def _files_json(files: Mapping[str, FileEntry]) -> Dict[str, Any]:
     return {n: f.to_json() for n, f in files.items()}
 
@@ -255,6 +275,8 @@ class Index:
     tensors: Mapping[str, TensorEntry]
     meta: Optional[Meta]
     kind: str = KIND_FULL
+    metrics: Optional[Mapping[str, float]] = None
+    retention: Optional[Retention] = None
 
     def tensor(self, name: str) -> TensorEntry:
         """The entry of tensor `name` (KeyError when the index has none)."""
@@ -286,12 +308,12 @@ class Index:
         return dataclasses.replace(self, files={**self.files, **files})
 
     def to_json(self) -> Dict[str, Any]:
-        """The JSON object, keys in the order recsave writes them."""
+        """The JSON object, keys in the order recsave writes them (`kind` only when not "full",
+        `metrics` and `retention` only when set)."""
         out: Dict[str, Any] = {"magic": self.magic, "format_version": self.format_version}
         if self.kind != KIND_FULL:  # absent means "full": indexes of earlier releases stay byte-identical
             out["kind"] = self.kind
-        return {
-            **out,
+        out.update({
             "recsave_version": self.recsave_version,
             "created_at": self.created_at,
             "step": self.step,
@@ -300,7 +322,12 @@ class Index:
             "files": _files_json(self.files),
             "tensors": _tensors_json(self.tensors),
             "meta": self.meta.to_json() if self.meta is not None else {},
-        }
+        })
+        if self.metrics is not None:
+            out["metrics"] = dict(self.metrics)
+        if self.retention is not None:
+            out["retention"] = self.retention.to_json()
+        return out
 
 
 def _no_overlap(a: Mapping[str, Any], b: Mapping[str, Any], what: str) -> None:
