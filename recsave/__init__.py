@@ -9,6 +9,7 @@ from recsave.errors import (
                             ConfigError,
                             CorruptCheckpointError,
                             FormatVersionError,
+                            Preempted,
                             RankFailedError,
                             RecsaveError,
                             ShapeMismatchError,
@@ -18,6 +19,7 @@ from recsave.errors import (
 )
 from recsave.load.report import LoadedItem, LoadReport
 from recsave.manager import CheckpointManager
+from recsave.save.saveinfo import SaveInfo
 from recsave.save.saver import Saver
 from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.tables.interop import from_dcp_state_dict, to_dcp_state_dict
@@ -35,7 +37,8 @@ __all__ = [
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
-    "RankFailedError", "ArgumentTypeError", "compact", "describe",
+    "RankFailedError", "ArgumentTypeError", "Preempted", "SaveInfo", "compact",
+    "describe",
 ]
 
 _compat.install()

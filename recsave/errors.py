@@ -21,6 +21,7 @@ __all__ = [
     "ArgumentTypeError",
     "WriterLockedError",
     "RankFailedError",
+    "Preempted",
 ]
 
 
@@ -101,3 +102,21 @@ class RankFailedError(RecsaveError, RuntimeError):
     that the group cannot be used any more, False when every rank learnt of the failure."""
 
     collective_failed: bool = False
+
+
+class Preempted(SystemExit):
+    """Raised by CheckpointManager.step() / check_preemption() after a preemption signal (SIGTERM,
+    SIGUSR1): every rank saved and committed ``path`` (step ``step``) and the job should end now.
+
+    A SystemExit with code 143 (128 + SIGTERM), so that an uncaught one ends the process with the
+    status a scheduler expects from a job it terminated, and ``except Exception`` handlers in the
+    training loop do not swallow it. Not a RecsaveError for the same reason: it is no error."""
+
+    def __init__(self, message: str, *, path: Optional[str] = None, step: Optional[int] = None):
+        super().__init__(143)
+        self.message = message
+        self.path = path
+        self.step = step
+
+    def __str__(self) -> str:
+        return self.message

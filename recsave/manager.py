@@ -1,16 +1,28 @@
-"""CheckpointManager: autosave every N steps, restore by global step, warm start from a model bank."""
+"""CheckpointManager: autosave every N steps or seconds, save and exit on preemption, retention,
+restore by global step, warm start from a model bank."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import logging
+import math
+import signal
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from recsave.argcheck import check
-from recsave.errors import CheckpointNotFoundError, UsageError
+from recsave.errors import ArgumentTypeError, CheckpointNotFoundError, Preempted, UsageError
+from recsave.format import retention
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
+from recsave.save.preemption import PreemptionFlag
+from recsave.save.saveinfo import SaveInfo
 from recsave.save.saver import Saver
+from recsave.storage import dist
 
 GLOBAL_STEP = "global_step"
 ASYNC_MODES = ("disabled", "async", "async_pinned")
+EVICT_KEYS = ("older_than_steps", "min_count")
 
 
 class _StepState:
@@ -32,22 +44,60 @@ class _StepState:
 class CheckpointManager:
     """Drives a Saver from the training loop. Checkpoint ids are ``ckpt_<global_step>``.
 
-    Call step() once per training step; every `save_interval` steps it saves (0 disables autosave).
-    `async_mode`: ``disabled`` saves synchronously; ``async`` makes autosaves Saver.async_save
-    calls (training waits only for the snapshot); ``async_pinned`` also stages CUDA tensors in
-    page-locked memory. Call wait() or close() at the end of training (save() waits by default).
+    Call step() once per training step (on every rank, in the same order). It saves every
+    `save_interval` steps (0: not by steps) and, with `save_interval_seconds`, when that much time
+    has passed since the last save by rank 0's `clock` (every rank follows rank 0's decision).
+    `async_mode`: ``disabled`` saves synchronously; ``async`` makes autosaves Saver.async_save calls
+    (training waits only for the snapshot); ``async_pinned`` also stages CUDA tensors in page-locked
+    memory. Call wait() or close() at the end of training (save() waits by default).
+
+    With `save_on_preemption` (default), SIGTERM and SIGUSR1 (handlers installed from the main
+    thread, restored by close()) make the next step() or check_preemption() save on every rank,
+    wait for the commit and raise recsave.Preempted (a SystemExit, code 143).
+
+    Retention: besides the Saver's max_keep, `keep_every_n_steps` keeps the first checkpoint of
+    every window of that many steps, and `keep_best` the ones with the best value of metric
+    `best_metric` (passed to step(metrics=...) / save(metrics=...); `best_mode` "max" or "min").
+    `clock` (default time.monotonic) exists for tests.
     """
 
-    def __init__(self, saver: Saver, save_interval: int, async_mode: str = "disabled"):
-        check(saver, Saver, "saver", "CheckpointManager", expected="a recsave.Saver")
-        check(save_interval, int, "save_interval", "CheckpointManager")
-        check(async_mode, str, "async_mode", "CheckpointManager")
+    def __init__(self, saver: Saver, save_interval: int, *, async_mode: str = "disabled",
+                 save_interval_seconds: Optional[float] = None, full_every: Optional[int] = None,
+                 rebase_ratio: float = 0.3, keep_every_n_steps: Optional[int] = None, keep_best: int = 0,
+                 best_metric: Optional[str] = None, best_mode: str = "max",
+                 evict: Optional[Dict[str, int]] = None, save_on_preemption: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        where = "CheckpointManager"
+        check(saver, Saver, "saver", where, expected="a recsave.Saver")
+        check(save_interval, int, "save_interval", where)
+        check(async_mode, str, "async_mode", where)
+        check(save_interval_seconds, (int, float), "save_interval_seconds", where, optional=True)
+        check(keep_every_n_steps, int, "keep_every_n_steps", where, optional=True)
+        check(keep_best, int, "keep_best", where)
+        check(best_metric, str, "best_metric", where, optional=True)
+        check(best_mode, str, "best_mode", where)
+        check(save_on_preemption, bool, "save_on_preemption", where)
+        if not callable(clock):
+            raise ArgumentTypeError(f"{where}: clock must be a callable returning seconds, got "
+                                    f"{type(clock).__name__}", key="clock")
         if save_interval < 0:
             raise UsageError(f"save_interval must be an int >= 0 (0: no autosave), got {save_interval!r}")
         if async_mode not in ASYNC_MODES:
             raise UsageError(f"async_mode must be one of {ASYNC_MODES}, got {async_mode!r}")
+        if save_interval_seconds is not None and not (math.isfinite(save_interval_seconds)
+                                                      and save_interval_seconds > 0):
+            raise UsageError(f"save_interval_seconds must be a number > 0 or None, got {save_interval_seconds!r}")
+        retention.check_policy(where, keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
+                               best_metric=best_metric, best_mode=best_mode)
+        self.full_every, self.rebase_ratio, self.evict = _incremental_settings(full_every, rebase_ratio, evict)
         self.saver = saver
         self.async_mode = async_mode
+        self.save_interval_seconds = save_interval_seconds
+        self.keep_every_n_steps, self.keep_best = keep_every_n_steps, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.save_on_preemption = save_on_preemption
+        self.clock = clock
+        self.preempted = False
         self._save_interval = save_interval
         self._global_step = 0
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
@@ -55,6 +105,17 @@ class CheckpointManager:
         # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
         # step from the checkpoint id).
         saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self), optional=True)
+        saver.set_retention(keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
+                            best_metric=best_metric, best_mode=best_mode)
+        self._last_save_at = clock()
+        self._preemption = PreemptionFlag()
+        # A manager dropped without close() puts the previous handlers back when collected (on the
+        # main thread: elsewhere signal handlers cannot be changed).
+        weakref.finalize(self, self._preemption.uninstall)
+        if save_on_preemption and not self._preemption.install():
+            warnings.warn("CheckpointManager was created outside the main thread: SIGTERM / SIGUSR1 "
+                          "handlers cannot be installed, so a preemption signal ends the process without a "
+                          "save; create the manager on the main thread", RuntimeWarning, stacklevel=2)
 
     @property
     def global_step(self) -> int:
@@ -75,27 +136,74 @@ class CheckpointManager:
         """Saver.register_for_checkpointing (see there for `optional`)."""
         self.saver.register_for_checkpointing(name, obj, optional=optional)
 
-    def step(self) -> Optional[str]:
-        """Advances the global step; saves when it reaches a multiple of save_interval (returns the
-        checkpoint path then, else None). In an async mode the save is only started: training waits
-        for the snapshot (and for the previous write, if it is still running)."""
+    @property
+    def last_save(self) -> Optional[SaveInfo]:
+        """The Saver's last committed save (Saver.last_save)."""
+        return self.saver.last_save
+
+    def step(self, metrics: Optional[Mapping[str, float]] = None) -> Optional[str]:
+        """Advances the global step; saves when it reaches a multiple of save_interval, or when
+        save_interval_seconds have passed since the last save (rank 0's clock decides); returns the
+        checkpoint path then, else None. `metrics` go into the checkpoint this step saves. In an
+        async mode the save is only started: training waits for the snapshot (and for the previous
+        write, if it is still running).
+
+        After a preemption signal on any rank, every rank saves, waits for the commit and raises
+        Preempted. With several ranks, one small all_reduce per call carries rank 0's time decision
+        and the preemption flags (none when only save_interval is used and save_on_preemption is off)."""
+        values = retention.check_metrics("CheckpointManager.step", metrics)
         self._global_step += 1
-        if self._save_interval and self._global_step % self._save_interval == 0:
-            return self.save(wait=False)
+        by_steps = bool(self._save_interval) and self._global_step % self._save_interval == 0
+        by_time, preempt = self._agree()
+        if preempt:
+            self._preempt(values)
+        if by_steps or by_time:
+            return self.save(wait=False, metrics=values)
         return None
 
-    def save(self, wait: bool = True) -> str:
+    def check_preemption(self) -> None:
+        """For loops that run long without step() (e.g. evaluation): when any rank got a preemption
+        signal, every rank saves ``ckpt_<global_step>``, waits for the commit and raises Preempted.
+        Call it on every rank at the same points (it is a collective, like step())."""
+        if self._agree(time_check=False)[1]:
+            self._preempt(None)
+
+    def _agree(self, time_check: bool = True) -> Tuple[bool, bool]:
+        """(save now by time, preempted): rank 0's clock decides the first, any rank's signal the
+        second; one all_reduce (MAX) of both when several ranks run."""
+        interval = self.save_interval_seconds if time_check else None
+        if interval is None and not self.save_on_preemption:
+            return False, False
+        rank, world = dist.resolve() if dist.initialized() else (0, 1)  # alone: its own clock decides
+        due = interval is not None and rank == 0 and self.clock() - self._last_save_at >= interval
+        agreed = dist.max_over_ranks([int(due), int(self._preemption.is_set)], world,
+                                     f"CheckpointManager step {self._global_step}: agreeing on a save")
+        return bool(agreed[0]), bool(agreed[1])
+
+    def _preempt(self, metrics: Optional[Dict[str, float]]) -> None:
+        self.preempted = True
+        path = self.save(wait=True, metrics=metrics)
+        signum = self._preemption.signum
+        why = f"signal {signal.Signals(signum).name}" if signum is not None else "another rank's preemption signal"
+        message = (f"preempted ({why}): saved and committed {path} (global step {self._global_step}); "
+                   f"exiting with status 143; restore() resumes from it")
+        logging.getLogger("recsave").warning("recsave: %s", message)
+        raise Preempted(message, path=path, step=self._global_step)
+
+    def save(self, wait: bool = True, metrics: Optional[Mapping[str, float]] = None) -> str:
         """Saves ``ckpt_<global_step>`` now; returns its path. If the latest checkpoint (or the one
         being written in the background) is this step already, returns it without saving again; an
         older committed checkpoint of this step (after restoring an earlier step) raises
-        CheckpointExistsError.
+        CheckpointExistsError. `metrics` (name -> float) are stored in its index (keep_best).
 
         In an async mode, `wait` (default) waits until it is committed — the save at the end of
         training; with wait=False it returns once the snapshot is taken."""
         check(wait, bool, "wait", "CheckpointManager.save")
+        values = retention.check_metrics("CheckpointManager.save", metrics)
         saver = self.saver
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
+        self._last_save_at = self.clock()
         if saver.pending_checkpoint == ckpt_id:  # written in the background already
             if wait:
                 saver.wait()
@@ -104,9 +212,12 @@ class CheckpointManager:
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
                 and ckpt_id not in saver.damaged_checkpoints:
             return latest
+        # ---- LEAD: incremental checkpoints are wired here (and only here): decide full vs delta
+        # ---- from self.full_every / self.rebase_ratio and evict rows by self.evict before the
+        # ---- snapshot. Until then every save is full.
         if self.async_mode == "disabled":
-            return saver.save(ckpt_id)
-        saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned")
+            return saver.save(ckpt_id, metrics=values)
+        saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned", metrics=values)
         if wait:
             saver.wait()
         return ckpt_dir
@@ -117,8 +228,12 @@ class CheckpointManager:
         return self.saver.wait()
 
     def close(self) -> None:
-        """Waits for a background write (raising its error) and releases the Saver's resources."""
-        self.saver.close()
+        """Waits for a background write (raising its error), releases the Saver's resources and puts
+        back the signal handlers that were installed before this manager's."""
+        try:
+            self.saver.close()
+        finally:
+            self._preemption.uninstall()
 
     def restore(self, global_step: Optional[int] = None, fallback: bool = True) -> int:
         """Loads ``ckpt_<global_step>``, or the latest committed checkpoint; returns the global step.
@@ -186,3 +301,29 @@ class CheckpointManager:
             loaded[i] = current[i]
         return report
 
+
+
+def _incremental_settings(full_every: Any, rebase_ratio: Any, evict: Any) -> Tuple[Optional[int], float,
+                                                                                  Optional[Dict[str, int]]]:
+    """Checks the settings of incremental checkpoints (wired in CheckpointManager.save)."""
+    where = "CheckpointManager"
+    check(full_every, int, "full_every", where, optional=True)
+    check(rebase_ratio, (int, float), "rebase_ratio", where)
+    check(evict, dict, "evict", where, optional=True,
+          expected="a dict like {'older_than_steps': N, 'min_count': M}")
+    if full_every is not None and full_every < 1:
+        raise UsageError(f"{where}: full_every must be an int >= 1 or None, got {full_every!r}")
+    if not (math.isfinite(rebase_ratio) and rebase_ratio > 0):
+        raise UsageError(f"{where}: rebase_ratio must be a finite number > 0, got {rebase_ratio!r}")
+    if evict is not None:
+        odd = sorted(repr(k) for k in evict if k not in EVICT_KEYS)
+        if odd or not evict:
+            raise UsageError(f"{where}: evict takes the keys {EVICT_KEYS} (at least one), got "
+                             f"{sorted(map(repr, evict))}", key="evict")
+        for key, value in evict.items():
+            check(value, int, f"evict[{key!r}]", where)
+            if value < (1 if key == "min_count" else 0):
+                raise UsageError(f"{where}: evict[{key!r}] must be an int >= {1 if key == 'min_count' else 0}, "
+                                 f"got {value!r}", key="evict")
+        evict = dict(evict)
+    return full_every, rebase_ratio, evict

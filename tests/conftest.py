@@ -1,6 +1,8 @@
 """Shared fixtures. Every test writes under tmp_path; nothing touches the working directory."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -13,6 +15,17 @@ def _no_fsync():
     slow disks; tests that are about durability re-enable it explicitly."""
     with recsave.knobs.override(fsync=False):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """A CheckpointManager installs SIGTERM / SIGUSR1 handlers until close(); tests that never close
+    theirs must not leave the test process unable to be terminated."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 def all_dtype_tensors(seed: int = 0) -> dict:

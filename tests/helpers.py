@@ -147,7 +147,7 @@ def make_job(output_dir: str, *, max_keep: Optional[int] = 3, save_interval: Opt
     if register:
         saver.register_for_checkpointing("dense_opt", dense_opt)
         saver.register_io_state("reader", reader)
-    manager = CheckpointManager(saver, save_interval, async_mode) if save_interval is not None else None
+    manager = CheckpointManager(saver, save_interval, async_mode=async_mode) if save_interval is not None else None
     return Job(model, sparse_opt, dense_opt, reader, saver, manager)
 
 

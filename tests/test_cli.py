@@ -153,8 +153,9 @@ def test_ls_json(output_dir, capsys):
     assert [c["id"] for c in doc["checkpoints"]] == ["ckpt_2", "ckpt_4"]
     assert [c["step"] for c in doc["checkpoints"]] == [2, 4]
     for c in doc["checkpoints"]:
-        assert sorted(c) == ["age_s", "bytes", "created_at", "id", "path", "step"]
+        assert sorted(c) == ["age_s", "bytes", "created_at", "id", "kept", "metrics", "path", "step"]
         assert c["path"] == str(output_dir / c["id"]) and c["bytes"] > 0
+        assert c["kept"] == ["latest"] and c["metrics"] is None
 
 
 def test_ls_json_of_an_empty_output_dir(tmp_path, capsys):

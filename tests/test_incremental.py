@@ -297,12 +297,18 @@ def test_max_keep_keeps_the_chain_and_gc_agrees(tmp_path):
         job.step(batch=4)
         job.saver.save(f"ckpt_{k}", incremental=True)
     st = recsave.storage.get_storage(out)
-    assert ckptlist.read(st, out) == ["ckpt_3", "ckpt_4"]
+    # the two latest, and the chain they need (listed: `recsave ls` says why each is kept)
+    assert ckptlist.read(st, out) == [f"ckpt_{k}" for k in range(5)]
+    kept = {c["id"]: c["kept"] for c in recsave.tools.catalog.list_checkpoints(out)}
+    assert "latest" in kept["ckpt_4"] and "needed by ckpt_1" in kept["ckpt_0"]
     on_disk = sorted(n for n in os.listdir(out) if n.startswith("ckpt_"))
     assert on_disk == [f"ckpt_{k}" for k in range(5)]  # ckpt_3 needs all of them
     job.saver.close()
     assert recsave.tools.catalog.collect_garbage(out) == []
     assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == on_disk
+    # Unlisted chain members (a list rewritten by hand) are still never deleted while needed
+    ckptlist.write(st, out, ["ckpt_3", "ckpt_4"])
+    assert ckptlist.collect_garbage(st, out, ["ckpt_3", "ckpt_4"]) == []
     # A full save starts a new chain: the old one goes once no kept checkpoint needs it
     job.saver.save("ckpt_5")
     job.step(batch=4)
@@ -381,7 +387,7 @@ def test_delta_chain_on_fsspec_memory(tmp_path):
         job.saver.save(f"ckpt_{k}", incremental=True)
         assert job.saver.last_save_kind == "delta"
         states[k] = job.state()
-    assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_2"]
+    assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_0", "ckpt_1", "ckpt_2"]  # the chain
     assert recsave.describe(out)["chain"] == ["ckpt_0", "ckpt_1", "ckpt_2"]
     assert_same(states[2], restored(out, "ckpt_2").state(), "memory://")
 

@@ -92,6 +92,13 @@ def needed_by(storage: Storage, output_dir: str, ids: Iterable[str]) -> Set[str]
     return needed
 
 
+def parent_ids(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
+    """The checkpoints `ckpt_id` depends on directly: [its parent] for a delta, [] otherwise (the
+    `depends_on` hook of format/retention.py, which follows it transitively)."""
+    parent = _parent_id(storage, storage.join(output_dir, ckpt_id))
+    return [parent] if parent is not None else []
+
+
 def _reachable(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
     out: List[str] = []
     current: Optional[str] = ckpt_id

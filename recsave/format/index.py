@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import knobs
@@ -28,6 +29,7 @@ from recsave.format.records import (
     Meta,
     Parent,
     Partition,
+    Retention,
     TableMeta,
     TensorEntry,
 )
@@ -46,7 +48,8 @@ def new_part(rank: int) -> IndexPart:
 
 def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
                 partition: Optional[Partition] = None, meta: Optional[Meta] = None,
-                world_size: Optional[int] = None) -> Index:
+                world_size: Optional[int] = None, metrics: Optional[Mapping[str, float]] = None,
+                retention: Optional[Retention] = None) -> Index:
     """Merges per-rank parts into one index: files united, chunks of a tensor concatenated in rank
     order with their rows renumbered."""
     ordered = sorted(parts, key=lambda p: p.rank)
@@ -90,6 +93,8 @@ def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
         files=files,
         tensors=tensors,
         meta=meta,
+        metrics=None if metrics is None else dict(metrics),
+        retention=retention,
     )
 
 
@@ -166,7 +171,9 @@ def validate(index: Any, path: str) -> Index:
                                      f"tensor {name}@tombstone holds {tensors[f'{name}@tombstone'].shape}")
     return Index(magic=MAGIC, format_version=version, recsave_version=index["recsave_version"],
                  created_at=index["created_at"], step=step, world_size=world_size, partition=partition,
-                 files=files, tensors=tensors, meta=meta, kind=kind, parent=parent, base=base)
+                 files=files, tensors=tensors, meta=meta, kind=kind, parent=parent, base=base,
+                 metrics=_parse_metrics(index.get("metrics"), path),
+                 retention=_parse_retention(index.get("retention"), path))
 
 
 def _parse_chain(index: Dict[str, Any], kind: str, version: int, path: str) -> Tuple[Optional[Parent], Optional[str]]:
@@ -186,6 +193,42 @@ def _parse_chain(index: Dict[str, Any], kind: str, version: int, path: str) -> T
                     checks.as_int(raw.get("crc32c"), "parent crc32c", path, hi=0xFFFFFFFF))
     base = checks.as_plain_name(index.get("base"), "base id", path)
     return parent, base
+
+
+def _parse_metrics(metrics: Any, path: str) -> Optional[Dict[str, float]]:
+    """The optional `metrics` object: metric name -> finite number (absent: None)."""
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict):
+        raise checks.corrupt(path, f"index 'metrics' must be an object of name -> number, found {metrics!r}")
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise checks.corrupt(path, f"metric {name!r} must be a finite number, found {value!r}")
+    return dict(metrics)
+
+
+def _parse_retention(retention: Any, path: str) -> Optional[Retention]:
+    """The optional `retention` object: the writer's retention policy (absent: None)."""
+    if retention is None:
+        return None
+
+    def bad(detail: str) -> Exception:
+        return checks.corrupt(path, f"index 'retention' is not a retention policy ({detail})")
+
+    if not isinstance(retention, dict):
+        raise bad("not an object")
+    max_keep, every = retention.get("max_keep"), retention.get("keep_every_n_steps")
+    best, metric, mode = retention.get("keep_best", 0), retention.get("best_metric"), retention.get("best_mode", "max")
+    for name, value in (("max_keep", max_keep), ("keep_every_n_steps", every)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise bad(f"{name} must be an int >= 1 or null, found {value!r}")
+    if type(best) is not int or best < 0:
+        raise bad(f"keep_best must be an int >= 0, found {best!r}")
+    if metric is not None and not isinstance(metric, str):
+        raise bad(f"best_metric must be a string or null, found {metric!r}")
+    if mode not in ("max", "min"):
+        raise bad(f"best_mode must be 'max' or 'min', found {mode!r}")
+    return Retention(max_keep, every, best, metric, mode)
 
 
 def _parse_partition(partition: Any, path: str) -> Optional[Partition]:

@@ -221,6 +221,26 @@ class Meta:
         return out
 
 
+@dataclass(frozen=True)
+class Retention:
+    """The retention policy of the writer of an index (the optional top-level `retention`):
+    which committed checkpoints its output dir keeps (recsave/format/retention.py)."""
+    max_keep: Optional[int]
+    keep_every_n_steps: Optional[int] = None
+    keep_best: int = 0
+    best_metric: Optional[str] = None
+    best_mode: str = "max"
+
+    @property
+    def plain(self) -> bool:
+        """Only max_keep: what every Saver did before retention policies (not written to indexes)."""
+        return not self.keep_every_n_steps and not self.keep_best
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"max_keep": self.max_keep, "keep_every_n_steps": self.keep_every_n_steps,
+                "keep_best": self.keep_best, "best_metric": self.best_metric, "best_mode": self.best_mode}
+
+
 def _files_json(files: Mapping[str, FileEntry]) -> Dict[str, Any]:
     return {n: f.to_json() for n, f in files.items()}
 
@@ -285,6 +305,8 @@ class Index:
     @property
     def is_delta(self) -> bool:
         return self.kind == KIND_DELTA
+    metrics: Optional[Mapping[str, float]] = None
+    retention: Optional[Retention] = None
 
     def tensor(self, name: str) -> TensorEntry:
         """The entry of tensor `name` (KeyError when the index has none)."""
@@ -317,7 +339,8 @@ class Index:
 
     def to_json(self) -> Dict[str, Any]:
         """The JSON object, keys in the order recsave writes them (`kind` only when it is not
-        "full", so that full indexes read as they always did; `parent` and `base` of a delta last)."""
+        "full", so that full indexes read as they always did; a delta's `parent` and `base`, then
+        `metrics` and `retention` only when set, last)."""
         out: Dict[str, Any] = {"magic": self.magic, "format_version": self.format_version}
         if self.kind != KIND_FULL:  # absent means "full": indexes of earlier releases stay byte-identical
             out["kind"] = self.kind
@@ -335,6 +358,10 @@ class Index:
             out["parent"] = self.parent.to_json()
         if self.base is not None:
             out["base"] = self.base
+        if self.metrics is not None:
+            out["metrics"] = dict(self.metrics)
+        if self.retention is not None:
+            out["retention"] = self.retention.to_json()
         return out
 
 

@@ -8,14 +8,14 @@ import re
 import warnings
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import knobs, threads
 from recsave.errors import CheckpointExistsError
-from recsave.format import ckptlist, torchio
+from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
-from recsave.format.records import IndexPart, Partition
+from recsave.format.records import IndexPart, Partition, Retention
 from recsave.format.writer import write_shards
 from recsave.load import contents
 from recsave.save import delta
@@ -30,6 +30,12 @@ MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
 _STEP_ID = re.compile(r"ckpt_(\d+)\Z")
 
 
+def step_of_id(ckpt_id: str) -> Optional[int]:
+    """The step a checkpoint id names (``ckpt_<N>``), else None."""
+    m = _STEP_ID.match(ckpt_id)
+    return int(m.group(1)) if m else None
+
+
 def io_state_file(rank: int) -> str:
     return f"io_state_{rank}.pt"
 
@@ -42,7 +48,8 @@ class _Made:
 
 
 class CheckpointWriter:
-    """Writes checkpoints into `output_dir` and keeps its `checkpoint` list and max_keep rotation.
+    """Writes checkpoints into `output_dir` and keeps its `checkpoint` list and rotation: max_keep,
+    keep_every_n_steps, keep_best (format/retention.py).
 
     Holds the output dir's writer lock from the first write until close(). `damaged` holds ids of
     committed checkpoints found unloadable (by a fallback load): the next write of such an id
@@ -55,13 +62,29 @@ class CheckpointWriter:
         self.max_keep = max_keep
         self.concurrency = concurrency
         self.num_buckets = num_buckets
+        self.keep_every_n_steps: Optional[int] = None
+        self.keep_best = 0
+        self.best_metric: Optional[str] = None
+        self.best_mode = "max"
+        # Ids a checkpoint needs (kept with it by rotation): a delta's parent (format/chain.py).
+        self.depends_on: Callable[[str], Iterable[str]] = lambda ckpt_id: chain.parent_ids(storage, output_dir,
+                                                                                           ckpt_id)
+        self.last_bytes = 0  # bytes of the last committed checkpoint this rank knows of (write())
+        self._facts: Dict[str, Tuple[Optional[int], Optional[Mapping[str, float]]]] = {}  # id -> step, metrics
         self.damaged: Set[str] = set()
         self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
         self._warned_newer: Set[str] = set()
 
-    def write(self, ckpt_id: str, state: SaveState, rank: int, world: int) -> str:
+    @property
+    def retention(self) -> Retention:
+        """The retention settings in force (recorded in each index unless only max_keep is set)."""
+        return Retention(self.max_keep, self.keep_every_n_steps, self.keep_best, self.best_metric, self.best_mode)
+
+    def write(self, ckpt_id: str, state: SaveState, rank: int, world: int,
+              metrics: Optional[Mapping[str, float]] = None) -> str:
         """Writes `state` as checkpoint `ckpt_id` on every rank and commits it; returns its path.
+        `metrics` (rank 0's) go into the index.
         On failure every rank removes the files and directory it created, then rank 0 the partial
         directory (_clean_up_failed); the previous checkpoint stays latest."""
         ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
@@ -75,14 +98,17 @@ class CheckpointWriter:
                                        lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
             parts = dist.gather_objects(mine, world)
             stage = "commit"
-            dist.run_everywhere(f"committing {ckpt_dir}",
-                                lambda: self._commit(ckpt_dir, ckpt_id, parts, state, world),
-                                world, only_rank0=True, rank=rank)
+            committed = dist.run_everywhere(f"committing {ckpt_dir}",
+                                            lambda: self._commit(ckpt_dir, ckpt_id, parts, state, world, metrics),
+                                            world, only_rank0=True, rank=rank)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
                 self._clean_up_failed(ckpt_dir, ckpt_id, made, rank, world, stage == "commit",
                                       not getattr(exc, "collective_failed", False))
             raise
+        # Rank 0 knows every file's size; the others know the files of every rank but model.pt etc.
+        self.last_bytes = committed if committed is not None else \
+            sum(f.size for part, _ in parts for f in part.files.values())
         return ckpt_dir
 
     def _clean_up_failed(self, ckpt_dir: str, ckpt_id: str, made: "_Made", rank: int, world: int,
@@ -215,7 +241,9 @@ class CheckpointWriter:
 
     def _commit(self, ckpt_dir: str, ckpt_id: str,
                 gathered: Sequence[Tuple[IndexPart, Dict[str, Tuple[int, int]]]],
-                state: SaveState, world: int) -> None:
+                state: SaveState, world: int, metrics: Optional[Mapping[str, float]]) -> int:
+        """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
+        rotates; returns the checkpoint's bytes."""
         st = self.storage
         parts = [part for part, _ in gathered]
         rows: Dict[str, int] = {}
@@ -233,25 +261,43 @@ class CheckpointWriter:
         meta = contents.index_meta(state.tables, state.dense, state.extras, state.io_state, world, rows)
         index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
                                       partition=Partition(partition.SCHEME, self.num_buckets),
-                                      meta=meta)
+                                      meta=meta, metrics=metrics,
+                                      retention=None if self.retention.plain else self.retention)
         index = delta.with_tables(index, state, tombstones)
         if state.parent is not None:
             index = delta.as_delta(st, self.output_dir, index, state.parent)
         index = index.with_files(files)
         index_mod.write(ckpt_dir, index, storage=st)
+        self._facts[ckpt_id] = (index.step, index.metrics)
         self._publish(ckpt_id)
+        return index.total_bytes
 
     def _publish(self, ckpt_id: str) -> None:
-        """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what fell out
-        of max_keep and leftovers of crashed saves. Never deletes the checkpoint just written."""
+        """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what the
+        retention selection (format/retention.py) does not keep and leftovers of crashed saves.
+        Never deletes the checkpoint just written."""
         st, out = self.storage, self.output_dir
         listing = ckptlist.committed(st, out, rewrite=True, warned=self.list_warnings, being_written=ckpt_id)
         ids: List[str] = [i for i in listing.ids if i != ckpt_id] + [ckpt_id]
-        keep = ids if self.max_keep is None else ids[-self.max_keep:]
-        keep = [i for i in ids if i in keep or self._written_by_newer(i)]
+        kept = retention.select_by(ids, self.retention, step_of=lambda i: self._fact(i)[0],
+                                   metrics_of=lambda i: self._fact(i)[1], depends_on=self.depends_on)
+        keep = [i for i in ids if i in kept or self._written_by_newer(i)]
+        for gone in set(self._facts) - set(keep):
+            del self._facts[gone]
         ckptlist.write(st, out, keep)
         # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
         ckptlist.collect_garbage(st, out, keep)
+
+    def _fact(self, ckpt_id: str) -> Tuple[Optional[int], Optional[Mapping[str, float]]]:
+        """(step, metrics) of a committed checkpoint, from its index (read once: indexes never
+        change); (None, None) when it cannot be read."""
+        if ckpt_id not in self._facts:
+            try:
+                index = index_mod.read(self.storage.join(self.output_dir, ckpt_id), self.storage)
+                self._facts[ckpt_id] = (index.step, index.metrics)
+            except Exception:  # damaged or newer: no step, no metrics (kept by other rules)
+                return None, None
+        return self._facts[ckpt_id]
 
     def _written_by_newer(self, ckpt_id: str) -> bool:
         """Whether a checkpoint falling out of max_keep was written by a newer recsave: rotation

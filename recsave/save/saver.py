@@ -3,9 +3,10 @@ its dense state with torch.save (save/pipeline.py writes and commits), and loads
 (load/). docs/ARCHITECTURE.md shows how the layers fit."""
 from __future__ import annotations
 
+import time
 import warnings
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -13,8 +14,9 @@ from recsave import knobs
 from recsave.argcheck import check
 from recsave.argcheck import fail as type_error
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
-from recsave.format import ckptlist
+from recsave.format import ckptlist, retention
 from recsave.format import index as index_mod
+from recsave.format.records import Retention
 from recsave.load import contents
 from recsave.load.config import SPARSE_OPTIM
 from recsave.load.execute import execute, load_entries
@@ -22,7 +24,8 @@ from recsave.load.plan import LoadPlan, LoadTarget, plan_entries
 from recsave.load.report import LoadReport
 from recsave.save import delta
 from recsave.save.background import BackgroundWrite
-from recsave.save.pipeline import CheckpointWriter
+from recsave.save.pipeline import CheckpointWriter, step_of_id
+from recsave.save.saveinfo import SaveInfo, log_commit
 from recsave.save.snapshot import SaveState, Stager, capture
 from recsave.storage import Storage, dist, get_storage
 from recsave.tables import partition
@@ -58,6 +61,7 @@ class Saver:
         self._extra_data: Dict[str, Any] = {}
         self._stager: Optional[Stager] = None  # host buffers of async saves, reused
         self._background = BackgroundWrite()
+        self._last_save: Optional[SaveInfo] = None
         self._baseline: Optional[delta.Baseline] = None  # what the next delta is relative to
         self.last_save_kind: Optional[str] = None  # "full" or "delta": what the last save wrote
         if sparse_optim is not None:
@@ -76,6 +80,34 @@ class Saver:
         if value is not None and value < 1:
             raise UsageError(f"max_keep must be a positive int or None (keep all), got {value!r}")
         self._checkpoints.max_keep = value
+
+    def set_retention(self, *, keep_every_n_steps: Optional[int] = None, keep_best: int = 0,
+                      best_metric: Optional[str] = None, best_mode: str = "max") -> None:
+        """Retention beyond max_keep (CheckpointManager sets it): rotation also keeps the first
+        checkpoint of every window of `keep_every_n_steps` steps and the `keep_best` ones with the
+        best value of metric `best_metric` (``save(metrics=...)``; `best_mode` "max" or "min").
+        Applies from the next commit; ``recsave gc`` and ``recsave ls`` follow the settings
+        recorded in the latest checkpoint's index (docs/FORMAT.md)."""
+        where = "Saver.set_retention"
+        check(keep_every_n_steps, int, "keep_every_n_steps", where, optional=True)
+        check(keep_best, int, "keep_best", where)
+        check(best_metric, str, "best_metric", where, optional=True)
+        check(best_mode, str, "best_mode", where)
+        retention.check_policy(where, keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
+                               best_metric=best_metric, best_mode=best_mode)
+        w = self._checkpoints
+        w.keep_every_n_steps, w.keep_best, w.best_metric, w.best_mode = \
+            keep_every_n_steps, keep_best, best_metric, best_mode
+
+    @property
+    def retention(self) -> Retention:
+        """The retention settings in force (max_keep and those of set_retention)."""
+        return self._checkpoints.retention
+
+    @property
+    def last_save(self) -> Optional[SaveInfo]:
+        """The last save of this Saver that committed (an async one once its write is done)."""
+        return self._last_save
 
     @property
     def concurrency(self) -> int:
@@ -164,7 +196,7 @@ class Saver:
 
     # -------------------------------------------------------------------------------------- save
     def save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
-             incremental: bool = False) -> str:
+             metrics: Optional[Mapping[str, float]] = None, incremental: bool = False) -> str:
         """Writes checkpoint `ckpt_id` under output_dir and commits it; returns its path.
 
         With `incremental`, the checkpoint is a delta of this Saver's latest checkpoint (saved or
@@ -177,24 +209,40 @@ class Saver:
         model.pt, extra.pt, the index (the commit point) and the `checkpoint` list, then pruning.
         On failure the partial directory is removed and the previous checkpoint stays latest.
         A pending async_save is waited for first; if it failed, its error is raised here.
+        `metrics` (name -> float; rank 0's count) are stored in the index, for keep_best.
         """
+        start = time.monotonic()
         check(incremental, bool, "incremental", "save")
         rank, world = self._save_args("save", ckpt_id, shard_id, shard_num)
+        values = retention.check_metrics("save", metrics)
         self._background.collect(consume=True)
         state, after = self._capture(rank, world, None, incremental)
-        return self._write(ckpt_id, state, rank, world, after)
+        path = self._write(ckpt_id, state, rank, world, values, after)
+        elapsed = time.monotonic() - start
+        self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values, state.parent is not None)
+        return path
 
-    def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int,
+    def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int, values: Optional[Dict[str, float]],
                after: Callable[[str], delta.Baseline]) -> str:
         """Writes and commits; on success the baseline of the next delta is this checkpoint, on
         failure it is unknown (the next incremental save is full)."""
         self._baseline = None
-        path = self._checkpoints.write(ckpt_id, state, rank, world)
+        path = self._checkpoints.write(ckpt_id, state, rank, world, values)
         self._baseline = after(ckpt_id)
         return path
 
+    def _record_commit(self, ckpt_id: str, path: str, rank: int, seconds: float, stall: float,
+                       metrics: Optional[Dict[str, float]], is_delta: bool = False) -> None:
+        """Sets last_save; rank 0 logs the commit."""
+        info = SaveInfo(ckpt_id, path, step_of_id(ckpt_id), "delta" if is_delta else "full",
+                        self._checkpoints.last_bytes, seconds, stall, metrics)
+        self._last_save = info
+        if rank == 0:
+            log_commit(info)
+
     def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
-                   pinned: bool = False, incremental: bool = False) -> Tuple[Future, Future]:
+                   pinned: bool = False, metrics: Optional[Mapping[str, float]] = None,
+                   incremental: bool = False) -> Tuple[Future, Future]:
         """Saves like save(), but returns once the state is snapshotted: returns
         ``(stage_future, write_future)``.
 
@@ -209,9 +257,11 @@ class Saver:
         The host copy costs memory of about the size of the tables and dense tensors (of the
         changed rows only, for a delta: `incremental` as in save()).
         """
+        start = time.monotonic()
         check(pinned, bool, "pinned", "async_save")
         check(incremental, bool, "incremental", "async_save")
         rank, world = self._save_args("async_save", ckpt_id, shard_id, shard_num)
+        values = retention.check_metrics("async_save", metrics)
         self._background.collect(consume=True)
         if dist.collective(world):
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
@@ -221,8 +271,15 @@ class Saver:
         stage_future: Future = Future()
         stage_future.set_result(None)  # staging is done on this thread, before returning
         write = knobs.carried(self._write)
+        stall = time.monotonic() - start
         self._baseline = None  # until the write succeeds (the next save collects it first)
-        write_future = self._background.submit(ckpt_id, lambda: write(ckpt_id, state, rank, world, after))
+
+        def write_and_record() -> str:
+            begin = time.monotonic()
+            path = write(ckpt_id, state, rank, world, values, after)
+            self._record_commit(ckpt_id, path, rank, time.monotonic() - begin, stall, values, state.parent is not None)
+            return path
+        write_future = self._background.submit(ckpt_id, write_and_record)
         return stage_future, write_future
 
     @staticmethod

@@ -11,6 +11,7 @@ import datetime
 import os
 from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
+import torch
 import torch.distributed as torch_dist
 
 from recsave import knobs
@@ -79,10 +80,12 @@ def collective(world_size: int) -> bool:
     return world_size > 1 and initialized() and torch_dist.get_world_size() == world_size
 
 
-def recsave_group():
-    """recsave's gloo group (CPU object collectives even when the default backend is NCCL)."""
+def recsave_group(purpose: str = "save"):
+    """recsave's gloo group (CPU object collectives even when the default backend is NCCL).
+    Each `purpose` gets a group of its own: an async save's background thread runs collectives on
+    the "save" group while the training thread's CheckpointManager.step() uses "step"."""
     timeout = datetime.timedelta(seconds=float(knobs.get("collective_timeout_s")))
-    key = (id(torch_dist.group.WORLD), timeout)  # the default group: a new init gets a new group
+    key = (purpose, id(torch_dist.group.WORLD), timeout)  # the default group: a new init gets a new group
     if key not in _groups:
         # Creating it is itself a collective: a rank that never comes fails it like any other.
         _groups[key] = _guard("creating recsave's gloo group",
@@ -101,6 +104,21 @@ def _guard(what: str, fn: Callable[[], T]) -> T:
             f"{knobs.get('collective_timeout_s')} s ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})")
         err.collective_failed = True  # the group cannot be used for clean-up
         raise err from exc
+
+
+def max_over_ranks(values: List[int], world_size: int, what: str) -> List[int]:
+    """The element-wise maximum of every rank's `values` (as many on each rank): one all_reduce on
+    the "step" group; `values` itself without collectives. RankFailedError when a rank died or did
+    not answer within the knob collective_timeout_s."""
+    if not collective(world_size):
+        return list(values)
+    group = recsave_group("step")
+    tensor = torch.tensor(values, dtype=torch.int64)
+
+    def run():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in tensor.tolist()]
+    return _guard(what, run)
 
 
 def barrier(world_size: int) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from recsave import _C, argcheck, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError, UsageError
-from recsave.format import ckptlist, torchio
+from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
 from recsave.format.records import KIND_FULL
@@ -20,20 +20,26 @@ from recsave.storage.lock import hold as hold_writer_lock
 
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
-    """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds.
-    Raises CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
+    """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds,
+    metrics (None when the save recorded none) and kept (why retention keeps it: "latest",
+    "every_n_steps", "best", "needed by <id>"; format/retention.py). Raises
+    CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
     argcheck.path(output_dir, "output_dir", "list_checkpoints")
     storage = get_storage(output_dir)
     _require(storage, output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
-    for ckpt_id in ckptlist.committed(storage, output_dir).ids:  # rebuilt (warning) if the list is lost
+    ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
+    reasons = retention.recorded(storage, output_dir, ids, _parents(storage, output_dir))
+    for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         index = index_mod.read(path, storage)
         created = datetime.datetime.strptime(index.created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
             tzinfo=datetime.timezone.utc)
         out.append({"id": ckpt_id, "path": path, "step": index.step, "created_at": index.created_at,
-                    "age_s": (now - created).total_seconds(), "bytes": index.total_bytes})
+                    "age_s": (now - created).total_seconds(), "bytes": index.total_bytes,
+                    "metrics": None if index.metrics is None else dict(index.metrics),
+                    "kept": reasons.get(ckpt_id, [])})
     return out
 
 
@@ -155,12 +161,26 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
         # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
         # every committed checkpoint is kept (collect_garbage keeps damaged directories itself).
         listing = ckptlist.committed(storage, output_dir, rewrite=True)
-        dirs = ckptlist.collect_garbage(storage, output_dir, listing.ids)
+        # Then the retention policy recorded in the latest index selects, as the Saver's rotation
+        # does (a save interrupted before it pruned leaves more listed than the policy keeps); a
+        # rebuilt list keeps every committed checkpoint.
+        kept = listing.ids if listing.rebuilt else retention.recorded(storage, output_dir, listing.ids,
+                                                                      _parents(storage, output_dir))
+        keep = [i for i in listing.ids
+                if i in kept or ckptlist.newer_format_version(storage, output_dir, i) is not None]
+        if keep != listing.ids:
+            ckptlist.write(storage, output_dir, keep)
+        dirs = ckptlist.collect_garbage(storage, output_dir, keep)
         temps = ckptlist.remove_temp_files(storage, output_dir)
         return {"removed_checkpoints": dirs, "removed_temp_files": temps}
     finally:
         if lock is not None:
             lock.release()
+
+
+def _parents(storage: Storage, output_dir: str) -> Callable[[str], List[str]]:
+    """retention's depends_on: a delta checkpoint needs its parent (format/chain.py)."""
+    return lambda ckpt_id: chain.parent_ids(storage, output_dir, ckpt_id)
 
 
 def _require(storage: Storage, path: str) -> None:

@@ -21,6 +21,7 @@ To add one::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -103,11 +104,10 @@ def _export(args: argparse.Namespace) -> int:
     if args.since is not None:
         return _export_delta(args)
     tables = describe(args.ckpt)["tables"]
-    bar = Progress("export", sum(t["rows"] for n, t in tables.items() if args.tables is None or n in args.tables),
-                   unit=" k rows", scale=1e3)
-    manifest = to_parquet(args.ckpt, args.out_dir, args.tables, row_group_rows=args.row_group_rows,
-                          rows_per_file=args.rows_per_file, progress=bar.advance)
-    bar.close()
+    with Progress("export", sum(t["rows"] for n, t in tables.items() if args.tables is None or n in args.tables),
+                  unit=" k rows", scale=1e3) as bar:
+        manifest = to_parquet(args.ckpt, args.out_dir, args.tables, row_group_rows=args.row_group_rows,
+                              rows_per_file=args.rows_per_file, progress=bar.advance)
     step = manifest["step"]
     print(f"exported {manifest['source']}" + (f" (step {step})" if step is not None else "") + f" to {args.out_dir}")
     total_rows = total_bytes = total_files = 0
@@ -207,10 +207,11 @@ def _ls(args: argparse.Namespace) -> int:
     if not entries:
         print(f"{args.output_dir}: no committed checkpoint")
         return EXIT_OK
-    print(f"{'checkpoint':24} {'step':>10} {'size':>11} {'age':>8}  created")
+    print(f"{'checkpoint':24} {'step':>10} {'size':>11} {'age':>8}  {'created':27}  kept because")
     for e in entries:
         step = "-" if e["step"] is None else str(e["step"])
-        print(f"{e['id']:24} {step:>10} {_human(e['bytes']):>11} {_age(e['age_s']):>8}  {e['created_at']}")
+        print(f"{e['id']:24} {step:>10} {_human(e['bytes']):>11} {_age(e['age_s']):>8}  {e['created_at']:27}  "
+              f"{', '.join(e['kept']) or '-'}")
     return EXIT_OK
 
 
@@ -244,10 +245,10 @@ def _verify(args: argparse.Namespace) -> int:
     from recsave.tools.progress import Progress
 
     bar: List[Progress] = []
-    problems = verify(args.ckpt, progress=lambda n: bar[0].advance(n),
-                      on_start=lambda total: bar.append(Progress("verify", total, unit=" MB", scale=1e6)))
-    if bar:
-        bar[0].close()
+    with contextlib.ExitStack() as stack:  # the bar, once verify knows the total, is closed on the way out
+        problems = verify(args.ckpt, progress=lambda n: bar[0].advance(n),
+                          on_start=lambda total: bar.append(stack.enter_context(
+                              Progress("verify", total, unit=" MB", scale=1e6))))
     if args.json:
         _print_json({"path": args.ckpt, "ok": not problems, "problems": problems})
         return EXIT_OK if not problems else EXIT_DAMAGED

@@ -74,7 +74,7 @@ def build(output_dir: str, with_context: bool = False, save_interval: int = 50, 
     saver = Saver(model, sparse_optim=sparse_opt, output_dir=output_dir, max_keep=max_keep)
     saver.register_for_checkpointing("dense_opt", dense_opt)
     saver.register_io_state("train_reader", reader)
-    return model, sparse_opt, dense_opt, reader, CheckpointManager(saver, save_interval, async_mode)
+    return model, sparse_opt, dense_opt, reader, CheckpointManager(saver, save_interval, async_mode=async_mode)
 
 
 def train(model, sparse_opt, dense_opt, reader, mgr, until: int, kill_at: int = -1, ctx: bool = False) -> float:

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Optional
+from types import TracebackType
+from typing import IO, Optional, Type
 
 
 class Progress:
-    """``p = Progress("verify", total, unit="MB", scale=1e6); p.advance(n); p.close()``.
+    """``with Progress("verify", total, unit="MB", scale=1e6) as p: p.advance(n)`` (or close()).
 
     Draws at most ten times a second and only when `stream` is a terminal, so logs and pipes stay
-    clean."""
+    clean. Leaving the `with` block on an error ends the bar's line without drawing it complete, so
+    the error message starts on a line of its own."""
 
     def __init__(self, label: str, total: int, *, unit: str = "", scale: float = 1.0,
                  stream: Optional[IO[str]] = None):
@@ -19,6 +21,7 @@ class Progress:
         self.enabled = bool(getattr(self.stream, "isatty", lambda: False)())
         self.done = 0
         self._drawn = 0.0
+        self._closed = False
 
     def advance(self, n: int) -> None:
         self.done += n
@@ -35,7 +38,22 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        """Draws the final state and ends the line (once)."""
+        if self.enabled and not self._closed:
             self._draw()
             self.stream.write("\n")
             self.stream.flush()
+        self._closed = True
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, kind: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        if kind is None:
+            self.close()
+        elif self.enabled and not self._closed:  # failed: end the line, keep what was drawn
+            self._closed = True
+            if self.done:
+                self.stream.write("\n")
+                self.stream.flush()

@@ -1,0 +1,367 @@
+"""Preemption: a SIGTERM / SIGUSR1 makes CheckpointManager save on every rank, commit and raise
+Preempted (exit status 143); a restart resumes bit-exact. Time-interval saves follow rank 0's clock.
+In-process tests first, then real signals to training processes (tests/preempt_job.py)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import recsave
+from recsave import ArgumentTypeError, CheckpointManager, Preempted, UsageError
+
+from helpers import assert_jobs_equal, make_job
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "preempt_job.py")
+
+
+@pytest.fixture
+def restore_signals():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)
+
+
+def _list(out):
+    with open(os.path.join(out, "checkpoint")) as f:
+        return f.read().split()
+
+
+# ----------------------------------------------------------------------------------- in process
+def test_preempted_is_a_system_exit_with_status_143():
+    assert recsave.Preempted is recsave.errors.Preempted is Preempted
+    exc = Preempted("saved x", path="/x", step=3)
+    assert isinstance(exc, SystemExit) and not isinstance(exc, Exception)
+    assert exc.code == 143 and str(exc) == "saved x" and exc.path == "/x" and exc.step == 3
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_makes_the_next_step_save_and_raise(tmp_path, restore_signals, sig, caplog):
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=None)
+    mgr = CheckpointManager(job.saver, 5)
+    job.manager = mgr
+    job.train(3)
+    os.kill(os.getpid(), sig)  # the handler only sets the flag: nothing is saved yet
+    assert not os.path.exists(os.path.join(out, "checkpoint"))
+    assert not mgr.preempted
+    with caplog.at_level(logging.INFO, logger="recsave"), pytest.raises(Preempted) as info:
+        job.train(1)
+    assert info.value.code == 143 and info.value.step == 4
+    assert info.value.path == os.path.join(out, "ckpt_4") and mgr.preempted
+    assert _list(out) == ["ckpt_4"]
+    assert f"signal {sig.name}" in str(info.value)
+    assert [r.levelname for r in caplog.records if "preempted" in r.getMessage()] == ["WARNING"]
+    fresh = make_job(out, save_interval=4)
+    assert fresh.manager.restore() == 4
+    mgr.close()
+    fresh.manager.close()
+
+
+def test_check_preemption_saves_and_raises_between_steps(tmp_path, restore_signals):
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=None)
+    mgr = CheckpointManager(job.saver, 0)
+    job.manager = mgr
+    job.train(2)
+    mgr.check_preemption()  # no signal: nothing happens
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted):
+        mgr.check_preemption()
+    assert _list(out) == ["ckpt_2"]
+    mgr.close()
+
+
+def test_handlers_chain_to_the_previous_one_and_close_restores_it(tmp_path, restore_signals):
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        job = make_job(str(tmp_path / "run"), save_interval=None)
+        mgr = CheckpointManager(job.saver, 0)
+        handler = signal.getsignal(signal.SIGUSR1)
+        assert handler is not previous and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]  # chained
+        mgr.close()
+        assert signal.getsignal(signal.SIGUSR1) not in (handler,)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_manager_dropped_without_close_restores_the_handlers_when_collected(tmp_path):
+    import gc
+
+    before = signal.getsignal(signal.SIGTERM)
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    CheckpointManager(job.saver, 0)
+    assert signal.getsignal(signal.SIGTERM) is not before
+    del job  # the Saver (which keeps the manager alive through its global_step extra) goes too
+    gc.collect()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_without_save_on_preemption_no_handler_is_installed(tmp_path, restore_signals):
+    before = signal.getsignal(signal.SIGTERM)
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    mgr = CheckpointManager(job.saver, 0, save_on_preemption=False)
+    assert signal.getsignal(signal.SIGTERM) is before
+    mgr.close()
+
+
+def test_a_manager_made_off_the_main_thread_warns_and_installs_nothing(tmp_path, restore_signals):
+    before = signal.getsignal(signal.SIGTERM)
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    caught = []
+
+    def make():
+        with pytest.warns(RuntimeWarning, match="main thread") as rec:
+            CheckpointManager(job.saver, 0)
+        caught.extend(rec)
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    assert len(caught) == 1 and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_time_interval_saves_by_the_clock(tmp_path):
+    now = [0.0]
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    mgr = CheckpointManager(job.saver, 0, save_interval_seconds=10, clock=lambda: now[0],
+                            save_on_preemption=False)
+    saved = []
+    for step in range(1, 30):
+        now[0] = step * 3.0  # 3 s per step: a save every 4th step (12 s >= 10 s)
+        job.train(1)
+        if mgr.step() is not None:
+            saved.append(step)
+    assert saved == [4, 8, 12, 16, 20, 24, 28]
+    now[0] = 100.0
+    mgr.save()  # a manual save restarts the interval
+    now[0] = 109.0
+    assert mgr.step() is None
+    mgr.close()
+
+
+def test_last_save_and_one_log_line_per_commit(tmp_path, caplog):
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=None)
+    mgr = CheckpointManager(job.saver, 2, save_on_preemption=False)
+    job.manager = mgr
+    assert mgr.last_save is None
+    with caplog.at_level(logging.INFO, logger="recsave"):
+        job.train(2)
+        mgr.step(metrics={"auc": 0.75})  # step 3: no save
+        job.train(1)  # step 4 saves (without metrics)
+    lines = [r.getMessage() for r in caplog.records if "committed" in r.getMessage()]
+    assert len(lines) == 2 and "ckpt_2" in lines[0] and "ckpt_4" in lines[1]
+    assert "(step 4, full)" in lines[1] and "GB/s" in lines[1] and "stalled" in lines[1]
+    info = mgr.last_save
+    assert isinstance(info, recsave.SaveInfo) and info is job.saver.last_save
+    size = sum(os.path.getsize(os.path.join(out, "ckpt_4", f)) for f in os.listdir(os.path.join(out, "ckpt_4"))
+               if f != "index")
+    assert (info.ckpt_id, info.path, info.step, info.kind, info.bytes, info.metrics) == (
+        "ckpt_4", os.path.join(out, "ckpt_4"), 4, "full", size, None)
+    assert info.seconds > 0 and info.stall_seconds == info.seconds
+    mgr.save(metrics={"auc": 0.5})  # ckpt_4 is the latest already: no new save
+    assert mgr.last_save is info
+    mgr.close()
+
+
+def test_async_last_save_is_set_when_the_write_commits(tmp_path):
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    mgr = CheckpointManager(job.saver, 1, async_mode="async", save_on_preemption=False)
+    job.manager = mgr
+    job.train(1)
+    mgr.wait()
+    info = mgr.last_save
+    assert info.ckpt_id == "ckpt_1" and info.stall_seconds <= info.seconds + 1.0
+    mgr.close()
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"save_interval_seconds": 0}, UsageError), ({"save_interval_seconds": "60"}, ArgumentTypeError),
+    ({"save_interval_seconds": float("nan")}, UsageError), ({"save_on_preemption": 1}, ArgumentTypeError),
+    ({"clock": 5}, ArgumentTypeError), ({"full_every": 0}, UsageError), ({"full_every": 2.0}, ArgumentTypeError),
+    ({"rebase_ratio": 0}, UsageError), ({"rebase_ratio": "0.3"}, ArgumentTypeError),
+    ({"evict": {"older": 3}}, UsageError), ({"evict": {}}, UsageError), ({"evict": 3}, ArgumentTypeError),
+    ({"evict": {"min_count": 0}}, UsageError), ({"evict": {"older_than_steps": 1.5}}, ArgumentTypeError)])
+def test_bad_manager_settings(tmp_path, kwargs, error):
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    with pytest.raises(error):
+        CheckpointManager(job.saver, 1, **kwargs)
+
+
+def test_incremental_settings_are_kept_as_given(tmp_path):
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    mgr = CheckpointManager(job.saver, 1, full_every=4, rebase_ratio=0.5,
+                            evict={"older_than_steps": 100, "min_count": 2}, save_on_preemption=False)
+    assert (mgr.full_every, mgr.rebase_ratio, mgr.evict) == (4, 0.5, {"older_than_steps": 100, "min_count": 2})
+
+
+def test_async_mode_is_keyword_only(tmp_path):
+    job = make_job(str(tmp_path / "run"), save_interval=None)
+    with pytest.raises(TypeError):
+        CheckpointManager(job.saver, 1, "async")
+
+
+# ------------------------------------------------------------------------------ real signals
+STEPS = 60
+
+
+def _env():
+    env = dict(os.environ)
+    env["RECSAVE_FSYNC"] = "0"
+    env["PYTHONPATH"] = HERE + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _ranks(mode, world, tmp_path, *args):
+    """Starts `world` ranks of preempt_job.py MODE (args split around RANK WORLD INIT as it takes them)."""
+    init = str(tmp_path / f"init-{mode}-{time.monotonic_ns()}")
+    head, tail = (args[:1], args[1:]) if mode == "reference" else (args[:2], args[2:])
+    return [subprocess.Popen([sys.executable, SCRIPT, mode, *map(str, head), str(r), str(world), init,
+                              *map(str, tail)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for r in range(world)]
+
+
+def _finish(procs, timeout=180):
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outs.append(out)
+    return [p.returncode for p in procs], outs
+
+
+def _signal_at_step(procs, target, sig, to=None):
+    """Reads rank 0's output until it reports step `target`, then signals the ranks in `to`."""
+    for line in procs[0].stdout:
+        if line.strip() == f"step {target}":
+            break
+    for r in (range(len(procs)) if to is None else to):
+        procs[r].send_signal(sig)
+
+
+def reference_states(tmp_path, world):
+    """Every rank's state after an uninterrupted run of STEPS steps."""
+    results = [tmp_path / f"ref_{world}_{r}.pt" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "reference", str(STEPS), str(r), str(world),
+                               str(tmp_path / "init-ref"), str(results[r])], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    codes, outs = _finish(procs)
+    assert codes == [0] * world, outs
+    return [torch.load(p, weights_only=False) for p in results]
+
+
+def _resume_and_compare(tmp_path, out, world, expect_step, reference):
+    results = [tmp_path / f"resumed_{r}.pt" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "resume", out, str(STEPS), str(r), str(world),
+                               str(tmp_path / "init-resume"), str(results[r])], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    codes, outs = _finish(procs)
+    assert codes == [0] * world, outs
+    for r in range(world):
+        assert outs[r].splitlines()[0] == f"restored {expect_step}", outs[r]
+        assert_jobs_equal(torch.load(results[r], weights_only=False), reference[r])
+
+
+def _train(tmp_path, out, world, hook=None):
+    return _ranks("train", world, tmp_path, out, STEPS, *([hook] if hook else []))
+
+
+@pytest.fixture(scope="module")
+def reference_1(tmp_path_factory):
+    return reference_states(tmp_path_factory.mktemp("ref1"), 1)
+
+
+@pytest.fixture(scope="module")
+def reference_2(tmp_path_factory):
+    return reference_states(tmp_path_factory.mktemp("ref2"), 2)
+
+
+def preempt_and_check(tmp_path, world, reference, seed, sig=signal.SIGTERM, to=None, hook=None):
+    out = str(tmp_path / "run")
+    target = random.Random(seed).randint(3, 40)
+    procs = _train(tmp_path, out, world, hook)
+    _signal_at_step(procs, target, sig, to)
+    codes, outs = _finish(procs)
+    if hook == "kill-in-save":
+        assert codes == [-signal.SIGKILL] * world if world == 1 else -signal.SIGKILL in codes, outs
+        listed = _list(out)
+        assert listed and all(int(c.split("_")[1]) % 5 == 0 for c in listed), listed  # autosaves only
+        step = int(listed[-1].split("_")[1])
+    else:
+        assert codes == [143] * world, outs
+        listed = _list(out)
+        step = int(listed[-1].split("_")[1])
+        assert step >= target and all("finished" not in o for o in outs)
+        assert all(f"saved and committed {os.path.join(out, f'ckpt_{step}')}" in o for o in outs), outs
+    _resume_and_compare(tmp_path, out, world, step, reference)
+    return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigterm_at_a_random_step_commits_and_resumes_bit_exact(tmp_path, reference_1, seed):
+    preempt_and_check(tmp_path, 1, reference_1, seed)
+
+
+@pytest.mark.slow
+def test_sigusr1_works_like_sigterm(tmp_path, reference_1):
+    preempt_and_check(tmp_path, 1, reference_1, 3, sig=signal.SIGUSR1)
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_the_preemption_save_changes_nothing(tmp_path, reference_1):
+    preempt_and_check(tmp_path, 1, reference_1, 4, hook="second-signal")
+
+
+@pytest.mark.slow
+def test_sigkill_during_the_preemption_save_leaves_the_previous_checkpoint(tmp_path, reference_1):
+    preempt_and_check(tmp_path, 1, reference_1, 5, hook="kill-in-save")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("to", [None, [1]], ids=["all_ranks", "rank1_only"])
+def test_two_ranks_preempted_save_the_same_step_and_resume_bit_exact(tmp_path, reference_2, to):
+    preempt_and_check(tmp_path, 2, reference_2, 6 if to else 7, to=to)
+
+
+@pytest.mark.multirank
+def test_two_async_ranks_preempted_resume_bit_exact(tmp_path, reference_2, monkeypatch):
+    """Background writes run collectives on their own group while step() agrees on its own."""
+    monkeypatch.setenv("PREEMPT_JOB_ASYNC", "1")
+    preempt_and_check(tmp_path, 2, reference_2, 8)
+
+
+@pytest.mark.multirank
+def test_time_interval_saves_follow_rank0s_clock_on_every_rank(tmp_path):
+    out = str(tmp_path / "run")
+    init = str(tmp_path / "init-timed")
+    results = [tmp_path / f"timed_{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "timed", out, "22", str(r), "2", init, str(results[r])],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    codes, outs = _finish(procs)
+    assert codes == [0, 0], outs
+    saved = [json.loads(p.read_text()) for p in results]
+    assert saved[0] == saved[1] == [5, 10, 15, 20]  # rank 0: 1 s per step, interval 4.5 s
+    assert _list(out) == ["ckpt_5", "ckpt_10", "ckpt_15", "ckpt_20"]

@@ -1,0 +1,203 @@
+"""Retention: max_keep + keep_every_n_steps + keep_best (recsave/format/retention.py), the same
+selection in the Saver's rotation, `recsave gc` and `recsave ls`, across a restart."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from recsave import ArgumentTypeError, CheckpointManager, CorruptCheckpointError, Saver, UsageError
+from recsave.format import read_index
+from recsave.format.retention import select
+from recsave.tools.catalog import clean_output_dir, list_checkpoints
+from recsave.tools.cli import main
+
+from helpers import listing, make_job
+
+IDS = [f"c{i}" for i in range(10)]
+
+
+def _steps(ckpt):
+    return int(ckpt[1:]) * 5  # c0 -> 0, c1 -> 5, ...
+
+
+def test_select_latest_only():
+    assert select(IDS, max_keep=2) == {"c8": ["latest"], "c9": ["latest"]}
+    assert select(IDS, max_keep=None) == {c: ["latest"] for c in IDS}
+    assert select([], max_keep=3) == {}
+
+
+def test_select_every_n_steps_keeps_the_first_of_each_window():
+    # steps 0, 5, ..., 45; windows of 15: [0,15) -> c0, [15,30) -> c3, [30,45) -> c6, [45,60) -> c9
+    got = select(IDS, max_keep=1, keep_every_n_steps=15, step_of=_steps)
+    assert got == {"c0": ["every_n_steps"], "c3": ["every_n_steps"], "c6": ["every_n_steps"],
+                   "c9": ["latest", "every_n_steps"]}
+    # A checkpoint without a step is never kept for its step.
+    got = select(["a", "b", "c"], max_keep=1, keep_every_n_steps=2, step_of=lambda c: None)
+    assert got == {"c": ["latest"]}
+
+
+@pytest.mark.parametrize("mode,best", [("max", {"c2", "c7"}), ("min", {"c4", "c5"})])
+def test_select_best_by_mode(mode, best):
+    values = {"c2": 0.9, "c7": 0.8, "c4": 0.1, "c5": 0.2, "c1": 0.5}
+    got = select(IDS, max_keep=1, keep_best=2, best_metric="auc", best_mode=mode,
+                 metrics_of=lambda c: {"auc": values[c]} if c in values else {"loss": 0.0})
+    assert got == {**{c: ["best"] for c in sorted(best, key=IDS.index)}, "c9": ["latest"]}
+
+
+def test_select_best_ties_go_to_the_newer_and_ignore_non_finite():
+    metrics = {"c1": 0.5, "c2": 0.5, "c3": float("nan"), "c4": True}
+    got = select(IDS[:6], max_keep=1, keep_best=1, best_metric="m", metrics_of=lambda c: {"m": metrics.get(c)})
+    assert got == {"c2": ["best"], "c5": ["latest"]}
+
+
+def test_select_keeps_what_kept_ones_need_transitively():
+    parents = {"c9": ["c8"], "c8": ["c5"], "c5": ["c0"], "c3": ["c2"]}
+    got = select(IDS, max_keep=1, depends_on=lambda c: parents.get(c, ()))
+    assert got == {"c0": ["needed by c5"], "c5": ["needed by c8"], "c8": ["needed by c9"], "c9": ["latest"]}
+    # A dependency that is not listed is ignored (it is not a committed checkpoint).
+    assert select(["x", "y"], max_keep=1, depends_on=lambda c: ["gone"]) == {"y": ["latest"]}
+
+
+def test_select_calls_step_and_metric_lookups_only_when_a_rule_needs_them():
+    def boom(ckpt):
+        raise AssertionError("not needed")
+    assert select(IDS, max_keep=2, step_of=boom, metrics_of=boom) == {"c8": ["latest"], "c9": ["latest"]}
+
+
+# ------------------------------------------------------------------------- 30 saves, a restart, gc
+AUC = {14: 0.91, 36: 0.95, 50: 0.93}  # every other step: 0.5
+EXPECTED = {  # steps 2, 4, ..., 60 with max_keep=3, keep_every_n_steps=10, keep_best=2 (auc, max)
+    "ckpt_2": ["every_n_steps"], "ckpt_10": ["every_n_steps"], "ckpt_20": ["every_n_steps"],
+    "ckpt_30": ["every_n_steps"], "ckpt_36": ["best"], "ckpt_40": ["every_n_steps"],
+    "ckpt_50": ["every_n_steps", "best"], "ckpt_56": ["latest"], "ckpt_58": ["latest"],
+    "ckpt_60": ["latest", "every_n_steps"],
+}
+
+
+def _manager(out):
+    job = make_job(out, max_keep=3, save_interval=None)
+    mgr = CheckpointManager(job.saver, 2, keep_every_n_steps=10, keep_best=2, best_metric="auc",
+                            save_on_preemption=False)
+    return job, mgr
+
+
+def _train(job, mgr, until):
+    while mgr.global_step < until:
+        job.train(1)
+        step = mgr.global_step + 1
+        mgr.step(metrics={"auc": AUC.get(step, 0.5), "loss": 1.0 / step})
+
+
+def test_thirty_saves_keep_exactly_the_expected_set_across_a_restart(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    job, mgr = _manager(out)
+    _train(job, mgr, 32)  # 16 saves; ckpt_14 is still among the best two
+    assert "ckpt_14" in [e["id"] for e in list_checkpoints(out)]
+    mgr.close()
+
+    job, mgr = _manager(out)  # a restart: a new Saver and manager over the same dir
+    assert mgr.restore() == 32
+    _train(job, mgr, 60)  # 14 more saves: 30 in all
+    mgr.close()
+
+    with open(os.path.join(out, "checkpoint")) as f:
+        assert f.read().split() == list(EXPECTED)  # oldest first
+    assert listing(out) == sorted(["checkpoint", *EXPECTED])
+    assert {e["id"]: e["kept"] for e in list_checkpoints(out)} == EXPECTED
+    assert read_index(os.path.join(out, "ckpt_36")).metrics == {"auc": 0.95, "loss": 1.0 / 36}
+    assert read_index(os.path.join(out, "ckpt_36")).retention.to_json() == {
+        "max_keep": 3, "keep_every_n_steps": 10, "keep_best": 2, "best_metric": "auc", "best_mode": "max"}
+
+    # gc agrees: nothing to remove, the list stays.
+    assert clean_output_dir(out) == {"removed_checkpoints": [], "removed_temp_files": []}
+    assert listing(out) == sorted(["checkpoint", *EXPECTED])
+
+    assert main(["ls", "--json", out]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {c["id"]: c["kept"] for c in doc["checkpoints"]} == EXPECTED
+    assert main(["ls", out]) == 0
+    text = capsys.readouterr().out
+    assert "every_n_steps, best" in text.splitlines()[[c["id"] for c in doc["checkpoints"]].index("ckpt_50") + 1]
+
+
+def test_gc_applies_the_recorded_policy_to_a_list_left_unpruned(tmp_path):
+    """A save that died after listing its checkpoint but before pruning leaves more listed than the
+    policy keeps: gc finishes the rotation the same way."""
+    out = str(tmp_path / "run")
+    job, mgr = _manager(out)
+    _train(job, mgr, 20)
+    mgr.close()
+    kept = [e["id"] for e in list_checkpoints(out)]
+    assert kept == ["ckpt_2", "ckpt_10", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
+    # Put back a pruned checkpoint, listed (as a crash between the list and the pruning leaves it).
+    job2 = make_job(str(tmp_path / "other"), max_keep=None, save_interval=None)
+    job2.saver.save("ckpt_12")
+    job2.saver.close()
+    os.rename(tmp_path / "other" / "ckpt_12", tmp_path / "run" / "ckpt_12")
+    with open(os.path.join(out, "checkpoint"), "w") as f:
+        f.write("".join(f"{i}\n" for i in ["ckpt_2", "ckpt_10", "ckpt_12", "ckpt_14", "ckpt_16", "ckpt_18",
+                                            "ckpt_20"]))
+    assert clean_output_dir(out)["removed_checkpoints"] == ["ckpt_12"]
+    assert [e["id"] for e in list_checkpoints(out)] == kept
+
+
+def test_a_plain_saver_records_no_policy_and_gc_keeps_its_list(tmp_path):
+    out = str(tmp_path / "run")
+    saver = make_job(out, max_keep=2).saver
+    for i in range(3):
+        saver.save(f"s{i}", metrics={"auc": float(i)})
+    saver.close()
+    index = read_index(os.path.join(out, "s2"))
+    assert index.retention is None and index.metrics == {"auc": 2.0}
+    with open(os.path.join(out, "s2", "index")) as f:
+        raw = json.load(f)
+    assert list(raw)[-2:] == ["meta", "metrics"]  # after "meta"; no "retention" key
+    assert [(e["id"], e["kept"]) for e in list_checkpoints(out)] == [("s1", ["latest"]), ("s2", ["latest"])]
+    assert clean_output_dir(out)["removed_checkpoints"] == []
+
+
+def test_a_checkpoint_without_metrics_has_no_metrics_key(tmp_path):
+    out = str(tmp_path / "run")
+    saver = make_job(out).saver
+    saver.save("a")
+    with open(os.path.join(out, "a", "index")) as f:
+        assert "metrics" not in json.load(f)
+
+
+def test_bad_metrics_in_an_index_are_corrupt(tmp_path):
+    out = str(tmp_path / "run")
+    make_job(out).saver.save("a", metrics={"auc": 0.5})
+    path = os.path.join(out, "a", "index")
+    with open(path) as f:
+        raw = json.load(f)
+    raw["metrics"] = {"auc": "high"}
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(CorruptCheckpointError, match="metric 'auc' must be a finite number"):
+        read_index(os.path.join(out, "a"))
+
+
+@pytest.mark.parametrize("metrics,error", [
+    ("auc", ArgumentTypeError), ({"auc": "x"}, UsageError), ({"auc": float("inf")}, UsageError),
+    ({"auc": True}, UsageError), ({1: 0.5}, UsageError), ({"": 0.5}, UsageError)])
+def test_bad_metrics_are_refused_before_anything_is_written(tmp_path, metrics, error):
+    out = tmp_path / "run"
+    saver = make_job(str(out)).saver
+    with pytest.raises(error):
+        saver.save("a", metrics=metrics)
+    assert not (out / "a").exists()
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"keep_every_n_steps": 0}, UsageError), ({"keep_every_n_steps": "10"}, ArgumentTypeError),
+    ({"keep_best": -1}, UsageError), ({"keep_best": 2}, UsageError),  # no best_metric
+    ({"keep_best": 1, "best_metric": "auc", "best_mode": "up"}, UsageError),
+    ({"best_metric": 3}, ArgumentTypeError), ({"keep_best": True}, ArgumentTypeError)])
+def test_bad_retention_settings(tmp_path, kwargs, error):
+    saver = Saver(make_job(str(tmp_path)).model, output_dir=str(tmp_path / "x"))
+    with pytest.raises(error):
+        CheckpointManager(saver, 1, save_on_preemption=False, **kwargs)
+    with pytest.raises(error):
+        saver.set_retention(**kwargs)
