@@ -72,10 +72,10 @@ class CheckpointWriter:
             stage = "write"
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
                                        lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
-            parts = dist.gather_objects(mine, world)
+            parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
             stage = "commit"
             dist.run_everywhere(f"committing {ckpt_dir}",
-                                lambda: self._commit(ckpt_dir, ckpt_id, parts, state, world),
+                                lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world),
                                 world, only_rank0=True, rank=rank)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)

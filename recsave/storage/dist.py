@@ -122,6 +122,21 @@ def gather_objects(obj: Any, world_size: int) -> List[Any]:
     return _guard("all_gather", run)
 
 
+def gather_to_rank0(obj: Any, world_size: int, rank: int) -> Optional[List[Any]]:
+    """Every rank's `obj` in rank order on rank 0 (None on the others; a list of one without
+    collectives). Only rank 0 receives: W objects in all, where gather_objects sends every rank
+    all W (W^2 in all, which at a thousand ranks is most of a save's coordination)."""
+    if not collective(world_size):
+        return [obj]
+    group = recsave_group()
+    out: Optional[List[Any]] = [None] * world_size if rank == 0 else None
+
+    def run() -> Optional[List[Any]]:
+        torch_dist.gather_object(obj, out, dst=0, group=group)
+        return out
+    return _guard("gather", run)
+
+
 def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank0: bool = False,
                    rank: int = 0) -> Optional[T]:
     """Runs `fn` (on every rank, or on rank 0 only), then lets every rank know whether it succeeded
