@@ -160,6 +160,31 @@ def worker(rank: int, world: int, init_file: str, work: str, spec: Dict[str, Any
     td.destroy_process_group()
 
 
+def index_breakdown(path: str) -> Dict[str, int]:
+    """Bytes of the index JSON by what they describe: bucket row starts, segment CRCs and ends, the
+    rest of the chunk entries (per rank and tensor), file entries, the rest (meta, header)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    index = json.loads(raw)
+
+    def size(x: Any) -> int:
+        return len(json.dumps(x, separators=(",", ":")))
+
+    out = {"total": len(raw), "row_starts": 0, "crc32c": 0, "segments": 0, "chunk_other": 0, "chunks": 0,
+           "files": size(index["files"]), "file_count": len(index["files"])}
+    for entry in index["tensors"].values():
+        for chunk in entry["chunks"]:
+            out["chunks"] += 1
+            rs = chunk.get("buckets", {}).get("row_starts", [])
+            out["row_starts"] += size(rs)
+            out["crc32c"] += size(chunk["crc32c"])
+            out["segments"] += size(chunk.get("segments", []))
+            out["chunk_other"] += size(chunk) - size(rs) - size(chunk["crc32c"]) - size(chunk.get("segments", []))
+    out["crc_count"] = sum(len(c["crc32c"]) for e in index["tensors"].values() for c in e["chunks"])
+    out["rest"] = out["total"] - out["row_starts"] - out["crc32c"] - out["segments"] - out["chunk_other"] - out["files"]
+    return out
+
+
 def run_world(world: int, args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
     work = os.path.join(tmp, f"w{world}")
     os.makedirs(work)
@@ -177,7 +202,9 @@ def run_world(world: int, args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
     for r in range(world):
         with open(os.path.join(work, f"rank_{r}.json")) as f:
             ranks.append(json.load(f))
-    return summarize_world(world, ranks)
+    out = summarize_world(world, ranks)
+    out["index_breakdown"] = index_breakdown(os.path.join(work, "out", f"ckpt_{args.repeats}", "index"))
+    return out
 
 
 def summarize_world(world: int, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -247,13 +274,21 @@ def markdown(d: Dict[str, Any]) -> str:
             for r in d["fits"]]
     calls = "; ".join(f"W={x['world']}: save {x['save']['collective_calls']}, load {x['load']['collective_calls']}"
                       for x in d["worlds"][:1])
+    bd = [x["index_breakdown"] for x in d["worlds"]]
+    parts = ["row_starts", "crc32c", "segments", "chunk_other", "files", "rest", "total"]
+    breakdown = C.markdown_table(
+        ["index bytes"] + [f"W={w}" for w in ws],
+        [[k] + [f"{b[k]:,}" for b in bd] for k in parts]
+        + [["chunks / CRCs / files"] + [f"{b['chunks']} / {b['crc_count']} / {b['file_count']}" for b in bd]],
+        "l" + "r" * len(ws))
     return "\n".join([
         f"### scale.py: {d['config']['tables']} tables x {d['config']['rows']:,} ids (dim {d['config']['dim']}, 1 slot) "
         f"over W gloo ranks on one machine; recsave at {d['commit']}", "",
         f"Machine: {d['machine']['cpus']} CPUs ({d['machine']['cpu']}); {d['config']['repeats']} round(s), medians; "
         "counts and bytes are exact, times noisy (W processes share the cores).", "",
         C.markdown_table(headers, rows, "l" + "r" * (len(headers) - 1)), "",
-        f"Collectives per operation ({calls}).", ""])
+        f"Collectives per operation ({calls}).", "",
+        "What the index bytes describe (JSON bytes of each part):", "", breakdown, ""])
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
