@@ -185,6 +185,59 @@ def index_breakdown(path: str) -> Dict[str, int]:
     return out
 
 
+def synthetic_commit(world: int, tables: int, slots: int, rank_bytes: float, dim: int = 64,
+                     num_buckets: int = 4096) -> Dict[str, Any]:
+    """Rank 0's index work at `world` ranks, measured on synthetic parts shaped like a save's (per
+    rank and table: ids, embedding and slot chunks of `rank_bytes` / tables bytes in all, checksum
+    segments of the `segment_bytes` knob, the rank's bucket row starts): pickled part size, unpickling
+    every part (what gather_object does on rank 0), merge_parts, the index JSON and parsing it
+    (what every loading rank does)."""
+    from recsave import gcpause, knobs
+    from recsave.format import index as index_mod
+    from recsave.format.records import BucketRange, Chunk, FileEntry, IndexPart, Partition, TensorEntry
+
+    seg = knobs.get("segment_bytes")
+    row_bytes = {"id": 8, **{c: 4 * dim for c in ["embedding"] + [f"slot{j}" for j in range(slots)]}}
+    rows = int(rank_bytes / tables / sum(row_bytes.values()))
+    parts = []
+    for r in range(world):
+        first, stop = r * num_buckets // world, (r + 1) * num_buckets // world
+        starts = tuple(rows * (b - first) // (stop - first) for b in range(first, stop + 1))
+        files, tensors = {}, {}
+        for t in range(tables):
+            fname = f"sparse-{r}-{t}.safetensors"
+            offset = 1000
+            for col, rb in row_bytes.items():
+                n = rows * rb
+                ends = tuple(range(seg, n, seg)) + (n,)
+                chunk = Chunk(fname, offset, n, tuple((e * 2654435761 + r) & 0xFFFFFFFF for e in ends),
+                              segments=ends, rows=(0, rows), buckets=BucketRange(first, starts))
+                tensors[f"t{t}@{col}"] = TensorEntry("int64" if col == "id" else "float32",
+                                                     (rows,) if col == "id" else (rows, dim), (chunk,))
+                offset += n
+            files[fname] = FileEntry(offset, r)
+        files[f"io_state_{r}.pt"] = FileEntry(1200, r, 12345)
+        parts.append(IndexPart(r, files, tensors))
+    blobs = [pickle.dumps(p) for p in parts]
+    out: Dict[str, Any] = {"world": world, "tables": tables, "slots": slots, "rank_bytes": rank_bytes,
+                           "part_pickled_bytes": C.median([len(b) for b in blobs])}
+    start = time.perf_counter()
+    with gcpause.paused():  # as storage/dist.gather_to_rank0
+        got = [pickle.loads(b) for b in blobs]
+    out["unpickle_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    index = index_mod.merge_parts(got, step=1, world_size=world, partition=Partition("mix64", num_buckets))
+    out["merge_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    data = index_mod.dumps(index)
+    out["dumps_s"] = time.perf_counter() - start
+    out["index_bytes"] = len(data)
+    start = time.perf_counter()
+    index_mod.parse(data, "synthetic/index")
+    out["parse_s"] = time.perf_counter() - start
+    return out
+
+
 def run_world(world: int, args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
     work = os.path.join(tmp, f"w{world}")
     os.makedirs(work)

@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch.distributed as torch_dist
 
-from recsave import knobs
+from recsave import gcpause, knobs
 from recsave.errors import RankFailedError, RecsaveError, UsageError
 
 T = TypeVar("T")
@@ -132,7 +132,8 @@ def gather_to_rank0(obj: Any, world_size: int, rank: int) -> Optional[List[Any]]
     out: Optional[List[Any]] = [None] * world_size if rank == 0 else None
 
     def run() -> Optional[List[Any]]:
-        torch_dist.gather_object(obj, out, dst=0, group=group)
+        with gcpause.paused():  # rank 0 unpickles W parts of many small records
+            torch_dist.gather_object(obj, out, dst=0, group=group)
         return out
     return _guard("gather", run)
 
