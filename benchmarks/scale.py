@@ -341,7 +341,14 @@ def markdown(d: Dict[str, Any]) -> str:
         "counts and bytes are exact, times noisy (W processes share the cores).", "",
         C.markdown_table(headers, rows, "l" + "r" * (len(headers) - 1)), "",
         f"Collectives per operation ({calls}).", "",
-        "What the index bytes describe (JSON bytes of each part):", "", breakdown, ""])
+        "What the index bytes describe (JSON bytes of each part):", "", breakdown, "",
+        f"Rank 0's index work on synthetic parts ({d['config']['model_tables']} tables with 1 slot, "
+        f"{d['config']['model_rank_gb']:g} GB per rank, dim 64; `synthetic_commit`), seconds on this machine:", "",
+        C.markdown_table(["W", "index bytes", "part (pickled)", "unpickle W parts", "merge_parts", "index JSON",
+                          "parse (every loading rank)"],
+                         [[str(x["world"]), f"{x['index_bytes']:,}", f"{x['part_pickled_bytes']:,.0f}",
+                           C.fmt_num(x["unpickle_s"], 3), C.fmt_num(x["merge_s"], 3), C.fmt_num(x["dumps_s"], 3),
+                           C.fmt_num(x["parse_s"], 3)] for x in d.get("synthetic", [])], "rrrrrrr"), ""])
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -351,6 +358,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=None, help="ids per table over all ranks (default 400000; 20000 quick)")
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--repeats", type=int, default=None, help="save + load rounds per W (default 3; 1 quick)")
+    p.add_argument("--synthetic", default=None,
+                   help="world sizes of the synthetic rank-0 index work (default 64,250,1000; 16,64 quick)")
+    p.add_argument("--model-tables", type=int, default=26, help="tables of the synthetic index (default 26)")
+    p.add_argument("--model-rank-gb", type=float, default=10.0, help="GB per rank of the synthetic index (10)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--dir", default=None)
@@ -360,6 +371,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a.repeats = a.repeats or (1 if a.quick else 3)
     a.json = a.json or os.path.join(C.RESULTS_DIR, "scale-quick.json" if a.quick else "scale.json")
     a.worlds = [int(w) for w in a.worlds.split(",")]
+    a.synthetic = [int(w) for w in (a.synthetic or ("16,64" if a.quick else "64,250,1000")).split(",") if w]
     return a
 
 
@@ -377,9 +389,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             C.log(f"W={w}: save {worlds[-1]['save']['wall_s']:.3f} s, load {worlds[-1]['load']['wall_s']:.3f} s, "
                   f"index {worlds[-1]['index_bytes']:,} bytes ({time.perf_counter() - start:.0f} s with start-up)")
         machine = C.machine_info(tmp)
+    synthetic = []
+    for w in args.synthetic:
+        synthetic.append(synthetic_commit(w, args.model_tables, 1, args.model_rank_gb * C.GB))
+        C.log(f"synthetic index at W={w}: {synthetic[-1]['index_bytes']:,} bytes")
     d = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "commit": C.git_revision(),
          "machine": machine, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "worlds": worlds,
-         "fits": fit_rows(worlds)}
+         "fits": fit_rows(worlds), "synthetic": synthetic}
     C.write_json(args.json, d)
     md = markdown(d)
     C.write_text(args.json.replace(".json", ".md"), md)
