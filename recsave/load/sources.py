@@ -10,7 +10,7 @@ import torch
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from recsave.format import ckptlist, plainstate, torchio
 from recsave.format import index as index_mod
-from recsave.format.reader import bytes_to_read, read_tensors
+from recsave.format.reader import CheckedHeader, bytes_to_read, read_tensors
 from recsave.format.records import Index
 from recsave.load import contents
 from recsave.load.config import Contents
@@ -28,6 +28,7 @@ class CheckpointSource:
         self.ckpt_dir = ckpt_dir
         self.index = index
         self.contents: Contents = contents.of_index(index, ckpt_dir)
+        self._checked: Dict[str, CheckedHeader] = {}  # shard files checked once for all reads
 
     @property
     def path(self) -> str:
@@ -87,7 +88,7 @@ class CheckpointSource:
         names = ([f"{table}@id"] if with_ids else []) + [f"{table}@{c}" for c in columns]
         data = read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage,
                             concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names},
-                            out={f"{table}@{c}": t for c, t in (out or {}).items()})
+                            out={f"{table}@{c}": t for c, t in (out or {}).items()}, checked=self._checked)
         ids = data.get(f"{table}@id")
         if ids is not None and ranges is not None:  # bucket offsets must agree with the ids they delimit
             lo, hi = partition.bucket_range(rank, world, self.num_buckets)
