@@ -49,13 +49,16 @@ def measure_operation(spec: Dict[str, Any]) -> Dict[str, Any]:
         out = run_save(method, spec, state, model) if kind == "save" else run_load(method, spec, layout, dest)
     res = m.result()
     res.update(nbytes=nbytes, prefault_s=prefault_s, torch_threads=torch.get_num_threads())
+    if kind == "save" and isinstance(out, dict):  # e.g. an async save's stall
+        res.update(out)
     if method == "dd":  # the work is dd's: its CPU. Its peak RSS is not known: the child's ru_maxrss
         # counts the worker's pages before the exec, so the RSS columns show n/a.
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime
         res.update(nbytes=spec["dd_count"] * (64 << 20), cpu_s=cpu, others_cpu_s=max(0.0, res["others_cpu_s"] - cpu),
                    rss_delta=0)
-    res["rss_over_state"] = res["rss_delta"] - (nbytes if kind == "load" else 0)
+    # a load holds the state it read; an async save a staged host copy of it
+    res["rss_over_state"] = res["rss_delta"] - (nbytes if kind == "load" or method == "saver_async" else 0)
     if patched is not None:
         res["verify_patched_calls"] = patched[0]
     if "saver" in spec:
@@ -135,6 +138,8 @@ def summarize(samples: Samples) -> Dict[Tuple[str, str], Dict[str, Any]]:
         fr = [x["cached_fraction"] for x in runs if x.get("cached_fraction") is not None]
         s["cached_fraction_median"] = C.median(fr) if fr else None
         s["nbytes"] = runs[0]["nbytes"]
+        if all("stall_s" in x for x in runs):
+            s["stall_s_median"] = C.median([x["stall_s"] for x in runs])
     return summary
 
 

@@ -22,6 +22,8 @@ SAVE = {
     "engine_fsync": ("recsave engine write_shards, fsync on", "durable", "engine", True, "engine_fsync"),
     "saver": ("recsave Saver.save, fsync off", "HashTable model, whole API", "saver", False, "saver"),
     "saver_fsync": ("recsave Saver.save (default: fsync on)", "durable", "saver", True, "saver_fsync"),
+    "saver_async": ("recsave Saver.async_save + wait, fsync off", "until committed; RSS over state + staged copy",
+                    "saver", False, "saver_async"),
 }
 # method -> (label, note, save method whose output it reads)
 LOAD = {
@@ -36,7 +38,7 @@ LOAD = {
 }
 KINDS = {"save": SAVE, "load": LOAD}
 FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
-SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver",
+SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver", "save:saver_async",
                  "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver"]
 
 
@@ -57,7 +59,8 @@ def selected(only: Optional[str], default: Optional[List[str]] = None) -> Dict[s
 # ------------------------------------------------------------------------------------------------
 # Operations (inside a fresh worker process; only these are timed)
 
-def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> None:
+def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> Optional[Dict[str, Any]]:
+    """Runs one save; returns extra figures of the sample (an async save's stall), if any."""
     path = spec["path"]
     if method in ("raw", "raw_fsync", "torch", "safetensors"):
         E._save(method, spec, state)
@@ -77,8 +80,19 @@ def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> None:
         from recsave import knobs
         with knobs.override(fsync=method == "saver_fsync"):
             spec["saver"].save("ckpt_1")
+    elif method == "saver_async":  # the first async save of the process: its stage buffers are new
+        import time
+
+        from recsave import knobs
+        with knobs.override(fsync=False):
+            start = time.perf_counter()
+            spec["saver"].async_save("ckpt_1")
+            stall = time.perf_counter() - start
+            spec["saver"].wait()
+        return {"stall_s": stall}
     else:
         raise ValueError(method)
+    return None
 
 
 def run_load(method: str, spec: Dict[str, Any], layout: Layout, dest: Any) -> Any:

@@ -17,7 +17,7 @@ PACKAGE_DIR = os.path.join(ROOT, "recsave")
 # Lowest first: a module may import from its own layer and the ones before it (docs/ARCHITECTURE.md).
 LAYERS = [
     ("foundation", ["recsave.errors", "recsave.argcheck", "recsave.knobs", "recsave.version", "recsave.threads",
-                    "recsave._C", "recsave._compat"]),
+                    "recsave.gcpause", "recsave._C", "recsave._compat"]),
     ("tables/storage", ["recsave.tables", "recsave.storage"]),
     ("format", ["recsave.format"]),
     ("load", ["recsave.load"]),

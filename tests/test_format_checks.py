@@ -18,6 +18,8 @@ def test_valid_long_lists_pass_unchanged():
     assert checks.as_ints([0, 0, 5, 5], "v", "p", hi=5, increasing="weakly") == [0, 0, 5, 5]
     assert checks.as_ints([], "v", "p") == []
     assert checks.as_ints([0xFFFFFFFF, 0], "crc", "p", hi=0xFFFFFFFF) == [0xFFFFFFFF, 0]
+    short = [0, 1, 1, 7]
+    assert checks.as_ints(short, "v", "p", increasing="weakly") is short
 
 
 @pytest.mark.parametrize("values,kwargs,message", [
@@ -30,6 +32,9 @@ def test_valid_long_lists_pass_unchanged():
     ([1, 2 ** 70], {}, "found 1180591620717411303424"),
     ([1, 3, 3], {"increasing": "strictly"}, "found 3 then 3"),
     ([1, 3, 2], {"increasing": "weakly"}, "found 3 then 2"),
+    # long lists take the bulk (numpy) check, short ones a loop: both refuse
+    (list(range(100)) + [99], {"increasing": "strictly"}, "found 99 then 99"),
+    (list(range(100)) + [50], {"increasing": "weakly"}, "found 99 then 50"),
 ])
 def test_bad_lists_are_corrupt_and_named(values, kwargs, message):
     with pytest.raises(CorruptCheckpointError, match=message) as err:

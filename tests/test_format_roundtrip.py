@@ -192,3 +192,30 @@ def test_more_than_2_gib_across_files(tmp_path):
     got = oracle.read_tensors(str(tmp_path), list(picks.values()))
     for name in picks.values():
         assert torch.equal(got[name], tensors[name])
+
+
+def test_checked_files_are_checked_once_and_still_against_every_tensor(tmp_path, monkeypatch):
+    """read_tensors(checked=...): a file's size and header are read by the first call only; a later
+    call still checks the chunks it reads against the kept header."""
+    from recsave.format import reader
+    from recsave.format import index as index_mod
+
+    tensors = {"a": torch.arange(12.0).view(3, 4), "b": torch.arange(6, dtype=torch.int64)}
+    save(tmp_path, tensors)
+    calls = []
+    real = reader.check_listed_file
+    monkeypatch.setattr(reader, "check_listed_file", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    checked = {}
+    assert_same({"a": tensors["a"]}, fmt.read_tensors(str(tmp_path), ["a"], checked=checked))
+    assert_same({"b": tensors["b"]}, fmt.read_tensors(str(tmp_path), ["b"], checked=checked))
+    assert calls == list(checked) == ["sparse-0-0.safetensors"]
+    # An index whose entry for "b" disagrees with the (kept) header is refused on the second read.
+    index = index_mod.read(str(tmp_path))
+    entry = index.tensors["b"]
+    moved = type(entry)(entry.dtype, entry.shape, (type(entry.chunks[0])(
+        **{**vars(entry.chunks[0]), "offset": entry.chunks[0].offset - 8}),))
+    bad = type(index)(**{**vars(index), "tensors": {**index.tensors, "b": moved}})
+    checked = {}
+    fmt.read_tensors(str(tmp_path), ["a"], index=bad, checked=checked)
+    with pytest.raises(CorruptCheckpointError, match="disagrees with the file header"):
+        fmt.read_tensors(str(tmp_path), ["b"], index=bad, checked=checked)

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from recsave import knobs
+from recsave import gcpause, knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
 from recsave.format import checks
 from recsave.format.dtypes import from_name
@@ -52,7 +52,13 @@ def merge_parts(parts: Sequence[IndexPart], *, step: Optional[int] = None,
                 retention: Optional[Retention] = None) -> Index:
     """Merges per-rank parts into one index: files united, chunks of a tensor concatenated in rank
     order with their rows renumbered."""
-    ordered = sorted(parts, key=lambda p: p.rank)
+    with gcpause.paused():  # a record per chunk of every rank: no cycles to collect
+        return _merge(sorted(parts, key=lambda p: p.rank), step, partition, meta, world_size, metrics, retention)
+
+
+def _merge(ordered: Sequence[IndexPart], step: Optional[int], partition: Optional[Partition],
+           meta: Optional[Meta], world_size: Optional[int], metrics: Optional[Mapping[str, float]],
+           retention: Optional[Retention]) -> Index:
     files: Dict[str, FileEntry] = {}
     tensors: Dict[str, TensorEntry] = {}  # first part's entry; rows and chunks of all are gathered below
     rows: Dict[str, int] = {}
@@ -419,7 +425,8 @@ def _texts(value: Any, what: str, bad: Callable[[str], Exception]) -> Tuple[str,
 
 def dumps(index: Index) -> bytes:
     """The index bytes recsave writes: compact JSON, keys in the records' order."""
-    return json.dumps(index.to_json(), separators=(",", ":"), sort_keys=False).encode()
+    with gcpause.paused():  # to_json builds a dict per chunk
+        return json.dumps(index.to_json(), separators=(",", ":"), sort_keys=False).encode()
 
 
 def write(directory: str, index: Index, *, durable: Optional[bool] = None,
@@ -438,11 +445,12 @@ def write(directory: str, index: Index, *, durable: Optional[bool] = None,
 
 def parse(data: bytes, path: str) -> Index:
     """Parses and validates index bytes read from `path` into an Index."""
-    try:
-        index = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise checks.corrupt(path, f"index is not UTF-8 JSON ({exc})") from None
-    return validate(index, path)
+    with gcpause.paused():  # a record per chunk: at a thousand ranks most of the time was collection
+        try:
+            index = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise checks.corrupt(path, f"index is not UTF-8 JSON ({exc})") from None
+        return validate(index, path)
 
 
 def read(directory: str, storage: Optional[Storage] = None) -> Index:

@@ -15,7 +15,6 @@ from recsave.format import checks, header
 from recsave.format import index as index_mod
 from recsave.format.records import Chunk, Index, TensorEntry
 from recsave.storage import Storage, get_storage
-from recsave.storage.base import ShardReader
 
 
 @dataclass
@@ -66,7 +65,8 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                  concurrency: Optional[int] = None, storage: Optional[Storage] = None,
                  rows: Optional[Dict[str, List[tuple]]] = None,
                  stats: Optional[Dict[str, Any]] = None,
-                 out: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+                 out: Optional[Dict[str, torch.Tensor]] = None,
+                 checked: Optional[Dict[str, "CheckedHeader"]] = None) -> Dict[str, torch.Tensor]:
     """Reads the named tensors (all when `names` is None) of the checkpoint in `ckpt_dir`.
 
     Every segment read is checked against its CRC32C unless `verify` is False. `rows` optionally
@@ -74,8 +74,11 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     the given order); only the checksum segments covering them are read. `stats`, when given,
     receives ``bytes_read`` and, per tensor, ``tensors[name]`` (what `bytes_to_read` predicts). `out`
     gives destination tensors (contiguous CPU, exact dtype and shape of the result) to read into
-    instead of allocating — e.g. a table's own storage. Raises CheckpointNotFoundError, CorruptCheckpointError (incl.
-    FormatVersionError) or ConfigError for a name the checkpoint does not have.
+    instead of allocating — e.g. a table's own storage. `checked`, shared by calls reading one
+    checkpoint with the same `index`, keeps the files whose size and header were checked, so a
+    later call reads neither again (on object stores a HEAD and two ranged GETs per file). Raises
+    CheckpointNotFoundError, CorruptCheckpointError (incl. FormatVersionError) or ConfigError for a
+    name the checkpoint does not have.
     """
     storage = storage or get_storage(ckpt_dir)
     if index is None:
@@ -103,10 +106,16 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                                    given.get(name))
     total = 0
     for fname, reads in plans.items():
-        path = check_listed_file(ckpt_dir, fname, index, storage)
+        known = None if checked is None else checked.get(fname)
+        path = check_listed_file(ckpt_dir, fname, index, storage) if known is None else storage.join(ckpt_dir, fname)
         shard = storage.open_shard(path, index.files[fname].size)
         try:
-            _check_header(shard, path, fname, index, wanted)
+            if known is None:
+                raw = shard.read_header(knobs.get("max_header_bytes"))
+                known = CheckedHeader(*header.parse(raw, shard.size, path))
+                if checked is not None:
+                    checked[fname] = known
+            _check_header(known, path, fname, index, wanted)
             shard.read(np.asarray(reads.offsets, dtype=np.uint64), np.asarray(reads.addresses, dtype=np.uint64),
                        np.asarray(reads.lengths, dtype=np.uint64),
                        np.asarray(reads.crcs, dtype=np.uint32) if verify else None, threads)
@@ -216,10 +225,16 @@ def _row_bytes(t: torch.Tensor) -> int:
     return n
 
 
-def _check_header(shard: ShardReader, path: str, fname: str, index: Index, wanted: List[str]) -> None:
+@dataclass(frozen=True)
+class CheckedHeader:
+    """A shard file's parsed header (its size checked against the index)."""
+    data_start: int
+    entries: Dict[str, header.HeaderEntry]
+
+
+def _check_header(known: CheckedHeader, path: str, fname: str, index: Index, wanted: List[str]) -> None:
     """The shard's own header must agree with the index for every chunk we read from it."""
-    raw = shard.read_header(knobs.get("max_header_bytes"))
-    data_start, entries = header.parse(raw, shard.size, path)
+    data_start, entries = known.data_start, known.entries
     for name in wanted:
         entry = index.tensors[name]
         for chunk in entry.chunks:

@@ -11,7 +11,7 @@ from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpoi
 from recsave.format import chain, ckptlist, plainstate, torchio
 from recsave.format import index as index_mod
 from recsave.format.quant import dequantize_rows
-from recsave.format.reader import bytes_to_read, read_tensors
+from recsave.format.reader import CheckedHeader, bytes_to_read, read_tensors
 from recsave.format.records import Index
 from recsave.load import contents, merge
 from recsave.load.config import Contents
@@ -29,6 +29,7 @@ class CheckpointSource:
         self.ckpt_dir = ckpt_dir
         self.index = index
         self.contents: Contents = contents.of_index(index, ckpt_dir)
+        self._checked: Dict[str, CheckedHeader] = {}  # shard files checked once for all reads
 
     @property
     def path(self) -> str:
@@ -101,7 +102,7 @@ class CheckpointSource:
         dest = {f"{table}@{c}": t for c, t in (out or {}).items() if not (quantised and c == "embedding")}
         data = read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage,
                             concurrency=concurrency, rows=None if ranges is None else {n: ranges for n in names},
-                            out=dest)
+                            out=dest, checked=self._checked)
         if quantised:  # int8 codes -> float32 rows, exactly as docs/FORMAT.md section 8 defines them
             rows = dequantize_rows(*(data.pop(f"{table}@{s}") for s in ("embedding", "scale", "offset")))
             given = (out or {}).get("embedding")

@@ -96,19 +96,20 @@ class CheckpointWriter:
             stage = "write"
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
                                        lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
-            parts = dist.gather_objects(mine, world)
+            parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
             stage = "commit"
             committed = dist.run_everywhere(f"committing {ckpt_dir}",
-                                            lambda: self._commit(ckpt_dir, ckpt_id, parts, state, world, metrics),
+                                            lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
+                                                                 metrics),
                                             world, only_rank0=True, rank=rank)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
                 self._clean_up_failed(ckpt_dir, ckpt_id, made, rank, world, stage == "commit",
                                       not getattr(exc, "collective_failed", False))
             raise
-        # Rank 0 knows every file's size; the others know the files of every rank but model.pt etc.
-        self.last_bytes = committed if committed is not None else \
-            sum(f.size for part, _ in parts for f in part.files.values())
+        # Rank 0 knows every file's size (it commits); the others know their own files only.
+        own = sum(f.size for f in mine[0].files.values()) if mine is not None else 0
+        self.last_bytes = committed if committed is not None else own
         return ckpt_dir
 
     def _clean_up_failed(self, ckpt_dir: str, ckpt_id: str, made: "_Made", rank: int, world: int,

@@ -12,8 +12,8 @@ log = logging.getLogger("recsave")
 class SaveInfo:
     """A committed save, as `Saver.last_save` / `CheckpointManager.last_save` report it.
 
-    `bytes` counts the checkpoint's files (on ranks other than 0: every rank's shard and io-state
-    files, without rank 0's model.pt / extra.pt); `seconds` is the time from the save call (for an
+    `bytes` counts the checkpoint's files (on ranks other than 0: only the shard and io-state files
+    that rank wrote); `seconds` is the time from the save call (for an
     async save: from the start of its background write) to the commit; `stall_seconds` how long the
     training thread was blocked (the whole save when synchronous, the snapshot when async)."""
     ckpt_id: str

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch
 import torch.distributed as torch_dist
 
-from recsave import knobs
+from recsave import gcpause, knobs
 from recsave.errors import RankFailedError, RecsaveError, UsageError
 
 T = TypeVar("T")
@@ -138,6 +138,22 @@ def gather_objects(obj: Any, world_size: int) -> List[Any]:
         torch_dist.all_gather_object(out, obj, group=group)
         return out
     return _guard("all_gather", run)
+
+
+def gather_to_rank0(obj: Any, world_size: int, rank: int) -> Optional[List[Any]]:
+    """Every rank's `obj` in rank order on rank 0 (None on the others; a list of one without
+    collectives). Only rank 0 receives: W objects in all, where gather_objects sends every rank
+    all W (W^2 in all, which at a thousand ranks is most of a save's coordination)."""
+    if not collective(world_size):
+        return [obj]
+    group = recsave_group()
+    out: Optional[List[Any]] = [None] * world_size if rank == 0 else None
+
+    def run() -> Optional[List[Any]]:
+        with gcpause.paused():  # rank 0 unpickles W parts of many small records
+            torch_dist.gather_object(obj, out, dst=0, group=group)
+        return out
+    return _guard("gather", run)
 
 
 def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank0: bool = False,

@@ -354,16 +354,17 @@ class HashTable(TableLifecycle, torch.nn.Module):
         n = ids.numel()
         # Filled on 4 KB pages (a huge page is zeroed whole before the read overwrites it: an extra
         # pass over memory), advised for huge pages after the fill.
-        self._map.reserve(n)
-        if self._partition is not None:
-            self._check_owned(ids)
         initial = self.initial_rows(ids) if "embedding" not in columns else torch.empty(0)
         views = self._store.restore_views(n, columns, initial)
         self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
         # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
+        # The fill starts first: the map's slots are allocated and the ids checked while it reads.
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
             filled = pool.submit(fill, views) if pool and fill else None
             try:
+                self._map.reserve(n)
+                if self._partition is not None:
+                    self._check_owned(ids)
                 distinct = self._map.load_distinct(flat_ids(ids))
             except BaseException:
                 self.clear()
