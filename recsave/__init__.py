@@ -24,6 +24,8 @@ from recsave.save.saver import Saver
 from recsave.tables.hashtable import HashTable, split_sparse_dense_state_dict
 from recsave.tables.interop import from_dcp_state_dict, to_dcp_state_dict
 from recsave.tables.tablelike import TableLike
+from recsave.tools.catalog import describe
+from recsave.tools.compact import compact
 from recsave.tools.convert import convert
 from recsave.tools.serving import export_serving
 from recsave.version import __version__
@@ -35,7 +37,8 @@ __all__ = [
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
     "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
-    "RankFailedError", "ArgumentTypeError", "Preempted", "SaveInfo",
+    "RankFailedError", "ArgumentTypeError", "Preempted", "SaveInfo", "compact",
+    "describe",
 ]
 
 _compat.install()

@@ -6,6 +6,8 @@ Scenarios: ``save`` (build this rank's shard of a known table set and save it), 
 latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed`` / ``save_error``
 (rank 1 SIGKILLs itself / rank 2 raises in the middle of a second save; the others must raise),
 ``load_damaged`` (load into a model holding other rows; dump what each rank holds after).
+``delta_save`` (a full then two deltas, incremental=True), ``delta_continue`` (restore the latest
+with WORLD ranks, change rows, save the delta ckpt_4); CKPT_ID makes ``load`` load that id.
 ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
 shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
@@ -82,6 +84,23 @@ def fill(model, rank, world, offset=0.0):
     for salt, table in ((offset, model.user), (offset + 100.0, model.item)):
         table.set_partition(rank, world)
         table.load_rows(mine, expected_rows(mine, salt), {"adagrad_acc": expected_rows(mine, salt + 0.5)})
+
+
+def delta_step(model, rank, world, k):
+    """Change k of the delta scenarios: ids of a window get new rows, ids of another are deleted
+    (each rank does its owned share); tests/test_multirank.py replays the same on the global table."""
+    changed, deleted = delta_ids(k)
+    for salt, table in ((0.0, model.user), (100.0, model.item)):
+        mine = changed[partition.owner_of(changed, world) == rank]
+        table.load_rows(mine, expected_rows(mine, salt + 10.0 * k),
+                        {"adagrad_acc": expected_rows(mine, salt + 10.0 * k + 0.5)}, clear=False)
+        table.delete(deleted[partition.owner_of(deleted, world) == rank])
+
+
+def delta_ids(k):
+    ids = global_ids()
+    start = (k * 401) % 2000
+    return ids[start:start + 40], ids[2200 + 15 * k:2200 + 15 * k + 15]
 
 
 def listing(root):
@@ -193,6 +212,33 @@ def main():
         reader.position = -1
         write.result(timeout=60)
         saver.close()
+    elif scenario == "delta_save":  # a full, then two deltas
+        fill(model, rank, world)
+        kinds = []
+        for k in range(3):
+            if k:
+                delta_step(model, rank, world, k)
+            saver.save(f"ckpt_{k + 1}", incremental=True)
+            kinds.append(saver.last_save_kind)
+        with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
+            json.dump(kinds, f)
+    elif scenario == "delta_cleared":  # rank 0 clears `user` and refills a few rows; rank 1 does not
+        fill(model, rank, world)
+        saver.save("ckpt_1", incremental=True)
+        if rank == 0:
+            ids = global_ids()
+            mine = ids[partition.owner_of(ids, world) == 0][:50]
+            model.user.clear()
+            model.user.load_rows(mine, expected_rows(mine, 5.0), {"adagrad_acc": expected_rows(mine, 5.5)})
+        saver.save("ckpt_2", incremental=True)
+        with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
+            json.dump([saver.last_save_kind], f)
+    elif scenario == "delta_continue":  # restore the latest with this world size, change, save a delta
+        saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None)
+        delta_step(model, rank, world, 3)
+        saver.save("ckpt_4", incremental=True)
+        with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
+            json.dump([saver.last_save_kind], f)
     elif scenario == "load_damaged":
         # The live model holds other rows (offset 50); rank 1's part of the checkpoint is damaged.
         fill(model, rank, world, offset=50.0)
@@ -209,7 +255,8 @@ def main():
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump({"position": reader.position}, f)
     elif scenario == "load":
-        report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None)
+        report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None,
+                            ckpt_id=os.environ.get("CKPT_ID"))
         out = {"bytes_read": report.bytes_read, "rows_read": report.rows_read, "position": reader.position}
         for name in ("user", "item"):
             table = getattr(model, name)

@@ -135,9 +135,13 @@ def run_cli(*args):
 
 
 def flip_last_shard_byte(ckpt):
+    """Flips a bit near the end of the first shard's embedding rows (data every reader reads)."""
     shard = next(p for p in sorted(ckpt.iterdir()) if p.name.endswith(".safetensors"))
     data = bytearray(shard.read_bytes())
-    data[-3] ^= 0x40
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    _, end = next(v["data_offsets"] for k, v in header.items() if k.endswith("@embedding"))
+    data[8 + n + end - 3] ^= 0x40
     shard.write_bytes(bytes(data))
     return shard
 
@@ -162,12 +166,13 @@ def test_ls_json_of_an_empty_output_dir(tmp_path, capsys):
 def test_inspect_json(output_dir, capsys):
     assert main(["inspect", "--json", str(output_dir)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert sorted(doc) == ["bytes", "created_at", "dense", "extras", "format_version", "io_states", "kind",
-                           "partition", "path", "recsave_version", "shards", "step", "tables", "world_size"]
-    assert doc["kind"] == "full"
+    assert sorted(doc) == ["base", "bytes", "chain", "created_at", "dense", "extras", "format_version", "io_states",
+                           "kind", "parent", "partition", "path", "recsave_version", "shards", "step", "tables",
+                           "world_size"]
+    assert (doc["kind"], doc["parent"], doc["base"], doc["chain"]) == ("full", None, "ckpt_4", ["ckpt_4"])
     assert doc["path"] == str(output_dir / "ckpt_4") and doc["step"] == 4 and doc["world_size"] == 1
     assert sorted(doc["tables"]) == ["item", "user"]
-    assert sorted(doc["tables"]["user"]) == ["bytes", "dim", "dtype", "rows", "slots"]
+    assert sorted(doc["tables"]["user"]) == ["bytes", "dim", "dtype", "rows", "slots", "tombstones"]
     assert doc["tables"]["user"]["slots"] == ["adagrad_acc"] and doc["tables"]["user"]["dim"] == 8
     assert doc["io_states"] == ["reader"] and "mlp.0.weight" in doc["dense"]
 

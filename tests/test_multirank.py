@@ -200,3 +200,84 @@ def test_a_shard_id_other_than_the_group_rank_is_refused(tmp_path):
     assert "RankFailedError" in (tmp_path / "error_1.txt").read_text()
     assert not (tmp_path / "out" / "ckpt_1").exists()
     assert not (tmp_path / "out" / "checkpoint").exists()
+
+
+def _expected_after(k):
+    """The global table state after delta_step 1..k of tests/mr_worker.py: {id: salt offset}."""
+    from mr_worker import delta_ids
+
+    state = {i: 0.0 for i in global_ids().tolist()}
+    for step in range(1, k + 1):
+        changed, deleted = delta_ids(step)
+        for i in changed.tolist():
+            state[i] = 10.0 * step
+        for i in deleted.tolist():
+            state.pop(i, None)
+    return state
+
+
+def _check_loaded(tmp_path, world, state):
+    for base, name in ((0.0, "user"), (100.0, "item")):
+        seen = []
+        for r in range(world):
+            got = torch.load(tmp_path / f"{name}_{world}_{r}.pt", weights_only=True)
+            ids = got["ids"]
+            assert torch.equal(partition.owner_of(ids, world), torch.full_like(ids, r))
+            salts = torch.tensor([base + state[i] for i in ids.tolist()])
+            rows = torch.stack([mr_rows(i, s) for i, s in zip(ids, salts)]) if ids.numel() else got["values"]
+            accs = torch.stack([mr_rows(i, s + 0.5) for i, s in zip(ids, salts)]) if ids.numel() else got["acc"]
+            assert torch.equal(got["values"], rows) and torch.equal(got["acc"], accs)
+            seen += ids.tolist()
+        assert sorted(seen) == sorted(state)
+
+
+def mr_rows(i, salt):
+    return expected_rows(i.reshape(1), float(salt))[0]
+
+
+def test_delta_chain_across_world_sizes(tmp_path):
+    """A chain saved by 2 ranks restores on 1 and 3; 3 ranks restore it and add a delta (a chain
+    whose base was written by 2 ranks and its last delta by 3), which 2 ranks restore."""
+    codes, outs = run_ranks("delta_save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    for r in range(2):
+        assert json.loads((tmp_path / f"kinds_2_{r}.json").read_text()) == ["full", "delta", "delta"]
+    index = read_index(str(tmp_path / "out" / "ckpt_3"))
+    assert (index.kind, index.base, index.parent.id, index.world_size) == ("delta", "ckpt_1", "ckpt_2", 2)
+    for world in (1, 3):
+        for ckpt_id, k in (("ckpt_2", 1), ("ckpt_3", 2)):
+            codes, outs = run_ranks("load", world, tmp_path, {"NO_IO": "1", "CKPT_ID": ckpt_id})
+            assert codes == [0] * world, outs
+            _check_loaded(tmp_path, world, _expected_after(k))
+    codes, outs = run_ranks("delta_continue", 3, tmp_path, {"NO_IO": "1"})
+    assert codes == [0, 0, 0], outs
+    assert all(json.loads((tmp_path / f"kinds_3_{r}.json").read_text()) == ["delta"] for r in range(3))
+    index = read_index(str(tmp_path / "out" / "ckpt_4"))
+    assert (index.kind, index.base, index.parent.id, index.world_size) == ("delta", "ckpt_1", "ckpt_3", 3)
+    assert read_index(str(tmp_path / "out" / "ckpt_1")).world_size == 2
+    for world in (2, 1):
+        codes, outs = run_ranks("load", world, tmp_path, {"NO_IO": "1", "CKPT_ID": "ckpt_4"})
+        assert codes == [0] * world, outs
+        _check_loaded(tmp_path, world, _expected_after(3))
+
+
+def test_delta_of_a_table_cleared_on_one_rank(tmp_path):
+    """A table cleared on one rank only: every rank writes its rows whole and marks the table
+    cleared, so the merge (drop all, then upsert) gives back exactly what the ranks held."""
+    codes, outs = run_ranks("delta_cleared", 2, tmp_path)
+    assert codes == [0, 0], outs
+    assert all(json.loads((tmp_path / f"kinds_2_{r}.json").read_text()) == ["delta"] for r in range(2))
+    index = read_index(str(tmp_path / "out" / "ckpt_2"))
+    assert index.meta.tables["user"].cleared and not index.meta.tables["item"].cleared
+    codes, outs = run_ranks("load", 1, tmp_path, {"NO_IO": "1", "CKPT_ID": "ckpt_2"})
+    assert codes == [0], outs
+    ids = global_ids()
+    kept = ids[partition.owner_of(ids, 2) == 0][:50]
+    user = torch.load(tmp_path / "user_1_0.pt", weights_only=True)
+    want = {i: 5.0 for i in kept.tolist()}
+    want.update({i: 0.0 for i in ids[partition.owner_of(ids, 2) == 1].tolist()})
+    assert sorted(user["ids"].tolist()) == sorted(want)
+    for i, row, acc in zip(user["ids"], user["values"], user["acc"]):
+        assert torch.equal(row, mr_rows(i, want[int(i)])) and torch.equal(acc, mr_rows(i, want[int(i)] + 0.5))
+    item = torch.load(tmp_path / "item_1_0.pt", weights_only=True)
+    assert sorted(item["ids"].tolist()) == sorted(ids.tolist())

@@ -120,7 +120,7 @@ def test_on_disk_file_set_and_shard_contents(tmp_path):
     stored = {}
     for f in shards:
         stored.update(load_file(os.path.join(ckpt, f)))
-    expected = {f"{t}@{c}" for t in TABLE_NAMES for c in ("id", "embedding", "adagrad_acc")}
+    expected = {f"{t}@{c}" for t in TABLE_NAMES for c in ("id", "embedding", "adagrad_acc", "last_step", "count")}
     assert set(stored) == expected
     for name, table in tables_of(job.model).items():
         ids = torch.from_numpy(stored[f"{name}@id"])
@@ -128,6 +128,9 @@ def test_on_disk_file_set_and_shard_contents(tmp_path):
         _, emb, slots = table.export(ids)
         assert torch.equal(torch.from_numpy(stored[f"{name}@embedding"]), emb)
         assert torch.equal(torch.from_numpy(stored[f"{name}@adagrad_acc"]), slots["adagrad_acc"])
+        meta = table.row_meta(table.lookup(ids, insert=False))  # row metadata, [n, 1] int64, same order
+        assert torch.equal(torch.from_numpy(stored[f"{name}@last_step"]), meta["last_step"])
+        assert torch.equal(torch.from_numpy(stored[f"{name}@count"]), meta["count"])
 
     dense = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
     assert sorted(dense) == DENSE_NAMES

@@ -9,6 +9,7 @@ from typing import Dict, List, NamedTuple, Optional, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
+from recsave.format import chain
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
 from recsave.format.index import INDEX_FILE
@@ -248,11 +249,17 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
     crashed saves); returns their names. Other files and directories, checkpoints written by a
     newer recsave (newer_format_version) and directories holding a damaged index (damaged: the
-    user decides what to do with them, e.g. after `recsave repair` named them) are never touched."""
+    user decides what to do with them, e.g. after `recsave repair` named them) are never touched,
+    nor are the chain members a kept delta checkpoint needs (format/chain.py)."""
+    candidates = [n for n in storage.listdir(output_dir)
+                  if n not in keep and looks_like_checkpoint(storage, output_dir, n)]
+    if not candidates:
+        return []
+    needed = chain.needed_by(storage, output_dir, keep)
     removed = []
-    for name in storage.listdir(output_dir):
+    for name in candidates:
         # One read of the index decides: only a leftover without one, or an unkept valid one, goes.
-        if name not in keep and looks_like_checkpoint(storage, output_dir, name) \
+        if name not in needed \
                 and _index_state(storage, storage.join(output_dir, name)).kind in ("none", "valid"):
             storage.remove_tree(storage.join(output_dir, name))
             removed.append(name)

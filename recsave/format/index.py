@@ -12,7 +12,9 @@ from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageErr
 from recsave.format import checks
 from recsave.format.dtypes import from_name
 from recsave.format.records import (
+    DELTA_FORMAT_VERSION,
     FORMAT_VERSION,
+    KIND_DELTA,
     KIND_FULL,
     KINDS,
     MAGIC,
@@ -25,6 +27,7 @@ from recsave.format.records import (
     Index,
     IndexPart,
     Meta,
+    Parent,
     Partition,
     Retention,
     TableMeta,
@@ -162,11 +165,40 @@ def validate(index: Any, path: str) -> Index:
     for key in ("recsave_version", "created_at"):
         if not isinstance(index[key], str):
             raise checks.corrupt(path, f"{key} must be a string, found {index[key]!r}")
+    parent, base = _parse_chain(index, kind, version, path)
+    meta = parse_meta(index["meta"], tensors, path)
+    if kind == KIND_DELTA:
+        for name, t in (meta.tables if meta is not None else {}).items():
+            if t.cleared is None or t.tombstones is None or f"{name}@tombstone" not in tensors:
+                raise checks.corrupt(path, f"delta table {name!r} needs 'cleared', 'tombstones' and "
+                                     f"its tensor {name}@tombstone")
+            if tensors[f"{name}@tombstone"].shape[:1] != (t.tombstones,):
+                raise checks.corrupt(path, f"table {name!r} records {t.tombstones} tombstones, its "
+                                     f"tensor {name}@tombstone holds {tensors[f'{name}@tombstone'].shape}")
     return Index(magic=MAGIC, format_version=version, recsave_version=index["recsave_version"],
                  created_at=index["created_at"], step=step, world_size=world_size, partition=partition,
-                 files=files, tensors=tensors, meta=parse_meta(index["meta"], tensors, path), kind=kind,
+                 files=files, tensors=tensors, meta=meta, kind=kind, parent=parent, base=base,
                  metrics=_parse_metrics(index.get("metrics"), path),
                  retention=_parse_retention(index.get("retention"), path))
+
+
+def _parse_chain(index: Dict[str, Any], kind: str, version: int, path: str) -> Tuple[Optional[Parent], Optional[str]]:
+    """(parent, base) of an index (docs/FORMAT.md section 10): a delta needs format_version 2, a
+    parent {"id", "crc32c"} and the id of its chain's base; other kinds have neither."""
+    if kind != KIND_DELTA:
+        if "parent" in index or "base" in index:
+            raise checks.corrupt(path, f"a {kind!r} checkpoint's index must not have 'parent' or 'base'")
+        return None, None
+    if version != DELTA_FORMAT_VERSION:
+        raise checks.corrupt(path, f"a delta index must have format_version {DELTA_FORMAT_VERSION}, "
+                             f"found {version}")
+    raw = index.get("parent")
+    if not isinstance(raw, dict):
+        raise checks.corrupt(path, f"a delta index needs 'parent': {{'id', 'crc32c'}}, found {raw!r}")
+    parent = Parent(checks.as_plain_name(raw.get("id"), "parent id", path),
+                    checks.as_int(raw.get("crc32c"), "parent crc32c", path, hi=0xFFFFFFFF))
+    base = checks.as_plain_name(index.get("base"), "base id", path)
+    return parent, base
 
 
 def _parse_metrics(metrics: Any, path: str) -> Optional[Dict[str, float]]:
@@ -329,10 +361,16 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
             raise FormatVersionError(f"{path}: table {name!r} is stored as {quant!r}, which recsave "
                                      f"{__version__} cannot decode (it knows {QUANT_INT8!r}); upgrade recsave",
                                      path=path)
+        cleared = t.get("cleared")
+        if cleared is not None and not isinstance(cleared, bool):
+            raise bad(f"cleared of table {name!r} must be true or false, found {cleared!r}")
         tables[name] = TableMeta(checks.as_int(t.get("dim"), f"dim of table {name!r}", path),
                                  _text(t.get("dtype"), f"dtype of table {name!r}", bad),
                                  _texts(t.get("slots"), f"slots of table {name!r}", bad),
-                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path), quant)
+                                 checks.as_int(t.get("rows", 0), f"rows of table {name!r}", path), quant,
+                                 step=_opt_int(t.get("step"), f"step of table {name!r}", path),
+                                 cleared=cleared,
+                                 tombstones=_opt_int(t.get("tombstones"), f"tombstones of table {name!r}", path))
     dense: Dict[str, DenseMeta] = {}
     for name, d in meta["dense"].items():
         if not isinstance(d, dict):
@@ -351,6 +389,10 @@ def parse_meta(meta: Dict[str, Any], tensors: Mapping[str, TensorEntry], path: s
             _check_quantised(name, info, tensors, path)
     return Meta(tables, dense, _texts(meta["extras"], "extras", bad), _texts(meta["io_states"], "io_states", bad),
                 count)
+
+
+def _opt_int(value: Any, what: str, path: str) -> Optional[int]:
+    return None if value is None else checks.as_int(value, what, path)
 
 
 def _check_quantised(name: str, info: TableMeta, tensors: Mapping[str, TensorEntry], path: str) -> None:

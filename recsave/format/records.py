@@ -19,11 +19,12 @@ from recsave.format.dtypes import BY_NAME, DType
 
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1           # a "full" checkpoint (docs/FORMAT.md section 3)
-DELTA_FORMAT_VERSION = 2     # an index of another kind ("serving", ...): older readers refuse it
+DELTA_FORMAT_VERSION = 2     # an index of another kind ("delta", "serving"): older readers refuse it
 READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION)
 KIND_FULL = "full"
+KIND_DELTA = "delta"         # changed rows + tombstones over a parent checkpoint (docs/FORMAT.md section 10)
 KIND_SERVING = "serving"     # weights only, possibly quantised (docs/FORMAT.md section 8)
-KINDS = (KIND_FULL, KIND_SERVING)
+KINDS = (KIND_FULL, KIND_DELTA, KIND_SERVING)
 QUANT_INT8 = "int8"          # TableMeta.quant: per-row affine int8 rows (recsave/format/quant.py)
 
 
@@ -165,17 +166,29 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class TableMeta:
-    """A hash table of the checkpoint: embedding dim and dtype, optimizer slots, rows saved."""
+    """A hash table of the checkpoint: embedding dim and dtype, optimizer slots, rows (of a full
+    checkpoint: rows saved; of a delta: live rows of the table once the chain is applied), the table
+    step (None in checkpoints without it) and, in a delta only, `cleared` (every row of the parent
+    is dropped first) and the number of `tombstones` (ids removed since the parent)."""
     dim: int
     dtype: str
     slots: Tuple[str, ...]
     rows: int = 0
     quant: Optional[str] = None  # "int8": `<t>@embedding` holds codes, `<t>@scale` / `@offset` the rows' affine map
+    step: Optional[int] = None
+    cleared: Optional[bool] = None
+    tombstones: Optional[int] = None
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"dim": self.dim, "dtype": self.dtype, "slots": self.slots, "rows": self.rows}
         if self.quant is not None:
             out["quant"] = self.quant
+        if self.step is not None:
+            out["step"] = self.step
+        if self.cleared is not None:
+            out["cleared"] = self.cleared
+        if self.tombstones is not None:
+            out["tombstones"] = self.tombstones
         return out
 
 
@@ -237,6 +250,17 @@ def _tensors_json(tensors: Mapping[str, TensorEntry]) -> Dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Parent:
+    """The checkpoint a delta applies to: its id (a directory next to the delta's) and the CRC32C
+    of its index bytes, so that a parent rewritten since is detected."""
+    id: str
+    crc32c: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"id": self.id, "crc32c": self.crc32c}
+
+
+@dataclass(frozen=True)
 class IndexPart:
     """What one rank wrote (docs/FORMAT.md section 3, "Index parts"): write_shards returns one,
     merge_parts merges them into an Index."""
@@ -275,6 +299,12 @@ class Index:
     tensors: Mapping[str, TensorEntry]
     meta: Optional[Meta]
     kind: str = KIND_FULL
+    parent: Optional[Parent] = None   # deltas only
+    base: Optional[str] = None        # deltas only: id of the chain's full checkpoint
+
+    @property
+    def is_delta(self) -> bool:
+        return self.kind == KIND_DELTA
     metrics: Optional[Mapping[str, float]] = None
     retention: Optional[Retention] = None
 
@@ -308,8 +338,9 @@ class Index:
         return dataclasses.replace(self, files={**self.files, **files})
 
     def to_json(self) -> Dict[str, Any]:
-        """The JSON object, keys in the order recsave writes them (`kind` only when not "full",
-        `metrics` and `retention` only when set)."""
+        """The JSON object, keys in the order recsave writes them (`kind` only when it is not
+        "full", so that full indexes read as they always did; a delta's `parent` and `base`, then
+        `metrics` and `retention` only when set, last)."""
         out: Dict[str, Any] = {"magic": self.magic, "format_version": self.format_version}
         if self.kind != KIND_FULL:  # absent means "full": indexes of earlier releases stay byte-identical
             out["kind"] = self.kind
@@ -323,6 +354,10 @@ class Index:
             "tensors": _tensors_json(self.tensors),
             "meta": self.meta.to_json() if self.meta is not None else {},
         })
+        if self.parent is not None:
+            out["parent"] = self.parent.to_json()
+        if self.base is not None:
+            out["base"] = self.base
         if self.metrics is not None:
             out["metrics"] = dict(self.metrics)
         if self.retention is not None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import functools
 import traceback
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
 from recsave.errors import ConfigError
-from recsave.load import contents
+from recsave.load import contents, merge
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport
@@ -18,6 +18,7 @@ from recsave.load.transaction import LoadTransaction, io_state_change, state_dic
 from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
 from recsave.tables.hashtable import HashTable
+from recsave.tables.rows import META_COLUMNS
 
 
 def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
@@ -107,25 +108,80 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         keep_rows = not (has_embedding and plan.conf.hashtable_clear)
         table = tx.table(table_name, keep_rows=keep_rows,
                          partition=(rank, world, src.num_buckets) if world > 1 else None)
-        if has_embedding and _load_in_place(target, table, src, src_table, columns, plan, rank, world):
+        # row metadata, for tables that keep it (a TableLike need not)
+        meta = _meta_columns(src, src_table) if has_embedding and callable(getattr(table, "meta_columns", None)) else []
+        if has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
+                                                                          plan, rank, world):
+            loaded_rows = len(table)
+        elif has_embedding and _load_in_place(target, table, src, src_table, {**columns, **{m: m for m in meta}},
+                                              plan, rank, world):
             loaded_rows = len(table)
         else:
-            ids, data = src.read_table(src_table, list(columns.values()), rank, world, target.concurrency)
+            ids, data = src.read_table(src_table, list(columns.values()) + meta, rank, world, target.concurrency)
             for slot in columns:  # a slot of the checkpoint the (scratch) table lacks is created first:
                 if slot != "embedding" and slot not in table.slot_names():  # padding reads its init
                     table.add_slot(slot)
             values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
             slot_values = {c: v for c, v in values.items() if c != "embedding"}
             if has_embedding:
-                table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear)
+                with_meta = {"meta": {m: data[m] for m in meta}} if meta else {}  # TableLike: no meta argument
+                table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear, **with_meta)
                 loaded_rows = ids.numel()
             else:
                 loaded_rows = table.set_slot_rows(ids, slot_values)
+        step = _table_step(src, src_table)
+        if has_embedding and plan.conf.hashtable_clear and step is not None and hasattr(table, "advance_step"):
+            table.step = step
         for column in columns:
             name = table_name if column == "embedding" else f"{table_name}@{column}"
             planned = load_plan.items[name]
             report.loaded[name] = LoadedItem(won[name][0], src.ckpt_dir, won[name][1], loaded_rows,
                                              planned.nbytes)
+
+
+def _meta_columns(src: Any, table: str) -> List[str]:
+    """The row metadata columns (last_step, count) the source holds for `table`: none for Parquet or
+    a checkpoint written before recsave saved them (the rows then get 0s)."""
+    index = getattr(src, "index", None)
+    if index is None:
+        return []
+    return [m for m in META_COLUMNS if f"{table}@{m}" in index.tensors]
+
+
+def _table_step(src: Any, table: str) -> Optional[int]:
+    index = getattr(src, "index", None)
+    info = index.meta.tables.get(table) if index is not None and index.meta is not None else None
+    return info.step if info is not None else None
+
+
+def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],
+                         plan: Plan, rank: int, world: int) -> bool:
+    """A delta's restore: the chain's base through the fast path (straight into the table), then
+    each delta applied with table ops (clear when cleared, delete its tombstones, upsert its rows with
+    their metadata): docs/FORMAT.md section 10. Each member is read once. False: use the general path
+    (the table's state is then replaced by it)."""
+    if not all(callable(getattr(table, m, None)) for m in ("prepare_load", "delete", "meta_columns")):
+        return False  # a TableLike: the general path stages the merged rows with load_rows
+    base = src.member_source(src.members[0])
+    base_meta = _meta_columns(base, src_table)
+    if not _load_in_place(target, table, base, src_table, {**columns, **{m: m for m in base_meta}},
+                          plan, rank, world):
+        return False
+    for member in src.members[1:]:
+        info = member.index.meta.tables.get(src_table) if member.index.meta is not None else None
+        if info is None or any(f"{src_table}@{c}" not in member.index.tensors for c in columns.values()):
+            return False
+        ids, data, tombstones = merge.read_member(src.member_source(member), src_table,
+                                                  list(columns.values()) + list(META_COLUMNS), rank, world,
+                                                  target.concurrency)
+        if info.cleared:
+            table.clear()
+        if tombstones is not None and tombstones.numel():
+            table.delete(tombstones)
+        slots = {c: data[s] for c, s in columns.items() if c != "embedding"}
+        table.load_rows(ids, data[columns["embedding"]], slots, clear=False,
+                        meta={m: data[m] for m in META_COLUMNS})
+    return True
 
 
 def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],

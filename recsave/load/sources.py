@@ -8,12 +8,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from recsave.format import ckptlist, plainstate, torchio
+from recsave.format import chain, ckptlist, plainstate, torchio
 from recsave.format import index as index_mod
 from recsave.format.quant import dequantize_rows
 from recsave.format.reader import CheckedHeader, bytes_to_read, read_tensors
 from recsave.format.records import Index
-from recsave.load import contents
+from recsave.load import contents, merge
 from recsave.load.config import Contents
 from recsave.storage import Storage, get_storage
 from recsave.tables import partition
@@ -126,6 +126,55 @@ class CheckpointSource:
         return self.index.file(fname).size
 
 
+class ChainSource(CheckpointSource):
+    """A delta checkpoint: reads give the merged rows of its whole chain; each chain member's byte
+    ranges are read once per read_table. Opening it checks the chain (CorruptCheckpointError naming
+    a missing or damaged member, or a parent whose index changed)."""
+
+    kind = "chain"
+
+    def __init__(self, storage: Storage, ckpt_dir: str, index: Index):
+        super().__init__(storage, ckpt_dir, index)
+        self.members = chain.resolve(storage, ckpt_dir, index)
+
+    @property
+    def chain_ids(self) -> List[str]:
+        return [m.ckpt_id for m in self.members]
+
+    def member_source(self, m: chain.Member) -> CheckpointSource:
+        return self if m.ckpt_dir == self.ckpt_dir else CheckpointSource(self.storage, m.ckpt_dir, m.index)
+
+    def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
+        """Rows of the merged table (exact with one rank, else the owned share of them) and the bytes
+        every chain member contributes per column ('id' includes the tombstones)."""
+        rows = self.contents.tables[table].rows
+        if world > 1:
+            lo, hi = partition.bucket_range(rank, world, self.num_buckets)
+            rows = rows * (hi - lo) // self.num_buckets
+        cost = {c: 0 for c in ["id", *columns]}
+        for m in self.members:
+            src = self.member_source(m)
+            if f"{table}@id" not in m.index.tensors:
+                continue
+            ranges = src.row_ranges(table, rank, world)
+            for c in cost:
+                if f"{table}@{c}" in m.index.tensors:
+                    cost[c] += bytes_to_read(m.index, f"{table}@{c}", ranges)
+            if f"{table}@tombstone" in m.index.tensors:
+                cost["id"] += bytes_to_read(m.index, f"{table}@tombstone", merge.tomb_ranges(src, table, rank, world))
+        return rows, cost
+
+    def read_table(self, table: str, columns: Sequence[str], rank: int, world: int, concurrency: int,
+                   out: Optional[Dict[str, torch.Tensor]] = None,
+                   with_ids: bool = True) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
+        ids, data = merge.merged_table(self, table, list(columns), rank, world, concurrency)
+        if out:
+            for c, dest in out.items():
+                dest.copy_(data[c])
+                data[c] = dest
+        return (ids if with_ids else None), data
+
+
 class ParquetBankSource:
     """A Parquet export (recsave.export.to_parquet) or any Parquet with `id` + `embedding` columns:
     tables only."""
@@ -199,4 +248,7 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here (no 'checkpoint' file, no index, no Parquet, no "
             f"torch.save file, no DCP .metadata); check the path, or save a checkpoint first", path=path)
-    return CheckpointSource(storage, ckpt_dir, index_mod.read(ckpt_dir, storage))
+    index = index_mod.read(ckpt_dir, storage)
+    if index.is_delta:
+        return ChainSource(storage, ckpt_dir, index)
+    return CheckpointSource(storage, ckpt_dir, index)

@@ -3,7 +3,7 @@ engine gathers while it writes (never a second copy of the table), with checksum
 bucket boundaries so a resharding reader reads only the buckets it owns (docs/FORMAT.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -46,6 +46,11 @@ class TableLayout:
     meta: Dict[str, Any]  # chunk fields: the bucket row starts
     segments: Dict[str, List[int]]
     num_rows: int
+    tensor_meta: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # per-tensor chunk fields (tombstones)
+    tombstones: int = 0
+
+    def chunk_meta(self, tensor: str) -> Dict[str, Any]:
+        return self.tensor_meta.get(tensor, self.meta)
 
 
 def bucket_layout(name: str, table: TableState, rank: int, world: int, num_buckets: int) -> TableLayout:
@@ -67,10 +72,28 @@ def bucket_layout(name: str, table: TableState, rank: int, world: int, num_bucke
     sorted_rows = order if dense else rows[order]
     tensors: Dict[str, Any] = {f"{name}@id": RowSource.take(ids, order)}
     buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
-    for column in ["embedding"] + table.slot_names():
+    for column in ["embedding"] + table.slot_names() + sorted(table.meta):
         tensors[f"{name}@{column}"] = table.row_source(column, sorted_rows, buffers)
     seg_max = knobs.get("segment_bytes")
     segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)
                 for n, t in tensors.items()}
-    return TableLayout(tensors, {"buckets": {"first": first, "row_starts": row_starts}}, segments,
-                       int(ids.numel()))
+    layout = TableLayout(tensors, {"buckets": {"first": first, "row_starts": row_starts}}, segments,
+                         int(ids.numel()))
+    if table.tombstones is not None:
+        _add_tombstones(layout, name, table.tombstones, first, stop, num_buckets, seg_max)
+    return layout
+
+
+def _add_tombstones(layout: TableLayout, name: str, tombstones: torch.Tensor, first: int, stop: int,
+                    num_buckets: int, seg_max: int) -> None:
+    """A delta's `<table>@tombstone`: the removed ids sorted by bucket, with bucket ranges like
+    `@id`, so that a reader with another world size reads only the buckets it owns."""
+    dead = tombstones.reshape(-1).to(torch.int64).cpu()
+    keys = partition.bucket_of(dead, num_buckets).sub_(first)
+    order = partition.stable_order(keys, stop - first)
+    starts = [0] + torch.cumsum(torch.bincount(keys, minlength=stop - first), 0).tolist()
+    tensor = f"{name}@tombstone"
+    layout.tensors[tensor] = dead[order].contiguous()
+    layout.tensor_meta[tensor] = {"buckets": {"first": first, "row_starts": starts}}
+    layout.segments[tensor] = bucket_segment_ends(starts, 8, seg_max)
+    layout.tombstones = int(dead.numel())

@@ -12,12 +12,13 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from recsave import knobs, threads
 from recsave.errors import CheckpointExistsError
-from recsave.format import ckptlist, retention, torchio
+from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
 from recsave.format.records import IndexPart, Partition, Retention
 from recsave.format.writer import write_shards
 from recsave.load import contents
+from recsave.save import delta
 from recsave.save.layout import TableLayout, bucket_layout
 from recsave.save.snapshot import SaveState
 from recsave.storage import Storage, dist
@@ -65,8 +66,9 @@ class CheckpointWriter:
         self.keep_best = 0
         self.best_metric: Optional[str] = None
         self.best_mode = "max"
-        # Ids a checkpoint needs (kept with it by rotation); incremental checkpoints plug in here.
-        self.depends_on: Callable[[str], Iterable[str]] = lambda ckpt_id: ()
+        # Ids a checkpoint needs (kept with it by rotation): a delta's parent (format/chain.py).
+        self.depends_on: Callable[[str], Iterable[str]] = lambda ckpt_id: chain.parent_ids(storage, output_dir,
+                                                                                           ckpt_id)
         self.last_bytes = 0  # bytes of the last committed checkpoint this rank knows of (write())
         self._facts: Dict[str, Tuple[Optional[int], Optional[Mapping[str, float]]]] = {}  # id -> step, metrics
         self.damaged: Set[str] = set()
@@ -194,11 +196,11 @@ class CheckpointWriter:
         self.storage.makedirs(self.output_dir)
 
     def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int, made: "_Made"
-                          ) -> Tuple[IndexPart, Dict[str, int]]:
+                          ) -> Tuple[IndexPart, Dict[str, Tuple[int, int]]]:
         made.directory = not self.storage.exists(ckpt_dir)
         self.storage.makedirs(ckpt_dir)
         part = index_mod.new_part(rank)
-        rows: Dict[str, int] = {}
+        rows: Dict[str, Tuple[int, int]] = {}  # table -> (live rows, tombstones) of this rank
         names = sorted(state.tables)
         # The next table's bucket order is computed while this one is written (two in memory at
         # most). Durable files are fsynced and renamed together when the block exits, before the
@@ -219,7 +221,8 @@ class CheckpointWriter:
                     upcoming = order(k + 1) if k + 1 < len(names) else None
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
-                    rows[name] = layout.num_rows
+                    table = state.tables[name]
+                    rows[name] = (layout.num_rows if state.parent is None else table.live_rows, layout.tombstones)
                     part = part.joined(table_part)
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
@@ -234,19 +237,22 @@ class CheckpointWriter:
                      commits: DeferredCommits) -> IndexPart:
         """Writes one table's files (the engine gathers embedding and slots in bucket order)."""
         return write_shards(ckpt_dir, layout.tensors, rank=rank, concurrency=self.concurrency,
-                            storage=self.storage, chunk_meta={t: layout.meta for t in layout.tensors},
+                            storage=self.storage, chunk_meta={t: layout.chunk_meta(t) for t in layout.tensors},
                             first_part=first_part, segments=layout.segments, commits=commits)
 
-    def _commit(self, ckpt_dir: str, ckpt_id: str, gathered: Sequence[Tuple[IndexPart, Dict[str, int]]],
+    def _commit(self, ckpt_dir: str, ckpt_id: str,
+                gathered: Sequence[Tuple[IndexPart, Dict[str, Tuple[int, int]]]],
                 state: SaveState, world: int, metrics: Optional[Mapping[str, float]]) -> int:
         """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
         rotates; returns the checkpoint's bytes."""
         st = self.storage
         parts = [part for part, _ in gathered]
         rows: Dict[str, int] = {}
+        tombstones: Dict[str, int] = {}
         for _, table_rows in gathered:
-            for name, count in table_rows.items():
+            for name, (count, dead) in table_rows.items():
                 rows[name] = rows.get(name, 0) + count
+                tombstones[name] = tombstones.get(name, 0) + dead
         files = {
             MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.cpu() for n, t in state.dense.items()}, 0),
             EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, state.extras, 0),
@@ -258,6 +264,9 @@ class CheckpointWriter:
                                       partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta, metrics=metrics,
                                       retention=None if self.retention.plain else self.retention)
+        index = delta.with_tables(index, state, tombstones)
+        if state.parent is not None:
+            index = delta.as_delta(st, self.output_dir, index, state.parent)
         index = index.with_files(files)
         index_mod.write(ckpt_dir, index, storage=st)
         self._facts[ckpt_id] = (index.step, index.metrics)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import warnings
 from concurrent.futures import Future
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from recsave.load.config import SPARSE_OPTIM
 from recsave.load.execute import execute, load_entries
 from recsave.load.plan import LoadPlan, LoadTarget, plan_entries
 from recsave.load.report import LoadReport
+from recsave.save import delta
 from recsave.save.background import BackgroundWrite
 from recsave.save.pipeline import CheckpointWriter, step_of_id
 from recsave.save.saveinfo import SaveInfo, log_commit
@@ -61,6 +62,8 @@ class Saver:
         self._stager: Optional[Stager] = None  # host buffers of async saves, reused
         self._background = BackgroundWrite()
         self._last_save: Optional[SaveInfo] = None
+        self._baseline: Optional[delta.Baseline] = None  # what the next delta is relative to
+        self.last_save_kind: Optional[str] = None  # "full" or "delta": what the last save wrote
         if sparse_optim is not None:
             self._check_stateful("sparse_optim", sparse_optim, "Saver")
             self._extras[SPARSE_OPTIM] = sparse_optim
@@ -193,8 +196,14 @@ class Saver:
 
     # -------------------------------------------------------------------------------------- save
     def save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
-             metrics: Optional[Mapping[str, float]] = None) -> str:
+             metrics: Optional[Mapping[str, float]] = None, incremental: bool = False) -> str:
         """Writes checkpoint `ckpt_id` under output_dir and commits it; returns its path.
+
+        With `incremental`, the checkpoint is a delta of this Saver's latest checkpoint (saved or
+        restored by it): only the rows changed since and the ids removed, plus the dense part,
+        extras and io states (docs/FORMAT.md section 10). When that baseline is unknown (nothing
+        saved or restored yet, a model-bank load or a failed save since, a table's changes moved
+        by someone else or not tracked) the save is full, logged at INFO; `last_save_kind` tells.
 
         Order (docs/FORMAT.md section 5): shard files and io state of every rank, then on rank 0
         model.pt, extra.pt, the index (the commit point) and the `checkpoint` list, then pruning.
@@ -203,25 +212,37 @@ class Saver:
         `metrics` (name -> float; rank 0's count) are stored in the index, for keep_best.
         """
         start = time.monotonic()
+        check(incremental, bool, "incremental", "save")
         rank, world = self._save_args("save", ckpt_id, shard_id, shard_num)
         values = retention.check_metrics("save", metrics)
         self._background.collect(consume=True)
-        path = self._checkpoints.write(ckpt_id, self._capture(rank, world, None), rank, world, values)
+        state, after = self._capture(rank, world, None, incremental)
+        path = self._write(ckpt_id, state, rank, world, values, after)
         elapsed = time.monotonic() - start
-        self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values)
+        self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values, state.parent is not None)
+        return path
+
+    def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int, values: Optional[Dict[str, float]],
+               after: Callable[[str], delta.Baseline]) -> str:
+        """Writes and commits; on success the baseline of the next delta is this checkpoint, on
+        failure it is unknown (the next incremental save is full)."""
+        self._baseline = None
+        path = self._checkpoints.write(ckpt_id, state, rank, world, values)
+        self._baseline = after(ckpt_id)
         return path
 
     def _record_commit(self, ckpt_id: str, path: str, rank: int, seconds: float, stall: float,
-                       metrics: Optional[Dict[str, float]]) -> None:
+                       metrics: Optional[Dict[str, float]], is_delta: bool = False) -> None:
         """Sets last_save; rank 0 logs the commit."""
-        info = SaveInfo(ckpt_id, path, step_of_id(ckpt_id), "full", self._checkpoints.last_bytes, seconds,
-                        stall, metrics)
+        info = SaveInfo(ckpt_id, path, step_of_id(ckpt_id), "delta" if is_delta else "full",
+                        self._checkpoints.last_bytes, seconds, stall, metrics)
         self._last_save = info
         if rank == 0:
             log_commit(info)
 
     def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
-                   pinned: bool = False, metrics: Optional[Mapping[str, float]] = None) -> Tuple[Future, Future]:
+                   pinned: bool = False, metrics: Optional[Mapping[str, float]] = None,
+                   incremental: bool = False) -> Tuple[Future, Future]:
         """Saves like save(), but returns once the state is snapshotted: returns
         ``(stage_future, write_future)``.
 
@@ -233,10 +254,12 @@ class Saver:
         `stage_future` is done on return; `write_future` yields the checkpoint path, or the error
         of the write, which is also raised by the next save / async_save, wait() or close(). Every
         rank calls async_save in the same order (the writes run collectives on recsave's group).
-        The host copy costs memory of about the size of the tables and dense tensors.
+        The host copy costs memory of about the size of the tables and dense tensors (of the
+        changed rows only, for a delta: `incremental` as in save()).
         """
         start = time.monotonic()
         check(pinned, bool, "pinned", "async_save")
+        check(incremental, bool, "incremental", "async_save")
         rank, world = self._save_args("async_save", ckpt_id, shard_id, shard_num)
         values = retention.check_metrics("async_save", metrics)
         self._background.collect(consume=True)
@@ -244,16 +267,17 @@ class Saver:
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
-        state = self._capture(rank, world, self._stager)
+        state, after = self._capture(rank, world, self._stager, incremental)
         stage_future: Future = Future()
         stage_future.set_result(None)  # staging is done on this thread, before returning
-        write = knobs.carried(self._checkpoints.write)
+        write = knobs.carried(self._write)
         stall = time.monotonic() - start
+        self._baseline = None  # until the write succeeds (the next save collects it first)
 
         def write_and_record() -> str:
             begin = time.monotonic()
-            path = write(ckpt_id, state, rank, world, values)
-            self._record_commit(ckpt_id, path, rank, time.monotonic() - begin, stall, values)
+            path = write(ckpt_id, state, rank, world, values, after)
+            self._record_commit(ckpt_id, path, rank, time.monotonic() - begin, stall, values, state.parent is not None)
             return path
         write_future = self._background.submit(ckpt_id, write_and_record)
         return stage_future, write_future
@@ -281,12 +305,22 @@ class Saver:
         close to raise)."""
         return self._background.pending_id
 
-    def _capture(self, rank: int, world: int, stager: Optional[Stager]) -> SaveState:
+    def _capture(self, rank: int, world: int, stager: Optional[Stager],
+                 incremental: bool) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
+        """The snapshot, and the next delta's baseline once it commits (given its id)."""
         tables, dense = contents.model_state(self.model)
         if world > 1:
             for table in tables.values():
                 table.set_partition(rank, world, self.num_buckets)
-        return capture(tables, dense, self._extras, self._io_states, stager)
+        deltas, after = delta.take(tables, self._baseline, incremental, self.storage, self.output_dir, rank,
+                                   world)
+        parent = self._baseline.ckpt_id if deltas is not None and self._baseline is not None else None
+        self.last_save_kind = "delta" if deltas is not None else "full"
+        try:
+            return capture(tables, dense, self._extras, self._io_states, stager, deltas, parent), after
+        except BaseException:
+            self._baseline = None  # the changes were taken: the next save must be full
+            raise
 
     def close(self) -> None:
         """Waits for a pending async write (raising its error), frees the async host buffers and
@@ -328,9 +362,35 @@ class Saver:
         if ckpt_path is not None:
             conf["path"] = ckpt_path
         conf.setdefault("path", self.output_dir)
+        self._baseline = None  # a load changes the tables: known again only after a whole restore
         if fallback and ckpt_id is None and not direct_path:
-            return self._load_with_fallback(conf, shard_id)
-        return load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id, direct_path=direct_path)
+            report = self._load_with_fallback(conf, shard_id)
+        else:
+            report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
+                                  direct_path=direct_path)
+        self._restored(report, conf)
+        return report
+
+    def _restored(self, report: LoadReport, conf: Dict[str, Any]) -> None:
+        """After a restore of every table (all its columns, cleared first, under its own name) from
+        one of this output dir's checkpoints, the next delta can be relative to it: every table's
+        change baseline moves to now."""
+        if len(report.checkpoints) != 1 or conf.get("hashtable_clear", True) is not True or conf.get("oname"):
+            return
+        out_dir, ckpt_id = self.storage.split(report.checkpoints[0])
+        if self.storage.join(self.output_dir, ckpt_id) != self.storage.join(out_dir, ckpt_id):
+            return
+        tables, _ = contents.model_state(self.model)
+        for name, table in tables.items():
+            for column in [name] + [f"{name}@{s}" for s in table.slot_names()]:
+                item = report.loaded.get(column)
+                if item is None or item.category not in ("sparse", "sparse_opt") or item.source != column:
+                    return
+        if not all(delta.tracks_changes(t) for t in tables.values()):
+            return
+        for table in tables.values():
+            table.reset_changes()  # type: ignore[attr-defined]
+        self._baseline = delta.Baseline.of(ckpt_id, tables)
 
     def _load_with_fallback(self, conf: Dict[str, Any], shard_id: Optional[int]) -> LoadReport:
         """Loads the newest loadable committed checkpoint of the output dir conf["path"]."""
@@ -395,4 +455,5 @@ class Saver:
                 raise UsageError(f"execute_plan: only names {', '.join(odd)} that the plan does not load; it "
                                  f"loads {sorted(plan.items)}", key="only")
         self._background.collect(consume=False)
+        self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
         return execute(self._target(), plan, only)

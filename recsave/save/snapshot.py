@@ -8,7 +8,7 @@ updates made after the capture never reach the checkpoint. Both write the same b
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -31,6 +31,11 @@ class TableState:
     ids: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
     table: Optional[TableLike] = None
+    meta: Dict[str, torch.Tensor] = field(default_factory=dict)  # row metadata: last_step, count
+    step: Optional[int] = None          # the table step
+    live_rows: int = 0                  # rows of the table (a delta writes only the changed ones)
+    tombstones: Optional[torch.Tensor] = None  # a delta's ids removed since the parent (else None)
+    cleared: bool = False               # a delta's table was cleared since the parent
 
     def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.table is not None:
@@ -45,7 +50,7 @@ class TableState:
         """`column` at `rows` (CPU int64) without copying it: the engine gathers CPU storage as it
         writes; device storage is gathered on the device and copied through `buffers` (pinned,
         double-buffered) on a side stream."""
-        storage = self.columns[column]
+        storage = self.columns[column] if column in self.columns else self.meta[column]
         if storage.device.type == "cpu":
             return RowSource.take(storage, rows)
         return RowSource(storage.dtype, (rows.numel(),) + tuple(storage.shape[1:]),
@@ -58,6 +63,30 @@ class SaveState:
     dense: Dict[str, torch.Tensor]
     extras: Dict[str, Any]  # name -> state_dict()
     io_state: Dict[str, Any]  # name -> dump_io_state()
+    parent: Optional[str] = None  # a delta's parent checkpoint id; None: a full checkpoint
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What a delta save writes of one table: the changed ids with their rows (into the table's
+    storage), the ids removed since the parent, and whether the table was cleared since."""
+    ids: torch.Tensor
+    rows: torch.Tensor
+    tombstones: torch.Tensor
+    cleared: bool
+
+
+def meta_columns(table: TableLike) -> Dict[str, torch.Tensor]:
+    """The table's row metadata storage (last_step, count), [capacity, 1] int64; {} for a TableLike
+    without row metadata."""
+    columns = getattr(table, "meta_columns", None)
+    return dict(columns()) if callable(columns) else {}
+
+
+def table_step(table: TableLike) -> Optional[int]:
+    """The table step (HashTable.step); None for a TableLike without one."""
+    step = getattr(table, "step", None)
+    return int(step) if isinstance(step, int) else None
 
 
 class Stager:
@@ -105,11 +134,14 @@ class Stager:
 
 def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
             extras: Mapping[str, Any], io_states: Mapping[str, Any],
-            stager: Optional[Stager] = None) -> SaveState:
+            stager: Optional[Stager] = None, deltas: Optional[Mapping[str, Delta]] = None,
+            parent: Optional[str] = None) -> SaveState:
     """The state a save writes. Without a stager it refers to the live tensors and objects; with
     one, tables and dense tensors are copied into its buffers and extras / io states deep-copied.
     Extras and io states are checked first (format/plainstate.py): one the safe loader could not
-    restore raises UsageError before anything is staged or written."""
+    restore raises UsageError before anything is staged or written. With `deltas` (a delta save
+    against checkpoint `parent`), each table contributes only its changed rows (an async save
+    copies only those) and its tombstones."""
     extra_state = {n: plainstate.encode(o.state_dict(), "extra", n, "state_dict", "load_state_dict")
                    for n, o in extras.items()}
     io_state = {n: plainstate.encode(o.dump_io_state(), "io state", n, "dump_io_state", "load_io_state")
@@ -117,14 +149,36 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
     states: Dict[str, TableState] = {}
     for name, table in tables.items():
         columns = table.columns()
+        meta = meta_columns(table)
+        step, live = table_step(table), len(table)
+        delta = deltas.get(name) if deltas is not None else None
+        if delta is not None:
+            ids, rows = delta.ids, delta.rows
+            if stager is not None:  # only the changed rows are copied
+                at = rows.to(columns["embedding"].device)
+                need = int(rows.numel())
+                columns = {c: stager.stage((name, c), t.index_select(0, at), room=2 * need * t[:1].numel())
+                           for c, t in columns.items()}
+                meta = {c: stager.stage((name, "@meta", c), t.index_select(0, at), room=2 * need * t[:1].numel())
+                        for c, t in meta.items()}
+                rows = torch.arange(need, dtype=torch.int64)
+            states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta,
+                                      tombstones=delta.tombstones, cleared=delta.cleared, step=step,
+                                      live_rows=live)
+            continue
         if stager is None:
-            states[name] = TableState(table.embedding_dim, table.dtype, columns, table=table)
+            states[name] = TableState(table.embedding_dim, table.dtype, columns, table=table, meta=meta, step=step,
+                                      live_rows=live)
             continue
         ids, rows = table.id_rows()
         # row_capacity: rows beyond it hold nothing (a TableLike without `weight`: all its rows)
         used = len(getattr(table, "weight", columns["embedding"]))
         columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
-        states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows)
+        # meta_columns() are views up to row_capacity: room for the whole storage behind them
+        meta = {c: stager.stage((name, "@meta", c), t[:used], room=t.untyped_storage().nbytes() // t.element_size())
+                for c, t in meta.items()}
+        states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta, step=step,
+                                  live_rows=live)
     if stager is None:
         dense_state = {n: t.detach() for n, t in dense.items()}
     else:
@@ -132,4 +186,4 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
         extra_state = copy.deepcopy(extra_state)
         io_state = copy.deepcopy(io_state)
         stager.finish()
-    return SaveState(states, dense_state, extra_state, io_state)
+    return SaveState(states, dense_state, extra_state, io_state, parent)

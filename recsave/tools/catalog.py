@@ -10,10 +10,11 @@ import numpy as np
 
 from recsave import _C, argcheck, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError, UsageError
-from recsave.format import ckptlist, retention, torchio
+from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
-from recsave.load.sources import CheckpointSource, open_source
+from recsave.format.records import KIND_FULL
+from recsave.load.sources import ChainSource, CheckpointSource, open_source
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
 
@@ -29,7 +30,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
     ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
-    reasons = retention.recorded(storage, output_dir, ids)
+    reasons = retention.recorded(storage, output_dir, ids, _parents(storage, output_dir))
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         index = index_mod.read(path, storage)
@@ -53,11 +54,20 @@ def describe(ckpt: str) -> Dict[str, Any]:
     tables = {}
     for name, t in (index.meta.tables if index.meta is not None else {}).items():
         quantised = ("scale", "offset") if t.quant is not None else ()  # int8 serving tables
-        nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in ("id", "embedding", *t.slots, *quantised))
-        tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes}
+        stored = [c for c in ("id", "embedding", *t.slots, *quantised, "last_step", "count", "tombstone")
+                  if f"{name}@{c}" in index.tensors]
+        nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in stored)
+        tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes,
+                        "tombstones": t.tombstones or 0}
+        if index.is_delta:  # rows of a delta: live rows once applied; changed: rows it stores
+            tables[name].update(changed=index.tensor(f"{name}@id").shape[0], cleared=bool(t.cleared))
+    chain_ids = src.chain_ids if isinstance(src, ChainSource) else [src.storage.split(src.ckpt_dir)[1]]
     return {
         "path": src.ckpt_dir, "step": index.step, "created_at": index.created_at,
-        "format_version": index.format_version, "kind": index.kind, "recsave_version": index.recsave_version,
+        "kind": index.kind, "parent": index.parent.to_json() if index.parent is not None else None,
+        "base": index.base if index.is_delta else chain_ids[0] if index.kind == KIND_FULL else None,
+        "chain": chain_ids,
+        "format_version": index.format_version, "recsave_version": index.recsave_version,
         "world_size": index.world_size,
         "partition": index.partition.to_json() if index.partition is not None else None, "tables": tables,
         "shards": {"files": len(shards), "bytes": sum(f.size for f in shards.values())},
@@ -91,18 +101,21 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         raise UsageError(f"{ckpt} is a Parquet export, not a checkpoint; verify checks checkpoints",
                          path=ckpt)
     problems: List[str] = []
+    # A delta is intact when its whole chain is: every member's files are checked (base first).
+    members = [src.member_source(m) for m in src.members] if isinstance(src, ChainSource) else [src]
     if on_start is not None:
-        on_start(src.index.total_bytes)
-    for fname, entry in sorted(src.index.files.items()):
-        try:
-            if fname.endswith(".safetensors"):
-                _verify_shard(src, fname)
-            else:
-                torchio.read_bytes(src.storage, src.ckpt_dir, fname, src.index)
-        except RecsaveError as exc:
-            problems.append(str(exc))
-        if progress is not None:
-            progress(entry.size)
+        on_start(sum(m.index.total_bytes for m in members))
+    for member in members:
+        for fname, entry in sorted(member.index.files.items()):
+            try:
+                if fname.endswith(".safetensors"):
+                    _verify_shard(member, fname)
+                else:
+                    torchio.read_bytes(member.storage, member.ckpt_dir, fname, member.index)
+            except RecsaveError as exc:
+                problems.append(str(exc))
+            if progress is not None:
+                progress(entry.size)
     return problems
 
 
@@ -151,7 +164,8 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
         # Then the retention policy recorded in the latest index selects, as the Saver's rotation
         # does (a save interrupted before it pruned leaves more listed than the policy keeps); a
         # rebuilt list keeps every committed checkpoint.
-        kept = listing.ids if listing.rebuilt else retention.recorded(storage, output_dir, listing.ids)
+        kept = listing.ids if listing.rebuilt else retention.recorded(storage, output_dir, listing.ids,
+                                                                      _parents(storage, output_dir))
         keep = [i for i in listing.ids
                 if i in kept or ckptlist.newer_format_version(storage, output_dir, i) is not None]
         if keep != listing.ids:
@@ -162,6 +176,11 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _parents(storage: Storage, output_dir: str) -> Callable[[str], List[str]]:
+    """retention's depends_on: a delta checkpoint needs its parent (format/chain.py)."""
+    return lambda ckpt_id: chain.parent_ids(storage, output_dir, ckpt_id)
 
 
 def _require(storage: Storage, path: str) -> None:

@@ -226,9 +226,12 @@ def _inspect(args: argparse.Namespace) -> int:
     kind = "" if d["kind"] == "full" else f" ({d['kind']})"
     print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}{kind}, "
           f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}")
+    if d["parent"] is not None:
+        print(f"{d['kind']} of {d['parent']['id']}; chain (base first): {' <- '.join(d['chain'])}")
     print(f"tables ({len(d['tables'])}):")
     for name, t in sorted(d["tables"].items()):
-        print(f"  {name}: {t['rows']} rows, dim {t['dim']} {t['dtype']}, slots "
+        dead = f", {t['tombstones']} tombstone(s)" if d["parent"] is not None else ""
+        print(f"  {name}: {t['rows']} rows{dead}, dim {t['dim']} {t['dtype']}, slots "
               f"{', '.join(t['slots']) or '-'}, {_human(t['bytes'])}")
     print(f"shards: {d['shards']['files']} file(s), {_human(d['shards']['bytes'])}")
     print(f"dense ({len(d['dense'])}): {', '.join(d['dense']) or '-'}")
@@ -253,6 +256,24 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"BAD  {' '.join(p.split())}")
     print(f"{args.ckpt}: " + ("all checksums match" if not problems else f"{len(problems)} problem(s)"))
     return EXIT_OK if not problems else EXIT_DAMAGED
+
+
+def _compact_arguments(p: argparse.ArgumentParser) -> None:
+    _ckpt_argument(p)
+    p.add_argument("out_dir", help="output dir to write the full checkpoint into (same id)")
+
+
+@command("compact", "write a (delta) checkpoint's merged state as a full checkpoint into another output dir",
+         _compact_arguments)
+def _compact(args: argparse.Namespace) -> int:
+    from recsave.tools.compact import compact
+
+    path = compact(args.ckpt, args.out_dir)
+    if args.json:
+        _print_json({"path": path})
+    else:
+        print(f"wrote {path}")
+    return EXIT_OK
 
 
 @command("gc", "remove uncommitted leftovers and stray temporary files of crashed saves from an output dir",

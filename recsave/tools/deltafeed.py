@@ -62,7 +62,7 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
 
     srcs = [open_source(p) for p in (old, new)]
     for src in srcs:
-        if getattr(src, "kind", "checkpoint") != "checkpoint":
+        if getattr(src, "kind", "checkpoint") not in ("checkpoint", "chain"):  # "chain": a delta checkpoint
             raise UsageError(f"{src.ckpt_dir} is Parquet, not a recsave checkpoint; a delta feed compares two "
                              f"checkpoints", path=src.ckpt_dir)
     before, after = (s.contents.tables for s in srcs)

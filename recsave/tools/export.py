@@ -6,12 +6,12 @@ import contextlib
 import datetime
 import json
 import uuid
-from typing import IO, Any, Callable, Dict, List, Optional, Sequence
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsave import argcheck
+from recsave import argcheck, knobs
 from recsave.argcheck import check
 from recsave.errors import ConfigError, CorruptCheckpointError, UsageError
 from recsave.format.reader import read_tensors
@@ -61,7 +61,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     from recsave.load.sources import open_source  # not at import time: sources imports this module
 
     src = open_source(ckpt)
-    if getattr(src, "kind", "checkpoint") != "checkpoint":
+    if getattr(src, "kind", "checkpoint") not in ("checkpoint", "chain"):
         raise UsageError(f"{ckpt} is Parquet already, not a recsave checkpoint; give a checkpoint "
                          f"directory or an output dir", path=ckpt)
     available = src.contents.tables
@@ -127,7 +127,12 @@ def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_di
     id_shape = index.tensor(names[0]).shape
     n = id_shape[0] if id_shape else -1
     dtypes = {c: index.tensor(f"{name}@{c}").dtype for c in columns}
-    for t in names:
+    chained = getattr(src, "kind", "checkpoint") == "chain"
+    if chained:  # a delta: its chain's merged rows (as its compacted checkpoint holds them), read once
+        fetch, n = _merged_reader(src, name, columns, names)
+    else:
+        fetch = _reader(src, names)
+    for t in ([] if chained else names):
         want = [n] if t == names[0] else [n, info.dim]
         entry = index.tensor(t)
         if list(entry.shape) != want or (t == names[0] and entry.dtype != "int64"):
@@ -151,14 +156,34 @@ def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_di
         fname = f"part-{part:05d}.parquet"
         path = storage.join(table_dir, fname)
         written.append(path)
-        rows = _write_file(src, names, columns, dtypes, schema, storage, path, first,
+        rows = _write_file(fetch, names, columns, dtypes, schema, storage, path, first,
                            min(n, first + per_file), row_group_rows, info.dim, progress)
         files.append({"path": f"{rel_dir}/{fname}", "rows": rows, "size": storage.size(path)})
     return {"dim": info.dim, "dtype": info.dtype, "slots": list(info.slots), "rows": n,
             "columns": {"id": "int64", **dtypes}, "files": files}
 
 
-def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str, str], schema: pa.Schema,
+def _reader(src: Any, names: List[str]) -> Callable[[int, int], Dict[str, Any]]:
+    """Rows [a, b) of the named tensors of a full checkpoint (only the segments covering them)."""
+    def fetch(a: int, b: int) -> Dict[str, Any]:
+        return read_tensors(src.ckpt_dir, names, index=src.index, storage=src.storage,
+                            rows={t: [(a, b)] for t in names})
+    return fetch
+
+
+def _merged_reader(src: Any, table: str, columns: List[str], names: List[str]
+                   ) -> Tuple[Callable[[int, int], Dict[str, Any]], int]:
+    """(rows [a, b) of the merged table, its row count) of a delta checkpoint's chain."""
+    ids, merged = src.read_table(table, columns, 0, 1, knobs.get("concurrency"))
+    whole = {names[0]: ids, **{f"{table}@{c}": merged[c] for c in columns}}
+
+    def fetch(a: int, b: int) -> Dict[str, Any]:
+        return {t: v[a:b] for t, v in whole.items()}
+    return fetch, int(ids.numel())
+
+
+def _write_file(fetch: Callable[[int, int], Dict[str, Any]], names: List[str], columns: List[str],
+                dtypes: Dict[str, str], schema: pa.Schema,
                 storage: Storage, path: str, first: int, stop: int, row_group_rows: int,
                 dim: int, progress: Optional[Callable[[int], None]]) -> int:
     """Rows [first, stop) of the table into one file, a row group per `row_group_rows` rows. The
@@ -169,8 +194,7 @@ def _write_file(src: Any, names: List[str], columns: List[str], dtypes: Dict[str
         with pq.ParquetWriter(ArrowSink(f), schema, use_dictionary=False, write_statistics=["id"]) as writer:
             for start in range(first, stop, row_group_rows):
                 end = min(stop, start + row_group_rows)
-                data = read_tensors(src.ckpt_dir, names, index=src.index, storage=src.storage,
-                                    rows={t: [(start, end)] for t in names})
+                data = fetch(start, end)
                 arrays = [pa.array(data[names[0]].numpy())] + [
                     pa.FixedSizeListArray.from_arrays(to_arrow(data[t], dtypes[c]), dim)
                     for t, c in zip(names[1:], columns)]

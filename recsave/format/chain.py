@@ -1,0 +1,134 @@
+"""Chains of delta checkpoints (docs/FORMAT.md section 10): a delta names its parent, a checkpoint
+in the same output dir, and the CRC32C of the parent's index bytes; following parents ends at the
+chain's base, a full checkpoint. A missing or damaged member, or a parent whose index bytes changed,
+is a CorruptCheckpointError naming it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Set, Tuple
+
+from recsave import _C, knobs
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError
+from recsave.format import index as index_mod
+from recsave.format.checks import is_plain_name
+from recsave.format.records import KIND_FULL, Index
+from recsave.storage import Storage, get_storage
+
+MAX_CHAIN = 100_000  # a cycle of parents is damage, never followed for ever
+
+
+@dataclass(frozen=True)
+class Member:
+    """One checkpoint of a chain: its directory, id and index."""
+    ckpt_dir: str
+    ckpt_id: str
+    index: Index
+
+
+def index_crc(storage: Storage, ckpt_dir: str) -> int:
+    """CRC32C of the index bytes of `ckpt_dir` (what a delta records of its parent)."""
+    data = storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
+    return int(_C.crc32c(data))
+
+
+def resolve(storage: Storage, ckpt_dir: str, index: Optional[Index] = None) -> List[Member]:
+    """The chain of checkpoint `ckpt_dir`, base first, each parent's index checked against the CRC32C
+    its child recorded. A full checkpoint is its own chain."""
+    if index is None:
+        index = index_mod.read(ckpt_dir, storage)
+    out_dir, ckpt_id = storage.split(ckpt_dir)
+    chain = [Member(ckpt_dir, ckpt_id, index)]
+    seen: Set[str] = {ckpt_id}
+    while chain[-1].index.is_delta:
+        child = chain[-1]
+        parent = child.index.parent
+        assert parent is not None  # validated with the delta's index
+        parent_dir = storage.join(out_dir, parent.id)
+        if parent.id in seen or len(chain) > MAX_CHAIN:
+            raise CorruptCheckpointError(f"{child.ckpt_dir}: its chain of parents loops back to "
+                                         f"{parent_dir}; the index is damaged", path=child.ckpt_dir)
+        try:
+            data = storage.read_bytes(storage.join(parent_dir, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
+            parent_index = index_mod.parse(data, storage.join(parent_dir, index_mod.INDEX_FILE))
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            missing = isinstance(exc, CheckpointNotFoundError)
+            raise CorruptCheckpointError(
+                f"{parent_dir}: the parent of delta checkpoint {child.ckpt_dir} is "
+                f"{'missing' if missing else 'damaged'} ({exc}); the delta cannot be restored without "
+                f"its whole chain: restore another checkpoint", path=parent_dir) from exc
+        if int(_C.crc32c(data)) != parent.crc32c:
+            raise CorruptCheckpointError(
+                f"{parent_dir}: the index of this parent of delta checkpoint {child.ckpt_dir} is not the "
+                f"one the delta was saved against (CRC32C {int(_C.crc32c(data)):#010x}, recorded "
+                f"{parent.crc32c:#010x}): it was rewritten; restore another checkpoint", path=parent_dir)
+        seen.add(parent.id)
+        chain.append(Member(parent_dir, parent.id, parent_index))
+    chain.reverse()
+    if chain[0].index.kind != KIND_FULL:
+        raise CorruptCheckpointError(f"{chain[0].ckpt_dir}: the chain of {ckpt_dir} starts at a checkpoint of kind "
+                                     f"{chain[0].index.kind!r}; a chain's base must be a full checkpoint",
+                                     path=chain[0].ckpt_dir)
+    if chain[-1].index.base is not None and chain[0].ckpt_id != chain[-1].index.base:
+        raise CorruptCheckpointError(f"{ckpt_dir}: the chain's base is {chain[0].ckpt_id!r} but the index "
+                                     f"names {chain[-1].index.base!r}; the index is damaged", path=ckpt_dir)
+    return chain
+
+
+def members(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
+    """Ids of the chain of checkpoint `ckpt_id` of output_dir, base first (itself last); CorruptCheckpointError
+    when a member is missing or damaged. A full checkpoint's chain is [ckpt_id]."""
+    return [m.ckpt_id for m in resolve(storage, storage.join(output_dir, ckpt_id))]
+
+
+def needed_by(storage: Storage, output_dir: str, ids: Iterable[str]) -> Set[str]:
+    """The checkpoints that the given ones need (their chain members, themselves included), as far
+    as the chains can be followed: a broken chain keeps what it reaches (retention never deletes a
+    checkpoint because another one is damaged)."""
+    needed: Set[str] = set()
+    for ckpt_id in ids:
+        needed.add(ckpt_id)
+        needed.update(_reachable(storage, output_dir, ckpt_id))
+    return needed
+
+
+def parent_ids(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
+    """The checkpoints `ckpt_id` depends on directly: [its parent] for a delta, [] otherwise (the
+    `depends_on` hook of format/retention.py, which follows it transitively)."""
+    parent = _parent_id(storage, storage.join(output_dir, ckpt_id))
+    return [parent] if parent is not None else []
+
+
+def _reachable(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
+    out: List[str] = []
+    current: Optional[str] = ckpt_id
+    while current is not None and current not in out and len(out) <= MAX_CHAIN:
+        out.append(current)
+        current = _parent_id(storage, storage.join(output_dir, current))
+    return out
+
+
+def _parent_id(storage: Storage, ckpt_dir: str) -> Optional[str]:
+    """The `parent.id` of ckpt_dir's index, read as plain JSON (retention errs on keeping: a parent
+    named by an index that does not validate is kept too); None when there is none."""
+    try:
+        raw = json.loads(storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE),
+                                            knobs.get("max_index_bytes")).decode("utf-8"))
+    except (RecsaveError, OSError, ValueError):
+        return None
+    parent = raw.get("parent") if isinstance(raw, dict) else None
+    pid = parent.get("id") if isinstance(parent, dict) else None
+    return pid if isinstance(pid, str) and is_plain_name(pid) else None
+
+
+def describe(storage: Storage, ckpt_dir: str, index: Index) -> Tuple[List[str], Optional[str]]:
+    """(chain ids base first, problem): the chain as far as it verifies, and why not further."""
+    try:
+        return [m.ckpt_id for m in resolve(storage, ckpt_dir, index)], None
+    except RecsaveError as exc:
+        return [], str(exc)
+
+
+def open_chain(ckpt_dir: str, storage: Optional[Storage] = None) -> List[Member]:
+    """resolve() with the storage of ckpt_dir."""
+    return resolve(storage or get_storage(ckpt_dir), ckpt_dir)

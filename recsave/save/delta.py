@@ -1,0 +1,141 @@
+"""Incremental (delta) saves (docs/FORMAT.md section 10): decide, on every rank alike, whether a save
+can be a delta of the Saver's latest checkpoint, take each table's changes at the snapshot, and
+turn the committed index into a delta's (kind, parent with its index CRC32C, base)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
+
+import torch
+
+from recsave.errors import RecsaveError
+from recsave.format import chain
+from recsave.format import index as index_mod
+from recsave.format.records import DELTA_FORMAT_VERSION, KIND_DELTA, KIND_FULL, Index, Parent
+from recsave.save.snapshot import Delta, SaveState
+from recsave.storage import Storage, dist
+from recsave.tables.tablelike import TableLike
+
+log = logging.getLogger("recsave")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What a delta save is relative to: the checkpoint the Saver saved or restored last, and the
+    change epoch each of its tables had right after (HashTable.change_epoch)."""
+    ckpt_id: str
+    epochs: Mapping[str, int]
+    columns: Mapping[str, Tuple[str, ...]]  # per table: its slots then (a delta needs the same)
+
+    @classmethod
+    def of(cls, ckpt_id: str, tables: Mapping[str, TableLike]) -> "Baseline":
+        """The baseline `ckpt_id` with the tables as they are now (epochs and slots)."""
+        return cls(ckpt_id, {n: _epoch(t) for n, t in tables.items()},
+                   {n: tuple(t.slot_names()) for n, t in tables.items()})
+
+
+def tracks_changes(table: TableLike) -> bool:
+    """Whether the table has HashTable's change tracking (a TableLike need not)."""
+    return all(callable(getattr(table, m, None)) for m in ("take_changes", "reset_changes"))
+
+
+def _epoch(table: TableLike) -> int:
+    epoch = getattr(table, "change_epoch", None)
+    return int(epoch) if isinstance(epoch, int) else -1
+
+
+def why_full(tables: Mapping[str, TableLike], baseline: Optional[Baseline], storage: Storage,
+             output_dir: str, rank: int = 0) -> Optional[str]:
+    """Why this rank cannot save a delta (None: it can), before the changes are taken."""
+    if baseline is None:
+        return ("the change baseline is unknown (no save or restore by this Saver yet, a model-bank "
+                "load or a failed save since)")
+    if set(tables) != set(baseline.epochs):
+        return f"the model's tables {sorted(tables)} are not those of {baseline.ckpt_id!r}"
+    for name, table in tables.items():
+        if tuple(table.slot_names()) != baseline.columns[name]:
+            return f"the slots of table {name!r} changed since {baseline.ckpt_id!r}"
+        if not tracks_changes(table):
+            return f"table {name!r} does not track changes (a TableLike without take_changes)"
+        if _epoch(table) != baseline.epochs[name]:
+            return f"the change baseline of table {name!r} was moved by someone other than this Saver"
+    # Rank 0 writes the index (other ranks may have output dirs of their own)
+    return _parent_problem(storage, storage.join(output_dir, baseline.ckpt_id)) if rank == 0 else None
+
+
+def _parent_problem(storage: Storage, parent_dir: str) -> Optional[str]:
+    """Why the checkpoint in parent_dir cannot be a delta's parent (None: it can): it must be
+    committed and full or a delta (a serving export restored from is no chain member)."""
+    try:
+        kind = index_mod.read(parent_dir, storage).kind
+    except RecsaveError as exc:
+        return f"the parent {parent_dir} cannot be read ({type(exc).__name__})"
+    return None if kind in (KIND_FULL, KIND_DELTA) else f"the parent {parent_dir} is of kind {kind!r}"
+
+
+def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremental: bool, storage: Storage,
+         output_dir: str, rank: int, world: int) -> Tuple[Optional[Dict[str, Delta]], Callable[[str], Baseline]]:
+    """Moves every table's change baseline to now (a full save too, so the next delta is relative to
+    it); returns (the deltas to write, or None for a full save; the next baseline, given the id
+    this save commits as). Every rank takes part (one small collective when several): all write a
+    delta or all a full, and a table cleared on one rank is written whole, and marked cleared, by
+    all."""
+    reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
+    taken = {n: t.take_changes() for n, t in tables.items()  # type: ignore[attr-defined]
+             if tracks_changes(t)}  # every save moves the baselines
+    after = Baseline.of("", tables)
+
+    def next_baseline(ckpt_id: str) -> Baseline:
+        return dataclasses.replace(after, ckpt_id=ckpt_id)
+
+    untracked = sorted(n for n in tables if n not in taken or not taken[n].tracked)
+    if reason is None and untracked:
+        reason = f"table(s) {untracked} do not track changes (knob track_changes is off)"
+    cleared: Set[str] = {n for n, c in taken.items() if reason is None and c.cleared}
+    if dist.collective(world):
+        votes: List[Tuple[Optional[str], Set[str]]] = dist.gather_objects((reason, cleared), world)
+        reasons = [r for r, _ in votes if r is not None]
+        reason = reasons[0] if reasons else None
+        cleared = set().union(*(c for _, c in votes))
+    if reason is not None:
+        if incremental:
+            log.info("recsave: saving a full checkpoint instead of a delta: %s", reason)
+        return None, next_baseline
+    deltas: Dict[str, Delta] = {}
+    for name, changes in taken.items():
+        if name in cleared and not changes.cleared:  # cleared on another rank: this one writes all its rows
+            ids, rows = tables[name].id_rows()
+            deltas[name] = Delta(ids, rows, torch.empty(0, dtype=torch.int64), True)
+        else:
+            deltas[name] = Delta(changes.ids, changes.rows, changes.tombstones, bool(changes.cleared))
+    return deltas, next_baseline
+
+
+def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -> Index:
+    """The index with each table's step and, for a delta, its cleared flag and tombstone count."""
+    if index.meta is None:
+        return index
+    tables = {}
+    for name, meta in index.meta.tables.items():
+        table = state.tables.get(name)
+        if table is None:
+            tables[name] = meta
+            continue
+        if state.parent is None:
+            tables[name] = dataclasses.replace(meta, step=table.step)
+        else:
+            tables[name] = dataclasses.replace(meta, step=table.step, cleared=table.cleared,
+                                               tombstones=int(tombstones.get(name, 0)))
+    return dataclasses.replace(index, meta=dataclasses.replace(index.meta, tables=tables))
+
+
+def as_delta(storage: Storage, output_dir: str, index: Index, parent_id: str) -> Index:
+    """The index as a delta of checkpoint `parent_id` (format_version 2, kind, parent, base)."""
+    parent_dir = storage.join(output_dir, parent_id)
+    parent = index_mod.read(parent_dir, storage)
+    crc = chain.index_crc(storage, parent_dir)
+    base = parent.base if parent.is_delta and parent.base is not None else parent_id
+    return dataclasses.replace(index, format_version=DELTA_FORMAT_VERSION, kind=KIND_DELTA,
+                               parent=Parent(parent_id, crc), base=base)

@@ -1,0 +1,94 @@
+"""Compaction: a delta checkpoint's merged state (its whole chain applied, docs/FORMAT.md section 10)
+written as one full checkpoint, with the same id, into another output dir (``recsave compact``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import torch
+
+from recsave import argcheck, knobs
+from recsave.errors import CheckpointExistsError, UsageError
+from recsave.format import ckptlist, torchio
+from recsave.format import index as index_mod
+from recsave.format.commits import DeferredCommits
+from recsave.format.records import KIND_DELTA, KIND_FULL, FileEntry, IndexPart, Meta, TableMeta
+from recsave.format.writer import write_shards
+from recsave.load.sources import CheckpointSource, open_source
+from recsave.save.layout import bucket_layout
+from recsave.save.snapshot import TableState
+from recsave.storage import get_storage
+from recsave.storage.lock import hold as hold_writer_lock
+from recsave.tables import partition
+from recsave.tables.rows import META_COLUMNS
+
+
+def compact(ckpt: str, out_dir: str) -> str:
+    """Writes checkpoint `ckpt` (a checkpoint directory, or an output dir: its latest) as a full
+    checkpoint with the same id into `out_dir`, committed (listed in out_dir's `checkpoint` file);
+    returns its path. A full checkpoint is copied as it merges: rows, row metadata, dense state,
+    extras and io states (the .pt files byte for byte). Loads of the result equal loads of `ckpt`.
+    CheckpointExistsError when out_dir has that checkpoint committed already."""
+    argcheck.path(ckpt, "ckpt", "compact")
+    argcheck.path(out_dir, "out_dir", "compact")
+    src = open_source(ckpt)
+    if not isinstance(src, CheckpointSource):
+        raise UsageError(f"{ckpt} is a Parquet export, not a checkpoint; compact takes checkpoints", path=ckpt)
+    if src.index.kind not in (KIND_FULL, KIND_DELTA):
+        raise UsageError(f"{src.ckpt_dir} is a {src.index.kind!r} checkpoint; compact takes full and delta "
+                         f"checkpoints", path=src.ckpt_dir)
+    ckpt_id = src.storage.split(src.ckpt_dir)[1]
+    storage = get_storage(out_dir)
+    target = storage.join(out_dir, ckpt_id)
+    if storage.exists(target):
+        raise CheckpointExistsError(f"{target} exists already; compact into another output dir or remove it",
+                                    path=target)
+    storage.makedirs(out_dir)
+    lock = hold_writer_lock(None, storage, out_dir)
+    try:
+        storage.makedirs(target)
+        index = _write(src, storage, target)
+        index_mod.write(target, index, storage=storage)
+        ids = [i for i in ckptlist.committed(storage, out_dir, rewrite=True, being_written=ckpt_id).ids if i != ckpt_id]
+        ckptlist.write(storage, out_dir, ids + [ckpt_id])
+    finally:
+        if lock is not None:
+            lock.release()
+    return target
+
+
+def _write(src: CheckpointSource, storage, target: str) -> index_mod.Index:
+    meta = src.index.meta
+    assert meta is not None  # open_source's contents need it
+    num_buckets = src.index.partition.num_buckets if src.index.partition is not None else partition.DEFAULT_NUM_BUCKETS
+    part = IndexPart(0, {}, {})
+    tables: Dict[str, TableMeta] = {}
+    threads = knobs.get("concurrency")
+    with DeferredCommits() as commits:
+        for name, info in meta.tables.items():
+            columns = ["embedding", *info.slots]
+            row_meta = [m for m in META_COLUMNS if f"{name}@{m}" in src.index.tensors]
+            ids, data = src.read_table(name, columns + row_meta, 0, 1, threads)
+            assert ids is not None
+            state = TableState(info.dim, getattr(torch, info.dtype), {c: data[c].contiguous() for c in columns},
+                               ids, torch.arange(ids.numel(), dtype=torch.int64),
+                               meta={m: data[m].contiguous() for m in row_meta}, step=info.step)
+            layout = bucket_layout(name, state, 0, 1, num_buckets)
+            part = part.joined(write_shards(target, layout.tensors, rank=0, concurrency=threads, storage=storage,
+                                            chunk_meta={t: layout.chunk_meta(t) for t in layout.tensors},
+                                            first_part=len(part.files), segments=layout.segments,
+                                            commits=commits))
+            tables[name] = TableMeta(info.dim, info.dtype, info.slots, int(ids.numel()), step=info.step)
+    files: Dict[str, FileEntry] = {}
+    for fname in _small_files(src):
+        entry = src.index.file(fname)
+        raw = torchio.read_bytes(src.storage, src.ckpt_dir, fname, src.index)  # CRC checked
+        files[fname] = torchio.save_bytes(storage, target, fname, raw, entry.rank)
+    index = index_mod.merge_parts([part], step=src.index.step, world_size=1, partition=src.index.partition,
+                                  meta=Meta(tables, meta.dense, meta.extras, meta.io_states, src.index.io_state_count))
+    return dataclasses.replace(index.with_files(files), created_at=src.index.created_at)
+
+
+def _small_files(src: CheckpointSource) -> List[str]:
+    """The files of the checkpoint that are not shard files (.pt files, io_state_count)."""
+    return sorted(n for n in src.index.files if not n.endswith(".safetensors"))

@@ -1,0 +1,477 @@
+"""Incremental (delta) checkpoints: format, save, restore of every chain member, model bank / plan /
+export against the compacted checkpoint, damaged chains, retention, tools (docs/FORMAT.md section 10)."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from helpers import CTR, Reader, assert_obj_equal, assert_states_equal, make_batch, model_state, tables_of, train_step
+
+import recsave
+from recsave import Saver, knobs
+from recsave.errors import CorruptCheckpointError
+from recsave.format import chain, ckptlist
+from recsave.format import index as index_mod
+from recsave.tables.optim import SparseAdam
+from recsave.tools.cli import main as cli
+from recsave.tools.export import to_parquet
+
+
+class Job:
+    """CTR with SparseAdam, a dense Adam (extra `dense_opt`) and a reader (io state `reader`)."""
+
+    def __init__(self, out: str, seed: int = 0, max_keep=None):
+        self.model = CTR(seed=seed)
+        self.sparse = SparseAdam(self.model, lr=0.01)
+        self.dense = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.reader = Reader()
+        self.saver = Saver(self.model, sparse_optim=self.sparse, output_dir=out, max_keep=max_keep, concurrency=2)
+        self.saver.register_for_checkpointing("dense_opt", self.dense)
+        self.saver.register_io_state("reader", self.reader)
+
+    def step(self, batch: int = 32) -> None:
+        self.model.train()
+        train_step(self.model, [self.dense, self.sparse], make_batch(self.reader.offset, batch))
+        self.reader.offset += 1
+
+    def state(self):
+        out = {"model": model_state(self.model), "meta": {}, "dense_opt": copy.deepcopy(self.dense.state_dict()),
+               "sparse_opt": copy.deepcopy(self.sparse.state_dict()), "reader": self.reader.offset}
+        for name, table in tables_of(self.model).items():
+            ids = torch.sort(table.ids()).values
+            for m, v in table.row_meta(table.lookup(ids, insert=False)).items():
+                out["meta"][f"{name}@{m}"] = v
+            out["meta"][f"{name}@step"] = torch.tensor(table.step)
+        return out
+
+
+def assert_same(a, b, what):
+    assert_states_equal(a["model"], b["model"], f"{what} model")
+    assert_states_equal(a["meta"], b["meta"], f"{what} row metadata")
+    assert_obj_equal(a["dense_opt"], b["dense_opt"], f"{what} dense_opt")
+    assert_obj_equal(a["sparse_opt"], b["sparse_opt"], f"{what} sparse_opt")
+    assert a["reader"] == b["reader"], what
+
+
+def restored(out: str, ckpt_id: str, **load):
+    job = Job(out, seed=7)
+    job.saver.load(ckpt_id=ckpt_id, **load)
+    return job
+
+
+def build_chain(out: str, deltas: int = 10, *, async_every: int = 3):
+    """A full checkpoint then `deltas` deltas, small batches between them (a few % of the rows),
+    ids deleted and evicted in between, some saves async. Returns (job, {id: state at its save})."""
+    job = Job(out)
+    for _ in range(30):
+        job.step()
+    states = {}
+    job.saver.save("ckpt_0", incremental=True)
+    assert job.saver.last_save_kind == "full"  # no parent yet
+    states["ckpt_0"] = job.state()
+    for k in range(1, deltas + 1):
+        job.step(batch=4)
+        if k % 4 == 2:
+            job.model.user.delete(job.model.user.ids()[:3])
+        if k % 4 == 3:
+            job.model.item.evict(older_than_steps=25)
+        ckpt_id = f"ckpt_{k}"
+        if k % async_every == 0:
+            _, write = job.saver.async_save(ckpt_id, incremental=True)
+            states[ckpt_id] = job.state()
+            job.step(batch=4)  # trains while the write runs: lands in the next delta
+            write.result()
+        else:
+            job.saver.save(ckpt_id, incremental=True)
+            states[ckpt_id] = job.state()
+        assert job.saver.last_save_kind == "delta", ckpt_id
+    return job, states
+
+
+@pytest.fixture(scope="module")
+def chain_dir(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("chain") / "out")
+    job, states = build_chain(out)
+    job.saver.close()
+    return out, states
+
+
+def test_every_chain_member_restores_bit_exact(chain_dir):
+    out, states = chain_dir
+    for ckpt_id, state in states.items():
+        assert_same(state, restored(out, ckpt_id).state(), ckpt_id)
+
+
+def test_delta_index_format(chain_dir, tmp_path):
+    out, _ = chain_dir
+    full = index_mod.read(os.path.join(out, "ckpt_0"))
+    raw = json.loads(open(os.path.join(out, "ckpt_0", "index"), "rb").read())
+    assert "kind" not in raw and "parent" not in raw and full.format_version == 1 and full.kind == "full"
+    assert {"user@last_step", "user@count", "item@last_step", "item@count"} <= set(full.tensors)
+    assert full.tensor("user@last_step").shape == (full.meta.tables["user"].rows, 1)
+    d5 = index_mod.read(os.path.join(out, "ckpt_5"))
+    raw5 = json.loads(open(os.path.join(out, "ckpt_5", "index"), "rb").read())
+    assert list(raw5)[:3] == ["magic", "format_version", "kind"]
+    assert (d5.format_version, d5.kind, d5.base) == (2, "delta", "ckpt_0")
+    assert d5.parent.id == "ckpt_4" and d5.parent.crc32c == chain.index_crc(recsave.storage.get_storage(out),
+                                                                             os.path.join(out, "ckpt_4"))
+    assert d5.tensor("user@id").shape[0] < full.tensor("user@id").shape[0] / 4
+    assert d5.total_bytes < full.total_bytes / 2
+    user = d5.meta.tables["user"]
+    assert user.cleared is False and user.tombstones == d5.tensor("user@tombstone").shape[0]
+    assert chain.members(recsave.storage.get_storage(out), out, "ckpt_5") == [f"ckpt_{i}" for i in range(6)]
+    # parse -> dumps reproduces a delta's index byte for byte
+    data = open(os.path.join(out, "ckpt_5", "index"), "rb").read()
+    assert index_mod.dumps(index_mod.parse(data, "x")) == data
+
+
+def test_tombstones_and_evictions_are_restored(chain_dir):
+    out, states = chain_dir
+    d = index_mod.read(os.path.join(out, "ckpt_2"))
+    assert d.meta.tables["user"].tombstones == 3
+    got = restored(out, "ckpt_2")
+    assert len(got.model.user) == states["ckpt_2"]["model"]["user@id"].numel()
+    d3 = index_mod.read(os.path.join(out, "ckpt_3"))
+    assert d3.meta.tables["item"].tombstones > 0  # evicted ids
+
+
+def test_baseline_unknown_saves_full(tmp_path):
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a", incremental=True)
+    assert job.saver.last_save_kind == "full"
+    job.step()
+    job.saver.save("b", incremental=True)
+    assert job.saver.last_save_kind == "delta"
+    job.model.user.take_changes()  # someone else moved the baseline
+    job.saver.save("c", incremental=True)
+    assert job.saver.last_save_kind == "full"
+    assert index_mod.read(os.path.join(out, "c")).kind == "full"
+    job.saver.save("d", incremental=False)
+    assert job.saver.last_save_kind == "full"
+    job.saver.load_model_bank([{"path": out}])
+    job.saver.save("e", incremental=True)
+    assert job.saver.last_save_kind == "full"
+    with knobs.override(track_changes=False):
+        job2 = Job(str(tmp_path / "out2"))
+        job2.step()
+        job2.saver.save("a", incremental=True)
+        job2.saver.save("b", incremental=True)
+        assert job2.saver.last_save_kind == "full"
+
+
+def test_failed_save_makes_the_next_one_full(tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a", incremental=True)
+    job.step()
+
+    def boom(*args, **kwargs):
+        raise OSError(28, "No space left on device (injected)")
+    monkeypatch.setattr(recsave.save.pipeline, "write_shards", boom)
+    with pytest.raises(OSError):
+        job.saver.save("b", incremental=True)
+    monkeypatch.undo()
+    job.saver.save("b", incremental=True)
+    assert job.saver.last_save_kind == "full"
+    state = job.state()
+    assert_same(state, restored(out, "b").state(), "b")
+
+
+def test_restore_then_delta(chain_dir, tmp_path):
+    out, states = chain_dir
+    mine = str(tmp_path / "out")
+    shutil.copytree(out, mine)
+    job = Job(mine, seed=3)
+    job.saver.load(ckpt_id="ckpt_10")
+    assert_same(states["ckpt_10"], job.state(), "restore")
+    job.step(batch=4)
+    job.saver.save("ckpt_11", incremental=True)
+    assert job.saver.last_save_kind == "delta"
+    assert index_mod.read(os.path.join(mine, "ckpt_11")).parent.id == "ckpt_10"
+    assert_same(job.state(), restored(mine, "ckpt_11").state(), "ckpt_11")
+
+
+def test_old_checkpoint_without_metadata_loads_zeros(tmp_path):
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a")
+    path = os.path.join(out, "a", "index")
+    raw = json.loads(open(path, "rb").read())
+    for t in ("user", "item"):
+        for m in ("last_step", "count"):
+            del raw["tensors"][f"{t}@{m}"]
+        del raw["meta"]["tables"][t]["step"]
+    open(path, "w").write(json.dumps(raw))
+    got = restored(out, "a")
+    table = got.model.user
+    meta = table.row_meta(table.lookup(table.ids(), insert=False))
+    assert len(table) and not meta["last_step"].any() and not meta["count"].any()
+    assert_states_equal(model_state(job.model), model_state(got.model))
+
+
+def test_model_bank_plan_and_export_equal_the_compacted(chain_dir, tmp_path):
+    out, _ = chain_dir
+    compact_dir = str(tmp_path / "compact")
+    path = recsave.compact(os.path.join(out, "ckpt_7"), compact_dir)
+    assert path == os.path.join(compact_dir, "ckpt_7")
+    assert ckptlist.read(recsave.storage.get_storage(compact_dir), compact_dir) == ["ckpt_7"]
+    assert index_mod.read(path).kind == "full"
+    assert recsave.tools.catalog.verify(path) == []
+    entries = [{"path": os.path.join(out, "ckpt_7"), "load": ["sparse", "sparse_opt"], "exclude": ["item*"]},
+               {"path": os.path.join(out, "ckpt_7"), "load": ["item*", "dense"], "strict": False}]
+    centries = [dict(e, path=path) for e in entries]
+
+    results = []
+    for es in (entries, centries):
+        bank = CTR(seed=9)
+        saver = Saver(bank, sparse_optim=SparseAdam(bank, lr=0.01), output_dir=str(tmp_path / "x"))
+        plan = saver.plan_model_bank(es)
+        saver.execute_plan(plan)
+        results.append(({n: (it.category, it.source, it.rows) for n, it in plan.items.items()},
+                        model_state(bank), {n: t.step for n, t in tables_of(bank).items()}))
+    assert results[0][0] == results[1][0]
+    assert_states_equal(results[0][1], results[1][1], "model bank")
+    assert results[0][2] == results[1][2]
+    # Parquet export: the same rows in the same order
+    to_parquet(os.path.join(out, "ckpt_7"), str(tmp_path / "pq_delta"))
+    to_parquet(path, str(tmp_path / "pq_full"))
+    for table in ("user", "item"):
+        a = pq.read_table(str(tmp_path / "pq_delta" / table))
+        b = pq.read_table(str(tmp_path / "pq_full" / table))
+        assert a.num_rows == b.num_rows > 0 and a.equals(b)
+
+
+def test_compacted_restores_like_the_delta(chain_dir, tmp_path):
+    out, states = chain_dir
+    path = recsave.compact(os.path.join(out, "ckpt_9"), str(tmp_path / "c"))
+    assert_same(states["ckpt_9"], restored(str(tmp_path / "c"), "ckpt_9").state(), "compacted")
+    assert cli(["compact", os.path.join(out, "ckpt_4"), str(tmp_path / "c")]) == 0
+    assert ckptlist.read(recsave.storage.get_storage(path), str(tmp_path / "c")) == ["ckpt_9", "ckpt_4"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "rewritten", "shard"])
+def test_damaged_parent(chain_dir, tmp_path, damage):
+    out, states = chain_dir
+    mine = str(tmp_path / "out")
+    shutil.copytree(out, mine)
+    parent = os.path.join(mine, "ckpt_4")
+    if damage == "missing":
+        shutil.rmtree(parent)
+    elif damage == "rewritten":
+        raw = json.loads(open(os.path.join(parent, "index"), "rb").read())
+        open(os.path.join(parent, "index"), "w").write(json.dumps(raw, indent=1))  # same content, other bytes
+    else:
+        shard = next(f for f in sorted(os.listdir(parent)) if f.endswith(".safetensors"))
+        with open(os.path.join(parent, shard), "r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\xff\xff\xff\xff")
+    match = "ckpt_4"
+    with pytest.raises(CorruptCheckpointError, match=match):
+        restored(mine, "ckpt_6")
+    problems = recsave.tools.catalog.verify(os.path.join(mine, "ckpt_6"))
+    assert problems and any("ckpt_4" in p for p in problems)
+    if damage != "shard":
+        # fallback skips every checkpoint whose chain is broken: ckpt_10 .. ckpt_5 need ckpt_4
+        job = Job(mine, seed=7)
+        with pytest.warns(RuntimeWarning):
+            job.saver.load(fallback=True)
+        want = "ckpt_4" if damage == "rewritten" else "ckpt_3"  # a rewritten index still loads itself
+        assert_same(states[want], job.state(), "fallback")
+
+
+def test_max_keep_keeps_the_chain_and_gc_agrees(tmp_path):
+    out = str(tmp_path / "out")
+    job = Job(out, max_keep=2)
+    job.step()
+    job.saver.save("ckpt_0", incremental=True)
+    for k in range(1, 5):
+        job.step(batch=4)
+        job.saver.save(f"ckpt_{k}", incremental=True)
+    st = recsave.storage.get_storage(out)
+    # the two latest, and the chain they need (listed: `recsave ls` says why each is kept)
+    assert ckptlist.read(st, out) == [f"ckpt_{k}" for k in range(5)]
+    kept = {c["id"]: c["kept"] for c in recsave.tools.catalog.list_checkpoints(out)}
+    assert "latest" in kept["ckpt_4"] and "needed by ckpt_1" in kept["ckpt_0"]
+    on_disk = sorted(n for n in os.listdir(out) if n.startswith("ckpt_"))
+    assert on_disk == [f"ckpt_{k}" for k in range(5)]  # ckpt_3 needs all of them
+    job.saver.close()
+    assert recsave.tools.catalog.collect_garbage(out) == []
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == on_disk
+    # Unlisted chain members (a list rewritten by hand) are still never deleted while needed
+    ckptlist.write(st, out, ["ckpt_3", "ckpt_4"])
+    assert ckptlist.collect_garbage(st, out, ["ckpt_3", "ckpt_4"]) == []
+    # A full save starts a new chain: the old one goes once no kept checkpoint needs it
+    job.saver.save("ckpt_5")
+    job.step(batch=4)
+    job.saver.save("ckpt_6", incremental=True)
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt_")) == ["ckpt_5", "ckpt_6"]
+    assert index_mod.read(os.path.join(out, "ckpt_6")).parent.id == "ckpt_5"
+
+
+def test_describe_and_inspect_json(chain_dir, capsys):
+    out, _ = chain_dir
+    d = recsave.describe(os.path.join(out, "ckpt_3"))
+    assert d["kind"] == "delta" and d["parent"]["id"] == "ckpt_2" and d["base"] == "ckpt_0"
+    assert d["chain"] == ["ckpt_0", "ckpt_1", "ckpt_2", "ckpt_3"]
+    assert d["bytes"] == index_mod.read(os.path.join(out, "ckpt_3")).total_bytes
+    assert d["tables"]["item"]["tombstones"] > 0 and d["tables"]["item"]["rows"] > 0
+    full = recsave.describe(os.path.join(out, "ckpt_0"))
+    assert (full["kind"], full["parent"], full["base"], full["chain"]) == ("full", None, "ckpt_0", ["ckpt_0"])
+    assert cli(["inspect", "--json", os.path.join(out, "ckpt_3")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["chain"] == d["chain"] and doc["tables"]["user"]["tombstones"] == d["tables"]["user"]["tombstones"]
+    assert cli(["inspect", os.path.join(out, "ckpt_3")]) == 0
+    assert "ckpt_0 <- ckpt_1 <- ckpt_2 <- ckpt_3" in capsys.readouterr().out
+    assert cli(["verify", os.path.join(out, "ckpt_3")]) == 0
+
+
+def test_cleared_table_is_a_cleared_delta(tmp_path):
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a", incremental=True)
+    job.model.user.clear()
+    job.step(batch=4)
+    job.saver.save("b", incremental=True)
+    idx = index_mod.read(os.path.join(out, "b"))
+    assert idx.kind == "delta" and idx.meta.tables["user"].cleared and not idx.meta.tables["item"].cleared
+    assert_same(job.state(), restored(out, "b").state(), "cleared")
+
+
+def test_restore_applies_deltas_to_the_base_in_place(chain_dir, monkeypatch):
+    """A restore reads the base straight into the table and applies each delta with table ops: it
+    never builds the merged rows (a second copy of the table), and reads each member's files once."""
+    out, states = chain_dir
+    import recsave.format.reader as reader_mod
+    from recsave.load import merge
+
+    def no_merge(*args, **kwargs):
+        raise AssertionError("merged_table used by a restore")
+    monkeypatch.setattr(merge, "merged_table", no_merge)
+    opened = []
+    real_open = recsave.storage.local.LocalStorage.open_shard
+
+    def open_shard(self, path, size=None):
+        opened.append(path)
+        return real_open(self, path, size)
+    monkeypatch.setattr(recsave.storage.local.LocalStorage, "open_shard", open_shard)
+    assert reader_mod  # the engine reads through Storage.open_shard
+    got = restored(out, "ckpt_6")
+    assert_same(states["ckpt_6"], got.state(), "in place")
+    # A delta's files are read once; the base's twice (ids, then the columns while the ids hash)
+    for path in set(opened):
+        assert opened.count(path) == (2 if "/ckpt_0/" in path else 1), path
+    assert {os.path.basename(os.path.dirname(p)) for p in opened} == {f"ckpt_{i}" for i in range(7)}
+
+
+def test_delta_chain_on_fsspec_memory(tmp_path):
+    """Chains resolve through fsspec storage too (parents next to the delta, CRC of their index)."""
+    import uuid
+
+    out = f"memory://recsave-delta-{uuid.uuid4().hex}"
+    job = Job(out, max_keep=1)
+    job.step()
+    job.saver.save("ckpt_0", incremental=True)
+    states = {}
+    for k in (1, 2):
+        job.step(batch=4)
+        job.saver.save(f"ckpt_{k}", incremental=True)
+        assert job.saver.last_save_kind == "delta"
+        states[k] = job.state()
+    assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_0", "ckpt_1", "ckpt_2"]  # the chain
+    assert recsave.describe(out)["chain"] == ["ckpt_0", "ckpt_1", "ckpt_2"]
+    assert_same(states[2], restored(out, "ckpt_2").state(), "memory://")
+
+
+def test_changed_slots_save_full(tmp_path):
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a", incremental=True)
+    job.model.user.add_slot("extra_slot", 1.0)
+    job.saver.save("b", incremental=True)
+    assert job.saver.last_save_kind == "full"
+    job.saver.save("c", incremental=True)
+    assert job.saver.last_save_kind == "delta"
+    assert_same(job.state(), restored_with_slot(out, "c").state(), "c")
+
+
+def restored_with_slot(out, ckpt_id):
+    job = Job(out, seed=7)
+    job.model.user.add_slot("extra_slot", 1.0)
+    job.saver.load(ckpt_id=ckpt_id)
+    return job
+
+
+def test_async_delta_stages_only_the_changed_rows(chain_dir, tmp_path):
+    out, _ = chain_dir
+    mine = str(tmp_path / "out")
+    shutil.copytree(out, mine)
+    job = Job(mine, seed=3)
+    job.saver.load(ckpt_id="ckpt_10")
+    job.step(batch=2)
+    changed = sum(int(t.pending_changes().ids.numel()) for t in tables_of(job.model).values())
+    _, write = job.saver.async_save("ckpt_11", incremental=True)
+    write.result()
+    assert job.saver.last_save_kind == "delta"
+    table_bytes = sum(sum(c.nbytes for c in t.columns().values()) for t in tables_of(job.model).values())
+    row_bytes = 3 * 8 * 4 + 2 * 8  # embedding, adam_m, adam_v (dim 8, float32), last_step, count
+    dense = sum(t.nbytes for t in job.model.state_dict().values() if isinstance(t, torch.Tensor))
+    staged = job.saver._stager.nbytes - dense  # noqa: SLF001 (table buffers: room for 2x the changed rows)
+    assert 0 < staged <= 2 * changed * row_bytes and staged < table_bytes / 4
+    assert_same(job.state(), restored(mine, "ckpt_11").state(), "async delta")
+
+
+def test_compact_refuses_an_existing_checkpoint(chain_dir, tmp_path, capsys):
+    out, _ = chain_dir
+    target = str(tmp_path / "c")
+    recsave.compact(os.path.join(out, "ckpt_2"), target)
+    with pytest.raises(recsave.CheckpointExistsError, match="ckpt_2"):
+        recsave.compact(os.path.join(out, "ckpt_2"), target)
+    assert cli(["compact", os.path.join(out, "ckpt_2"), target]) == 2
+    assert "exists already" in capsys.readouterr().err
+
+
+def test_parquet_delta_feed_between_chain_members(chain_dir, tmp_path):
+    """The Parquet delta feed (recsave export --since) takes delta checkpoints like full ones."""
+    from recsave.tools.deltafeed import export_delta
+
+    out, _ = chain_dir
+    c4 = recsave.compact(os.path.join(out, "ckpt_4"), str(tmp_path / "c"))
+    c7 = recsave.compact(os.path.join(out, "ckpt_7"), str(tmp_path / "c"))
+    a = export_delta(os.path.join(out, "ckpt_4"), os.path.join(out, "ckpt_7"), str(tmp_path / "feed_delta"))
+    b = export_delta(c4, c7, str(tmp_path / "feed_full"))
+    for name in ("user", "item"):
+        assert {k: v for k, v in a["tables"][name].items() if k != "files"} == \
+            {k: v for k, v in b["tables"][name].items() if k != "files"}
+
+
+def test_tablelike_tables_save_full(tmp_path):
+    """A TableLike table without change tracking: every incremental save is full, and it restores."""
+    from tablelike_table import TensorTable
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = TensorTable(4, name="t", slots={"acc": 0.5})
+            self.lin = torch.nn.Linear(2, 2)
+
+    m = M()
+    m.t.load_rows(torch.arange(10) * 3, torch.randn(10, 4), {"acc": torch.rand(10, 4)})
+    saver = Saver(m, output_dir=str(tmp_path / "out"))
+    saver.save("a", incremental=True)
+    saver.save("b", incremental=True)
+    assert saver.last_save_kind == "full"
+    assert index_mod.read(str(tmp_path / "out" / "b")).kind == "full"
+    m2 = M()
+    Saver(m2, output_dir=str(tmp_path / "out")).load()
+    assert_states_equal(m.t.state(), m2.t.state(), "TableLike")
