@@ -15,6 +15,7 @@ from recsave.errors import ArgumentTypeError, CheckpointNotFoundError, Preempted
 from recsave.format import retention
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
+from recsave.save import policy
 from recsave.save.preemption import PreemptionFlag
 from recsave.save.saveinfo import SaveInfo
 from recsave.save.saver import Saver
@@ -208,16 +209,24 @@ class CheckpointManager:
             if wait:
                 saver.wait()
             return ckpt_dir
+        if saver.pending_checkpoint is not None:  # async_save would wait for it too; the policy needs its chain
+            saver.wait()
         latest = saver.latest_checkpoint()
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
                 and ckpt_id not in saver.damaged_checkpoints:
             return latest
-        # ---- LEAD: incremental checkpoints are wired here (and only here): decide full vs delta
-        # ---- from self.full_every / self.rebase_ratio and evict rows by self.evict before the
-        # ---- snapshot. Until then every save is full.
+        if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
+            policy.evict_rows(saver.model, self.evict)
+        incremental, why = False, "full_every is None"
+        if self.full_every is not None:
+            incremental, why = policy.wants_delta(self.full_every, self.rebase_ratio,
+                                                  policy.chain_bytes(saver.storage, latest),
+                                                  policy.estimate_delta_bytes(saver.model))
+        logging.getLogger("recsave").debug("recsave: %s is %s (%s)", ckpt_id,
+                                           "a delta" if incremental else "full", why)
         if self.async_mode == "disabled":
-            return saver.save(ckpt_id, metrics=values)
-        saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned", metrics=values)
+            return saver.save(ckpt_id, metrics=values, incremental=incremental)
+        saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned", metrics=values, incremental=incremental)
         if wait:
             saver.wait()
         return ckpt_dir

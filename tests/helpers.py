@@ -136,9 +136,11 @@ class Job:
 
 
 def make_job(output_dir: str, *, max_keep: Optional[int] = 3, save_interval: Optional[int] = None,
-             seed: int = 0, register: bool = True, async_mode: str = "disabled", **model_kw: Any) -> Job:
+             seed: int = 0, register: bool = True, async_mode: str = "disabled",
+             manager_kw: Optional[Dict[str, Any]] = None, **model_kw: Any) -> Job:
     """A model with its sparse Adagrad, a dense Adam registered as `dense_opt`, a Reader registered as
-    io state `reader`, and (when save_interval is not None) a CheckpointManager."""
+    io state `reader`, and (when save_interval is not None) a CheckpointManager (with `manager_kw`,
+    e.g. full_every)."""
     model = CTR(seed=seed, **model_kw)
     sparse_opt = SparseAdagrad(model, lr=0.05, initial_accumulator_value=0.1)
     dense_opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -147,7 +149,8 @@ def make_job(output_dir: str, *, max_keep: Optional[int] = 3, save_interval: Opt
     if register:
         saver.register_for_checkpointing("dense_opt", dense_opt)
         saver.register_io_state("reader", reader)
-    manager = CheckpointManager(saver, save_interval, async_mode=async_mode) if save_interval is not None else None
+    manager = (CheckpointManager(saver, save_interval, async_mode=async_mode, **(manager_kw or {}))
+               if save_interval is not None else None)
     return Job(model, sparse_opt, dense_opt, reader, saver, manager)
 
 
