@@ -1,12 +1,16 @@
-"""Incremental (delta) checkpoint benchmark: for 1 %, 5 % and 20 % of the rows changed between
-saves, the bytes of a delta, its save time, the time training waits for an async delta, and the
-restore of a base + 10 deltas, each as a ratio to the full checkpoint of the same state (medians of
-`--rounds` rounds).
+"""Incremental checkpoint benchmark: a full save, then 10 deltas with a fraction of the rows changed
+before each (1 %, 5 %, 20 % by default), against full saves of the same state in the same run.
 
-    python benchmarks/incremental.py              # tables of >= 1 GB state, 3 rounds
-    python benchmarks/incremental.py --quick      # ~32 MB, 1 round: smoke test
+Per fraction, as medians over the rounds: delta bytes against the changed rows' bytes (+ dense),
+delta save time and async stall against a full save's, and the restore of base + 10 deltas into a
+fresh model against the restore of one full checkpoint of the same state.
 
-Results are printed and written to benchmarks/results/incremental.json.
+    python benchmarks/incremental.py                  # ~1.2 GB of tables, 3 rounds
+    python benchmarks/incremental.py --quick          # ~48 MB, 1 round: smoke test (< 60 s)
+    python benchmarks/incremental.py --size-gb 2 --fractions 0.01,0.1
+
+Runs in this process (tables are built once per round); fsync is off unless --durable. Results:
+benchmarks/results/incremental.json and incremental.md.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -23,9 +27,15 @@ C.ensure_repo_on_path()
 
 import torch  # noqa: E402
 
-from recsave import HashTable, Saver  # noqa: E402
+from recsave import HashTable, Saver, knobs  # noqa: E402
 from recsave.format import index as index_mod  # noqa: E402
-from recsave.tables.optim import SparseAdagrad  # noqa: E402
+from recsave.optim import SparseAdam  # noqa: E402
+
+DELTAS = 10
+# Budgets (benchmarks/README.md): at 1 % changed, delta bytes <= 1.5x the changed rows' bytes
+# (+ dense) and delta time <= 0.1x a full save; restore of base + 10 deltas <= 1.3x a full restore.
+BYTES_GOAL, TIME_GOAL, RESTORE_GOAL = 1.5, 0.1, 1.3
+SLOTS = ("adam_m", "adam_v")
 
 
 class Model(torch.nn.Module):
@@ -35,101 +45,200 @@ class Model(torch.nn.Module):
         self.mlp = torch.nn.Linear(tables * dim, 1)
 
 
-def build(args: argparse.Namespace) -> Model:
-    """Tables holding ~size_gb of ids + embedding + one Adagrad slot, filled with load_rows."""
-    row_bytes = 8 + 2 * 4 * args.dim + 16  # id, embedding, slot, row metadata
-    rows = int(args.size_gb * 1e9 / row_bytes / args.tables)
-    model = Model(args.tables, args.dim)
-    SparseAdagrad(model, lr=0.01)  # creates the slot
-    for i, t in enumerate(model.tables):
-        ids = torch.arange(rows, dtype=torch.int64) * 7919 + i
-        t.load_rows(ids, torch.randn(rows, args.dim), {"adagrad_acc": torch.rand(rows, args.dim)})
+def row_bytes(dim: int) -> int:
+    """Bytes a saved row takes: id, embedding, two Adam slots, last_step and count."""
+    return 8 + (1 + len(SLOTS)) * dim * 4 + 16
+
+
+def build(rows: int, tables: int, dim: int, seed: int) -> Model:
+    model = Model(tables, dim)
+    SparseAdam(model, lr=1e-3)  # creates the slots
+    gen = torch.Generator().manual_seed(seed)
+    for t in model.tables:
+        ids = torch.randperm(rows * 4, generator=gen)[:rows] * 2654435761
+        t.load_rows(ids, torch.randn(rows, dim, generator=gen),
+                    {s: torch.rand(rows, dim, generator=gen) for s in SLOTS})
     return model
 
 
-def change(model: Model, fraction: float, round_no: int) -> None:
-    """Rewrites `fraction` of every table's rows (new values, as an optimizer step would)."""
-    g = torch.Generator().manual_seed(round_no)
+def change(model: Model, fraction: float, gen: torch.Generator) -> int:
+    """Rewrites `fraction` of every table's rows (embedding and slots) and deletes a tenth as many;
+    returns the rows changed (upserts)."""
+    changed = 0
     for t in model.tables:
         ids = t.ids()
-        pick = ids[torch.randperm(ids.numel(), generator=g)[: max(1, int(fraction * ids.numel()))]]
-        t.load_rows(pick, torch.randn(pick.numel(), t.embedding_dim, generator=g), clear=False)
+        n = max(1, int(fraction * ids.numel()))
+        pick = ids[torch.randperm(ids.numel(), generator=gen)[: n + n // 10]]
+        upsert, gone = pick[:n], pick[n:]
+        dim = t.embedding_dim
+        t.load_rows(upsert, torch.randn(n, dim, generator=gen), {s: torch.rand(n, dim, generator=gen) for s in SLOTS},
+                    clear=False)
+        t.delete(gone)
+        changed += n
+    return changed
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def index_of(path: str) -> Any:
+    return index_mod.read(path)
 
 
 def timed(fn: Any) -> float:
-    start = time.perf_counter()
+    t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - t0
 
 
-def measure(args: argparse.Namespace, work: str, fraction: float, round_no: int) -> Dict[str, float]:
-    out = os.path.join(work, f"r{round_no}-{fraction}")
-    model = build(args)
-    saver = Saver(model, output_dir=out, max_keep=None, concurrency=args.threads)
-    full_s = timed(lambda: saver.save("full_0", incremental=True))
-    full_bytes = index_mod.read(os.path.join(out, "full_0")).total_bytes
-    full_async = timed(lambda: saver.async_save("full_a")[1] and None)
-    saver.wait()
-    delta_s: List[float] = []
-    delta_bytes: List[int] = []
-    stall: List[float] = []
-    for k in range(1, 11):
-        change(model, fraction, round_no * 100 + k)
-        if k % 2:
-            delta_s.append(timed(lambda k=k: saver.save(f"delta_{k}", incremental=True)))
-        else:
-            stall.append(timed(lambda k=k: saver.async_save(f"delta_{k}", incremental=True)))
-            saver.wait()
-        assert saver.last_save_kind == "delta"
-        delta_bytes.append(index_mod.read(os.path.join(out, f"delta_{k}")).total_bytes)
-    saver.close()
-    # Restores in fresh models: the full checkpoint of the last state, and base + 10 deltas.
-    saver.save("full_last")
-    restore_full = timed(lambda: Saver(Model(args.tables, args.dim), output_dir=out).load(ckpt_id="full_last"))
-    restore_chain = timed(lambda: Saver(Model(args.tables, args.dim), output_dir=out).load(ckpt_id="delta_10"))
-    C.clear_dir(out)
-    return {"full_s": full_s, "full_bytes": full_bytes, "full_async_stall_s": full_async,
-            "delta_s": C.median(delta_s), "delta_bytes": C.median(delta_bytes), "delta_stall_s": C.median(stall),
-            "restore_full_s": restore_full, "restore_chain_s": restore_chain,
-            "bytes_ratio": C.median(delta_bytes) / full_bytes, "save_ratio": C.median(delta_s) / full_s,
-            "stall_ratio": C.median(stall) / full_async, "restore_ratio": restore_chain / restore_full}
+def restore_seconds(path: str, tables: int, dim: int) -> float:
+    fresh = Model(tables, dim)
+    SparseAdam(fresh, lr=1e-3)
+    saver = Saver(fresh, output_dir=os.path.dirname(path), max_keep=None)
+    try:
+        return timed(lambda: saver.load(path, direct_path=True))
+    finally:
+        saver.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=1.0, help="table state (ids + embedding + slot + metadata)")
-    ap.add_argument("--tables", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=4, help="engine concurrency")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--fractions", default="0.01,0.05,0.2")
-    ap.add_argument("--dir", default=None, help="parent of the temporary output dir")
-    ap.add_argument("--quick", action="store_true", help="~32 MB, 1 round")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    if args.quick:
-        args.size_gb, args.rounds, args.dim = 0.032, 1, 16
-    fractions = [float(f) for f in args.fractions.split(",")]
-    result: Dict[str, Any] = {"args": vars(args), "fractions": {}}
-    rows = []
-    with C.bench_tempdir(args.dir) as work:
-        result["machine"] = C.machine_info(work)
-        for fraction in fractions:
-            rounds = [measure(args, work, fraction, r) for r in range(args.rounds)]
-            med = {k: C.median([r[k] for r in rounds]) for k in rounds[0]}
-            result["fractions"][str(fraction)] = {"rounds": rounds, "median": med}
-            rows.append([f"{fraction:.0%}", f"{med['bytes_ratio']:.3f}", f"{med['save_ratio']:.3f}",
-                         f"{med['stall_ratio']:.3f}", f"{med['restore_ratio']:.2f}",
-                         C.fmt_num(med["full_s"], 3, " s"), C.fmt_num(med["restore_full_s"], 3, " s")])
-    headers = ["changed", "delta bytes / full", "delta save / full", "async stall / full",
-               "restore base+10 / full", "full save", "full restore"]
-    print(C.text_table(headers, rows))
-    print()
-    print(C.markdown_table(headers, rows))
-    default = "results/incremental-quick.json" if args.quick else "results/incremental.json"
-    path = C.write_json(args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), default), result)
-    print(f"\nwrote {path}")
+def one_round(args: argparse.Namespace, fraction: float, rnd: int, tmp: str) -> Dict[str, Any]:
+    model = build(args.rows, args.tables, args.dim, seed=rnd)
+    gen = torch.Generator().manual_seed(1000 + rnd)
+    chain_dir, full_dir = os.path.join(tmp, f"chain-{rnd}"), os.path.join(tmp, f"full-{rnd}")
+    saver = Saver(model, output_dir=chain_dir, max_keep=None)
+    fulls = Saver(model, output_dir=full_dir, max_keep=None)
+    out: Dict[str, Any] = {"fraction": fraction, "round": rnd, "delta_s": [], "delta_bytes": [], "changed_rows": []}
+    try:
+        out["full_s"] = timed(lambda: saver.save("ckpt_0"))
+        out["full_bytes"] = index_of(os.path.join(chain_dir, "ckpt_0")).total_bytes
+        for step in range(1, DELTAS + 1):
+            out["changed_rows"].append(change(model, fraction, gen))
+            path = os.path.join(chain_dir, f"ckpt_{step}")
+            out["delta_s"].append(timed(lambda s=step: saver.save(f"ckpt_{s}", incremental=True)))
+            idx = index_of(path)
+            if idx.kind != "delta":
+                raise RuntimeError(f"{path} was saved as {idx.kind!r}, not as a delta")
+            out["delta_bytes"].append(idx.total_bytes)
+        # async: the stall (until the snapshot is taken) of one more delta and of a full save
+        change(model, fraction, gen)
+        t0 = time.perf_counter()
+        stage, write = saver.async_save(f"ckpt_{DELTAS + 1}", incremental=True)
+        stage.result()
+        out["delta_stall_s"] = time.perf_counter() - t0
+        write.result()
+        t0 = time.perf_counter()
+        stage, write = fulls.async_save("ckpt_async")
+        stage.result()
+        out["full_stall_s"] = time.perf_counter() - t0
+        write.result()
+        # the same state as the last delta, as one full checkpoint
+        fulls.save("ckpt_final")
+        out["restore_chain_s"] = restore_seconds(os.path.join(chain_dir, f"ckpt_{DELTAS + 1}"), args.tables, args.dim)
+        out["restore_full_s"] = restore_seconds(os.path.join(full_dir, "ckpt_final"), args.tables, args.dim)
+    finally:
+        saver.close()
+        fulls.close()
+        C.clear_dir(chain_dir)
+        C.clear_dir(full_dir)
+    dense = sum(p.numel() * p.element_size() for p in model.mlp.parameters())
+    out["changed_bytes"] = [r * row_bytes(args.dim) + dense for r in out["changed_rows"]]
+    return out
+
+
+def summarize(rounds: List[Dict[str, Any]], fraction: float) -> Dict[str, Any]:
+    mine = [r for r in rounds if r["fraction"] == fraction]
+    med = C.median
+    bytes_ratio = med([med([b / c for b, c in zip(r["delta_bytes"], r["changed_bytes"])]) for r in mine])
+    return {
+        "fraction": fraction,
+        "rounds": len(mine),
+        "full_s": med([r["full_s"] for r in mine]),
+        "delta_s": med([med(r["delta_s"]) for r in mine]),
+        "delta_over_full_time": med([med(r["delta_s"]) / r["full_s"] for r in mine]),
+        "delta_over_full_bytes": med([med(r["delta_bytes"]) / r["full_bytes"] for r in mine]),
+        "delta_over_changed_bytes": bytes_ratio,
+        "stall_delta_over_full": med([r["delta_stall_s"] / r["full_stall_s"] for r in mine]),
+        "restore_chain_over_full": med([r["restore_chain_s"] / r["restore_full_s"] for r in mine]),
+        "restore_full_s": med([r["restore_full_s"] for r in mine]),
+        "rounds_meeting": {
+            "bytes": sum(med([b / c for b, c in zip(r["delta_bytes"], r["changed_bytes"])]) <= BYTES_GOAL
+                         for r in mine),
+            "time": sum(med(r["delta_s"]) / r["full_s"] <= TIME_GOAL for r in mine),
+            "restore": sum(r["restore_chain_s"] / r["restore_full_s"] <= RESTORE_GOAL for r in mine),
+        },
+    }
+
+
+def report(res: Dict[str, Any]) -> str:
+    a = res["config"]
+    lines = [f"Incremental checkpoints: {a['tables']} tables x {a['rows']:,} rows, dim {a['dim']}, SparseAdam "
+             f"(2 slots) + row metadata = {res['state_gb']:.2f} GB; a full save, then {DELTAS} deltas; "
+             f"fsync {'on' if a['durable'] else 'off'}; medians of {a['rounds']} round(s). recsave at "
+             f"{res.get('commit')}; noise: other tasks used {res['others_cpu_share']:.0%} of a CPU.", ""]
+    h = ["changed", "full save s", "delta save s", "delta / full time", "delta / full bytes",
+         "delta / changed bytes", "async stall delta / full", "restore base+10 / full"]
+    rows = [[f"{s['fraction']:.0%}", C.fmt_num(s["full_s"], 3), C.fmt_num(s["delta_s"], 3),
+             C.fmt_num(s["delta_over_full_time"], 3, "x"), C.fmt_num(s["delta_over_full_bytes"], 3, "x"),
+             C.fmt_num(s["delta_over_changed_bytes"], 2, "x"), C.fmt_num(s["stall_delta_over_full"], 2, "x"),
+             C.fmt_num(s["restore_chain_over_full"], 2, "x")] for s in res["summary"]]
+    lines += [C.markdown_table(h, rows, "rrrrrrrr"), ""]
+    one = next((s for s in res["summary"] if abs(s["fraction"] - 0.01) < 1e-9), None)
+    if one:
+        n = one["rounds"]
+        for label, key, value, goal, meet in (
+                ("delta bytes / changed rows' bytes (+ dense)", "bytes", one["delta_over_changed_bytes"],
+                 BYTES_GOAL, "<="),
+                ("delta save time / full save time", "time", one["delta_over_full_time"], TIME_GOAL, "<="),
+                ("restore base + 10 deltas / full restore", "restore", one["restore_chain_over_full"],
+                 RESTORE_GOAL, "<=")):
+            lines.append(f"- 1 %: {label}: {value:.3f}x (budget {meet} {goal}x): "
+                         f"{'MET' if value <= goal else 'MISSED'}; {one['rounds_meeting'][key]} of {n} rounds met it")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gb", type=float, default=None, help="tables' bytes (default 1.2)")
+    p.add_argument("--tables", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--fractions", default="0.01,0.05,0.2", help="fractions of rows changed per delta")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per fraction (default 3)")
+    p.add_argument("--durable", action="store_true", help="fsync on (default off)")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default a temporary dir)")
+    p.add_argument("--quick", action="store_true", help="smoke test: ~48 MB, 1 round")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    a.size_gb = a.size_gb if a.size_gb is not None else (0.048 if a.quick else 1.2)
+    a.rounds = a.rounds if a.rounds is not None else (1 if a.quick else 3)
+    a.fractions = [float(f) for f in a.fractions.split(",")]
+    a.rows = int(a.size_gb * C.GB / a.tables / row_bytes(a.dim))
+    a.json = a.json or os.path.join(C.RESULTS_DIR, "incremental-quick.json" if a.quick else "incremental.json")
+    return a
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    busy0, own0, t0 = C.system_busy_seconds(), _own_cpu(), time.time()
+    rounds: List[Dict[str, Any]] = []
+    with C.bench_tempdir(args.dir) as tmp, knobs.override(fsync=args.durable):
+        for rnd in range(args.rounds):
+            for fraction in args.fractions:
+                C.log(f"round {rnd + 1}/{args.rounds}: {fraction:.0%} of rows changed per delta ...")
+                rounds.append(one_round(args, fraction, rnd, tmp))
+    elapsed = max(time.time() - t0, 1e-9)
+    others = max(0.0, (C.system_busy_seconds() - busy0 - (_own_cpu() - own0)) / elapsed)
+    res: Dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "json"},
+                           "commit": C.git_revision(), "state_gb": args.rows * args.tables * row_bytes(args.dim) / C.GB,
+                           "others_cpu_share": others,
+                           "rounds": rounds, "summary": [summarize(rounds, f) for f in args.fractions]}
+    C.write_json(args.json, res)
+    text = report(res)
+    md = C.write_text(args.json.replace(".json", ".md"), text + "\n")
+    print(text + f"\n\nJSON: {os.path.relpath(args.json)}   markdown: {os.path.relpath(md)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

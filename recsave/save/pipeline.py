@@ -67,14 +67,19 @@ class CheckpointWriter:
         self.best_metric: Optional[str] = None
         self.best_mode = "max"
         # Ids a checkpoint needs (kept with it by rotation): a delta's parent (format/chain.py).
-        self.depends_on: Callable[[str], Iterable[str]] = lambda ckpt_id: chain.parent_ids(storage, output_dir,
-                                                                                           ckpt_id)
+        self.depends_on: Callable[[str], Iterable[str]] = self._parents
+        self._parents_of: Dict[str, List[str]] = {}  # committed indexes do not change: read each once
         self.last_bytes = 0  # bytes of the last committed checkpoint this rank knows of (write())
         self._facts: Dict[str, Tuple[Optional[int], Optional[Mapping[str, float]]]] = {}  # id -> step, metrics
         self.damaged: Set[str] = set()
         self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
         self._warned_newer: Set[str] = set()
+
+    def _parents(self, ckpt_id: str) -> List[str]:
+        if ckpt_id not in self._parents_of:
+            self._parents_of[ckpt_id] = chain.parent_ids(self.storage, self.output_dir, ckpt_id)
+        return self._parents_of[ckpt_id]
 
     @property
     def retention(self) -> Retention:
@@ -88,6 +93,7 @@ class CheckpointWriter:
         On failure every rank removes the files and directory it created, then rank 0 the partial
         directory (_clean_up_failed); the previous checkpoint stays latest."""
         ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
+        self._parents_of.pop(ckpt_id, None)  # this id gets a new index (and maybe another parent)
         made = _Made()
         stage = "prepare"
         try:

@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, List
 
+import numpy as np
 import torch
 
 # Baselines are numbered from one counter shared by every table, so an epoch names one baseline of
@@ -82,7 +83,7 @@ class ChangeTracker:
         """Every id left the table."""
         self.cleared = True
         self._removed.clear()
-        self._changed.zero_()
+        _zero(self._changed)
 
     def changes(self, row_ids: torch.Tensor, lookup: Callable[[torch.Tensor], torch.Tensor]) -> TableChanges:
         """The changes since the baseline. `row_ids[r]` is the id of row r; `lookup(ids)` gives
@@ -90,7 +91,7 @@ class ChangeTracker:
         empty = torch.empty(0, dtype=torch.int64)
         if not self.enabled:
             return TableChanges(empty, empty, empty, True, self.epoch, False)
-        rows = torch.nonzero(self._changed).reshape(-1)  # removed rows are unmarked: these are live
+        rows = _nonzero(self._changed)  # removed rows are unmarked: these are live
         ids = row_ids[rows].cpu()
         tombstones = torch.unique(torch.cat(self._removed)) if self._removed else empty
         if tombstones.numel():
@@ -101,5 +102,20 @@ class ChangeTracker:
         """Moves the baseline to now: nothing changed, nothing removed."""
         self.cleared = False
         self._removed.clear()
-        self._changed.zero_()
+        _zero(self._changed)
         self.epoch = next(_EPOCHS)
+
+
+# Whole-mask passes on the CPU go through numpy: torch's intra-op threads cost a wake-up per op,
+# which on a busy machine was 15-30 ms a call, far more than the pass itself.
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return torch.nonzero(mask).reshape(-1)
+
+
+def _zero(mask: torch.Tensor) -> None:
+    if mask.device.type == "cpu":
+        mask.numpy().fill(False)
+    else:
+        mask.zero_()
