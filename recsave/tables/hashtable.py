@@ -20,7 +20,7 @@ from recsave.tables import partition, tablestate
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
 from recsave.tables.lifecycle import TableLifecycle
-from recsave.tables.rows import META_COLUMNS, RowStorage
+from recsave.tables.rows import META_COLUMNS, RowStorage, put_rows
 from recsave.tables.tracking import ChangeTracker
 
 
@@ -413,7 +413,7 @@ class HashTable(TableLifecycle, torch.nn.Module):
         keep = rows >= 0
         rows_d = rows[keep].to(self._device)
         for slot, t in slots.items():
-            self._slots[slot][rows_d] = t[keep].to(device=self._device, dtype=self._slots[slot].dtype)
+            put_rows(self._slots[slot], rows_d, t[keep])
         self._tracker.mark(rows_d)
         return int(keep.sum())
 
@@ -445,11 +445,11 @@ class HashTable(TableLifecycle, torch.nn.Module):
         if clear:
             self.clear()
         rows = self.lookup(ids, insert=True).to(self._device)
-        self._weight[rows] = values.to(device=self._device, dtype=self._dtype)
+        put_rows(self._weight, rows, values)
         for slot, t in slots.items():
-            self._slots[slot][rows] = t.to(device=self._device, dtype=self._slots[slot].dtype)
+            put_rows(self._slots[slot], rows, t)
         for m, t in meta.items():
-            self._store.meta[m][rows] = t.to(self._device)
+            put_rows(self._store.meta[m], rows, t)
         self._tracker.mark(rows)
 
     def _check_meta_values(self, meta: Any, n: int, where: str) -> Dict[str, torch.Tensor]:

@@ -66,12 +66,12 @@ class RowStorage:
     def init_rows(self, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, step: int) -> None:
         """Rows `rows` (on the storage's device) now hold `ids`: writes `values` as their
         embedding, every slot's init value, last_step = `step` and count 0."""
-        self.weight[rows] = values.to(device=self.weight.device, dtype=self.weight.dtype)
+        put_rows(self.weight, rows, values.to(dtype=self.weight.dtype))
         for slot, storage in self.slots.items():
-            storage[rows] = self.slot_init[slot]
-        self.row_ids[rows] = ids.to(self.row_ids.device)
-        self.meta["last_step"][rows] = step
-        self.meta["count"][rows] = 0
+            put_rows(storage, rows, self.slot_init[slot])
+        put_rows(self.row_ids, rows, ids.to(self.row_ids.device))
+        put_rows(self.meta["last_step"], rows, step)
+        put_rows(self.meta["count"], rows, 0)
 
     def touch(self, rows: torch.Tensor, step: int) -> None:
         """A training lookup of `rows` (repeats count once each): count += 1, last_step = step."""
@@ -117,6 +117,23 @@ class RowStorage:
     def advise_hugepages(self) -> None:
         for storage in [self.weight, *self.slots.values()]:
             advise_hugepages(storage)
+
+
+# dtypes numpy shares memory with (bfloat16 has no numpy dtype)
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool)
+
+
+def put_rows(dst: torch.Tensor, rows: torch.Tensor, values: "torch.Tensor | float | int | bool") -> None:
+    """``dst[rows] = values``. CPU tensors go through numpy: one thread, where torch's intra-op
+    threads cost a wake-up per call (milliseconds on a busy machine, for a few rows)."""
+    if dst.device.type == "cpu" and dst.dtype in _NUMPY_DTYPES and rows.device.type == "cpu":
+        if not isinstance(values, torch.Tensor):
+            dst.numpy()[rows.numpy()] = values
+            return
+        if values.device.type == "cpu" and values.dtype == dst.dtype:
+            dst.numpy()[rows.numpy()] = values.detach().numpy()
+            return
+    dst[rows] = values.to(device=dst.device, dtype=dst.dtype) if isinstance(values, torch.Tensor) else values
 
 
 def _grow(t: torch.Tensor, rows: int, huge_pages: bool = True) -> torch.Tensor:

@@ -15,6 +15,8 @@ from typing import Callable, List
 import numpy as np
 import torch
 
+from recsave.tables.rows import put_rows
+
 # Baselines are numbered from one counter shared by every table, so an epoch names one baseline of
 # one table: a Saver that recorded it can tell when anything else moved the baseline since.
 _EPOCHS = itertools.count(1)
@@ -59,13 +61,16 @@ class ChangeTracker:
     def mark(self, rows: torch.Tensor) -> None:
         """Marks rows (on the table's device, in [0, reserved)) changed."""
         if self.enabled and rows.numel():
-            self._changed[rows] = True
+            put_rows(self._changed, rows, True)
 
     def mark_first(self, n: int) -> None:
         """Marks rows [0, n) changed (a restore fills exactly those)."""
         if self.enabled and n:
             self.reserve(n)
-            self._changed[:n] = True
+            if self._changed.device.type == "cpu":
+                self._changed.numpy()[:n] = True
+            else:
+                self._changed[:n] = True
 
     def removed(self, ids: torch.Tensor, freed_rows: torch.Tensor) -> None:
         """`ids` (CPU) left the table, freeing `freed_rows`: they become tombstones, and the freed
@@ -77,7 +82,7 @@ class ChangeTracker:
             self._removed = [torch.unique(torch.cat(self._removed))]
         freed = freed_rows.to(self._changed.device)
         freed = freed[freed < self._changed.numel()]
-        self._changed[freed] = False
+        put_rows(self._changed, freed, False)
 
     def clear(self) -> None:
         """Every id left the table."""
