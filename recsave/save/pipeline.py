@@ -4,6 +4,7 @@ extra.pt, the index (the commit point) and the `checkpoint` list, then pruning."
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from concurrent.futures import wait as futures_wait
@@ -67,19 +68,16 @@ class CheckpointWriter:
         self.best_metric: Optional[str] = None
         self.best_mode = "max"
         # Ids a checkpoint needs (kept with it by rotation): a delta's parent (format/chain.py).
-        self.depends_on: Callable[[str], Iterable[str]] = self._parents
+        # (No bound method here: a cycle would keep the Saver, and its writer lock, alive.)
         self._parents_of: Dict[str, List[str]] = {}  # committed indexes do not change: read each once
+        self.depends_on: Callable[[str], Iterable[str]] = functools.partial(_cached_parents, storage, output_dir,
+                                                                            self._parents_of)
         self.last_bytes = 0  # bytes of the last committed checkpoint this rank knows of (write())
         self._facts: Dict[str, Tuple[Optional[int], Optional[Mapping[str, float]]]] = {}  # id -> step, metrics
         self.damaged: Set[str] = set()
         self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
         self._warned_newer: Set[str] = set()
-
-    def _parents(self, ckpt_id: str) -> List[str]:
-        if ckpt_id not in self._parents_of:
-            self._parents_of[ckpt_id] = chain.parent_ids(self.storage, self.output_dir, ckpt_id)
-        return self._parents_of[ckpt_id]
 
     @property
     def retention(self) -> Retention:
@@ -318,3 +316,10 @@ class CheckpointWriter:
                           f"(format_version {version}): it is not deleted by max_keep rotation; delete it "
                           f"yourself if it is not needed", RuntimeWarning, stacklevel=2)
         return True
+
+
+def _cached_parents(storage: Storage, output_dir: str, cache: Dict[str, List[str]], ckpt_id: str) -> List[str]:
+    """chain.parent_ids, remembered in `cache` (CheckpointWriter.depends_on)."""
+    if ckpt_id not in cache:
+        cache[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
+    return cache[ckpt_id]
