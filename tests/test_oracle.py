@@ -1,6 +1,7 @@
 """The pure-Python oracle reader (recsave.format.oracle) against files built without recsave's writer:
 safetensors' own ``save_file`` output wrapped in a hand-built index, and hand-built checkpoints holding
-every dtype of FORMAT.md section 4."""
+every dtype of FORMAT.md section 4; and format_version 2 indexes (delta, section 10; int8 serving,
+section 8) written by recsave, read like the engine reads them."""
 from __future__ import annotations
 
 import importlib.util
@@ -330,3 +331,179 @@ def test_random_damage_raises_only_recsave_errors(tmp_path: Path) -> None:
             outcomes.add(type(e).__name__)
         shutil.rmtree(d)
     assert "CorruptCheckpointError" in outcomes
+
+
+# ------------------------------------------------- format_version 2: delta and serving indexes
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from recsave.tables.hashtable import HashTable
+
+        self.user = HashTable(8, name="user", seed=3)
+        self.lin = torch.nn.Linear(2, 2)
+
+
+@pytest.fixture
+def chain_dir(tmp_path: Path):
+    """<out>/ckpt_1 (full, 200 rows) and <out>/ckpt_2, a delta of it: 10 rows rewritten, 5 ids
+    inserted, 4 deleted. Returns (out, rewritten + inserted ids, deleted ids)."""
+    from recsave import Saver
+
+    net, out = _Net(), str(tmp_path / "out")
+    ids = torch.arange(200, dtype=torch.int64) * 17 + 3
+    net.user.load_rows(ids, torch.randn(200, 8, generator=torch.Generator().manual_seed(1)))
+    saver = Saver(net, output_dir=out, max_keep=None)
+    saver.save("ckpt_1", incremental=True)
+    changed = torch.cat([ids[20:30], torch.arange(5, dtype=torch.int64) - 50])
+    net.user.load_rows(changed, torch.full((15, 8), 0.5), clear=False)
+    deleted = ids[100:104]
+    assert net.user.delete(deleted) == 4
+    saver.save("ckpt_2", incremental=True)
+    assert saver.last_save_kind == "delta"
+    saver.close()
+    return Path(out), changed, deleted
+
+
+def engine_tensors(ckpt: str) -> Dict[str, torch.Tensor]:
+    from recsave.format import read_tensors
+
+    return read_tensors(ckpt, names=None, verify=True)
+
+
+def test_reads_a_delta_as_stored_like_the_engine(chain_dir) -> None:
+    out, changed, deleted = chain_dir
+    d = str(out / "ckpt_2")
+    idx = oracle.read_index(d)
+    assert (idx["format_version"], idx["kind"], idx["parent"]["id"], idx["base"]) == (2, "delta", "ckpt_1", "ckpt_1")
+    got, want = oracle.read_tensors(d), engine_tensors(d)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and raw(got[name]) == raw(t), name
+    # The delta's own rows and tombstones, not the chain's merged state.
+    assert sorted(got["user@id"].reshape(-1).tolist()) == sorted(changed.tolist())
+    assert got["user@tombstone"].dtype == torch.int64 and got["user@tombstone"].dim() == 1
+    assert sorted(got["user@tombstone"].tolist()) == sorted(deleted.tolist())
+    assert oracle.check_parent(d) == str(out / "ckpt_1")
+    assert oracle.check_parent(str(out / "ckpt_1")) is None  # a full checkpoint has no parent
+
+
+def test_check_parent_refuses_a_rewritten_or_missing_parent(chain_dir) -> None:
+    out, _, _ = chain_dir
+    d = str(out / "ckpt_2")
+    with open(out / "ckpt_1" / "index", "ab") as f:
+        f.write(b" ")  # still a valid index, but not the bytes the delta recorded
+    oracle.read_index(str(out / "ckpt_1"))
+    with pytest.raises(E.CorruptCheckpointError, match="rewritten or damaged") as info:
+        oracle.check_parent(d)
+    assert info.value.path == str(out / "ckpt_1" / "index")
+    shutil.rmtree(out / "ckpt_1")
+    with pytest.raises(E.CheckpointNotFoundError, match="parent"):
+        oracle.check_parent(d)
+
+
+def _set(path: str, value):
+    """An edit of the index JSON: sets the value at a '/'-separated key path (None: deletes it)."""
+    def apply(i: dict) -> None:
+        *keys, last = path.split("/")
+        for k in keys:
+            i = i[k]
+        if value is None:
+            del i[last]
+        else:
+            i[last] = value
+    return apply
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (_set("format_version", 1), E.CorruptCheckpointError, "format_version"),
+    (_set("format_version", 3), E.FormatVersionError, "format_version"),
+    (_set("kind", "sketch"), E.FormatVersionError, "kind 'sketch'"),
+    (_set("kind", 2), E.CorruptCheckpointError, "kind"),
+    (_set("parent", None), E.CorruptCheckpointError, "parent"),
+    (_set("parent/crc32c", -1), E.CorruptCheckpointError, "crc32c"),
+    (_set("parent/id", "../x"), E.CorruptCheckpointError, "parent"),
+    (_set("base", None), E.CorruptCheckpointError, "base"),
+    (_set("meta/tables/user/tombstones", 5), E.CorruptCheckpointError, "tombstone"),
+    (_set("meta/tables/user/cleared", None), E.CorruptCheckpointError, "cleared"),
+    (_set("tensors/user@tombstone", None), E.CorruptCheckpointError, "user@tombstone"),
+])
+def test_delta_index_rules_agree_with_the_engine(chain_dir, change, error, match) -> None:
+    from recsave.format import index as index_mod
+
+    out, _, _ = chain_dir
+    d = out / "ckpt_2"
+    edit(d, change)
+    with pytest.raises(error, match=match):
+        oracle.read_index(str(d))
+    with pytest.raises(error):
+        index_mod.read(str(d))
+
+
+def test_other_kinds_must_not_have_parent_or_base(chain_dir) -> None:
+    out, _, _ = chain_dir
+    d = out / "ckpt_1"
+    edit(d, lambda i: i.update(base="ckpt_1"))
+    with pytest.raises(E.CorruptCheckpointError, match="must not have 'parent' or 'base'"):
+        oracle.read_index(str(d))
+    edit(d, lambda i: (i.pop("base"), i.update(format_version=2)))
+    with pytest.raises(E.FormatVersionError, match="version 2"):  # a full index is version 1 only
+        oracle.read_index(str(d))
+
+
+@pytest.fixture
+def serving_dir(tmp_path: Path):
+    """An int8 serving export (float16 scales) of a saved _Net, and the net."""
+    import recsave
+
+    net = _Net()
+    ids = torch.arange(300, dtype=torch.int64) * 7 - 40
+    rows = torch.randn(300, 8, generator=torch.Generator().manual_seed(2)) * 3
+    rows[0] = 0.25  # a constant row
+    net.user.load_rows(ids, rows)
+    saver = recsave.Saver(net, output_dir=str(tmp_path / "src"))
+    ckpt = saver.save("ckpt_5")
+    saver.close()
+    return recsave.export_serving(ckpt, str(tmp_path / "serve"), "int8"), net
+
+
+def test_reads_an_int8_serving_checkpoint_and_decodes_it_as_recsave_loads_it(serving_dir) -> None:
+    from recsave import Saver
+
+    d, net = serving_dir
+    idx = oracle.read_index(d)
+    assert (idx["format_version"], idx["kind"], idx["meta"]["tables"]["user"]["quant"]) == (2, "serving", "int8")
+    got, want = oracle.read_tensors(d), engine_tensors(d)
+    assert sorted(got) == sorted(want) and {"user@scale", "user@offset"} <= set(got)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and raw(got[name]) == raw(t), name
+    assert got["user@embedding"].dtype == torch.int8 and got["user@scale"].dtype == torch.float16
+    decoded = oracle.dequantize_int8(got["user@embedding"], got["user@scale"], got["user@offset"])
+    ids = got["user@id"].reshape(-1)
+    constant = int((ids == -40).nonzero())  # rows are in bucket order
+    assert torch.equal(decoded[constant], torch.full((8,), 0.25))  # a constant row is exact
+    loaded = _Net()
+    Saver(loaded, output_dir=d).load(d, direct_path=True)
+    _, values, _ = loaded.user.export(ids)
+    assert raw(values) == raw(decoded)  # recsave's load decodes bit for bit as the spec says
+    _, orig, _ = net.user.export(ids)
+    span = (orig.max(1).values - orig.min(1).values).unsqueeze(1)
+    assert bool(((decoded - orig).abs() <= span / 510 + 1e-2 * span + 1e-6).all())
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (_set("meta/tables/user/quant", "int4"), E.FormatVersionError, "'int4'"),
+    (_set("tensors/user@scale/dtype", "bfloat16"), E.CorruptCheckpointError, "scale"),
+    (_set("meta/tables/user/dim", 9), E.CorruptCheckpointError, "int8"),
+    (_set("tensors/user@offset", None), E.CorruptCheckpointError, "user@offset"),
+    (_set("kind", None), E.FormatVersionError, "version 2"),  # then a full index of version 2
+    (_set("parent", {"id": "x", "crc32c": 0}), E.CorruptCheckpointError, "parent"),
+])
+def test_serving_index_rules_agree_with_the_engine(serving_dir, change, error, match) -> None:
+    from recsave.format import index as index_mod
+
+    d = Path(serving_dir[0])
+    edit(d, change)
+    with pytest.raises(error, match=match):
+        oracle.read_index(str(d))
+    with pytest.raises(error):
+        index_mod.read(str(d))

@@ -1,4 +1,5 @@
-"""An independent, pure-Python reader of the recsave checkpoint format (docs/FORMAT.md, version 1).
+"""An independent, pure-Python reader of the recsave checkpoint format (docs/FORMAT.md: format_version
+1, full checkpoints, and 2, delta and serving checkpoints).
 
 This module is the test oracle: it was written from the specification only and shares no code with
 recsave's own writer and reader (``recsave.format.*``, ``recsave._C``). It is slow and simple on
@@ -8,6 +9,13 @@ with the engine-backed reader points at a bug in one of the two. Its CRC32C is t
 
 Every size, offset and count read from disk is validated before it is used to allocate or seek, and
 no exception other than the ones in :mod:`recsave.errors` escapes for any file content.
+
+Its job is one checkpoint directory's tensors. Of a delta (section 10) it reads the delta's own
+tensors as stored: the changed rows, ``<table>@tombstone`` and the rest, after checking `kind`,
+`parent`, `base` and the tables' `cleared` / `tombstones`; it does not merge a chain into the
+state a load restores (:func:`check_parent` checks one link: the parent's index CRC32C). Of an
+int8 serving table (section 8) it returns the codes, ``@scale`` and ``@offset`` as plain tensors;
+:func:`dequantize_int8` applies the spec's formula to them.
 """
 from __future__ import annotations
 
@@ -30,19 +38,23 @@ from recsave.format.oracle_checks import (
     DTYPE_TABLE,
     FORMAT_VERSION,
     INDEX_MAGIC,
+    INDEX_VERSIONS,
     MAX_HEADER_BYTES,
     MAX_INDEX_BYTES,
     as_int,
     as_obj,
     as_shape,
+    check_kind,
+    check_kind_tensors,
     corrupt,
+    dequantize_int8,
     is_int,
     parse_json,
     plain_name,
 )
 from recsave.format.pycrc32c import crc32c
 
-__all__ = ["read_index", "read_tensors", "read_shard_header"]
+__all__ = ["read_index", "read_tensors", "read_shard_header", "dequantize_int8", "check_parent"]
 
 def _segment_ends(chunk: dict, length: int, path: str, key: str) -> List[int]:
     """Returns the end offsets of the chunk's checksum segments (section 3)."""
@@ -119,25 +131,31 @@ def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, p
         raise corrupt(path, f"chunk rows stop at {next_row}, not at shape[0] = {shape[0]}", name)
 
 
+def _index_bytes(path: str, what: str, missing: str) -> bytes:
+    with _open_regular(path, what, missing) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_INDEX_BYTES:  # size limit first: never read a huge file into memory
+            raise corrupt(path, f"{what} is {size} bytes, over the 256 MiB limit (MAX_INDEX_BYTES)")
+        raw = _read(f, MAX_INDEX_BYTES + 1, path)
+    if len(raw) > MAX_INDEX_BYTES:
+        raise corrupt(path, f"{what} grew past the size limit while being read")
+    return raw
+
+
 def read_index(ckpt_dir: str) -> dict:
     """Loads ``<ckpt_dir>/index`` and validates it against FORMAT.md section 3; returns the parsed JSON."""
     path = os.path.join(ckpt_dir, "index")
-    with _open_regular(path, "the index", f"no index: {ckpt_dir} is not a committed checkpoint") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_INDEX_BYTES:  # size limit first: never read a huge file into memory
-            raise corrupt(path, f"the index is {size} bytes, over the 256 MiB limit (MAX_INDEX_BYTES)")
-        raw = _read(f, MAX_INDEX_BYTES + 1, path)
-    if len(raw) > MAX_INDEX_BYTES:
-        raise corrupt(path, "the index grew past the size limit while being read")
+    raw = _index_bytes(path, "the index", f"no index: {ckpt_dir} is not a committed checkpoint")
     idx = as_obj(parse_json(raw, "the index", path), "the index", path)
     if idx.get("magic") != INDEX_MAGIC:
         raise corrupt(path, f"magic is {idx.get('magic')!r:.80}, not {INDEX_MAGIC!r}: not a recsave index")
     if "format_version" not in idx:
         raise corrupt(path, "the index has no format_version")
     version = idx["format_version"]
-    if not is_int(version) or version != FORMAT_VERSION:
-        raise FormatVersionError(f"{path}: unknown format_version {version!r:.80} (this reader knows version "
-                                 f"{FORMAT_VERSION}); upgrade recsave to read it", path=path)
+    if not is_int(version) or version not in INDEX_VERSIONS:
+        raise FormatVersionError(f"{path}: unknown format_version {version!r:.80} (this reader knows versions "
+                                 f"{INDEX_VERSIONS}); upgrade recsave to read it", path=path)
+    kind = check_kind(idx, path)
     for k in ("recsave_version", "created_at"):
         if not isinstance(idx.get(k), str):
             raise corrupt(path, f"{k} must be a string")
@@ -174,6 +192,7 @@ def read_index(ckpt_dir: str) -> dict:
             if b1 < e0:
                 raise corrupt(path, f"chunks of {n0!r} [{b0}, {e0}) and {n1!r} (at {b1}) overlap in file "
                                      f"{fname!r}")
+    check_kind_tensors(idx, kind, path)
     return idx
 
 
@@ -363,3 +382,19 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
         for f, *_ in handles.values():
             f.close()
     return out
+
+
+def check_parent(ckpt_dir: str) -> Optional[str]:
+    """For a delta, checks that its parent ``<output_dir>/<parent.id>/index`` exists with the CRC32C
+    the delta recorded (section 10) and returns the parent's directory; None for other kinds. Only
+    this one link is checked: following the chain is the caller's loop."""
+    idx = read_index(ckpt_dir)
+    if idx.get("kind", "full") != "delta":
+        return None
+    parent = os.path.join(os.path.dirname(os.path.normpath(ckpt_dir)), idx["parent"]["id"])
+    path = os.path.join(parent, "index")
+    raw = _index_bytes(path, "the parent's index", f"the parent of delta {ckpt_dir} is missing")
+    if crc32c(raw) != idx["parent"]["crc32c"]:
+        raise corrupt(path, f"the parent's index has crc32c {crc32c(raw):#010x}, but delta {ckpt_dir} recorded "
+                            f"{idx['parent']['crc32c']:#010x}: the parent was rewritten or damaged")
+    return parent

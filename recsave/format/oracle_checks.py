@@ -7,9 +7,14 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from recsave.errors import CorruptCheckpointError
+import torch
 
-FORMAT_VERSION = 1
+from recsave.errors import CorruptCheckpointError, FormatVersionError
+
+FORMAT_VERSION = 1  # a full checkpoint's index, and every shard file's header
+KIND_VERSIONS = {"full": 1, "delta": 2, "serving": 2}  # FORMAT.md section 3 `kind` -> its format_version
+INDEX_VERSIONS = sorted(set(KIND_VERSIONS.values()))
+MAX_ID_BYTES = 255  # a <ckpt_id> (section 1)
 INDEX_MAGIC = "recsave.index"
 MAX_INDEX_BYTES = 256 * 1024 * 1024
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -91,3 +96,82 @@ def plain_name(name: Any, path: str) -> str:
     if not isinstance(name, str) or not PLAIN_NAME.match(name) or name in (".", ".."):
         raise corrupt(path, f"file name {name!r:.120} is not a plain file name inside the checkpoint directory")
     return name
+
+
+def ckpt_id(v: Any, what: str, path: str) -> str:
+    """A <ckpt_id> (FORMAT.md section 1): a plain name of at most 255 bytes."""
+    if not isinstance(v, str) or not PLAIN_NAME.match(v) or v in (".", "..") or len(v.encode()) > MAX_ID_BYTES:
+        raise corrupt(path, f"{what} {v!r:.120} is not a valid checkpoint id")
+    return v
+
+
+def check_kind(idx: dict, path: str) -> str:
+    """The index's `kind` against its (known) format_version, and a delta's `parent` / `base`
+    (FORMAT.md sections 3 and 10); returns the kind. An unknown kind, or a full index of version 2,
+    is refused like an unknown version (FormatVersionError)."""
+    version, kind = idx["format_version"], idx.get("kind", "full")
+    if not isinstance(kind, str):
+        raise corrupt(path, f"kind must be a string, got {kind!r:.80}")
+    if kind not in KIND_VERSIONS:
+        raise FormatVersionError(f"{path}: unknown checkpoint kind {kind!r:.80} (this reader knows "
+                                 f"{sorted(KIND_VERSIONS)}); upgrade recsave to read it", path=path)
+    if kind == "full" and version != KIND_VERSIONS[kind]:
+        raise FormatVersionError(f"{path}: format_version {version} is not defined for a full checkpoint (this "
+                                 f"reader knows version {KIND_VERSIONS[kind]}); upgrade recsave to read it", path=path)
+    if version != KIND_VERSIONS[kind]:
+        raise corrupt(path, f"a {kind!r} index must have format_version {KIND_VERSIONS[kind]}, not {version}")
+    if kind != "delta":
+        if "parent" in idx or "base" in idx:
+            raise corrupt(path, f"a {kind!r} index must not have 'parent' or 'base'")
+        return kind
+    parent = as_obj(idx.get("parent"), "parent", path)
+    ckpt_id(parent.get("id"), "parent.id", path)
+    as_int(parent.get("crc32c"), "parent.crc32c", path, hi=1 << 32)
+    ckpt_id(idx.get("base"), "base", path)
+    return kind
+
+
+def check_kind_tensors(idx: dict, kind: str, path: str) -> None:
+    """What the table meta says about how to read the tables' tensors (tensor entries already
+    validated): an int8 table's codes, scale and offset (section 8; another `quant` is refused as
+    an unknown encoding) and a delta table's tombstones (section 10). Other meta keys are not read."""
+    tensors = idx["tensors"]
+    tables = as_obj(idx["meta"].get("tables", {}), "meta tables", path)
+    for name, t in tables.items():
+        t = as_obj(t, "table meta", path, name)
+
+        def tensor(suffix: str, name: str = name) -> dict:
+            entry = tensors.get(f"{name}@{suffix}")
+            if entry is None:
+                raise corrupt(path, f"table {name!r} has no tensor {name}@{suffix}", name)
+            return entry
+        quant = t.get("quant")
+        if quant is not None and quant != "int8":
+            raise FormatVersionError(f"{path}: table {name!r} is stored as {quant!r:.80}, which this reader "
+                                     f"cannot decode (it knows 'int8'); upgrade recsave", path=path)
+        if quant == "int8":
+            dim = as_int(t.get("dim"), "dim", path, name)
+            codes, scale, offset = tensor("embedding"), tensor("scale"), tensor("offset")
+            n = codes["shape"][0] if len(codes["shape"]) == 2 else -1
+            if codes["dtype"] != "int8" or n < 0 or codes["shape"][1] != dim:
+                raise corrupt(path, f"int8 codes must be int8 [rows, {dim}], got "
+                                    f"{codes['dtype']} {codes['shape']}", f"{name}@embedding")
+            for what, e in (("scale", scale), ("offset", offset)):
+                if e["dtype"] not in ("float16", "float32") or e["dtype"] != scale["dtype"] or e["shape"] != [n, 1]:
+                    raise corrupt(path, f"{what} must be float16 or float32 [{n}, 1] like the scale, got "
+                                        f"{e['dtype']} {e['shape']}", f"{name}@{what}")
+        if kind == "delta":
+            stones = tensor("tombstone")
+            if not isinstance(t.get("cleared"), bool):
+                raise corrupt(path, f"a delta table needs 'cleared' true or false, got {t.get('cleared')!r:.40}", name)
+            k = as_int(t.get("tombstones"), "tombstones", path, name)
+            if stones["dtype"] != "int64" or stones["shape"] != [k]:
+                raise corrupt(path, f"{name}@tombstone must be int64 [{k}] (the meta's tombstones), got "
+                                    f"{stones['dtype']} {stones['shape']}", f"{name}@tombstone")
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Rows of an int8 table (section 8): ``(float32(code) + 128) * float32(scale) + float32(offset)``
+    in float32, the product rounded, then the sum (codes [n, dim], scale and offset [n, 1])."""
+    product = (codes.to(torch.float32) + 128.0) * scale.to(torch.float32)
+    return product + offset.to(torch.float32)

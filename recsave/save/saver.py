@@ -1,10 +1,10 @@
 """Saver: the facade a training job uses. It saves a model's hash tables through the C++ engine and
 its dense state with torch.save (save/pipeline.py writes and commits), and loads checkpoints back
-(load/). docs/ARCHITECTURE.md shows how the layers fit."""
+(load/; its fallback and delta-baseline steps in save/restore.py, argument checks in
+save/arguments.py). docs/ARCHITECTURE.md shows how the layers fit."""
 from __future__ import annotations
 
 import time
-import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -12,17 +12,15 @@ import torch
 
 from recsave import knobs
 from recsave.argcheck import check
-from recsave.argcheck import fail as type_error
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
+from recsave.errors import CheckpointNotFoundError, UsageError
 from recsave.format import ckptlist, retention
-from recsave.format import index as index_mod
 from recsave.format.records import Retention
 from recsave.load import contents
 from recsave.load.config import SPARSE_OPTIM
 from recsave.load.execute import execute, load_entries
 from recsave.load.plan import LoadPlan, LoadTarget, plan_entries
 from recsave.load.report import LoadReport
-from recsave.save import delta
+from recsave.save import arguments, delta, restore
 from recsave.save.background import BackgroundWrite
 from recsave.save.pipeline import CheckpointWriter, step_of_id
 from recsave.save.saveinfo import SaveInfo, log_commit
@@ -65,7 +63,7 @@ class Saver:
         self._baseline: Optional[delta.Baseline] = None  # what the next delta is relative to
         self.last_save_kind: Optional[str] = None  # "full" or "delta": what the last save wrote
         if sparse_optim is not None:
-            self._check_stateful("sparse_optim", sparse_optim, "Saver")
+            arguments.stateful("sparse_optim", sparse_optim, "Saver")
             self._extras[SPARSE_OPTIM] = sparse_optim
 
     # ------------------------------------------------------------------------------- settings
@@ -140,34 +138,17 @@ class Saver:
         still loads under strict configs: `obj` keeps its state, and the LoadReport lists `name` in
         ``skipped`` with a note. Otherwise such a checkpoint lacks a selected name (ConfigError)."""
         check(optional, bool, "optional", "register_for_checkpointing")
-        self._check_name(name)
-        self._check_stateful("obj", obj, f"register_for_checkpointing({name!r})")
+        arguments.registered_name(name, self.model, list(self._extras) + list(self._io_states))
+        arguments.stateful("obj", obj, f"register_for_checkpointing({name!r})")
         self._extras[name] = obj
         if optional:
             self._optional.add(name)
 
     def register_io_state(self, name: str, obj: Any) -> None:
         """Saves ``obj.dump_io_state()`` per rank; loading calls ``obj.load_io_state(state)``."""
-        self._check_name(name)
-        if not callable(getattr(obj, "dump_io_state", None)) or not callable(getattr(obj, "load_io_state", None)):
-            raise type_error(f"register_io_state({name!r})", "obj",
-                             "an object with dump_io_state() and load_io_state(state) methods", obj)
+        arguments.registered_name(name, self.model, list(self._extras) + list(self._io_states))
+        arguments.io_stateful(name, obj)
         self._io_states[name] = obj
-
-    def _check_name(self, name: str) -> None:
-        check(name, str, "name", "register")
-        if not name or "@" in name:
-            raise UsageError(f"registered name {name!r} must be a non-empty string without '@'")
-        if name in self._extras or name in self._io_states:
-            raise UsageError(f"{name!r} is registered already; pick another name", key=name)
-        tables, dense = contents.model_state(self.model)
-        if name in tables or name in dense:
-            raise UsageError(f"{name!r} is already a table or parameter name of the model", key=name)
-
-    @staticmethod
-    def _check_stateful(arg: str, obj: Any, where: str) -> None:
-        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
-            raise type_error(where, arg, "an object with state_dict() and load_state_dict() methods", obj)
 
     # ----------------------------------------------------------------------------------- listing
     def checkpoints(self) -> List[str]:
@@ -213,7 +194,7 @@ class Saver:
         """
         start = time.monotonic()
         check(incremental, bool, "incremental", "save")
-        rank, world = self._save_args("save", ckpt_id, shard_id, shard_num)
+        rank, world = arguments.save_args("save", ckpt_id, shard_id, shard_num)
         values = retention.check_metrics("save", metrics)
         self._background.collect(consume=True)
         state, after = self._capture(rank, world, None, incremental)
@@ -260,7 +241,7 @@ class Saver:
         start = time.monotonic()
         check(pinned, bool, "pinned", "async_save")
         check(incremental, bool, "incremental", "async_save")
-        rank, world = self._save_args("async_save", ckpt_id, shard_id, shard_num)
+        rank, world = arguments.save_args("async_save", ckpt_id, shard_id, shard_num)
         values = retention.check_metrics("async_save", metrics)
         self._background.collect(consume=True)
         if dist.collective(world):
@@ -281,17 +262,6 @@ class Saver:
             return path
         write_future = self._background.submit(ckpt_id, write_and_record)
         return stage_future, write_future
-
-    @staticmethod
-    def _save_args(where: str, ckpt_id: Any, shard_id: Any, shard_num: Any) -> Tuple[int, int]:
-        """Checks a save's arguments; returns (rank, world). Raises before anything is written."""
-        check(ckpt_id, str, "ckpt_id", where)
-        check(shard_id, int, "shard_id", where, optional=True)
-        check(shard_num, int, "shard_num", where, optional=True)
-        ckptlist.validate_id(ckpt_id)
-        rank, world = dist.resolve(shard_id, shard_num)
-        dist.require_group_for_save(rank, world)
-        return rank, world
 
     def wait(self) -> Optional[str]:
         """Waits for the pending async write; returns its checkpoint path (None when nothing was
@@ -364,64 +334,13 @@ class Saver:
         conf.setdefault("path", self.output_dir)
         self._baseline = None  # a load changes the tables: known again only after a whole restore
         if fallback and ckpt_id is None and not direct_path:
-            report = self._load_with_fallback(conf, shard_id)
+            damaged = self._checkpoints.damaged if conf["path"] == self.output_dir else None
+            report = restore.load_with_fallback(self._target(), conf, shard_id, self._committed, damaged)
         else:
             report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
                                   direct_path=direct_path)
-        self._restored(report, conf)
+        self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
         return report
-
-    def _restored(self, report: LoadReport, conf: Dict[str, Any]) -> None:
-        """After a restore of every table (all its columns, cleared first, under its own name) from
-        one of this output dir's checkpoints, the next delta can be relative to it: every table's
-        change baseline moves to now."""
-        if len(report.checkpoints) != 1 or conf.get("hashtable_clear", True) is not True or conf.get("oname"):
-            return
-        out_dir, ckpt_id = self.storage.split(report.checkpoints[0])
-        if self.storage.join(self.output_dir, ckpt_id) != self.storage.join(out_dir, ckpt_id):
-            return
-        tables, _ = contents.model_state(self.model)
-        for name, table in tables.items():
-            for column in [name] + [f"{name}@{s}" for s in table.slot_names()]:
-                item = report.loaded.get(column)
-                if item is None or item.category not in ("sparse", "sparse_opt") or item.source != column:
-                    return
-        if not all(delta.tracks_changes(t) for t in tables.values()):
-            return
-        for table in tables.values():
-            table.reset_changes()  # type: ignore[attr-defined]
-        self._baseline = delta.Baseline.of(ckpt_id, tables)
-
-    def _load_with_fallback(self, conf: Dict[str, Any], shard_id: Optional[int]) -> LoadReport:
-        """Loads the newest loadable committed checkpoint of the output dir conf["path"]."""
-        path = conf["path"]
-        st = get_storage(path)
-        target = self._target()
-        if st.exists(st.join(path, index_mod.INDEX_FILE)):
-            return load_entries(target, [conf], shard_id=shard_id)  # a checkpoint directory
-        listing = self._committed(path)
-        if not listing.found:
-            return load_entries(target, [conf], shard_id=shard_id)  # not an output dir
-        ids = listing.ids
-        for n, ckpt_id in enumerate(reversed(ids)):
-            try:
-                return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
-            except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
-                version = ckptlist.newer_format_version(st, path, ckpt_id)
-                if version is not None:  # intact, written by a newer recsave: not damage, never skipped
-                    raise FormatVersionError(
-                        f"{st.join(path, ckpt_id)} was written by a newer recsave (format_version "
-                        f"{version}); upgrade recsave, or restore an explicit older step with "
-                        f"restore(global_step=...) (Saver.load(ckpt_id=...))", path=st.join(path, ckpt_id)) from exc
-                # Anything else is damage, a version no recsave writes included (e.g. a flipped byte).
-                if n == len(ids) - 1:
-                    raise
-                if path == self.output_dir:  # the next save of this id replaces it
-                    self._checkpoints.damaged.add(ckpt_id)
-                warnings.warn(f"{st.join(path, ckpt_id)} cannot be loaded ({type(exc).__name__}: {exc}); "
-                              f"falling back to the previous committed checkpoint "
-                              f"{st.join(path, ids[-n - 2])}", RuntimeWarning, stacklevel=3)
-        return load_entries(target, [conf], shard_id=shard_id)  # no ids: raises not found
 
     def load_by_config(self, ckpt_path: str, load_conf: Optional[Dict[str, Any]] = None,
                        shard_id: Optional[int] = None) -> LoadReport:
@@ -446,14 +365,7 @@ class Saver:
         """Carries out a plan made by plan_model_bank (only for the model names in `only`, when
         given). A pending async write is waited for first (its error stays pending)."""
         check(plan, LoadPlan, "plan", "execute_plan", expected="a LoadPlan (from plan_model_bank)")
-        check(only, (set, frozenset, list, tuple), "only", "execute_plan", optional=True,
-              expected="a set of model names")
-        if only is not None:
-            only = set(only)
-            odd = sorted(repr(n) for n in only if not isinstance(n, str) or n not in plan.items)
-            if odd:
-                raise UsageError(f"execute_plan: only names {', '.join(odd)} that the plan does not load; it "
-                                 f"loads {sorted(plan.items)}", key="only")
+        names = arguments.only_names(only, plan.items)
         self._background.collect(consume=False)
         self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
-        return execute(self._target(), plan, only)
+        return execute(self._target(), plan, names)

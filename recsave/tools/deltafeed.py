@@ -9,10 +9,7 @@ none), ``id`` (int64) and ``embedding`` (``fixed_size_list<T>[dim]`` as in the P
 for deletes), upserts first; then the manifest ``<out_dir>/recsave_delta.json``."""
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
-import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -27,8 +24,8 @@ from recsave.load.arrow import DTYPE_KEY, arrow_errors, arrow_type, table_dir_na
 from recsave.load.config import TableInfo
 from recsave.storage import Storage, get_storage
 from recsave.tables.idmap import CpuIdMap
-from recsave.tools.export import ArrowSink
-from recsave.version import __version__
+from recsave.tools import toolargs
+from recsave.tools.export import ArrowSink, manifest_head, remove_files
 
 __all__ = ["export_delta", "DELTA_MANIFEST", "DELTA_FORMAT", "diff_rows"]
 
@@ -50,10 +47,7 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
     argcheck.path(old, "old", where)
     argcheck.path(new, "new", where)
     argcheck.path(out_dir, "out_dir", where)
-    if tables is not None and not isinstance(tables, str):
-        check(tables, (list, tuple), "tables", where, optional=True, expected="a table name or a list of them")
-        for name in tables:
-            check(name, str, "tables", where, expected="a list of table names (str)")
+    toolargs.check_tables_arg(tables, where)
     check(row_group_rows, int, "row_group_rows", where)
     argcheck.callback(progress, "progress", where)
     if row_group_rows < 1:
@@ -67,11 +61,7 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
                              f"checkpoints", path=src.ckpt_dir)
     before, after = (s.contents.tables for s in srcs)
     known = list(after) + [n for n in before if n not in after]
-    names = known if tables is None else list(dict.fromkeys([tables] if isinstance(tables, str) else tables))
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ConfigError(f"no table(s) {unknown} in {srcs[0].ckpt_dir} or {srcs[1].ckpt_dir}; they have "
-                          f"{sorted(known)}", key=unknown[0])
+    names = toolargs.select_tables(tables, known, f"{srcs[0].ckpt_dir} or {srcs[1].ckpt_dir}")
     for name in names:
         a, b = before.get(name), after.get(name)
         if a is not None and b is not None and (a.dim, a.dtype) != (b.dim, b.dtype):
@@ -79,33 +69,19 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
                               f"a delta feed cannot express that: export {srcs[1].ckpt_dir} in full "
                               f"(recsave export)", key=name)
     storage = get_storage(out_dir)
-    manifest_path = storage.join(out_dir, DELTA_MANIFEST)
-    if storage.exists(manifest_path):
-        raise UsageError(f"{manifest_path} exists: {out_dir} holds a delta feed already; remove it or write "
-                         f"to another directory", path=manifest_path)
-    for name in names:
-        table_dir = storage.join(out_dir, table_dir_name(name))
-        if storage.exists(table_dir) and (not storage.isdir(table_dir) or storage.listdir(table_dir)):
-            raise UsageError(f"{table_dir} exists and is not empty; remove it or write to another directory",
-                             path=table_dir, key=name)
+    manifest_path = toolargs.check_out_dir(storage, out_dir, DELTA_MANIFEST, names, "a delta feed")
     written: List[str] = []
     try:
         entries = {}
         for name in names:
             info = after.get(name) or before[name]
             entries[name] = _table(srcs, name, info, storage, out_dir, written, row_group_rows, progress)
-        manifest = {
-            "format": DELTA_FORMAT, "format_version": DELTA_FORMAT_VERSION, "recsave_version": __version__,
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
-            "export_id": uuid.uuid4().hex, "step": srcs[1].step,
-            "old": {"source": srcs[0].ckpt_dir, "step": srcs[0].step},
-            "new": {"source": srcs[1].ckpt_dir, "step": srcs[1].step}, "tables": entries,
-        }
+        manifest = {**manifest_head(DELTA_FORMAT, DELTA_FORMAT_VERSION), "step": srcs[1].step,
+                    "old": {"source": srcs[0].ckpt_dir, "step": srcs[0].step},
+                    "new": {"source": srcs[1].ckpt_dir, "step": srcs[1].step}, "tables": entries}
         storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
     except BaseException:
-        for path in written:
-            with contextlib.suppress(Exception):
-                storage.remove_file(path)
+        remove_files(storage, written)
         raise
     return manifest
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from recsave import argcheck, knobs
 from recsave.argcheck import check
-from recsave.errors import ConfigError, CorruptCheckpointError, UsageError
+from recsave.errors import CorruptCheckpointError, UsageError
 from recsave.format.reader import read_tensors
 from recsave.load.arrow import (
     DTYPE_KEY,
@@ -28,6 +28,7 @@ from recsave.load.arrow import (
 from recsave.load.config import TableInfo
 from recsave.load.parquet import ParquetSource, is_parquet_source
 from recsave.storage import Storage, get_storage
+from recsave.tools import toolargs
 from recsave.version import __version__
 
 __all__ = ["to_parquet", "ParquetSource", "is_parquet_source", "MANIFEST"]
@@ -46,10 +47,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     where = "to_parquet"
     argcheck.path(ckpt, "ckpt", where)
     argcheck.path(out_dir, "out_dir", where)
-    if tables is not None and not isinstance(tables, str):
-        check(tables, (list, tuple), "tables", where, optional=True, expected="a table name or a list of them")
-        for name in tables:
-            check(name, str, "tables", where, expected="a list of table names (str)")
+    toolargs.check_tables_arg(tables, where)
     check(row_group_rows, int, "row_group_rows", where)
     check(rows_per_file, int, "rows_per_file", where, optional=True)
     argcheck.callback(progress, "progress", where)
@@ -65,21 +63,9 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         raise UsageError(f"{ckpt} is Parquet already, not a recsave checkpoint; give a checkpoint "
                          f"directory or an output dir", path=ckpt)
     available = src.contents.tables
-    names = list(available) if tables is None else list(dict.fromkeys([tables] if isinstance(tables, str) else tables))
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        raise ConfigError(f"{src.ckpt_dir}: no table(s) {unknown} in the checkpoint; it has "
-                          f"{sorted(available)}", path=src.ckpt_dir, key=unknown[0])
+    names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     storage = get_storage(out_dir)
-    manifest_path = storage.join(out_dir, MANIFEST)
-    if storage.exists(manifest_path):
-        raise UsageError(f"{manifest_path} exists: {out_dir} holds an export already; remove it or "
-                         f"export to another directory", path=manifest_path)
-    for name in names:
-        table_dir = storage.join(out_dir, table_dir_name(name))
-        if storage.exists(table_dir) and (not storage.isdir(table_dir) or storage.listdir(table_dir)):
-            raise UsageError(f"{table_dir} exists and is not empty; remove it or export to another "
-                             f"directory (table {name!r} is never overwritten)", path=table_dir, key=name)
+    manifest_path = toolargs.check_out_dir(storage, out_dir, MANIFEST, names, "an export")
     written: List[str] = []
     created: List[str] = _missing_dirs(storage, out_dir)  # removed again (when empty) on failure
     try:
@@ -87,23 +73,32 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         for name in names:
             entries[name] = _export_table(src, name, available[name], storage, out_dir, written, created,
                                           row_group_rows, rows_per_file, progress)
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "recsave_version": __version__,
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
-            "export_id": uuid.uuid4().hex, "source": src.ckpt_dir, "step": src.index.step,
-            "tables": entries,
-        }
+        manifest = {**manifest_head(FORMAT, FORMAT_VERSION), "source": src.ckpt_dir, "step": src.index.step,
+                    "tables": entries}
         storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
     except BaseException:
-        for path in written:
-            with contextlib.suppress(Exception):
-                storage.remove_file(path)
+        remove_files(storage, written)
         for path in reversed(created):
             with contextlib.suppress(Exception):
                 if not storage.listdir(path):
                     storage.remove_tree(path)
         raise
     return manifest
+
+
+def manifest_head(fmt: str, version: int) -> Dict[str, Any]:
+    """The keys every export manifest starts with (docs/FORMAT.md section 7): format, version, the
+    writer's recsave version, the UTC time and a fresh export id."""
+    return {"format": fmt, "format_version": version, "recsave_version": __version__,
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
+            "export_id": uuid.uuid4().hex}
+
+
+def remove_files(storage: Storage, paths: Sequence[str]) -> None:
+    """Removes what a failed export wrote, as far as it can (the export's error is what matters)."""
+    for path in paths:
+        with contextlib.suppress(Exception):
+            storage.remove_file(path)
 
 
 def _missing_dirs(storage: Storage, path: str) -> List[str]:

@@ -15,7 +15,7 @@ import torch
 
 from recsave import argcheck, knobs
 from recsave.argcheck import check
-from recsave.errors import CheckpointExistsError, ConfigError, UsageError
+from recsave.errors import CheckpointExistsError, UsageError
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
 from recsave.format.quant import SCALE_DTYPES, quantize_rows
@@ -33,6 +33,7 @@ from recsave.format.writer import RowSource, write_shards
 from recsave.save.layout import bucket_segment_ends
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
+from recsave.tools import toolargs
 
 __all__ = ["export_serving", "SERVING_DTYPES"]
 
@@ -62,10 +63,7 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     check(dtype, str, "dtype", where)
     check(scale_dtype, str, "scale_dtype", where)
     check(ckpt_id, str, "ckpt_id", where, optional=True)
-    if tables is not None and not isinstance(tables, str):
-        check(tables, (list, tuple), "tables", where, optional=True, expected="a table name or a list of them")
-        for name in tables:
-            check(name, str, "tables", where, expected="a list of table names (str)")
+    toolargs.check_tables_arg(tables, where)
     if dtype not in SERVING_DTYPES:
         raise UsageError(f"dtype must be one of {list(SERVING_DTYPES)}, got {dtype!r}", key="dtype")
     if scale_dtype not in SCALE_DTYPES:
@@ -79,11 +77,7 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
                          f"{getattr(src.index, 'kind', 'Parquet')}); export from a checkpoint a Saver wrote",
                          path=src.ckpt_dir)
     available = src.contents.tables
-    names = list(available) if tables is None else list(dict.fromkeys([tables] if isinstance(tables, str) else tables))
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        raise ConfigError(f"{src.ckpt_dir}: no table(s) {unknown} in the checkpoint; it has "
-                          f"{sorted(available)}", path=src.ckpt_dir, key=unknown[0])
+    names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     storage = get_storage(out_dir)
     if storage.split(src.ckpt_dir)[0].rstrip("/") == out_dir.rstrip("/"):
         raise UsageError(f"{out_dir} is the output dir of {src.ckpt_dir}; export to another directory (a "

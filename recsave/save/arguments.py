@@ -1,0 +1,67 @@
+"""Argument checks of the Saver facade (save/saver.py) that go beyond one type check: a save's id
+and shard arguments, names and objects to register, a plan's `only` names. Each raises before
+anything is written or changed (ArgumentTypeError for a wrong type, UsageError for a wrong value).
+"""
+from __future__ import annotations
+
+from typing import Any, Collection, Optional, Set, Tuple
+
+import torch
+
+from recsave.argcheck import check
+from recsave.argcheck import fail as type_error
+from recsave.errors import UsageError
+from recsave.format import ckptlist
+from recsave.load import contents
+from recsave.storage import dist
+
+
+def save_args(where: str, ckpt_id: Any, shard_id: Any, shard_num: Any) -> Tuple[int, int]:
+    """Checks a save's arguments; returns (rank, world)."""
+    check(ckpt_id, str, "ckpt_id", where)
+    check(shard_id, int, "shard_id", where, optional=True)
+    check(shard_num, int, "shard_num", where, optional=True)
+    ckptlist.validate_id(ckpt_id)
+    rank, world = dist.resolve(shard_id, shard_num)
+    dist.require_group_for_save(rank, world)
+    return rank, world
+
+
+def registered_name(name: Any, model: torch.nn.Module, taken: Collection[str]) -> None:
+    """`name` may be registered: a non-empty str without '@', not in `taken` (the names registered
+    already) and not a table or parameter name of `model`."""
+    check(name, str, "name", "register")
+    if not name or "@" in name:
+        raise UsageError(f"registered name {name!r} must be a non-empty string without '@'")
+    if name in taken:
+        raise UsageError(f"{name!r} is registered already; pick another name", key=name)
+    tables, dense = contents.model_state(model)
+    if name in tables or name in dense:
+        raise UsageError(f"{name!r} is already a table or parameter name of the model", key=name)
+
+
+def stateful(arg: str, obj: Any, where: str) -> None:
+    """`obj` has state_dict() and load_state_dict() methods."""
+    if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+        raise type_error(where, arg, "an object with state_dict() and load_state_dict() methods", obj)
+
+
+def io_stateful(name: str, obj: Any) -> None:
+    """`obj` has dump_io_state() and load_io_state(state) methods."""
+    if not callable(getattr(obj, "dump_io_state", None)) or not callable(getattr(obj, "load_io_state", None)):
+        raise type_error(f"register_io_state({name!r})", "obj",
+                         "an object with dump_io_state() and load_io_state(state) methods", obj)
+
+
+def only_names(only: Any, planned: Collection[str]) -> Optional[Set[str]]:
+    """execute_plan's `only`: None, or a collection of model names the plan loads (returned as a set)."""
+    check(only, (set, frozenset, list, tuple), "only", "execute_plan", optional=True,
+          expected="a set of model names")
+    if only is None:
+        return None
+    names = set(only)
+    odd = sorted(repr(n) for n in names if not isinstance(n, str) or n not in planned)
+    if odd:
+        raise UsageError(f"execute_plan: only names {', '.join(odd)} that the plan does not load; it "
+                         f"loads {sorted(planned)}", key="only")
+    return names

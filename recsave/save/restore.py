@@ -1,0 +1,81 @@
+"""The load side of the Saver facade (save/saver.py): loading the newest loadable checkpoint of an
+output dir (``Saver.load(fallback=True)``) and, after a load, whether the next incremental save
+can be relative to the checkpoint loaded (docs/FORMAT.md section 10).
+
+Kept apart so saver.py stays about the facade's arguments and the save path; the loads themselves
+are load/'s (load/execute.py).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Optional, Set
+
+import torch
+
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from recsave.format import ckptlist
+from recsave.format import index as index_mod
+from recsave.load import contents
+from recsave.load.execute import load_entries
+from recsave.load.plan import LoadTarget
+from recsave.load.report import LoadReport
+from recsave.save import delta
+from recsave.storage import Storage, get_storage
+
+
+def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optional[int],
+                       committed: Callable[[str], ckptlist.Listing], damaged: Optional[Set[str]]) -> LoadReport:
+    """Loads the newest loadable committed checkpoint of the output dir conf["path"], warning (at
+    the caller of Saver.load) about each one skipped. `committed(path)` lists an output dir's
+    committed checkpoints; the ids found damaged are added to `damaged` (None: not recorded, for
+    an output dir other than the Saver's) so that the next save of such an id replaces it."""
+    path = conf["path"]
+    st = get_storage(path)
+    if st.exists(st.join(path, index_mod.INDEX_FILE)):
+        return load_entries(target, [conf], shard_id=shard_id)  # a checkpoint directory
+    listing = committed(path)
+    if not listing.found:
+        return load_entries(target, [conf], shard_id=shard_id)  # not an output dir
+    ids = listing.ids
+    for n, ckpt_id in enumerate(reversed(ids)):
+        try:
+            return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
+        except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
+            version = ckptlist.newer_format_version(st, path, ckpt_id)
+            if version is not None:  # intact, written by a newer recsave: not damage, never skipped
+                raise FormatVersionError(
+                    f"{st.join(path, ckpt_id)} was written by a newer recsave (format_version "
+                    f"{version}); upgrade recsave, or restore an explicit older step with "
+                    f"restore(global_step=...) (Saver.load(ckpt_id=...))", path=st.join(path, ckpt_id)) from exc
+            # Anything else is damage, a version no recsave writes included (e.g. a flipped byte).
+            if n == len(ids) - 1:
+                raise
+            if damaged is not None:
+                damaged.add(ckpt_id)
+            warnings.warn(f"{st.join(path, ckpt_id)} cannot be loaded ({type(exc).__name__}: {exc}); "
+                          f"falling back to the previous committed checkpoint "
+                          f"{st.join(path, ids[-n - 2])}", RuntimeWarning, stacklevel=3)
+    return load_entries(target, [conf], shard_id=shard_id)  # no ids: raises not found
+
+
+def baseline_after_load(model: torch.nn.Module, report: LoadReport, conf: Dict[str, Any], storage: Storage,
+                        output_dir: str) -> Optional[delta.Baseline]:
+    """After a restore of every table (all its columns, cleared first, under its own name) from
+    one of `output_dir`'s checkpoints, the next delta can be relative to it: every table's change
+    baseline moves to now and the Baseline is returned. Otherwise None (the next save is full)."""
+    if len(report.checkpoints) != 1 or conf.get("hashtable_clear", True) is not True or conf.get("oname"):
+        return None
+    out_dir, ckpt_id = storage.split(report.checkpoints[0])
+    if storage.join(output_dir, ckpt_id) != storage.join(out_dir, ckpt_id):
+        return None
+    tables, _ = contents.model_state(model)
+    for name, table in tables.items():
+        for column in [name] + [f"{name}@{s}" for s in table.slot_names()]:
+            item = report.loaded.get(column)
+            if item is None or item.category not in ("sparse", "sparse_opt") or item.source != column:
+                return None
+    if not all(delta.tracks_changes(t) for t in tables.values()):
+        return None
+    for table in tables.values():
+        table.reset_changes()  # type: ignore[attr-defined]
+    return delta.Baseline.of(ckpt_id, tables)

@@ -1,0 +1,202 @@
+"""The staging / restore part of HashTable: what loads use to fill a table (prepare_load,
+load_rows, set_slot_rows) and to make a load all-or-nothing (swap_contents with a table from
+HashTable.new_like; load/transaction.py).
+
+A mixin of HashTable only (it uses the table's own id map, row storage, gradients and tracker);
+kept apart so hashtable.py stays about lookups and gradients, as tables/lifecycle.py is.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from recsave.argcheck import check
+from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
+from recsave.tables.grads import RowGrads
+from recsave.tables.idmap import check_ids, flat_ids
+from recsave.tables.rows import META_COLUMNS, RowStorage, put_rows
+from recsave.tables.tracking import ChangeTracker
+
+
+class TableStaging:
+    """Restore, row loading and content swaps of a HashTable (see the module docstring)."""
+
+    # Set by HashTable.__init__.
+    embedding_dim: int
+    table_name: Optional[str]
+    _map: Any
+    _store: RowStorage
+    _grads: RowGrads
+    _tracker: ChangeTracker
+    _step: int
+    _dtype: torch.dtype
+    _device: torch.device
+    _partition: Optional[Tuple[int, int, int]]
+
+    if TYPE_CHECKING:  # HashTable's own members, which these use
+        @property
+        def dtype(self) -> torch.dtype: ...
+        @property
+        def device(self) -> torch.device: ...
+        @property
+        def _weight(self) -> torch.Tensor: ...
+        @property
+        def _slots(self) -> Dict[str, torch.Tensor]: ...
+        def clear(self) -> None: ...
+        def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor: ...
+        def initial_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+        def _check_owned(self, ids: torch.Tensor) -> None: ...
+
+    def swap_contents(self, other: "TableStaging") -> None:
+        """Exchanges ids, rows, slots, row metadata, the table step, change tracking and pending
+        gradients with `other` (same dim, dtype and device): commits a staged load, and swapping
+        again rolls it back. Partitions stay."""
+        if (other.embedding_dim, other.dtype, other.device) != (self.embedding_dim, self._dtype, self._device):
+            raise UsageError(f"table {self.table_name!r}: cannot swap contents with a table of dim "
+                             f"{other.embedding_dim}, {other.dtype} on {other.device}; expected "
+                             f"{self.embedding_dim}, {self._dtype} on {self._device}", key=self.table_name)
+        mine = self._contents()
+        self._set_contents(other._contents())  # noqa: SLF001 (same class)
+        other._set_contents(mine)  # noqa: SLF001 (same class)
+
+    def _contents(self) -> Tuple[Any, RowStorage, RowGrads, ChangeTracker, int]:
+        return self._map, self._store, self._grads, self._tracker, self._step
+
+    def _set_contents(self, contents: Tuple[Any, RowStorage, RowGrads, ChangeTracker, int]) -> None:
+        self._map, self._store, self._grads, self._tracker, self._step = contents
+
+    def prepare_load(self, ids: torch.Tensor, columns: List[str],
+                     fill: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None,
+                     ) -> Optional[Dict[str, torch.Tensor]]:
+        """Restore in place: clears the table, makes `ids` rows 0..n-1 and returns, for each of
+        `columns` ('embedding', slot names and / or the metadata 'last_step' / 'count', whose
+        views are [n, 1] int64), the storage rows [0, n) to read the checkpoint straight into — no
+        second copy of the table (views on the table's device: a CUDA table's are filled by
+        host-to-device copies). Columns not listed get their initial values (metadata 0).
+
+        `fill(views)`, when given, fills the views on another thread while the id map is rebuilt
+        (a restore reads the checkpoint while hashing the ids); if it raises, the table is left
+        cleared and its error propagates. Returns None (table left cleared) when this is not
+        possible: duplicate ids."""
+        self.clear()
+        n = ids.numel()
+        # Filled on 4 KB pages (a huge page is zeroed whole before the read overwrites it: an extra
+        # pass over memory), advised for huge pages after the fill.
+        initial = self.initial_rows(ids) if "embedding" not in columns else torch.empty(0)
+        views = self._store.restore_views(n, columns, initial)
+        self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
+        # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
+        # The fill starts first: the map's slots are allocated and the ids checked while it reads.
+        with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
+            filled = pool.submit(fill, views) if pool and fill else None
+            try:
+                self._map.reserve(n)
+                if self._partition is not None:
+                    self._check_owned(ids)
+                distinct = self._map.load_distinct(flat_ids(ids))
+            except BaseException:
+                self.clear()
+                raise
+        error = filled.exception() if filled else None
+        if error is not None or not distinct:  # a repeated id: rows cannot be 0..n-1
+            self.clear()
+            if error is not None:
+                raise error
+            return None
+        self._store.advise_hugepages()
+        self._tracker.mark_first(n)
+        return views
+
+    def _check_slot_values(self, slots: Any, where: str) -> Dict[str, torch.Tensor]:
+        """`slots` is a dict of this table's slot names to tensors (a new slot is created with
+        add_slot first, so a typo never becomes a slot)."""
+        check(slots, dict, "slots", where, expected="a dict of slot name -> tensor")
+        for slot, t in slots.items():
+            if not isinstance(slot, str) or not isinstance(t, torch.Tensor):
+                raise ArgumentTypeError(f"{where}: slots must map slot names (str) to tensors, got "
+                                        f"{type(slot).__name__} -> {type(t).__name__}", key="slots")
+        unknown = sorted(set(slots) - set(self._slots))
+        if unknown:
+            raise UsageError(f"table {self.table_name!r} has no slot(s) {unknown}; its slots: "
+                             f"{sorted(self._slots)}. Create a slot with add_slot(name, init) first",
+                             key=self.table_name)
+        return slots
+
+    def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:
+        """Sets slot values of the `ids` already in the table (others are ignored); returns how many
+        ids were updated. Used to warm-start optimizer state without touching embeddings. Every slot
+        must exist (add_slot) already."""
+        where = f"HashTable {self.table_name!r}.set_slot_rows"
+        check_ids(ids, where)
+        self._check_slot_values(slots, where)
+        for slot, t in slots.items():
+            if t.dim() == 0 or t.shape[0] != ids.numel():
+                raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} has {tuple(t.shape)} rows "
+                                         f"for {ids.numel()} ids", key=self.table_name)
+            if t.shape[1:] != self._slots[slot].shape[1:]:
+                raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} rows have shape "
+                                         f"{tuple(t.shape[1:])}, expected {tuple(self._slots[slot].shape[1:])}",
+                                         key=self.table_name)
+        rows = self.lookup(ids, insert=False)
+        keep = rows >= 0
+        rows_d = rows[keep].to(self._device)
+        for slot, t in slots.items():
+            put_rows(self._slots[slot], rows_d, t[keep])
+        self._tracker.mark(rows_d)
+        return int(keep.sum())
+
+    def load_rows(self, ids: torch.Tensor, values: torch.Tensor, slots: Optional[Dict[str, torch.Tensor]] = None,
+                  *, clear: bool = True, meta: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Sets the rows of `ids` to `values` (and the given slots and row metadata); clears the
+        table first when `clear`, else merges (ids present in both take the loaded values). Slots
+        not given keep their values for existing ids and their init value for new ones; every slot
+        given must exist (add_slot) already. `meta` maps 'last_step' / 'count' to [n] or [n, 1]
+        int64 tensors (metadata not given: kept for existing ids; last_step = the table step and
+        count 0 for new ones). Nothing changes when an argument is refused."""
+        where = f"HashTable {self.table_name!r}.load_rows"
+        check_ids(ids, where)
+        check(values, torch.Tensor, "values", where, expected="a [len(ids), embedding_dim] tensor")
+        check(clear, bool, "clear", where)
+        slots = self._check_slot_values({} if slots is None else slots, where)
+        n = ids.numel()
+        if values.dim() != 2 or values.shape[0] != n or values.shape[1] != self.embedding_dim:
+            raise ShapeMismatchError(
+                f"table {self.table_name!r}: {n} ids with values of shape {tuple(values.shape)}; the "
+                f"table expects [{n}, {self.embedding_dim}]", key=self.table_name)
+        for slot, t in slots.items():
+            if tuple(t.shape) != tuple(values.shape):
+                raise ShapeMismatchError(f"table {self.table_name!r}: slot {slot!r} has shape "
+                                         f"{tuple(t.shape)}, expected {tuple(values.shape)}", key=self.table_name)
+        meta = self._check_meta_values(meta, n, where)
+        if self._partition is not None and n:
+            self._check_owned(flat_ids(ids))  # before clear(): a refused load changes nothing
+        if clear:
+            self.clear()
+        rows = self.lookup(ids, insert=True).to(self._device)
+        put_rows(self._weight, rows, values)
+        for slot, t in slots.items():
+            put_rows(self._slots[slot], rows, t)
+        for m, t in meta.items():
+            put_rows(self._store.meta[m], rows, t)
+        self._tracker.mark(rows)
+
+    def _check_meta_values(self, meta: Any, n: int, where: str) -> Dict[str, torch.Tensor]:
+        """`meta` as {name: [n] int64} (None: {}); refuses unknown names and other shapes."""
+        if meta is None:
+            return {}
+        check(meta, dict, "meta", where, expected="a dict of 'last_step' / 'count' -> int64 tensor")
+        out: Dict[str, torch.Tensor] = {}
+        for m, t in meta.items():
+            if m not in META_COLUMNS:
+                raise UsageError(f"{where}: unknown row metadata {m!r}; known: {list(META_COLUMNS)}", key=m)
+            check(t, torch.Tensor, f"meta[{m!r}]", where)
+            flat = t.reshape(-1) if t.dim() == 2 and t.shape[1] == 1 else t
+            if flat.dim() != 1 or flat.numel() != n:
+                raise ShapeMismatchError(f"table {self.table_name!r}: row metadata {m!r} has shape "
+                                         f"{tuple(t.shape)}, expected [{n}] or [{n}, 1]", key=self.table_name)
+            out[m] = flat.to(torch.int64)
+        return out
+

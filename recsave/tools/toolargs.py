@@ -1,0 +1,45 @@
+"""Arguments shared by the export tools (tools/export.py Parquet export, tools/deltafeed.py delta
+feed, tools/serving.py serving export): the `tables` selection and a fresh output directory."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+from recsave.argcheck import check
+from recsave.errors import ConfigError, UsageError
+from recsave.load.arrow import table_dir_name
+from recsave.storage import Storage
+
+
+def check_tables_arg(tables: Any, where: str) -> None:
+    """`tables` is None, a table name or a list / tuple of names (ArgumentTypeError otherwise)."""
+    if tables is not None and not isinstance(tables, str):
+        check(tables, (list, tuple), "tables", where, optional=True, expected="a table name or a list of them")
+        for name in tables:
+            check(name, str, "tables", where, expected="a list of table names (str)")
+
+
+def select_tables(tables: Any, available: Sequence[str], within: str, path: Optional[str] = None) -> List[str]:
+    """The names `tables` selects (None: every one of `available`; repeats dropped, order kept).
+    ConfigError for a name not in `available`, saying it is not `within` (e.g. "the checkpoint X")."""
+    names = list(available) if tables is None else list(dict.fromkeys([tables] if isinstance(tables, str) else tables))
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ConfigError(f"no table(s) {unknown} in {within}; it has {sorted(available)}", path=path,
+                          key=unknown[0])
+    return names
+
+
+def check_out_dir(storage: Storage, out_dir: str, manifest: str, names: Sequence[str], holds: str) -> str:
+    """Refuses (UsageError) an `out_dir` that holds `holds` already (its file `manifest` exists) or a
+    non-empty directory of one of the tables `names`: nothing is overwritten. Returns the path of
+    the manifest to write."""
+    manifest_path = storage.join(out_dir, manifest)
+    if storage.exists(manifest_path):
+        raise UsageError(f"{manifest_path} exists: {out_dir} holds {holds} already; remove it or write to "
+                         f"another directory", path=manifest_path)
+    for name in names:
+        table_dir = storage.join(out_dir, table_dir_name(name))
+        if storage.exists(table_dir) and (not storage.isdir(table_dir) or storage.listdir(table_dir)):
+            raise UsageError(f"{table_dir} exists and is not empty; remove it or write to another directory "
+                             f"(table {name!r} is never overwritten)", path=table_dir, key=name)
+    return manifest_path
