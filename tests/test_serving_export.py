@@ -325,7 +325,7 @@ def test_argument_errors_and_existing_output(source, tmp_path):
     path = recsave.export_serving(ckpt, str(tmp_path / "x"), "fp16", tables="item")
     with pytest.raises(CheckpointExistsError, match="exists already"):
         recsave.export_serving(ckpt, str(tmp_path / "x"), "fp16")
-    with pytest.raises(UsageError, match="not a full recsave checkpoint"):
+    with pytest.raises(UsageError, match="not a full or delta recsave checkpoint"):
         recsave.export_serving(path, str(tmp_path / "y"), "int8")
     assert sorted(index_mod.read(path).meta.tables) == ["item"]
 
@@ -369,3 +369,27 @@ def test_a_training_job_loads_a_serving_checkpoint_excluding_what_it_lacks(tmp_p
     order = torch.argsort(got["id"])
     assert torch.equal(state["@id"], got["id"][order]) and torch.equal(state["@embedding"], want[order])
     assert torch.equal(fresh.model.mlp[0].weight, job.model.mlp[0].weight)
+
+
+def test_a_delta_exports_the_merged_state_of_its_chain(tmp_path):
+    """A delta checkpoint exports like its compacted full checkpoint: same ids, same rows."""
+    out = str(tmp_path / "train")
+    net = Net()
+    uid = torch.arange(400, dtype=torch.int64) * 13 + 1
+    net.user.load_rows(uid, torch.randn(400, DIM, generator=torch.Generator().manual_seed(1)))
+    net.item.load_rows(uid[:50], torch.randn(50, 16, generator=torch.Generator().manual_seed(2)))
+    saver = Saver(net, output_dir=out, max_keep=None)
+    saver.save("ckpt_1")
+    net.user.load_rows(uid[:20], torch.full((20, DIM), 3.0), clear=False)
+    net.user.delete(uid[390:])
+    delta = saver.save("ckpt_2", incremental=True)
+    saver.close()
+    assert index_mod.read(delta).kind == "delta"
+    via_delta = recsave.export_serving(delta, str(tmp_path / "serve_delta"), "fp32")
+    full = recsave.compact(delta, str(tmp_path / "compacted"))
+    via_full = recsave.export_serving(full, str(tmp_path / "serve_full"), "fp32")
+    assert os.path.basename(via_delta) == "ckpt_2"
+    for table in ("user", "item"):
+        a, b = stored(via_delta, table, ("id", "embedding")), stored(via_full, table, ("id", "embedding"))
+        assert torch.equal(a["id"], b["id"]) and torch.equal(a["embedding"], b["embedding"])
+    assert sorted(stored(via_delta, "user", ("id",))["id"].tolist()) == sorted(uid[:390].tolist())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,7 +57,9 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     offset, docs/FORMAT.md section 8), "fp16", "bf16" or "fp32" (rows cast with ``Tensor.to``).
     `tables`: a table name or a list of them (default: all). Raises ConfigError for an unknown table,
     CheckpointExistsError when `<out_dir>/<ckpt_id>` exists, UsageError for a source that is not a
-    full checkpoint or rows int8 cannot hold (NaN / inf). On failure the new directory is removed."""
+    full or delta checkpoint or rows int8 cannot hold (NaN / inf). A delta is exported as the merged
+    state of its chain: compacted first into a local temporary directory (room for one full
+    checkpoint), then exported from there. On failure the new directory is removed."""
     where = "export_serving"
     argcheck.path(ckpt, "ckpt", where)
     argcheck.path(out_dir, "out_dir", where)
@@ -72,16 +75,21 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     from recsave.load.sources import open_source  # not at import time: sources imports tools.export
 
     src = open_source(ckpt)
-    if getattr(src, "kind", "checkpoint") != "checkpoint" or src.index.kind != KIND_FULL:
-        raise UsageError(f"{src.ckpt_dir} is not a full recsave checkpoint (it is "
-                         f"{getattr(src.index, 'kind', 'Parquet')}); export from a checkpoint a Saver wrote",
-                         path=src.ckpt_dir)
-    available = src.contents.tables
-    names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     storage = get_storage(out_dir)
     if storage.split(src.ckpt_dir)[0].rstrip("/") == out_dir.rstrip("/"):
         raise UsageError(f"{out_dir} is the output dir of {src.ckpt_dir}; export to another directory (a "
                          f"serving checkpoint there would become the training job's latest)", path=out_dir)
+    if getattr(src, "kind", "checkpoint") == "chain":  # a delta: export the merged state of its chain
+        from recsave.tools.compact import compact
+        with tempfile.TemporaryDirectory(prefix="recsave-serving-") as tmp:
+            full = compact(src.ckpt_dir, tmp)  # (same id: the export keeps the delta's id)
+            return export_serving(full, out_dir, dtype, tables, scale_dtype=scale_dtype, ckpt_id=ckpt_id)
+    if getattr(src, "kind", "checkpoint") != "checkpoint" or src.index.kind != KIND_FULL:
+        raise UsageError(f"{src.ckpt_dir} is not a full or delta recsave checkpoint (it is "
+                         f"{getattr(src.index, 'kind', 'Parquet')}); export from a checkpoint a Saver wrote",
+                         path=src.ckpt_dir)
+    available = src.contents.tables
+    names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     ckpt_id = ckptlist.validate_id(ckpt_id if ckpt_id is not None else storage.split(src.ckpt_dir)[1])
     storage.makedirs(out_dir)
     lock = hold_writer_lock(None, storage, out_dir)
