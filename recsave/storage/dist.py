@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
@@ -18,7 +19,12 @@ from recsave import gcpause, knobs
 from recsave.errors import RankFailedError, RecsaveError, UsageError
 
 T = TypeVar("T")
-_groups: dict = {}
+# Held weakly: torch.distributed owns the groups (new_group registers them) and
+# destroy_process_group() must free them. A strong reference here kept their gloo threads
+# (pt_gloo_runloop, gloo_tcp_loop) running past destroy_process_group() until the interpreter tore
+# this module down at exit, where tearing them down intermittently aborted the process with
+# "terminate called without an active exception".
+_groups: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
 
 
 def initialized() -> bool:
@@ -83,14 +89,18 @@ def collective(world_size: int) -> bool:
 def recsave_group(purpose: str = "save"):
     """recsave's gloo group (CPU object collectives even when the default backend is NCCL).
     Each `purpose` gets a group of its own: an async save's background thread runs collectives on
-    the "save" group while the training thread's CheckpointManager.step() uses "step"."""
+    the "save" group while the training thread's CheckpointManager.step() uses "step".
+    torch.distributed owns the groups: torch.distributed.destroy_process_group() frees them (and
+    their threads) with the default group; the next init gets new ones."""
     timeout = datetime.timedelta(seconds=float(knobs.get("collective_timeout_s")))
     key = (purpose, id(torch_dist.group.WORLD), timeout)  # the default group: a new init gets a new group
-    if key not in _groups:
+    group = _groups.get(key)  # gone once destroy_process_group() has run (held weakly, see above)
+    if group is None:
         # Creating it is itself a collective: a rank that never comes fails it like any other.
-        _groups[key] = _guard("creating recsave's gloo group",
-                              lambda: torch_dist.new_group(backend="gloo", timeout=timeout))
-    return _groups[key]
+        group = _guard("creating recsave's gloo group",
+                       lambda: torch_dist.new_group(backend="gloo", timeout=timeout))
+        _groups[key] = group
+    return group
 
 
 def _guard(what: str, fn: Callable[[], T]) -> T:
