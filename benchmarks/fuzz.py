@@ -1,6 +1,6 @@
 """Corruption fuzzing of the checkpoint reader.
 
-    python benchmarks/fuzz.py [--mutations 2000] [--seed 0] [--workers 2] [--kinds reader]
+    python benchmarks/fuzz.py [--mutations 2000] [--seed 0] [--workers 2] [--kinds reader] [--chain]
                               [--asan] [--json PATH]
 
 Builds a small valid output dir (the CTR job of tests/helpers.py: two hash tables with Adagrad slots,

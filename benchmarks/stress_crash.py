@@ -28,10 +28,10 @@ checks it against the reference, and trains on (autosaving) until it is killed:
 
 After every kill a fresh forked process restores every checkpoint listed in `checkpoint` (the latest
 through ``CheckpointManager.restore()``) into a fresh model and compares the job state (tables with
-slots, row metadata and table step, dense params and buffers, both optimizers, reader position) bit for bit with a reference run
-that was never interrupted. The parent also checks that the latest committed step never goes back,
-that every listed directory has its index, and that leftovers of killed saves (unlisted directories)
-are gone once a later save has committed. Exits 1 on any failure.
+slots, row metadata and table step, dense params and buffers, both optimizers, reader position) bit
+for bit with a reference run that was never interrupted. The parent also checks that the latest
+committed step never goes back, that every listed directory has its index, and that leftovers of
+killed saves (unlisted directories) are gone once a later save has committed. Exits 1 on any failure.
 """
 from __future__ import annotations
 
