@@ -543,10 +543,15 @@ def _check_dir(out: str, latest_before: int, prev_latest: int, leftovers_before:
         if stale:
             return f"leftover uncommitted dirs {stale} survived a later successful save (listed {listed})"
         summary["leftovers_removed"] += len(set(leftovers_before) - set(listed) - unlisted)
-    # At most the checkpoints one rotation dropped (one; a whole chain of K in chain mode) whose
-    # removal a kill cut short, and the directory of a save cut short.
-    if len(unlisted) > (2 if full_every is None else full_every + 1):
-        return f"uncommitted dirs accumulate: {sorted(unlisted)} (listed {listed})"
+    # New this trial: at most the checkpoints one rotation dropped (one; a whole chain of K in
+    # chain mode) whose removal a kill cut short, and the directory of a save cut short. Leftovers
+    # of earlier trials may still be there when no save of this trial got through its garbage
+    # collection (a kill between the `checkpoint` rewrite and the removal, trial after trial);
+    # the check above makes sure the first completed save removes them.
+    now_ids = _dir_ids(out, unlisted)
+    new = sorted(n for n in unlisted if leftovers_before.get(n) is None or now_ids.get(n) != leftovers_before[n])
+    if len(new) > (2 if full_every is None else full_every + 1):
+        return f"uncommitted dirs accumulate: {new} new this trial (listed {listed}, unlisted {sorted(unlisted)})"
     return None
 
 
