@@ -1,6 +1,6 @@
 """Corruption fuzzing of the checkpoint reader.
 
-    python benchmarks/fuzz.py [--mutations 2000] [--seed 0] [--workers 2] [--kinds reader]
+    python benchmarks/fuzz.py [--mutations 2000] [--seed 0] [--workers 2] [--kinds reader] [--chain]
                               [--asan] [--json PATH]
 
 Builds a small valid output dir (the CTR job of tests/helpers.py: two hash tables with Adagrad slots,
@@ -28,6 +28,14 @@ restore must return the newest intact checkpoint that the file means (docs/FORMA
 the list rebuilt from the indexes when the file is lost or garbled, stale ids skipped), and
 afterwards exactly the checkpoints max_keep keeps of that list plus ``ckpt_100`` may remain, with
 no other committed checkpoint deleted and other directories untouched.
+
+``--chain`` (reader kinds only) builds a chain instead: ``ckpt_2`` full and ``ckpt_4`` a delta of
+it (docs/FORMAT.md section 10; the manager with ``full_every=3``), and mutates the files of both
+about equally often. Damage to a chain member counts as damage of every checkpoint that needs it
+(``NEEDS``): any changed byte of ``ckpt_2/index`` (the delta holds its CRC32C) or a damaged file of
+``ckpt_2`` makes ``ckpt_4`` unloadable, so ``Saver.load()`` must raise (or load an intact checkpoint
+the `checkpoint` file names), never return values of a broken chain. ``read_tensors(ckpt_4)`` reads
+the delta's own tensors only, so parent damage does not concern it.
 
 ``--asan`` compiles csrc/core/*.cc + csrc/bindings/*.cc with ``-fsanitize=address,undefined`` into
 ``recsave/_C*.so`` of a temporary copy of the package, puts it first on PYTHONPATH of the workers and
@@ -59,6 +67,8 @@ sys.path.insert(0, HERE)
 import _common as C  # noqa: E402  (benchmarks/_common.py)
 
 LATEST, OLDER = "ckpt_4", "ckpt_2"
+# checkpoint -> the chain members it needs (its parents up to the base); set by run(chain=True)
+NEEDS: Dict[str, List[str]] = {}
 RESULT = "@@RESULT "
 READY = "@@READY "
 
@@ -174,9 +184,11 @@ def worker_main(ref_path: str) -> int:
 
 
 # ======================================================================= building the checkpoint
-def build(base: str) -> Tuple[str, str]:
-    """The pristine output dir and the references file (run in a child: the parent stays torch-free)."""
+def build(base: str, chain: bool = False) -> Tuple[str, str]:
+    """The pristine output dir and the references file (run in a child: the parent stays torch-free).
+    With `chain`, ckpt_4 is a delta of ckpt_2."""
     out, ref_path = os.path.join(base, "pristine"), os.path.join(base, "refs.pt")
+    manager_kw = {"full_every": 3, "rebase_ratio": 1e9} if chain else {}
     code = f"""
 import sys, os
 sys.path[:0] = [{TESTS!r}]
@@ -185,12 +197,14 @@ from helpers import make_job, job_state
 out, ref_path = {out!r}, {ref_path!r}
 refs = {{}}
 with recsave.knobs.override(segment_bytes=512, fsync=False):
-    job = make_job(out, save_interval=2, max_keep=2)
+    job = make_job(out, save_interval=2, max_keep=2, manager_kw={manager_kw!r})
     for step, cid in ((2, {OLDER!r}), (4, {LATEST!r})):
         job.train(2)
         refs[cid] = {{"job": job_state(job), "global_step": job.manager.global_step, "step": step,
                       "tensors": recsave.format.read_tensors(os.path.join(out, cid))}}
     job.saver.close()
+kinds = [recsave.format.index.read(os.path.join(out, c)).kind for c in ({OLDER!r}, {LATEST!r})]
+assert kinds == (["full", "delta"] if {chain!r} else ["full", "full"]), kinds
 # sanity: the pristine copy loads back to exactly the trained state
 check = make_job(out, save_interval=2, max_keep=2)
 check.saver.load()
@@ -271,6 +285,9 @@ class Mutation:
     desc: str
     names: Set[str] = field(default_factory=lambda: {LATEST})  # what `checkpoint` may name as latest
     damaged: Set[str] = field(default_factory=set)  # checkpoints with a byte that matters changed
+    # checkpoints whose index or table rows (shards) are damaged: what a delta needs of its parents
+    rows_damaged: Set[str] = field(default_factory=set)
+    via_parent: Set[str] = field(default_factory=set)  # damaged only as a chain member's child
     allowed_read: bool = True  # read_tensors(ckpt_4) may return identical values
     index_touched: Set[str] = field(default_factory=set)  # checkpoints whose index changed in any way
     # list / dirs kinds: what restore must return and which committed checkpoints remain after a
@@ -460,14 +477,28 @@ def classify(m: Mutation, rel: str, old: Optional[bytes], new: Optional[bytes], 
                 ok = False
         if not ok:
             m.damaged.add(ckpt)
+            m.rows_damaged.add(ckpt)
             m.allowed_read &= ckpt != LATEST
         return
     if fname.startswith("sparse-"):
         if old is None or new is None or not shard_equivalent(old, new):
             m.damaged.add(ckpt)
+            m.rows_damaged.add(ckpt)
             m.allowed_read &= ckpt != LATEST
         return
     m.damaged.add(ckpt)  # model.pt, extra.pt, io states: whole-file CRC32C
+
+
+def propagate(m: Mutation) -> None:
+    """Damage to a chain member is damage of every checkpoint that needs it: any changed byte of a
+    parent's index (a delta holds the CRC32C of its parent's index bytes) or damage to its rows
+    (index, shards). A parent's model.pt, extra.pt and io states are not needed: a delta's dense
+    state, extras and io states are its own (docs/FORMAT.md section 10, merge semantics), so a
+    delta loading identical values despite them is right."""
+    for ckpt, needs in NEEDS.items():
+        if ckpt not in m.damaged and any(c in m.rows_damaged or c in m.index_touched for c in needs):
+            m.damaged.add(ckpt)
+            m.via_parent.add(ckpt)
 
 
 def _read(path: str) -> Optional[bytes]:
@@ -546,10 +577,16 @@ KINDS = ["bitflip", "byteset", "truncate", "append", "delete", "swap", "dup_rang
 def mutate(rng: random.Random, out: str, kind: str) -> Mutation:
     files = _files(out)
     latest_files = [f for f in files if f.startswith(LATEST + os.sep)]
-    shards = [f for f in latest_files if os.path.basename(f).startswith("sparse-")]
+    # chain mode: the parents' files about as often as the delta's
+    parent_files = [f for f in files if f.split(os.sep)[0] in NEEDS.get(LATEST, [])]
+    pool = latest_files + parent_files
+    shards = [f for f in pool if os.path.basename(f).startswith("sparse-")]
 
     def pick() -> str:
-        return rng.choice(latest_files if rng.random() < 0.8 else files)
+        r = rng.random()
+        if not parent_files:
+            return rng.choice(latest_files if r < 0.8 else files)
+        return rng.choice(latest_files if r < 0.45 else parent_files if r < 0.9 else files)
 
     m = Mutation(kind, "")
 
@@ -609,7 +646,7 @@ def mutate(rng: random.Random, out: str, kind: str) -> Mutation:
         change(a, db, f"contents of {b}")
         change(b, da, f"contents of {a}")
     elif kind == "index_json":
-        rel = os.path.join(LATEST if rng.random() < 0.9 else OLDER, "index")
+        rel = os.path.join(LATEST if rng.random() < (0.9 if not NEEDS else 0.5) else OLDER, "index")
         obj = json.loads(_read(os.path.join(out, rel)))  # type: ignore[arg-type]
         what = _mutate_json(rng, obj)
         change(rel, json.dumps(obj, separators=(",", ":")).encode(), what)
@@ -646,7 +683,7 @@ def mutate(rng: random.Random, out: str, kind: str) -> Mutation:
             os.remove(os.path.join(out, "ckpt_lo", "index"))
         change("checkpoint", new, f"contents := {new[:60]!r}")
     elif kind == "symlink":
-        rel = rng.choice(latest_files)
+        rel = rng.choice(pool)
         path = os.path.join(out, rel)
         old = _read(path)
         shutil.copyfile(path, path + ".real")
@@ -663,6 +700,7 @@ def mutate(rng: random.Random, out: str, kind: str) -> Mutation:
         os.mkdir(path)
         classify(m, rel, old, None)
         m.desc = f"{rel}: replaced by a directory"
+    propagate(m)
     m.names = expected_latest(out, m)
     return m
 
@@ -833,9 +871,22 @@ def judge(m: Mutation, res: Dict[str, Any], tally: Dict[str, Counter], failures:
         else:
             verdict = f"FAIL:{r['type']}"
         tally[m.kind][f"{loader}:{verdict}"] += 1
+        if loader == "load" and NEEDS:
+            _chain_notes(m, r, notes)
         if verdict.startswith("FAIL"):
             failures.append({"case": case, "kind": m.kind, "mutation": m.desc, "loader": loader,
                              "verdict": verdict, "detail": r.get("msg", r.get("ckpt", ""))})
+
+
+def _chain_notes(m: Mutation, r: Dict[str, Any], notes: Counter) -> None:
+    """Chain mode: how a load of the delta went when only its parent was damaged."""
+    if LATEST not in m.names:
+        return
+    outcome = r["outcome"] + (f" {r['ckpt']}" if r["outcome"] == "identical" else "")
+    if LATEST in m.via_parent:
+        notes[f"chain: only the parent's index / rows damaged -> load {outcome}"] += 1
+    elif LATEST not in m.damaged and m.damaged & set(NEEDS[LATEST]):
+        notes[f"chain: only the parent's model.pt / extra.pt / io state damaged -> load {outcome}"] += 1
 
 
 def parse_kinds(text: str) -> List[str]:
@@ -851,17 +902,23 @@ def parse_kinds(text: str) -> List[str]:
 
 
 def run(mutations: int = 2000, seed: int = 0, workers: int = 2, asan: bool = False,
-        timeout: Optional[float] = None, verbose: bool = False, kinds: Optional[List[str]] = None) -> Dict[str, Any]:
+        timeout: Optional[float] = None, verbose: bool = False, kinds: Optional[List[str]] = None,
+        chain: bool = False) -> Dict[str, Any]:
     kinds = kinds or KINDS
+    NEEDS.clear()
+    if chain:
+        if set(kinds) - set(KINDS):
+            raise SystemExit("--chain: only reader kinds (the list / dirs judging assumes full checkpoints)")
+        NEEDS[LATEST] = [OLDER]
     t0 = time.monotonic()
     rng = random.Random(seed)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     work = tempfile.mkdtemp(prefix="recsave-fuzz-", dir=shm)
-    summary: Dict[str, Any] = {"mutations": 0, "failures": [], "asan": asan, "notes": Counter()}
+    summary: Dict[str, Any] = {"mutations": 0, "failures": [], "asan": asan, "notes": Counter(), "chain": chain}
     tally: Dict[str, Counter] = defaultdict(Counter)
     pool: List[Worker] = []
     try:
-        pristine, ref_path = build(work)
+        pristine, ref_path = build(work, chain)
         env = _env()
         if asan:
             t_build = time.monotonic()
@@ -971,7 +1028,8 @@ def _await_ready(w: Worker, timeout: float) -> None:
 
 
 def print_summary(s: Dict[str, Any]) -> None:
-    print(f"recsave corruption fuzz{' (ASan+UBSan extension)' if s['asan'] else ''}: {s['mutations']} mutations,"
+    print(f"recsave corruption fuzz{' (ASan+UBSan extension)' if s['asan'] else ''}"
+          f"{' (chain: ckpt_4 a delta of ckpt_2)' if s.get('chain') else ''}: {s['mutations']} mutations,"
           f" {len(s['failures'])} failures, {s['seconds']} s")
     if s.get("extension"):
         print(f"  extension: {s['extension']['_C']}"
@@ -1005,11 +1063,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--kinds", default="reader", type=parse_kinds,
                     help="comma-separated mutation kinds or groups: reader (default), list, dirs, all")
     ap.add_argument("--asan", action="store_true", help="run the cases under an ASan+UBSan build")
+    ap.add_argument("--chain", action="store_true",
+                    help="ckpt_4 is a delta of ckpt_2: mutate both, damage to the parent breaks the delta")
     ap.add_argument("--timeout", type=float, help="seconds per case (default 30, 180 with --asan)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    s = run(args.mutations, args.seed, args.workers, args.asan, args.timeout, args.verbose, args.kinds)
+    s = run(args.mutations, args.seed, args.workers, args.asan, args.timeout, args.verbose, args.kinds,
+            chain=args.chain)
     print_summary(s)
     return C.finish(s, args.json)
 

@@ -2,12 +2,20 @@
 latest committed checkpoint always restores bit for bit and that the job carries on from it.
 
     python benchmarks/stress_crash.py [--trials 200] [--seed 0] [--save-interval 2] [--json PATH]
+    python benchmarks/stress_crash.py --full-every 3 [--trials 200] ...   (chain mode: delta saves)
     python benchmarks/stress_crash.py --mode load [--trials 200] [--seed 0]   (faults during loads:
         benchmarks/stress_load.py)
 
 The job is the small CTR job of tests/helpers.py (two hash tables with Adagrad slots, batch norm,
 MLP, Adam registered as an extra, a reader registered as io state) driven by a CheckpointManager with
 a small save_interval and max_keep=2, so pruning and the `checkpoint` rewrite happen at every save.
+
+With ``--full-every K`` (chain mode) the manager autosaves a chain (docs/FORMAT.md section 10): a
+full checkpoint, then deltas, a full one (a rebase) every K-th save (``full_every=K``, rebase_ratio
+high enough never to force one), so rotation must keep every chain member a kept delta needs. The
+kill points then also cover the delta path (save/delta.py: the chain check, taking the changes,
+the delta index; the parent's index CRC32C; the manager's delta-or-full policy), and the parent
+checks that every listed delta's chain is listed and on disk.
 
 Each trial forks a child (torch is imported once, by this process, which itself never calls into the
 C++ engine: its thread pool would not survive a fork) that restores the latest committed checkpoint,
@@ -20,10 +28,10 @@ checks it against the reference, and trains on (autosaving) until it is killed:
 
 After every kill a fresh forked process restores every checkpoint listed in `checkpoint` (the latest
 through ``CheckpointManager.restore()``) into a fresh model and compares the job state (tables with
-slots, dense params and buffers, both optimizers, reader position) bit for bit with a reference run
-that was never interrupted. The parent also checks that the latest committed step never goes back,
-that every listed directory has its index, and that leftovers of killed saves (unlisted directories)
-are gone once a later save has committed. Exits 1 on any failure.
+slots, row metadata and table step, dense params and buffers, both optimizers, reader position) bit
+for bit with a reference run that was never interrupted. The parent also checks that the latest
+committed step never goes back, that every listed directory has its index, and that leftovers of
+killed saves (unlisted directories) are gone once a later save has committed. Exits 1 on any failure.
 """
 from __future__ import annotations
 
@@ -62,6 +70,9 @@ import recsave.format.writer  # noqa: E402
 import recsave.save.pipeline  # noqa: E402
 import recsave.storage.local  # noqa: E402
 import recsave.format.torchio  # noqa: E402
+import recsave.format.chain  # noqa: E402
+import recsave.save.delta  # noqa: E402
+import recsave.save.policy  # noqa: E402
 
 from helpers import assert_jobs_equal, job_state, make_job  # noqa: E402
 
@@ -81,6 +92,48 @@ TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.storage.local.LocalStorage.write_atomic": (recsave.storage.local.LocalStorage, "write_atomic", []),
     "recsave.storage.local.LocalStorage.remove_tree": (recsave.storage.local.LocalStorage, "remove_tree", []),
 }
+# Chain mode only (a run without deltas never calls them): the delta-save path. Callers use them
+# as module attributes (`delta.take`, `chain.index_crc`, `policy.wants_delta`), so patching the
+# module is enough.
+CHAIN_TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
+    "recsave.save.delta.why_full": (recsave.save.delta, "why_full", []),
+    "recsave.save.delta.take": (recsave.save.delta, "take", []),
+    "recsave.save.delta.with_tables": (recsave.save.delta, "with_tables", []),
+    "recsave.save.delta.as_delta": (recsave.save.delta, "as_delta", []),
+    "recsave.format.chain.index_crc": (recsave.format.chain, "index_crc", []),
+    "recsave.save.policy.chain_bytes": (recsave.save.policy, "chain_bytes", []),
+    "recsave.save.policy.wants_delta": (recsave.save.policy, "wants_delta", []),
+    # the commit point of a delta: index.write counting only calls that write a delta's index
+    "recsave.format.index.write[delta]": (recsave.format.index, "write", []),
+}
+# Targets that count (and kill at) only the calls this predicate of (args, kwargs) accepts.
+FILTERS: Dict[str, Callable[[tuple, dict], bool]] = {
+    "recsave.format.index.write[delta]": lambda args, kwargs: bool(
+        getattr(args[1] if len(args) > 1 else kwargs.get("index"), "is_delta", False)),
+}
+# The run's settings, set by run() before anything forks: the manager's keywords (chain mode:
+# full_every) and the kill targets.
+MANAGER_KW: Dict[str, Any] = {}
+ACTIVE: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = dict(TARGETS)
+
+
+def configure(full_every: Optional[int]) -> None:
+    """Chain mode (`full_every` K) or the plain mode (None): manager keywords and kill targets."""
+    MANAGER_KW.clear()
+    ACTIVE.clear()
+    ACTIVE.update(TARGETS)
+    if full_every is not None:
+        MANAGER_KW.update(full_every=full_every, rebase_ratio=1e9)
+        ACTIVE.update(CHAIN_TARGETS)
+
+
+def new_job(out: str, interval: Optional[int]):
+    return make_job(out, save_interval=interval, max_keep=MAX_KEEP, manager_kw=dict(MANAGER_KW))
+
+
+def state_of(job) -> Dict[str, Any]:
+    """The job state with row metadata and table steps (what a delta must carry over too)."""
+    return job_state(job, row_meta=True)
 
 
 def _die() -> None:
@@ -95,7 +148,7 @@ def install_kill_point(spec: str, counts: Optional[Counter] = None) -> None:
     """`spec` is ``target:k:before|after`` (SIGKILL on the k-th call), or, with `counts`, ``count``
     (count the calls of every target, kill nothing)."""
     if spec == "count":
-        for name in TARGETS:
+        for name in ACTIVE:
             _wrap(name, lambda name=name: counts.__setitem__(name, counts[name] + 1), None)
         return
     target, k, when = spec.split(":")
@@ -114,10 +167,13 @@ def install_kill_point(spec: str, counts: Optional[Counter] = None) -> None:
 
 
 def _wrap(name: str, before: Callable[[], None], after: Optional[Callable[[], None]]) -> None:
-    owner, attr, aliases = TARGETS[name]
+    owner, attr, aliases = ACTIVE[name]
     original = getattr(owner, attr)
+    accept = FILTERS.get(name)
 
     def wrapper(*args, **kwargs):
+        if accept is not None and not accept(args, kwargs):
+            return original(*args, **kwargs)
         before()
         result = original(*args, **kwargs)
         if after is not None:
@@ -189,12 +245,12 @@ def make_references(path: str, horizon: int, interval: int) -> None:
     """Runs the job uninterrupted (it never saves) and torch.saves its state at every save step."""
     def run() -> int:
         with tempfile.TemporaryDirectory() as tmp:
-            job = make_job(tmp, save_interval=None, max_keep=MAX_KEEP)
-            states = {0: job_state(job)}
+            job = new_job(tmp, None)
+            states = {0: state_of(job)}
             for step in range(1, horizon + 1):
                 job.train(1)
                 if step % interval == 0:
-                    states[step] = job_state(job)
+                    states[step] = state_of(job)
             torch.save(states, path)
         return 0
     status = _wait(_fork(run), 600)
@@ -206,11 +262,11 @@ def job_child(out: str, interval: int, expected_step: int, steps: int, refs: Dic
               kill: Optional[str], err_path: str) -> int:
     """The training job: restore, check, install the kill point, train (autosaving)."""
     try:
-        job = make_job(out, save_interval=interval, max_keep=MAX_KEEP)
+        job = new_job(out, interval)
         step = job.manager.restore()
         if step != expected_step:
             raise AssertionError(f"restore() returned step {step}, the checkpoint file's latest is {expected_step}")
-        assert_jobs_equal(job_state(job), refs[step])
+        assert_jobs_equal(state_of(job), refs[step])
         if kill:
             os.environ[KILL_ENV] = kill
             install_kill_point(os.environ[KILL_ENV])
@@ -228,14 +284,14 @@ def verify_child(out: str, interval: int, refs: Dict[int, Any], err_path: str, r
         listed = read_list(out)
         verified = 0
         for i, ckpt_id in enumerate(listed):
-            job = make_job(out, save_interval=interval, max_keep=MAX_KEEP)
+            job = new_job(out, interval)
             if i == len(listed) - 1:
                 step = job.manager.restore()
                 if step != step_of(ckpt_id):
                     raise AssertionError(f"restore() gave step {step}, the latest listed is {ckpt_id}")
             else:
                 step = job.manager.restore(step_of(ckpt_id))
-            assert_jobs_equal(job_state(job), refs[step])
+            assert_jobs_equal(state_of(job), refs[step])
             verified += 1
         with open(result_path, "w") as f:
             f.write(str(verified))
@@ -252,7 +308,7 @@ def calibrate(work: str, interval: int, steps: int, refs: Dict[int, Any]) -> Tup
     counts_path = os.path.join(work, "counts.json")
 
     def warm() -> int:  # step 0 -> one save, so the timed run restores like later trials
-        job = make_job(out, save_interval=interval, max_keep=MAX_KEEP)
+        job = new_job(out, interval)
         job.train(interval)
         return 0
     if _wait(_fork(warm), 300) != "exit 0":
@@ -260,7 +316,7 @@ def calibrate(work: str, interval: int, steps: int, refs: Dict[int, Any]) -> Tup
 
     def count() -> int:
         counts: Counter = Counter()
-        job = make_job(out, save_interval=interval, max_keep=MAX_KEEP)
+        job = new_job(out, interval)
         job.manager.restore()
         install_kill_point("count", counts)
         job.train(steps)
@@ -274,7 +330,7 @@ def calibrate(work: str, interval: int, steps: int, refs: Dict[int, Any]) -> Tup
         raise SystemExit(f"calibration failed ({status})")
     with open(counts_path) as f:
         counts = Counter(json.load(f))
-    missing = [t for t in TARGETS if not counts.get(t)]
+    missing = [t for t in ACTIVE if not counts.get(t)]
     if missing:
         raise SystemExit(f"calibration: kill targets never called during a run: {missing}")
     shutil.rmtree(out, ignore_errors=True)
@@ -283,7 +339,10 @@ def calibrate(work: str, interval: int, steps: int, refs: Dict[int, Any]) -> Tup
 
 # --------------------------------------------------------------------------------------- driver
 def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: int = 3,
-        horizon: int = 120, verbose: bool = False) -> Dict[str, Any]:
+        horizon: int = 120, verbose: bool = False, full_every: Optional[int] = None) -> Dict[str, Any]:
+    configure(full_every)
+    if full_every is not None:  # a trial crosses a rebase and then prunes the previous chain
+        saves_per_trial = max(saves_per_trial, full_every + 1)
     rng = random.Random(seed)
     t_start = time.monotonic()
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking
@@ -292,7 +351,9 @@ def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: in
     out = os.path.join(work, "run")
     summary: Dict[str, Any] = {"trials": 0, "kills": 0, "completed_without_kill": 0, "kill_points": Counter(),
                                "restores_verified": 0, "leftovers_removed": 0, "commits_seen": 0,
-                               "epochs": 1, "stray_temp_files": 0, "failures": [], "seconds": 0.0}
+                               "epochs": 1, "stray_temp_files": 0, "failures": [], "seconds": 0.0,
+                               "full_every": full_every, "max_listed": 0, "deltas_listed": 0,
+                               "trials_with_delta_listed": 0}
     try:
         ref_path = os.path.join(work, "references.pt")
         make_references(ref_path, horizon, interval)
@@ -313,7 +374,7 @@ def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: in
                 kill, delay = None, rng.uniform(0.0, run_seconds * 1.1)
                 label = "delay"
             else:
-                target = rng.choice(sorted(TARGETS))
+                target = rng.choice(sorted(ACTIVE))
                 when = rng.choice(["before", "after"])
                 k = rng.randint(1, counts[target])
                 kill, delay, label = f"{target}:{k}:{when}", None, f"{target}:{when}"
@@ -349,7 +410,7 @@ def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: in
                 failure = f"job child {status} (kill {kill or 'delay'}):\n{detail}"
             if failure is None:
                 failure = _check_dir(out, latest, prev_latest, leftovers_before, summary, interval,
-                                     finished=status == "exit 0")
+                                     finished=status == "exit 0", full_every=full_every)
             if failure is None:
                 verr, vres = os.path.join(work, f"verr-{trial}"), os.path.join(work, f"vres-{trial}")
                 vstatus = _wait(_fork(lambda: verify_child(out, interval, refs, verr, vres)), 120)
@@ -413,8 +474,37 @@ def _has_temp(out: str) -> bool:
     return bool(_temp_files(out))
 
 
+def _parent_of(out: str, ckpt_id: str) -> Optional[str]:
+    """The parent id a checkpoint's index names (None: a full checkpoint), read as plain JSON (this
+    process never calls into the C++ engine)."""
+    with open(os.path.join(out, ckpt_id, "index"), "rb") as f:
+        raw = json.loads(f.read())
+    parent = raw.get("parent")
+    return None if parent is None else str(parent["id"])
+
+
+def _chain_problem(out: str, listed: List[str], summary: Dict[str, Any]) -> Optional[str]:
+    """Every listed delta's chain (parents up to the base) is listed and committed: rotation kept
+    what a kept delta needs (docs/FORMAT.md section 10)."""
+    deltas = 0
+    for ckpt_id in listed:
+        seen, cur = {ckpt_id}, _parent_of(out, ckpt_id)
+        deltas += cur is not None
+        while cur is not None:
+            if cur not in listed or not os.path.isfile(os.path.join(out, cur, "index")):
+                return f"{ckpt_id} needs {cur}, which is not listed or has no index (listed {listed})"
+            if cur in seen:
+                return f"{ckpt_id}'s chain visits {cur} twice"
+            seen.add(cur)
+            cur = _parent_of(out, cur)
+    summary["deltas_listed"] += deltas
+    summary["trials_with_delta_listed"] += deltas > 0
+    return None
+
+
 def _check_dir(out: str, latest_before: int, prev_latest: int, leftovers_before: Dict[str, Tuple[int, int]],
-               summary: Dict[str, Any], interval: int, finished: bool) -> Optional[str]:
+               summary: Dict[str, Any], interval: int, finished: bool,
+               full_every: Optional[int] = None) -> Optional[str]:
     """Checks on the output dir after a trial that need no restore."""
     try:
         listed = read_list(out)
@@ -423,11 +513,21 @@ def _check_dir(out: str, latest_before: int, prev_latest: int, leftovers_before:
     latest = step_of(listed[-1]) if listed else 0
     if latest < prev_latest or latest < latest_before:
         return f"latest committed step went back: {latest_before} -> {latest} (listed {listed})"
-    if len(listed) > MAX_KEEP:
-        return f"{len(listed)} checkpoints listed with max_keep={MAX_KEEP}: {listed}"
+    # Chain mode: the last MAX_KEEP plus the chain members they need; at most a whole chain of the
+    # older one (K members) and the newest (a rebase, full).
+    bound = MAX_KEEP if full_every is None else max(MAX_KEEP, full_every + 1)
+    summary["max_listed"] = max(summary["max_listed"], len(listed))
+    if len(listed) > bound:
+        return f"{len(listed)} checkpoints listed with max_keep={MAX_KEEP}, full_every={full_every}: {listed}"
     for ckpt_id in listed:
         if not os.path.isfile(os.path.join(out, ckpt_id, "index")):
             return f"listed checkpoint {ckpt_id} has no index (listed {listed})"
+    try:
+        problem = _chain_problem(out, listed, summary)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        problem = f"a listed index cannot be read as JSON: {exc!r}"
+    if problem:
+        return problem
     unlisted = _unlisted_dirs(out, listed)
     if latest > latest_before:
         summary["commits_seen"] += 1
@@ -443,13 +543,21 @@ def _check_dir(out: str, latest_before: int, prev_latest: int, leftovers_before:
         if stale:
             return f"leftover uncommitted dirs {stale} survived a later successful save (listed {listed})"
         summary["leftovers_removed"] += len(set(leftovers_before) - set(listed) - unlisted)
-    if len(unlisted) > 2:
-        return f"uncommitted dirs accumulate: {sorted(unlisted)} (listed {listed})"
+    # New this trial: at most the checkpoints one rotation dropped (one; a whole chain of K in
+    # chain mode) whose removal a kill cut short, and the directory of a save cut short. Leftovers
+    # of earlier trials may still be there when no save of this trial got through its garbage
+    # collection (a kill between the `checkpoint` rewrite and the removal, trial after trial);
+    # the check above makes sure the first completed save removes them.
+    now_ids = _dir_ids(out, unlisted)
+    new = sorted(n for n in unlisted if leftovers_before.get(n) is None or now_ids.get(n) != leftovers_before[n])
+    if len(new) > (2 if full_every is None else full_every + 1):
+        return f"uncommitted dirs accumulate: {new} new this trial (listed {listed}, unlisted {sorted(unlisted)})"
     return None
 
 
 def print_summary(s: Dict[str, Any]) -> None:
-    print("recsave crash-consistency stress (SIGKILL during autosave, max_keep=2)")
+    chain = f", chain mode full_every={s['full_every']}" if s.get("full_every") else ""
+    print(f"recsave crash-consistency stress (SIGKILL during autosave, max_keep=2{chain})")
     print(f"  trials                 {s['trials']}")
     print(f"  kills (SIGKILL)        {s['kills']}   runs that finished before the kill: "
           f"{s['completed_without_kill']}")
@@ -458,6 +566,9 @@ def print_summary(s: Dict[str, Any]) -> None:
         print(f"    {name:<52} {n}")
     print(f"  saves committed in killed/finished runs (trials with a new commit): {s['commits_seen']}")
     print(f"  restores verified      {s['restores_verified']}  (bit-exact vs the uninterrupted reference)")
+    if s.get("full_every"):
+        print(f"  deltas listed after trials {s['deltas_listed']} (in {s['trials_with_delta_listed']} trials); "
+              f"most checkpoints listed at once {s['max_listed']}")
     print(f"  leftover dirs removed by a later save: {s['leftovers_removed']}")
     print(f"  stray *.tmp-<pid> files at the end: {s['stray_temp_files']}")
     print(f"  job epochs (fresh output dirs)      {s['epochs']}")
@@ -475,6 +586,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-interval", type=int, default=2)
     ap.add_argument("--horizon", type=int, default=120, help="steps of the reference run")
+    ap.add_argument("--full-every", type=int, metavar="K",
+                    help="chain mode: autosave deltas, a full checkpoint every K-th save (K >= 2)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--mode", choices=["save", "load"], default="save",
@@ -486,7 +599,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         s = stress_load.run(args.trials, args.seed, verbose=args.verbose)
         stress_load.print_summary(s)
         return C.finish(s, args.json)
-    s = run(args.trials, args.seed, args.save_interval, horizon=args.horizon, verbose=args.verbose)
+    if args.full_every is not None and args.full_every < 2:
+        ap.error("--full-every must be >= 2 (1 would make every save full)")
+    s = run(args.trials, args.seed, args.save_interval, horizon=args.horizon, verbose=args.verbose,
+            full_every=args.full_every)
     print_summary(s)
     return C.finish(s, args.json)
 

@@ -222,14 +222,34 @@ def assert_obj_equal(a: Any, b: Any, where: str = "") -> None:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
-def job_state(job: Job) -> Dict[str, Any]:
-    """Everything a checkpoint of `job` restores: model, both optimizers, reader position."""
-    return {"model": model_state(job.model), "dense_opt": copy.deepcopy(job.dense_opt.state_dict()),
-            "sparse_opt": copy.deepcopy(job.sparse_opt.state_dict()), "reader": job.reader.offset}
+def row_meta_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Each table's row metadata (`<table>@<meta>`, rows in sorted id order) and its step
+    (`<table>@step`): what a delta carries besides the rows (docs/FORMAT.md section 10)."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, table in tables_of(model).items():
+        ids = torch.sort(table.ids()).values
+        for m, v in table.row_meta(table.lookup(ids, insert=False)).items():
+            out[f"{name}@{m}"] = v.clone()
+        out[f"{name}@step"] = torch.tensor(table.step)
+    return out
+
+
+def job_state(job: Job, *, row_meta: bool = False) -> Dict[str, Any]:
+    """Everything a checkpoint of `job` restores: model, both optimizers, reader position; with
+    `row_meta`, also row metadata and table steps (`meta`, see row_meta_state)."""
+    out = {"model": model_state(job.model), "dense_opt": copy.deepcopy(job.dense_opt.state_dict()),
+           "sparse_opt": copy.deepcopy(job.sparse_opt.state_dict()), "reader": job.reader.offset}
+    if row_meta:
+        out["meta"] = row_meta_state(job.model)
+    return out
 
 
 def assert_jobs_equal(s1: Dict[str, Any], s2: Dict[str, Any]) -> None:
+    """Bit-exact equality of two job_state()s; row metadata too when either has it."""
     assert_states_equal(s1["model"], s2["model"], "model")
+    if "meta" in s1 or "meta" in s2:
+        assert "meta" in s1 and "meta" in s2, "only one state has row metadata (job_state(row_meta=True))"
+        assert_states_equal(s1["meta"], s2["meta"], "row metadata")
     assert_obj_equal(s1["dense_opt"], s2["dense_opt"], "dense_opt")
     assert_obj_equal(s1["sparse_opt"], s2["sparse_opt"], "sparse_opt")
     assert s1["reader"] == s2["reader"]

@@ -60,3 +60,23 @@ def test_damaged_checkpoint_list_never_loses_a_committed_checkpoint(tmp_path):
     assert sum(c.get("restore:newest-intact", 0) for c in s["tally"].values()) == 40, text
     assert sum(c.get("after:kept-exactly", 0) for c in s["tally"].values()) == 40, text
     assert sum(c.get("warned:rebuilt", 0) for c in s["tally"].values()) >= 10, text
+
+
+def test_sigkill_during_delta_saves_rebases_and_pruning_keeps_every_chain(tmp_path):
+    s, text = _run("stress_crash.py", ["--full-every", "3", "--trials", "20", "--seed", "11"], tmp_path)
+    assert s["full_every"] == 3 and s["trials"] == 20
+    assert s["failures"] == [], text
+    assert s["kills"] >= 10, text
+    assert s["trials_with_delta_listed"] >= 10, text  # the listed checkpoints were chains
+    assert "recsave.save.delta.as_delta" in s["calls_per_run"], text  # the delta kill points were armed
+    assert s["max_listed"] > 2, text  # rotation kept a kept delta's parents beyond max_keep=2
+    assert s["restores_verified"] >= s["trials"], text
+
+
+def test_damage_to_a_delta_or_its_parent_is_detected(tmp_path):
+    s, text = _run("fuzz.py", ["--chain", "--mutations", "80", "--seed", "3"], tmp_path)
+    assert s["chain"] is True and s["mutations"] == 80
+    assert s["failures"] == [], text
+    detected = sum(n for note, n in s["notes"].items()
+                   if note.startswith("chain: only the parent's index / rows damaged -> load error"))
+    assert detected >= 5, text  # parent-only damage made the delta refuse to load
