@@ -16,6 +16,7 @@ Nested dicts (``{"model": state_dict}``) are flattened with '.' (use ``oname`` t
 """
 from __future__ import annotations
 
+import abc
 import pickle
 import warnings
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ class _LazyDense(Mapping):
         return len(self._src.meta)
 
 
-class TorchStateSource:
+class TorchStateSource(abc.ABC):
     """Named tensors as a source; subclasses say how to list and read them."""
 
     kind = "torch"
@@ -154,8 +155,9 @@ class TorchStateSource:
     def path(self) -> str:
         return self.ckpt_dir
 
+    @abc.abstractmethod
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The tensors of `keys` as stored (each subclass reads its own kind of file)."""
 
     def _column_key(self, table: str, column: str) -> str:
         t = self.tables[table]
