@@ -27,6 +27,7 @@ import recsave.load.sources
 import recsave.load.transaction
 import recsave.tables.hashtable
 import recsave.tables.optim
+import recsave.tables.staging
 
 CKPT_STEP, TRAINED_STEPS = 4, 7  # the checkpoint's step; the live model trains on past it
 
@@ -35,9 +36,10 @@ TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "format.reader.read_tensors": (recsave.format.reader, "read_tensors",
                                    [(recsave.load.sources, "read_tensors")]),
     "format.torchio.load": (recsave.format.torchio, "load", []),
-    "HashTable.prepare_load": (recsave.tables.hashtable.HashTable, "prepare_load", []),
-    "HashTable.load_rows": (recsave.tables.hashtable.HashTable, "load_rows", []),
-    "HashTable.swap_contents": (recsave.tables.hashtable.HashTable, "swap_contents", []),
+    # (defined by HashTable's staging mixin: patched where they are defined, so HashTable gets them)
+    "HashTable.prepare_load": (recsave.tables.staging.TableStaging, "prepare_load", []),
+    "HashTable.load_rows": (recsave.tables.staging.TableStaging, "load_rows", []),
+    "HashTable.swap_contents": (recsave.tables.staging.TableStaging, "swap_contents", []),
     "LoadTransaction.apply": (recsave.load.transaction.LoadTransaction, "apply", []),
     "Optimizer.load_state_dict": (torch.optim.Optimizer, "load_state_dict", []),
     "SparseOptimizer.load_state_dict": (recsave.tables.optim.SparseOptimizer, "load_state_dict", []),
