@@ -308,12 +308,8 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
                           init_std=self.init_std, seed=self.seed, id_map=self._id_map_kind)
         for slot in self.slot_names():
             other.add_slot(slot, self.slot_init(slot))
-        if copy_rows and len(self):
-            ids, rows = self.id_rows()
-            values, slots = self.gather_rows(rows)
-            other.load_rows(ids, values, slots, clear=True, meta=self.row_meta(rows))
         if copy_rows:
-            other.step = self._step
+            tablestate.copy_rows(self, other)
         if self._partition is not None:  # after the copy: it restricts later inserts, not these rows
             other.set_partition(*self._partition)
         return other

@@ -66,11 +66,18 @@ def copy_from(table: Any, other: Any) -> None:
     for slot in other.slot_names():
         if slot not in staged.slot_names():
             staged.add_slot(slot, other.slot_init(slot))
-    ids, rows = other.id_rows()
-    values, slots = other.gather_rows(rows)
-    staged.load_rows(ids, values, slots, clear=True, meta=other.row_meta(rows))
-    staged.step = other.step
+    copy_rows(other, staged)
     table.swap_contents(staged)
+
+
+def copy_rows(src: Any, dst: Any) -> None:
+    """Gives the empty table `dst` (which has every slot of `src`) copies of `src`'s ids, rows,
+    slots and row metadata, and its table step."""
+    if len(src):
+        ids, rows = src.id_rows()
+        values, slots = src.gather_rows(rows)
+        dst.load_rows(ids, values, slots, clear=True, meta=src.row_meta(rows))
+    dst.step = src.step
 
 
 def load_entry(table: Any, table_type: type, state_dict: Dict[str, Any], prefix: str, missing_keys: List[str],
