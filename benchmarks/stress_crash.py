@@ -93,14 +93,14 @@ TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.storage.local.LocalStorage.remove_tree": (recsave.storage.local.LocalStorage, "remove_tree", []),
 }
 # Chain mode only (a run without deltas never calls them): the delta-save path. Callers use them
-# as module attributes (`delta.take`, `chain.index_crc`, `policy.wants_delta`), so patching the
+# as module attributes (`delta.take`, `chain.read_with_crc`, `policy.wants_delta`), so patching the
 # module is enough.
 CHAIN_TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.save.delta.why_full": (recsave.save.delta, "why_full", []),
     "recsave.save.delta.take": (recsave.save.delta, "take", []),
     "recsave.save.delta.with_tables": (recsave.save.delta, "with_tables", []),
     "recsave.save.delta.as_delta": (recsave.save.delta, "as_delta", []),
-    "recsave.format.chain.index_crc": (recsave.format.chain, "index_crc", []),
+    "recsave.format.chain.read_with_crc": (recsave.format.chain, "read_with_crc", []),
     "recsave.save.policy.chain_bytes": (recsave.save.policy, "chain_bytes", []),
     "recsave.save.policy.wants_delta": (recsave.save.policy, "wants_delta", []),
     # the commit point of a delta: index.write counting only calls that write a delta's index

@@ -28,8 +28,15 @@ class Member:
 
 def index_crc(storage: Storage, ckpt_dir: str) -> int:
     """CRC32C of the index bytes of `ckpt_dir` (what a delta records of its parent)."""
-    data = storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
-    return int(_C.crc32c(data))
+    return read_with_crc(storage, ckpt_dir)[1]
+
+
+def read_with_crc(storage: Storage, ckpt_dir: str) -> Tuple[Index, int]:
+    """The index of `ckpt_dir` and the CRC32C of its bytes, from one read (so both describe the
+    same bytes)."""
+    path = storage.join(ckpt_dir, index_mod.INDEX_FILE)
+    data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+    return index_mod.parse(data, path), int(_C.crc32c(data))
 
 
 def resolve(storage: Storage, ckpt_dir: str, index: Optional[Index] = None) -> List[Member]:
@@ -49,18 +56,17 @@ def resolve(storage: Storage, ckpt_dir: str, index: Optional[Index] = None) -> L
             raise CorruptCheckpointError(f"{child.ckpt_dir}: its chain of parents loops back to "
                                          f"{parent_dir}; the index is damaged", path=child.ckpt_dir)
         try:
-            data = storage.read_bytes(storage.join(parent_dir, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
-            parent_index = index_mod.parse(data, storage.join(parent_dir, index_mod.INDEX_FILE))
+            parent_index, crc = read_with_crc(storage, parent_dir)
         except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
             missing = isinstance(exc, CheckpointNotFoundError)
             raise CorruptCheckpointError(
                 f"{parent_dir}: the parent of delta checkpoint {child.ckpt_dir} is "
                 f"{'missing' if missing else 'damaged'} ({exc}); the delta cannot be restored without "
                 f"its whole chain: restore another checkpoint", path=parent_dir) from exc
-        if int(_C.crc32c(data)) != parent.crc32c:
+        if crc != parent.crc32c:
             raise CorruptCheckpointError(
                 f"{parent_dir}: the index of this parent of delta checkpoint {child.ckpt_dir} is not the "
-                f"one the delta was saved against (CRC32C {int(_C.crc32c(data)):#010x}, recorded "
+                f"one the delta was saved against (CRC32C {crc:#010x}, recorded "
                 f"{parent.crc32c:#010x}): it was rewritten; restore another checkpoint", path=parent_dir)
         seen.add(parent.id)
         chain.append(Member(parent_dir, parent.id, parent_index))

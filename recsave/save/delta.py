@@ -134,8 +134,7 @@ def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -
 def as_delta(storage: Storage, output_dir: str, index: Index, parent_id: str) -> Index:
     """The index as a delta of checkpoint `parent_id` (format_version 2, kind, parent, base)."""
     parent_dir = storage.join(output_dir, parent_id)
-    parent = index_mod.read(parent_dir, storage)
-    crc = chain.index_crc(storage, parent_dir)
+    parent, crc = chain.read_with_crc(storage, parent_dir)
     base = parent.base if parent.is_delta and parent.base is not None else parent_id
     return dataclasses.replace(index, format_version=DELTA_FORMAT_VERSION, kind=KIND_DELTA,
                                parent=Parent(parent_id, crc), base=base)
