@@ -1,11 +1,15 @@
 #include "core/shard_io.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -77,6 +81,39 @@ uint32_t combine_units(const std::vector<uint32_t>& crcs, size_t from, size_t to
 uint8_t* bounce_buffer() {
   thread_local std::unique_ptr<uint8_t[]> buffer(new uint8_t[kBouncePiece]);
   return buffer.get();
+}
+
+#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels answer EINVAL and the hint is dropped
+#endif
+
+// A load into a new model writes memory nothing has touched yet, which then faults in one 4 KB page
+// at a time from inside the copy. Asking the kernel to populate a whole unit's pages in one call
+// costs about a fifth less CPU (2 GB copied into fresh memory here: 0.84 s faulting, 0.69 s with
+// MADV_POPULATE_WRITE per 1 MiB). Memory already backed is left alone (mincore of its first page):
+// populating it again walks its page tables for nothing (+0.13 s per 2 GB).
+// RECSAVE_POPULATE=0 in the environment turns it off (read once, at first use): for A/B timing.
+bool populate_disabled() {
+  const char* v = std::getenv("RECSAVE_POPULATE");
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
+void populate_if_fresh(uint8_t* p, uint64_t n) {
+#if defined(__linux__)
+  static std::atomic<bool> unsupported{populate_disabled()};
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  if (unsupported.load(std::memory_order_relaxed)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~(page - 1);
+  if (end <= begin || end - begin < 16 * page) return;
+  unsigned char resident = 0;
+  if (::mincore(reinterpret_cast<void*>(begin), page, &resident) != 0 || (resident & 1)) return;
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) != 0 && errno == EINVAL) {
+    unsupported.store(true, std::memory_order_relaxed);  // kernel before 5.14, or memory it cannot populate
+  }
+#else
+  (void)p, (void)n;
+#endif
 }
 
 // memcpy with streaming stores (the destination is not brought into the cache).
@@ -383,6 +420,7 @@ void ShardReader::read(const ReadItem* items, size_t n, bool verify, int threads
       return;
     }
     uint8_t* bounce = bounce_buffer();
+    populate_if_fresh(dst, unit.length);
     uint32_t crc = 0;
     for (uint64_t done = 0; done < unit.length;) {
       uint64_t piece = std::min(kBouncePiece, unit.length - done);
