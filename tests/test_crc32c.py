@@ -48,7 +48,7 @@ def test_address_variant_and_dispatch_name():
     assert _C.crc32c_kernel() in KERNELS
 
 
-KERNELS = ("pclmul", "sse4.2", "portable")
+KERNELS = ("vpclmul", "pclmul", "sse4.2", "portable")
 
 
 @pytest.mark.parametrize("portable", [False, True])

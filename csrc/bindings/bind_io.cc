@@ -71,11 +71,11 @@ void bind_io(py::module_& m) {
         }
         return crc_of_buffer(data, crc, recsave::crc32c_hardware);
       }, py::arg("data"), py::arg("crc") = 0,
-      "CRC32C through the fastest x86-64 kernel the CPU has ('pclmul', else 'sse4.2').");
+      "CRC32C through the fastest x86-64 kernel the CPU has ('vpclmul', 'pclmul', else 'sse4.2').");
   m.def("crc32c_combine", &recsave::crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
         "CRC32C of A followed by B from crc32c(A), crc32c(B) and len(B).");
   const auto kernel_name = [] { return recsave::crc32c_kernel_name(recsave::crc32c_selected_kernel()); };
-  m.def("crc32c_kernel", kernel_name, "The kernel crc32c() uses: 'pclmul', 'sse4.2' or 'portable'.");
+  m.def("crc32c_kernel", kernel_name, "The kernel crc32c() uses: 'vpclmul', 'pclmul', 'sse4.2' or 'portable'.");
   m.def("crc32c_implementation", kernel_name,
         "Alias of crc32c_kernel(), kept for compatibility (it said 'sse4.2' for the pclmul kernel).");
   m.def("crc32c_address", [](uint64_t address, uint64_t length, uint32_t crc) {

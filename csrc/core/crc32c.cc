@@ -169,12 +169,87 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_copy(uint32_t reg, uint
   return sse42_update(reg, p, n);
 }
 
+// ---- The same folding, four 128-bit blocks to a 512-bit register (AVX-512 with VPCLMULQDQ) ------
+//
+// Four ZMM accumulators hold 16 consecutive 16-byte blocks; every block folds over the 256 bytes to
+// its next one, so one constant pair serves all 16. At the end the blocks are folded into one in
+// order, exactly as the 128-bit kernel's lanes are. About 3x the 128-bit kernel's bytes per cycle.
+#define RECSAVE_WIDE __attribute__((target("sse4.2,pclmul,avx512f,avx512vl,vpclmulqdq")))
+
+constexpr int kWideLanes = 4;
+constexpr size_t kWideStride = 64 * kWideLanes;  // bytes consumed per loop iteration
+constexpr size_t kWideMin = 2 * kWideStride;     // shorter buffers go through the 128-bit kernel
+constexpr uint64_t kWideLo = xpow_mod(8 * kWideStride + 31), kWideHi = xpow_mod(8 * kWideStride - 33);
+
+// The 64 bytes at p + i, also stored at d + i (64-byte aligned, bypassing the cache) when kCopy.
+template <bool kCopy>
+RECSAVE_WIDE inline __m512i take64(const uint8_t* p, uint8_t* d, size_t i) {
+  __m512i v = _mm512_loadu_si512(p + i);
+  if (kCopy) _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), v);
+  return v;
+}
+
+// As pclmul_blocks, for n >= kWideMin bytes (d 64-byte aligned when kCopy).
+template <bool kCopy>
+RECSAVE_WIDE uint32_t vpclmul_blocks(uint32_t reg, const uint8_t*& p, uint8_t*& d, size_t& n) {
+  const long long far_lo = static_cast<long long>(kWideLo), far_hi = static_cast<long long>(kWideHi);
+  const __m512i far = _mm512_set_epi64(far_hi, far_lo, far_hi, far_lo, far_hi, far_lo, far_hi, far_lo);
+  const __m128i near = _mm_set_epi64x(static_cast<long long>(kNearHi), static_cast<long long>(kNearLo));
+  __m512i a[kWideLanes];
+#pragma GCC unroll 4
+  for (int l = 0; l < kWideLanes; ++l) a[l] = take64<kCopy>(p, d, 64 * l);
+  a[0] = _mm512_xor_si512(a[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(reg))));
+  size_t i = kWideStride;
+  for (; n - i >= kWideStride; i += kWideStride) {
+#pragma GCC unroll 4
+    for (int l = 0; l < kWideLanes; ++l) {
+      __m512i lo = _mm512_clmulepi64_epi128(a[l], far, 0x00);
+      __m512i hi = _mm512_clmulepi64_epi128(a[l], far, 0x11);
+      a[l] = _mm512_ternarylogic_epi64(lo, hi, take64<kCopy>(p, d, i + 64 * l), 0x96);  // lo ^ hi ^ next
+    }
+  }
+  // The lanes' 16 blocks, in order, folded into one.
+  alignas(64) __m128i blocks[4 * kWideLanes];
+#pragma GCC unroll 4
+  for (int l = 0; l < kWideLanes; ++l) _mm512_store_si512(reinterpret_cast<__m512i*>(blocks + 4 * l), a[l]);
+  __m128i x = blocks[0];
+  for (int b = 1; b < 4 * kWideLanes; ++b) x = fold(x, near, blocks[b]);
+  for (; n - i >= 16; i += 16) x = fold(x, near, take16<kCopy>(p, d, i));
+  p += i, n -= i;
+  if (kCopy) d += i;
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
+  return static_cast<uint32_t>(_mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1))));
+}
+
+RECSAVE_WIDE uint32_t vpclmul_update(uint32_t reg, const uint8_t* p, size_t n) {
+  if (n < kWideMin) return pclmul_update(reg, p, n);
+  uint8_t* unused = nullptr;
+  reg = vpclmul_blocks<false>(reg, p, unused, n);
+  return sse42_update(reg, p, n);
+}
+
+RECSAVE_WIDE uint32_t vpclmul_copy(uint32_t reg, uint8_t* d, const uint8_t* p, size_t n) {
+  // Bytes up to a 64-byte boundary of the destination, the blocks, then the tail.
+  size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+  if (n < kWideMin + head) return pclmul_copy(reg, d, p, n);
+  std::memcpy(d, p, head);
+  reg = sse42_update(reg, p, head);
+  p += head, d += head, n -= head;
+  reg = vpclmul_blocks<true>(reg, p, d, n);
+  _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
+  std::memcpy(d, p, n);
+  return sse42_update(reg, p, n);
+}
+
 bool cpu_has(Crc32cKernel kernel) {
   __builtin_cpu_init();
   switch (kernel) {
     case Crc32cKernel::kPortable: return true;
     case Crc32cKernel::kSse42: return __builtin_cpu_supports("sse4.2");
     case Crc32cKernel::kPclmul: return __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul");
+    case Crc32cKernel::kVpclmul:
+      return cpu_has(Crc32cKernel::kPclmul) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
   }
   return false;
 }
@@ -189,6 +264,7 @@ bool cpu_has(Crc32cKernel kernel) { return kernel == Crc32cKernel::kPortable; }
 uint32_t update_with(Crc32cKernel kernel, uint32_t reg, const uint8_t* p, size_t n) {
   switch (kernel) {
 #ifdef RECSAVE_CRC_X86
+    case Crc32cKernel::kVpclmul: return vpclmul_update(reg, p, n);
     case Crc32cKernel::kPclmul: return pclmul_update(reg, p, n);
     case Crc32cKernel::kSse42: return sse42_update(reg, p, n);
 #endif
@@ -198,6 +274,7 @@ uint32_t update_with(Crc32cKernel kernel, uint32_t reg, const uint8_t* p, size_t
 
 uint32_t copy_with(Crc32cKernel kernel, uint32_t reg, uint8_t* d, const uint8_t* p, size_t n) {
 #ifdef RECSAVE_CRC_X86
+  if (kernel == Crc32cKernel::kVpclmul) return vpclmul_copy(reg, d, p, n);
   if (kernel == Crc32cKernel::kPclmul) return pclmul_copy(reg, d, p, n);
 #endif
   std::memcpy(d, p, n);
@@ -234,7 +311,8 @@ uint32_t x_pow_8n(uint64_t n) {
 }
 
 Crc32cKernel best_hardware() {
-  static const Crc32cKernel best = cpu_has(Crc32cKernel::kPclmul) ? Crc32cKernel::kPclmul
+  static const Crc32cKernel best = cpu_has(Crc32cKernel::kVpclmul) ? Crc32cKernel::kVpclmul
+                                   : cpu_has(Crc32cKernel::kPclmul) ? Crc32cKernel::kPclmul
                                    : cpu_has(Crc32cKernel::kSse42) ? Crc32cKernel::kSse42
                                                                    : Crc32cKernel::kPortable;
   return best;
@@ -284,8 +362,13 @@ uint32_t crc32c_with(Crc32cKernel kernel, uint32_t crc, const void* data, size_t
   return ~update_with(kernel, ~crc, static_cast<const uint8_t*>(data), n);
 }
 
+uint32_t crc32c_copy_with(Crc32cKernel kernel, uint32_t crc, void* dst, const void* src, size_t n) {
+  return ~copy_with(kernel, ~crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+}
+
 const char* crc32c_kernel_name(Crc32cKernel kernel) {
   switch (kernel) {
+    case Crc32cKernel::kVpclmul: return "vpclmul";
     case Crc32cKernel::kPclmul: return "pclmul";
     case Crc32cKernel::kSse42: return "sse4.2";
     case Crc32cKernel::kPortable: return "portable";

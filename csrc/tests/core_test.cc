@@ -70,7 +70,7 @@ void check_long_vectors(CrcFn crc) {
 }
 
 const recsave::Crc32cKernel kKernels[] = {recsave::Crc32cKernel::kPortable, recsave::Crc32cKernel::kSse42,
-                                          recsave::Crc32cKernel::kPclmul};
+                                          recsave::Crc32cKernel::kPclmul, recsave::Crc32cKernel::kVpclmul};
 recsave::Crc32cKernel g_kernel;  // the kernel check_vectors() runs through crc_with_kernel
 uint32_t crc_with_kernel(uint32_t crc, const void* data, size_t n) {
   return recsave::crc32c_with(g_kernel, crc, data, n);
@@ -125,27 +125,36 @@ void test_crc() {
     CHECK(recsave::crc32c_combine(a, b, whole_len - cut) == whole);
   }
   CHECK(recsave::crc32c_combine(0xE3069283u, 0, 0) == 0xE3069283u);
-  // Copy and checksum in one pass: every length 0..1100 at mixed alignments, then large copies; the
-  // bytes around the destination stay untouched.
-  bool copies_ok = true;
+  // Copy and checksum in one pass, through every kernel: every length 0..1100 at mixed alignments,
+  // then large copies; the bytes around the destination stay untouched.
   std::vector<uint8_t> dst((4 << 20) + 256);
-  for (size_t len = 0; len <= 1100; ++len) {
-    size_t src_off = len % 7, dst_off = 32 + len % 13;
-    std::memset(dst.data(), 0xA5, len + 96);
-    uint32_t got = recsave::crc32c_copy(17, dst.data() + dst_off, big.data() + src_off, len);
-    copies_ok = copies_ok && got == recsave::crc32c_portable(17, big.data() + src_off, len) &&
-                std::memcmp(dst.data() + dst_off, big.data() + src_off, len) == 0 &&
-                dst[dst_off - 1] == 0xA5 && dst[dst_off + len] == 0xA5;
+  for (auto kernel : kKernels) {
+    if (!recsave::crc32c_kernel_available(kernel)) continue;
+    bool copies_ok = true;
+    for (size_t len = 0; len <= 1100; ++len) {
+      size_t src_off = len % 7, dst_off = 32 + len % 13 + (len % 3) * 16;
+      std::memset(dst.data(), 0xA5, len + 160);
+      uint32_t got = recsave::crc32c_copy_with(kernel, 17, dst.data() + dst_off, big.data() + src_off, len);
+      copies_ok = copies_ok && got == recsave::crc32c_portable(17, big.data() + src_off, len) &&
+                  std::memcmp(dst.data() + dst_off, big.data() + src_off, len) == 0 &&
+                  dst[dst_off - 1] == 0xA5 && dst[dst_off + len] == 0xA5;
+    }
+    for (size_t dst_off : {0, 1, 8, 15, 16, 33, 63, 64}) {
+      size_t len = (4 << 20) - dst_off * 3;
+      std::memset(dst.data(), 0xA5, dst.size());
+      uint32_t got = recsave::crc32c_copy_with(kernel, 0, dst.data() + dst_off, big.data() + 5, len);
+      copies_ok = copies_ok && got == recsave::crc32c_portable(0, big.data() + 5, len) &&
+                  std::memcmp(dst.data() + dst_off, big.data() + 5, len) == 0 && dst[dst_off + len] == 0xA5 &&
+                  (dst_off == 0 || dst[dst_off - 1] == 0xA5);
+    }
+    if (!copies_ok) std::fprintf(stderr, "crc32c_copy: kernel %s\n", recsave::crc32c_kernel_name(kernel));
+    CHECK(copies_ok);
   }
-  for (size_t dst_off : {0, 1, 8, 15, 16}) {
-    size_t len = (4 << 20) - dst_off * 3;
-    std::memset(dst.data(), 0xA5, dst.size());
-    uint32_t got = recsave::crc32c_copy(0, dst.data() + dst_off, big.data() + 5, len);
-    copies_ok = copies_ok && got == recsave::crc32c_portable(0, big.data() + 5, len) &&
-                std::memcmp(dst.data() + dst_off, big.data() + 5, len) == 0 && dst[dst_off + len] == 0xA5 &&
-                (dst_off == 0 || dst[dst_off - 1] == 0xA5);
-  }
-  CHECK(copies_ok);
+  // crc32c_copy goes through the selected kernel.
+  std::memset(dst.data(), 0, dst.size());
+  CHECK(recsave::crc32c_copy(3, dst.data() + 7, big.data() + 1, 100000) ==
+        recsave::crc32c_portable(3, big.data() + 1, 100000));
+  CHECK(std::memcmp(dst.data() + 7, big.data() + 1, 100000) == 0);
   std::printf("crc32c: kernel %s\n", recsave::crc32c_kernel_name(recsave::crc32c_selected_kernel()));
 }
 
