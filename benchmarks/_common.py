@@ -250,18 +250,37 @@ def can_drop_caches() -> bool:
     return os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
 
 
-def settle(drop_caches: bool = False) -> bool:
+def settle(drop_caches: bool = False, evict: Optional[str] = None) -> bool:
     """Flushes dirty pages (so one operation's writeback is not charged to the next) and, when
-    asked and permitted, drops the page cache. Returns whether the cache was dropped."""
+    asked, makes the next read cold: root drops the whole page cache; anyone else evicts the pages
+    of `evict` (a file, or every file under a directory) with posix_fadvise(DONTNEED), which drops
+    clean cached pages of a file one may open. Returns whether the cache was dropped / evicted."""
     os.sync()
-    if drop_caches and can_drop_caches():
+    if not drop_caches:
+        return False
+    if can_drop_caches():
         try:
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("3")
             return True
         except OSError:
-            return False
-    return False
+            pass
+    return evict is not None and evict_from_cache(evict)
+
+
+def evict_from_cache(path: str) -> bool:
+    """posix_fadvise(DONTNEED) on `path` (a file, or every file under a directory), after os.sync():
+    the kernel drops those files' clean pages from the page cache. No root needed."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
 
 
 @contextlib.contextmanager

@@ -108,8 +108,8 @@ def run_rounds(args: argparse.Namespace, tmp: str, layout: Layout, methods: Dict
                 if method not in {LOAD[m][2] for m in loads}:
                     E.remove(out[method])
             for method in C.rounds_order(loads, r):
-                dropped = C.settle(drop)
                 src = out[LOAD[method][2]]
+                dropped = C.settle(drop, evict=src)
                 cached = C.cached_fraction(src)
                 res = C.run_isolated(measure_operation, dict(base, kind="load", method=method, path=src, check=r == 0),
                                      timeout=timeout, preload=PRELOAD)
@@ -148,7 +148,8 @@ def reads_label(samples: Samples) -> str:
     fr = [x["cached_fraction"] for x in loads if x.get("cached_fraction") is not None]
     share = f"{100 * C.median(fr):.0f} % of the file's pages in the page cache before a load (median)" if fr else ""
     if loads and all(x.get("cache_dropped") for x in loads):
-        return f"cold (page cache dropped before every load; {share})"
+        return (f"cold (before every load the page cache dropped as root, else the file's pages evicted with "
+                f"posix_fadvise(DONTNEED); {share})")
     return f"warm ({share}; the file was just written, reads come from RAM)"
 
 

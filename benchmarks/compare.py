@@ -5,7 +5,7 @@ of the same bytes (the physical limit) and dd (durable writes).
 
     python benchmarks/compare.py                 # >= 2 GB state, 3 interleaved rounds
     python benchmarks/compare.py --quick         # tiny state, 1 round: smoke test (< 60 s)
-    python benchmarks/compare.py --drop-caches   # root only: cold reads
+    python benchmarks/compare.py --drop-caches   # cold reads (root: drop_caches; else posix_fadvise)
     python benchmarks/compare.py --sweep         # throughput vs state size (0.25 .. 4 GB) + plot
     python benchmarks/compare.py --profile       # cProfile of one Saver.save / Saver.load (1 GB)
 
@@ -144,7 +144,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4, help="recsave engine / Saver threads (default 4)")
     p.add_argument("--only", default=None, help="comma-separated kind:method, e.g. save:saver,load:saver")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny states, 1 round (< 60 s)")
-    p.add_argument("--drop-caches", action="store_true", help="root only: drop the page cache before each load")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="cold reads: drop the page cache before each load (root), else evict the file's pages "
+                        "(posix_fadvise DONTNEED)")
     p.add_argument("--no-prefault", dest="prefault", action="store_false",
                    help="skip cycling 1.25x the state through memory before each operation (benchmarks/README.md)")
     p.add_argument("--sweep", action="store_true", help="measure throughput against state size instead")
@@ -174,9 +176,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     args.commit = C.git_revision()  # what the workers import (the forkserver imports recsave once)
-    drop = args.drop_caches and C.can_drop_caches()
-    if args.drop_caches and not drop:
-        C.log("--drop-caches needs root: reads stay warm")
+    drop = args.drop_caches
+    if drop and not C.can_drop_caches():
+        C.log("--drop-caches without root: each load's files are evicted with posix_fadvise(DONTNEED)")
     with C.bench_tempdir(args.dir, prefix="recsave-compare-") as tmp:
         if args.profile:
             run_profile(args, tmp)
