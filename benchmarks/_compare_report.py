@@ -9,25 +9,27 @@ from typing import Any, Dict, List, Optional, Tuple
 import _common as C
 from _compare_methods import KINDS, SAVE
 
-# (label, numerator, denominator, goal): throughput ratios; goals from benchmarks/README.md, Budgets
+# (label, numerator, denominator, goal): throughput ratios; goals from benchmarks/README.md, Budgets.
+# The budgets are the Saver's (the API users call); the engine's rows against the same peers show
+# its headroom, and durable DCP has no budget (the 2x DCP budget is for saves without fsync).
 RATIOS = [
     ("save: Saver (fsync off) / raw write", ("save", "saver"), ("save", "raw"), 0.85),
     ("save: Saver (fsync off) / torch.save", ("save", "saver"), ("save", "torch"), 1.5),
     ("save: Saver (fsync off) / DCP save (no sync)", ("save", "saver"), ("save", "dcp"), 2.0),
     ("save: Saver (fsync on) / raw write + fsync", ("save", "saver_fsync"), ("save", "raw_fsync"), 0.9),
     ("save: Saver (fsync on) / dd conv=fdatasync", ("save", "saver_fsync"), ("save", "dd"), None),
-    ("save: Saver (fsync on) / DCP save (default, sync)", ("save", "saver_fsync"), ("save", "dcp_fsync"), 2.0),
-    ("save: engine (fsync off) / raw write", ("save", "engine"), ("save", "raw"), 0.85),
-    ("save: engine (fsync off) / torch.save", ("save", "engine"), ("save", "torch"), 1.5),
-    ("save: engine (fsync off) / DCP save (no sync)", ("save", "engine"), ("save", "dcp"), 2.0),
+    ("save: Saver (fsync on) / DCP save (default, sync)", ("save", "saver_fsync"), ("save", "dcp_fsync"), None),
+    ("save: engine (fsync off) / raw write", ("save", "engine"), ("save", "raw"), None),
+    ("save: engine (fsync off) / torch.save", ("save", "engine"), ("save", "torch"), None),
+    ("save: engine (fsync off) / DCP save (no sync)", ("save", "engine"), ("save", "dcp"), None),
     ("save: Saver / engine (fsync off)", ("save", "saver"), ("save", "engine"), 0.9),
     ("save: Saver async_save until committed / Saver.save", ("save", "saver_async"), ("save", "saver"), None),
     ("load: Saver / raw read", ("load", "saver"), ("load", "raw"), 0.9),
     ("load: Saver / torch.load", ("load", "saver"), ("load", "torch"), 1.2),
     ("load: Saver / DCP load", ("load", "saver"), ("load", "dcp"), 1.5),
-    ("load: engine (verify) / raw read", ("load", "engine_verify"), ("load", "raw"), 0.9),
-    ("load: engine (verify) / torch.load", ("load", "engine_verify"), ("load", "torch"), 1.2),
-    ("load: engine (verify) / DCP load", ("load", "engine_verify"), ("load", "dcp"), 1.5),
+    ("load: engine (verify) / raw read", ("load", "engine_verify"), ("load", "raw"), None),
+    ("load: engine (verify) / torch.load", ("load", "engine_verify"), ("load", "torch"), None),
+    ("load: engine (verify) / DCP load", ("load", "engine_verify"), ("load", "dcp"), None),
     ("load: Saver / engine (verify)", ("load", "saver"), ("load", "engine_verify"), 0.9),
 ]
 # (label, slower, faster, goal %): time(slower) / time(faster) - 1

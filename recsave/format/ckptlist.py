@@ -118,8 +118,7 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
         problem = f"lists checkpoints whose directory or index is gone: {', '.join(stale)}"
         _warn(f"{path}: {problem}; dropped them; rewrote the file", warn, None)
         return Listing(ids, True, problem, stale, rewritten=True)
-    ids, left_out = rebuild(storage, output_dir)
-    ids = [i for i in ids if i != being_written]
+    ids, left_out = rebuild(storage, output_dir, skip=being_written)
     if not ids and not garbled:  # nothing to rebuild from: the file stands (loads report what is missing)
         return Listing(listed, bool(listed or left_out) or problem != "is missing", left_out=left_out)
     stale = [i for i in listed if i not in ids and i not in left_out]
@@ -141,9 +140,10 @@ def _warn(message: str, warn: bool, warned: Optional[Set[str]]) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def rebuild(storage: Storage, output_dir: str) -> Tuple[List[str], Dict[str, str]]:
+def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tuple[List[str], Dict[str, str]]:
     """The committed checkpoints of output_dir found by their indexes, and the directories left
-    out because their index is not valid (name -> why).
+    out because their index is not valid (name -> why). `skip`: a directory not to look at (the
+    checkpoint a save is committing: its index was just written, parsing it back is wasted).
 
     A directory is committed when its `index` validates (section 3), or was written by a newer
     recsave (newer_format_version). Order: `step` of the index (none before any), then
@@ -154,7 +154,7 @@ def rebuild(storage: Storage, output_dir: str) -> Tuple[List[str], Dict[str, str
     if not storage.isdir(output_dir, follow_links=True):
         return [], left_out
     for name in storage.listdir(output_dir):
-        if not is_plain_name(name) or name == LIST_FILE or not storage.isdir(storage.join(output_dir, name)):
+        if not is_plain_name(name) or name in (LIST_FILE, skip) or not storage.isdir(storage.join(output_dir, name)):
             continue
         state = _index_state(storage, storage.join(output_dir, name))
         if state.kind == "damaged":

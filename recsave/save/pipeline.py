@@ -274,6 +274,8 @@ class CheckpointWriter:
         index = index.with_files(files)
         index_mod.write(ckpt_dir, index, storage=st)
         self._facts[ckpt_id] = (index.step, index.metrics)
+        # What rotation asks of the new checkpoint is known: reading its index back costs a parse.
+        self._parents_of[ckpt_id] = [index.parent.id] if index.parent is not None else []
         self._publish(ckpt_id)
         return index.total_bytes
 
