@@ -17,6 +17,7 @@ from recsave.format.records import DELTA_FORMAT_VERSION, KIND_DELTA, KIND_FULL, 
 from recsave.save.snapshot import Delta, SaveState
 from recsave.storage import Storage, dist
 from recsave.tables.tablelike import TableLike
+from recsave.tables.tracking import TableChanges
 
 log = logging.getLogger("recsave")
 
@@ -83,8 +84,15 @@ def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremen
     delta or all a full, and a table cleared on one rank is written whole, and marked cleared, by
     all."""
     reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
-    taken = {n: t.take_changes() for n, t in tables.items()  # type: ignore[attr-defined]
-             if tracks_changes(t)}  # every save moves the baselines
+    # Every save moves the baselines. A save already known to be full only resets them: listing
+    # the changed rows is a pass over every table's mask (50 ms for 4M rows) it would not use.
+    taken: Dict[str, TableChanges] = {}
+    for n, t in tables.items():
+        if tracks_changes(t):
+            if reason is None:
+                taken[n] = t.take_changes()  # type: ignore[attr-defined]
+            else:
+                t.reset_changes()  # type: ignore[attr-defined]
     after = Baseline.of("", tables)
 
     def next_baseline(ckpt_id: str) -> Baseline:
