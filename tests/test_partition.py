@@ -113,3 +113,19 @@ def test_io_state_reshards_through_load_io_states(tmp_path, monkeypatch):
 def test_stable_order_matches_a_stable_argsort(num_keys):
     keys = torch.randint(0, num_keys, (50_000,), generator=torch.Generator().manual_seed(num_keys))
     assert torch.equal(partition.stable_order(keys, num_keys), torch.argsort(keys, stable=True))
+
+
+def test_bucket_order_counts_and_refuses_keys_out_of_range():
+    from recsave.tables.partition import bucket_order
+
+    keys = torch.tensor([3, 0, 3, 1, 0, 3])
+    order, counts = bucket_order(keys, 5)
+    assert order.tolist() == [1, 4, 3, 0, 2, 5]  # equal keys keep their order
+    assert counts.tolist() == [2, 1, 0, 3, 0]
+    order, counts = bucket_order(torch.empty(0, dtype=torch.int64), 3)
+    assert order.numel() == 0 and counts.tolist() == [0, 0, 0]
+    for bad in ([0, 5], [-1, 2]):
+        with pytest.raises(UsageError, match=r"outside \[0, num_keys\)"):
+            bucket_order(torch.tensor(bad), 5)
+    with pytest.raises(UsageError, match="num_keys must be >= 1"):
+        bucket_order(keys, 0)

@@ -1,6 +1,7 @@
 // Bindings of the hash-table helpers. Raw addresses (tensor.data_ptr()) keep torch out of the build.
 #include "bindings/bind_table.h"
 
+#include "core/counting_sort.h"
 #include "core/errors.h"
 #include "core/row_init.h"
 
@@ -25,6 +26,20 @@ void bind_table(py::module_& m) {
                            reinterpret_cast<int64_t*>(out), threads);
       }, py::arg("ids_address"), py::arg("n"), py::arg("num_buckets"), py::arg("out_address"),
       py::arg("threads") = 1, "out[i] = mix64(ids[i]) % num_buckets for int64 buffers.");
+  m.def("counting_order", [](uint64_t keys, int64_t n, int64_t num_keys, uint64_t order, uint64_t counts) {
+        if (n < 0 || num_keys < 1) {
+          throw recsave::Error(recsave::ErrorKind::kInvalid, "", "n must be >= 0 and num_keys >= 1");
+        }
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = recsave::counting_order(reinterpret_cast<const int64_t*>(keys), n, num_keys,
+                                       reinterpret_cast<int64_t*>(order), reinterpret_cast<int64_t*>(counts));
+        }
+        if (!ok) throw recsave::Error(recsave::ErrorKind::kInvalid, "", "a key lies outside [0, num_keys)");
+      }, py::arg("keys_address"), py::arg("n"), py::arg("num_keys"), py::arg("order_address"),
+      py::arg("counts_address"),
+      "Stable counting sort of int64 keys in [0, num_keys): order (n entries) and counts (num_keys).");
   m.def("mix64", [](int64_t id) { return static_cast<int64_t>(recsave::mix64(static_cast<uint64_t>(id))); },
         py::arg("id"), "splitmix64 finaliser of one id, as a signed int64.");
 }

@@ -63,8 +63,8 @@ def bucket_layout(name: str, table: TableState, rank: int, world: int, num_bucke
         raise UsageError(
             f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
             f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
-    order = partition.stable_order(keys, stop - first)
-    row_starts = [0] + torch.cumsum(torch.bincount(keys, minlength=stop - first), 0).tolist()
+    order, counts = partition.bucket_order(keys, stop - first)
+    row_starts = [0] + torch.cumsum(counts, 0).tolist()
     del keys
     # Ids come in row order with distinct rows: a table that never freed a row has rows 0..n-1,
     # and its rows in bucket order are the order itself.
@@ -90,8 +90,8 @@ def _add_tombstones(layout: TableLayout, name: str, tombstones: torch.Tensor, fi
     `@id`, so that a reader with another world size reads only the buckets it owns."""
     dead = tombstones.reshape(-1).to(torch.int64).cpu()
     keys = partition.bucket_of(dead, num_buckets).sub_(first)
-    order = partition.stable_order(keys, stop - first)
-    starts = [0] + torch.cumsum(torch.bincount(keys, minlength=stop - first), 0).tolist()
+    order, counts = partition.bucket_order(keys, stop - first)
+    starts = [0] + torch.cumsum(counts, 0).tolist()
     tensor = f"{name}@tombstone"
     layout.tensors[tensor] = dead[order].contiguous()
     layout.tensor_meta[tensor] = {"buckets": {"first": first, "row_starts": starts}}
