@@ -12,6 +12,7 @@ from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageErr
 from recsave.format import checks
 from recsave.format.dtypes import from_name
 from recsave.format.meta import parse_meta
+from recsave.format.parsecache import ParseCache
 from recsave.format.records import (
     DELTA_FORMAT_VERSION,
     FORMAT_VERSION,
@@ -352,8 +353,16 @@ def write(directory: str, index: Index, *, durable: Optional[bool] = None,
     return path
 
 
+_PARSED: ParseCache[Index] = ParseCache()
+
+
 def parse(data: bytes, path: str) -> Index:
-    """Parses and validates index bytes read from `path` into an Index."""
+    """Parses and validates index bytes read from `path` into an Index (the same bytes parsed
+    before give the same, immutable, Index: format/parsecache.py)."""
+    return _PARSED.get(data, lambda raw: _parse(raw, path))
+
+
+def _parse(data: bytes, path: str) -> Index:
     with gcpause.paused():  # a record per chunk: at a thousand ranks most of the time was collection
         try:
             index = json.loads(data.decode("utf-8"))
