@@ -187,7 +187,20 @@ def plot_sweep(s: Dict[str, Any], path: str) -> Optional[str]:
     except ImportError:
         C.log("matplotlib is not installed (pip install -e '.[bench]'): no plot, the JSON and tables are written")
         return None
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplots(3, 2, figsize=(13, 13))
+    by = {(x["kind"], x["method"]): x["points"] for x in s["methods"]}
+    for label, num, den, goal in RATIOS:  # row 3: the budgeted ratios per size, flat when they scale
+        if goal is None or num not in by or den not in by:
+            continue
+        pts = [(p["payload_gb"], p["median_gbps"] / q["median_gbps"]) for p, q in zip(by[num], by[den]) if p and q]
+        ax = axes[2][0 if num[0] == "save" else 1]
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label.split(": ", 1)[1])
+        ax.axhline(goal, color=line.get_color(), ls="--", lw=0.8)
+    for col, kind in enumerate(("save", "load")):
+        axes[2][col].set(xscale="log", xlabel="state size (GB)", ylabel="ratio (median GB/s over median GB/s)",
+                         title=f"{kind}: budgeted ratios (dashed: their goals)")
+        axes[2][col].set_xticks(s["sizes_gb"], [f"{g:g}" for g in s["sizes_gb"]])
+        axes[2][col].minorticks_off()
     for col, kind in enumerate(("save", "load")):
         for x in (x for x in s["methods"] if x["kind"] == kind):
             pts = [(p["payload_gb"], p["median_gbps"], p["median_s"]) for p in x["points"] if p]
