@@ -152,21 +152,31 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_update(uint32_t reg, co
   return sse42_update(reg, p, n);
 }
 
-__attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_copy(uint32_t reg, uint8_t* d, const uint8_t* p,
-                                                              size_t n) {
-  // Bytes up to a 16-byte boundary of the destination, the aligned blocks, then the tail.
-  size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;
-  if (n < kFoldMin + head) {
-    std::memcpy(d, p, n);
-    return sse42_update(reg, p, n);
-  }
+// A folding kernel's copy: the bytes up to a kAlign boundary of the destination through `crc32`,
+// the blocks (streaming stores), then the tail; buffers shorter than min_blocks + that head go to
+// `shorter`. Blocks(reg, p, d, n) advances p, d and n past the blocks it took.
+template <size_t kAlign, typename Blocks, typename Shorter>
+__attribute__((target("sse4.2,pclmul"))) inline uint32_t folding_copy(uint32_t reg, uint8_t* d, const uint8_t* p,
+                                                                      size_t n, size_t min_blocks, Blocks blocks,
+                                                                      Shorter shorter) {
+  size_t head = (kAlign - (reinterpret_cast<uintptr_t>(d) & (kAlign - 1))) & (kAlign - 1);
+  if (n < min_blocks + head) return shorter(reg, d, p, n);
   std::memcpy(d, p, head);
   reg = sse42_update(reg, p, head);
   p += head, d += head, n -= head;
-  reg = pclmul_blocks<true>(reg, p, d, n);
+  reg = blocks(reg, p, d, n);
   _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
   std::memcpy(d, p, n);
   return sse42_update(reg, p, n);
+}
+
+__attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_copy(uint32_t reg, uint8_t* d, const uint8_t* p,
+                                                              size_t n) {
+  return folding_copy<16>(reg, d, p, n, kFoldMin, pclmul_blocks<true>,
+                          [](uint32_t r, uint8_t* dst, const uint8_t* src, size_t len) {
+                            std::memcpy(dst, src, len);
+                            return sse42_update(r, src, len);
+                          });
 }
 
 // ---- The same folding, four 128-bit blocks to a 512-bit register (AVX-512 with VPCLMULQDQ) ------
@@ -229,16 +239,7 @@ RECSAVE_WIDE uint32_t vpclmul_update(uint32_t reg, const uint8_t* p, size_t n) {
 }
 
 RECSAVE_WIDE uint32_t vpclmul_copy(uint32_t reg, uint8_t* d, const uint8_t* p, size_t n) {
-  // Bytes up to a 64-byte boundary of the destination, the blocks, then the tail.
-  size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
-  if (n < kWideMin + head) return pclmul_copy(reg, d, p, n);
-  std::memcpy(d, p, head);
-  reg = sse42_update(reg, p, head);
-  p += head, d += head, n -= head;
-  reg = vpclmul_blocks<true>(reg, p, d, n);
-  _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
-  std::memcpy(d, p, n);
-  return sse42_update(reg, p, n);
+  return folding_copy<64>(reg, d, p, n, kWideMin, vpclmul_blocks<true>, pclmul_copy);
 }
 
 bool cpu_has(Crc32cKernel kernel) {
