@@ -116,6 +116,19 @@ __attribute__((target("sse4.2,pclmul"))) inline __m128i take16(const uint8_t* p,
   return v;
 }
 
+// Both folding kernels end alike: x holds the bytes before p + i; the whole 16-byte blocks left are
+// folded in, p, d and n moved past them, and x's 16 bytes run through `crc32` from register 0 give
+// the register after everything folded (see above).
+template <bool kCopy>
+__attribute__((target("sse4.2,pclmul"))) inline uint32_t finish_folding(__m128i x, __m128i near, size_t i,
+                                                                        const uint8_t*& p, uint8_t*& d, size_t& n) {
+  for (; n - i >= 16; i += 16) x = fold(x, near, take16<kCopy>(p, d, i));
+  p += i, n -= i;
+  if (kCopy) d += i;
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
+  return static_cast<uint32_t>(_mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1))));
+}
+
 // Advances `reg` over n >= kFoldMin bytes at p, copying them to d when kCopy (d 16-byte aligned).
 // Returns the register after the whole 16-byte blocks; p, d and n are moved past them.
 template <bool kCopy>
@@ -137,11 +150,7 @@ __attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_blocks(uint32_t reg, co
   __m128i x = a[0];
 #pragma GCC unroll 8
   for (int l = 1; l < kLanes; ++l) x = fold(x, near, a[l]);
-  for (; n - i >= 16; i += 16) x = fold(x, near, take16<kCopy>(p, d, i));
-  p += i, n -= i;
-  if (kCopy) d += i;
-  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
-  return static_cast<uint32_t>(_mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1))));
+  return finish_folding<kCopy>(x, near, i, p, d, n);
 }
 
 __attribute__((target("sse4.2,pclmul"))) uint32_t pclmul_update(uint32_t reg, const uint8_t* p, size_t n) {
@@ -224,11 +233,7 @@ RECSAVE_WIDE uint32_t vpclmul_blocks(uint32_t reg, const uint8_t*& p, uint8_t*& 
   for (int l = 0; l < kWideLanes; ++l) _mm512_store_si512(reinterpret_cast<__m512i*>(blocks + 4 * l), a[l]);
   __m128i x = blocks[0];
   for (int b = 1; b < 4 * kWideLanes; ++b) x = fold(x, near, blocks[b]);
-  for (; n - i >= 16; i += 16) x = fold(x, near, take16<kCopy>(p, d, i));
-  p += i, n -= i;
-  if (kCopy) d += i;
-  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(x)));
-  return static_cast<uint32_t>(_mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(x, 1))));
+  return finish_folding<kCopy>(x, near, i, p, d, n);
 }
 
 RECSAVE_WIDE uint32_t vpclmul_update(uint32_t reg, const uint8_t* p, size_t n) {
