@@ -44,8 +44,3 @@ class ParseCache(Generic[T]):
                 _, (gone, _) = self._entries.popitem(last=False)
                 self._held -= len(gone)
         return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._held = 0
