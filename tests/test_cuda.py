@@ -118,3 +118,147 @@ def test_large_cuda_table_is_gathered_in_blocks(tmp_path):
     back.t = HashTable(32, name="t", device="cuda")
     Saver(back, output_dir=str(tmp_path)).load()
     assert torch.equal(back.t.export(ids.cpu())[1], table.export(ids.cpu())[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# The rest of the CUDA paths: delta chains, tables moving between devices, the manager's
+# async_pinned autosave, model-bank warm starts, PyTorch interop and eviction on the device.
+# The helpers take the device so their logic can be exercised on a CPU too (`_dry_run` below);
+# the tests themselves always use "cuda".
+
+def _by_id(table: HashTable) -> dict:
+    """Every id's embedding row, slots and row metadata, sorted by id (CPU), plus the table step."""
+    ids, rows = table.id_rows()
+    order = torch.argsort(ids)
+    ids, rows = ids[order], rows[order]
+    values, slots = table.gather_rows(rows)
+    return {"ids": ids, "embedding": values, **{f"slot.{s}": v for s, v in slots.items()},
+            **{f"meta.{m}": v for m, v in table.row_meta(rows).items()}, "step": table.step}
+
+
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module, names=("user", "item")) -> None:
+    for name in names:
+        sa, sb = _by_id(getattr(a, name)), _by_id(getattr(b, name))
+        assert sa.keys() == sb.keys(), name
+        for key in sa:
+            if key == "step":
+                assert sa[key] == sb[key], (name, key)
+            else:
+                assert torch.equal(sa[key].cpu(), sb[key].cpu()), (name, key)
+
+
+def _delta_chain(device: str, out: str):
+    """A full checkpoint and two deltas of a model on `device` (deletes and evictions between);
+    returns the live model and the saver."""
+    model, opts, saver = _job(device, out)
+    _train(model, opts, 3, device, seed=1)
+    saver.save("ckpt_3")
+    assert saver.last_save.kind == "full"
+    _train(model, opts, 2, device, seed=2)
+    gone = model.user.ids()[:50]
+    assert model.user.delete(gone.to(device)) == 50
+    saver.save("ckpt_5", incremental=True)
+    assert saver.last_save.kind == "delta"
+    _train(model, opts, 2, device, seed=3)
+    evicted = model.item.evict(min_count=2)
+    assert evicted > 0
+    saver.save("ckpt_7", incremental=True)
+    assert saver.last_save.kind == "delta"
+    return model, saver
+
+
+def _check_delta_chain(device: str, tmp) -> None:
+    model, _ = _delta_chain(device, str(tmp / "chain"))
+    for target in (device, "cpu"):  # restored on the same device and moved to the CPU
+        fresh, _, fresh_saver = _job(target, str(tmp / "chain"))
+        fresh_saver.load()
+        _assert_same(model, fresh)
+
+
+def _check_tables_move_between_devices(device: str, tmp) -> None:
+    for k, (src, dst) in enumerate((("cpu", device), (device, "cpu"))):
+        model, opts, saver = _job(src, str(tmp / f"{k}"))
+        _train(model, opts, 3, src)
+        saver.save("ckpt_3")
+        other, _, other_saver = _job(dst, str(tmp / f"{k}"))
+        other_saver.load()
+        _assert_same(model, other)
+        assert other.user.weight.device.type == torch.device(dst).type
+        torch.testing.assert_close(other.head.weight.cpu(), model.head.weight.cpu(), rtol=0, atol=0)
+
+
+def _check_manager_async_pinned(device: str, tmp) -> None:
+    from recsave import CheckpointManager
+
+    model, opts, saver = _job(device, str(tmp / "mgr"))
+    saver.max_keep = 10
+    # rebase_ratio: these small tables change almost wholly between saves; keep the chain anyway
+    mgr = CheckpointManager(saver, save_interval=2, async_mode="async_pinned", full_every=3,
+                            rebase_ratio=100.0, save_on_preemption=False)
+    kinds = []
+    for k in range(7):
+        _train(model, opts, 1, device, seed=10 + k)
+        if mgr.step() is not None:
+            mgr.wait()
+            kinds.append(mgr.last_save.kind)
+    mgr.save()
+    kinds.append(mgr.last_save.kind)
+    mgr.close()
+    assert kinds == ["full", "delta", "delta", "full"]  # ckpt_2, 4, 6, then 7 starts a new chain
+    fresh, _, fresh_saver = _job(device, str(tmp / "mgr"))
+    fresh_mgr = CheckpointManager(fresh_saver, save_interval=2, async_mode="async_pinned",
+                                  save_on_preemption=False)
+    assert fresh_mgr.restore() == 7
+    _assert_same(model, fresh)
+    assert fresh_mgr.restore(6) == 6  # the end of a delta chain (base ckpt_2)
+    fresh_mgr.close()
+
+
+def _check_model_bank_warm_start(device: str, tmp) -> None:
+    src, src_opts, src_saver = _job("cpu", str(tmp / "bank"))
+    _train(src, src_opts, 3, "cpu", seed=5)
+    src_saver.save("ckpt_3")
+    model, opts, saver = _job(device, str(tmp / "own"))
+    _train(model, opts, 1, device, seed=6)
+    head_before = model.head.weight.detach().cpu().clone()
+    report = saver.load_model_bank([{"path": str(tmp / "bank"), "load": ["sparse", "sparse_opt"]}])
+    assert {"user", "item"} <= set(report.loaded)
+    _assert_same(src, model)
+    assert torch.equal(model.head.weight.detach().cpu(), head_before)  # dense not selected
+    _train(model, opts, 1, device, seed=7)  # training goes on from the warm start on the device
+    assert model.user.weight.is_cuda == (torch.device(device).type == "cuda")
+
+
+def _check_interop_and_evict(device: str, tmp) -> None:
+    model, opts, _ = _job(device, str(tmp / "a"))
+    _train(model, opts, 4, device, seed=8)
+    other, _, _ = _job(device, str(tmp / "b"))
+    other.load_state_dict(model.state_dict())
+    _assert_same(model, other)
+    before = len(model.item)
+    # Evicting by count on the device and on a CPU copy of the same rows removes the same ids.
+    state = _by_id(model.item)
+    n_dev = model.item.evict(min_count=3)
+    mask = state["meta.count"].reshape(-1) < 3
+    assert n_dev == int(mask.sum()) and len(model.item) == before - n_dev
+    assert torch.equal(torch.sort(model.item.ids()).values, state["ids"][~mask])
+
+
+def test_cuda_delta_chain_restores_bit_exact(tmp_path):
+    _check_delta_chain("cuda", tmp_path)
+
+
+def test_checkpoints_move_between_cpu_and_cuda_tables(tmp_path):
+    _check_tables_move_between_devices("cuda", tmp_path)
+
+
+def test_manager_async_pinned_autosaves_deltas_and_restores_on_cuda(tmp_path):
+    _check_manager_async_pinned("cuda", tmp_path)
+
+
+def test_model_bank_warm_starts_cuda_tables(tmp_path):
+    _check_model_bank_warm_start("cuda", tmp_path)
+
+
+def test_cuda_state_dict_round_trip_and_eviction(tmp_path):
+    _check_interop_and_evict("cuda", tmp_path)
