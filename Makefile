@@ -54,4 +54,4 @@ bench: setup
 	$(PY) benchmarks/hashtable.py
 
 clean:
-	rm -rf build dist *.egg-info recsave/_C*.so
+	rm -rf build dist *.egg-info recsave/_C*.so recsave/_cuda_kernels.so

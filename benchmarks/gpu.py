@@ -46,6 +46,7 @@ C.ensure_repo_on_path()
 import torch  # noqa: E402
 
 from recsave import HashTable, Saver, knobs  # noqa: E402
+from recsave.tables import cudakernels  # noqa: E402
 from recsave.tables.idmap import CpuIdMap, TensorIdMap  # noqa: E402
 from recsave.tables.optim import SparseAdagrad  # noqa: E402
 
@@ -185,40 +186,103 @@ def measure_idmap(args: argparse.Namespace, device: torch.device) -> List[Dict[s
         pick[new] = torch.randint(-(1 << 62), 1 << 62, (int(new.sum()),), generator=gen)
         batches_cpu.append(pick)
     out = []
-    for kind in ("device TensorIdMap", "host C++ IdMap"):
-        dev = device if kind.startswith("device") else torch.device("cpu")
-        ids, shuffled, absent = ids_cpu.to(dev), shuffled_cpu.to(dev), absent_cpu.to(dev)
-        batches = [b.to(dev) for b in batches_cpu]
+    kinds = ["device TensorIdMap, torch ops", "host C++ IdMap"]
+    if device.type == "cuda" and cudakernels.available():
+        kinds.insert(0, "device TensorIdMap, CUDA kernels")
+    for kind in kinds:
+        with knobs.override(cuda_kernels=kind.endswith("kernels")):
+            out += _measure_one_map(kind, device, ids_cpu, shuffled_cpu, absent_cpu, batches_cpu, args)
+    return out
 
-        def new_map() -> Any:
-            return TensorIdMap(dev) if kind.startswith("device") else CpuIdMap()
 
-        def insert_all() -> Any:
-            m = new_map()
-            for a in range(0, n, step):
-                m.lookup_or_insert(ids[a:a + step])
-            return m
+def _measure_one_map(kind: str, device: torch.device, ids_cpu: torch.Tensor, shuffled_cpu: torch.Tensor,
+                     absent_cpu: torch.Tensor, batches_cpu: List[torch.Tensor],
+                     args: argparse.Namespace) -> List[Dict[str, Any]]:
+    n, step, batch = ids_cpu.numel(), args.map_batch, batches_cpu[0].numel()
+    out = []
+    dev = device if kind.startswith("device") else torch.device("cpu")
+    ids, shuffled, absent = ids_cpu.to(dev), shuffled_cpu.to(dev), absent_cpu.to(dev)
+    batches = [b.to(dev) for b in batches_cpu]
 
-        results: Dict[str, List[float]] = {"insert": [], "lookup": [], "absent": [], "train": []}
+    def new_map() -> Any:
+        return TensorIdMap(dev) if kind.startswith("device") else CpuIdMap()
+
+    def insert_all() -> Any:
+        m = new_map()
+        for a in range(0, n, step):
+            m.lookup_or_insert(ids[a:a + step])
+        return m
+
+    results: Dict[str, List[float]] = {"insert": [], "lookup": [], "absent": [], "train": []}
+    m = None
+    for _ in range(args.map_repeats):
         m = None
-        for _ in range(args.map_repeats):
-            m = None
-            free(dev)
-            box: List[Any] = []
-            results["insert"].append(timed(lambda: box.append(insert_all()), dev))
-            m = box[0]
-            assert len(m) == n
-            results["lookup"].append(timed(lambda: [m.lookup(shuffled[a:a + step]) for a in range(0, n, step)], dev))
-            results["absent"].append(timed(lambda: [m.lookup(absent[a:a + step]) for a in range(0, n, step)], dev))
-            results["train"].append(timed(lambda: [m.lookup_or_insert(b) for b in batches], dev) / len(batches))
-        got = m.lookup(shuffled[: 1000]).cpu() if m is not None else None
-        if got is not None and int((got < 0).sum()):
-            raise AssertionError(f"{kind}: inserted ids not found")
-        for op, k in (("insert", n), ("lookup", n), ("absent", n), ("train", batch)):
-            out.append({"map": kind, "op": op, "ids": k, "seconds": results[op],
-                        "ids_per_s": k / C.median(results[op])})
-        del m, box
         free(dev)
+        box: List[Any] = []
+        results["insert"].append(timed(lambda: box.append(insert_all()), dev))
+        m = box[0]
+        assert len(m) == n
+        results["lookup"].append(timed(lambda: [m.lookup(shuffled[a:a + step]) for a in range(0, n, step)], dev))
+        results["absent"].append(timed(lambda: [m.lookup(absent[a:a + step]) for a in range(0, n, step)], dev))
+        results["train"].append(timed(lambda: [m.lookup_or_insert(b) for b in batches], dev) / len(batches))
+    got = m.lookup(shuffled[: 1000]).cpu() if m is not None else None
+    if got is not None and int((got < 0).sum()):
+        raise AssertionError(f"{kind}: inserted ids not found")
+    for op, k in (("insert", n), ("lookup", n), ("absent", n), ("train", batch)):
+        out.append({"map": kind, "op": op, "ids": k, "seconds": results[op],
+                    "ids_per_s": k / C.median(results[op])})
+    del m, box
+    free(dev)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Training step
+
+class Tower(torch.nn.Module):
+    """Embeddings of [batch, 26] ids summed over fields, then a linear logit (hashtable.py's model)."""
+
+    def __init__(self, dim: int, device: torch.device):
+        super().__init__()
+        self.emb = HashTable(dim, name="emb", device=device)
+        self.head = torch.nn.Linear(dim, 1).to(device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).sum(1)).squeeze(1)
+
+
+def measure_train(args: argparse.Namespace, device: torch.device) -> List[Dict[str, Any]]:
+    """Median time of a training step (forward, backward, SparseAdagrad + Adagrad) of one table
+    on the device with and without the kernels, and on the CPU."""
+    gen = torch.Generator().manual_seed(2)
+    vocab = args.ids
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64) ** -1.05
+    batches = [torch.multinomial(ranks, args.batch * FIELDS, replacement=True, generator=gen).view(args.batch, FIELDS)
+               * 2654435761 for _ in range(10)]
+    out = []
+    kinds = [(f"{device.type} table, torch-ops map", device, False), ("cpu table, C++ map", torch.device("cpu"), True)]
+    if device.type == "cuda" and cudakernels.available():
+        kinds.insert(0, ("cuda table, kernel map", device, True))
+    for label, dev, kernels in kinds:
+        with knobs.override(cuda_kernels=kernels):
+            torch.manual_seed(0)
+            model = Tower(args.dim, dev)
+            opts = [SparseAdagrad(model, lr=0.05), torch.optim.Adagrad(model.head.parameters(), lr=0.05)]
+            data = [b.to(dev) for b in batches]
+            times = []
+            for i in range(args.train_steps + 3):
+                def one() -> None:
+                    model(data[i % len(data)]).sigmoid().mean().backward()
+                    for o in opts:
+                        o.step()
+                        o.zero_grad()
+                s = timed(one, dev)
+                if i >= 3:
+                    times.append(s)
+            out.append({"table": label, "seconds": times, "median_s": C.median(times), "rows": len(model.emb),
+                        "ids_per_step": args.batch * FIELDS})
+            del model, opts, data
+            free(dev)
     return out
 
 
@@ -428,12 +492,19 @@ def measure_delta(args: argparse.Namespace, model: Model, device: torch.device, 
 
 def report(res: Dict[str, Any]) -> str:
     lines = [f"device: {res['device_name']}; torch {res['machine']['torch']}; "
-             f"{res['machine']['cpus']} CPUs; fs {res['machine']['fs']}; recsave at {res['commit']}"]
+             f"{res['machine']['cpus']} CPUs; fs {res['machine']['fs']}; recsave at {res['commit']}; "
+             f"CUDA kernels: {res['cuda_kernels']} ({res['cuda_kernels_why_not'] or 'built'})"]
     if "idmap" in res:
         rows = [[r["map"], r["op"], r["ids"], C.fmt_num(r["ids_per_s"] / 1e6, 1), len(r["seconds"])]
                 for r in res["idmap"]]
         lines += ["", "id map (M ids/s, median):",
                   C.text_table(["map", "op", "ids per call", "M ids/s", "runs"], rows)]
+    if "train" in res:
+        rows = [[r["table"], C.fmt_num(r["median_s"] * 1e3, 2), C.fmt_num(r["ids_per_step"] / r["median_s"] / 1e6, 1),
+                 r["rows"]] for r in res["train"]]
+        lines += ["", f"training step ({res['train'][0]['ids_per_step']} ids, SparseAdagrad; median of "
+                      f"{len(res['train'][0]['seconds'])}):",
+                  C.text_table(["table", "ms / step", "M ids/s", "rows held"], rows)]
     if "save_load" in res:
         sl = res["save_load"]
         state = sl["state_bytes"]
@@ -501,7 +572,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--map-batch", type=int, default=1 << 20, help="ids per insert / lookup call")
     p.add_argument("--map-repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=4096, help="examples per training batch (x 26 ids)")
-    p.add_argument("--only", default="idmap,save_load,async,delta")
+    p.add_argument("--train-steps", type=int, default=20, help="timed training steps per table kind")
+    p.add_argument("--only", default="idmap,train,save_load,async,delta")
     p.add_argument("--dir", default=None, help="parent of the temporary output dir")
     p.add_argument("--quick", action="store_true", help="64 MB, 200k ids, 1 round")
     p.add_argument("--json", default=None)
@@ -509,6 +581,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.size_gb, args.ids, args.rounds, args.map_repeats, args.batch = 0.064, 200_000, 1, 1, 512
+        args.train_steps = 3
     return args
 
 
@@ -521,7 +594,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     only = set(args.only.split(","))
     res: Dict[str, Any] = {"args": vars(args), "errors": {},
                            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           "commit": args.commit or C.git_revision()}
+                           "commit": args.commit or C.git_revision(),
+                           "cuda_kernels": cudakernels.available() if device.type == "cuda" else None,
+                           "cuda_kernels_why_not": cudakernels.unavailable_reason() if device.type == "cuda" else None}
     with C.bench_tempdir(args.dir) as work, knobs.override(fsync=False):
         res["machine"] = C.machine_info(work)
         C.check_free_space(work, 3 * args.size_gb * 1e9)
@@ -531,6 +606,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             except Exception:
                 res["errors"]["idmap"] = traceback.format_exc()
                 C.log(res["errors"]["idmap"])
+        if "train" in only:
+            try:
+                res["train"] = measure_train(args, device)
+            except Exception:
+                res["errors"]["train"] = traceback.format_exc()
+                C.log(res["errors"]["train"])
         model = None
         if "save_load" in only:
             try:

@@ -82,8 +82,9 @@ _KNOBS: Dict[str, Knob] = {
     # Seconds a collective of a save / load waits for the other ranks before raising.
     "collective_timeout_s": Knob("RECSAVE_COLLECTIVE_TIMEOUT_S", 300.0, float, lo=0.001),
     # Rows of a GPU table, or of any table saved to remote storage, are gathered and written in
-    # blocks of about this many bytes (two in flight). CPU tables saved to local disk are gathered
-    # by the engine's writer threads through 256 KiB buffers of their own.
+    # blocks of about this many bytes (two in flight); a GPU table's restore reads and copies its
+    # columns in blocks of this size too. CPU tables saved to local disk are gathered by the
+    # engine's writer threads through 256 KiB buffers of their own.
     "write_block_bytes": Knob("RECSAVE_WRITE_BLOCK_BYTES", 64 << 20, int, lo=1),
     # Size of one in-memory chunk streamed to / from remote (fsspec) storage.
     "io_chunk_bytes": Knob("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int, lo=1),
@@ -104,6 +105,9 @@ _KNOBS: Dict[str, Knob] = {
     # Tables created while this is on track changed rows and removed ids (incremental checkpoints);
     # off, every save of them is full.
     "track_changes": Knob("RECSAVE_TRACK_CHANGES", True, bool),
+    # CUDA tables' id maps probe with the kernels of csrc/cuda/ where those are built (off: with
+    # torch ops, the same rows, slower).
+    "cuda_kernels": Knob("RECSAVE_CUDA_KERNELS", True, bool),
     # Take the writer lock of output_dir when saving (one writing Saver per output dir).
     "writer_lock": Knob("RECSAVE_WRITER_LOCK", True, bool),
 }

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 
-from recsave import HashTable, Saver
-from recsave.tables.idmap import TensorIdMap
+from recsave import HashTable, Saver, knobs
+from recsave.tables import cudakernels
+from recsave.tables.idmap import CpuIdMap, TensorIdMap
 from recsave.tables.optim import SparseAdagrad
 
 pytestmark = [pytest.mark.gpu,
@@ -75,8 +77,12 @@ def test_cuda_training_matches_the_cpu_table(tmp_path):
         assert torch.equal(ids_a, ids_b) and torch.equal(rows_a, rows_b)  # same rows for same ids
         _, va, sa = a.export(ids_a)
         _, vb, sb = b.export(ids_a)
-        torch.testing.assert_close(vb, va, rtol=1e-5, atol=1e-6)  # float summation order may differ
-        torch.testing.assert_close(sb["adagrad_acc"], sa["adagrad_acc"], rtol=1e-5, atol=1e-6)
+        # Same ids, same rows; the values agree to float32 rounding only: the GPU sums gradients
+        # in another order, and Adam on the head turns tiny gradient differences into update
+        # differences of up to ~1e-5 after 5 steps (seen on an H200). A wrong or missing update
+        # is lr-sized (0.05), far outside these bounds.
+        torch.testing.assert_close(vb, va, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(sb["adagrad_acc"], sa["adagrad_acc"], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -262,3 +268,62 @@ def test_model_bank_warm_starts_cuda_tables(tmp_path):
 
 def test_cuda_state_dict_round_trip_and_eviction(tmp_path):
     _check_interop_and_evict("cuda", tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# The id-map kernels of csrc/cuda/ against the torch-ops probe loops and the C++ map
+
+def test_id_map_kernels_match_the_torch_ops_and_the_cpp_map():
+    if not cudakernels.available():
+        pytest.skip(f"CUDA kernels not built: {cudakernels.unavailable_reason()}")
+    rng = np.random.default_rng(0)
+    fast, slow, mixed = (TensorIdMap("cuda", capacity=4) for _ in range(3))
+    ref = CpuIdMap()
+
+    def run(op: str, ids: torch.Tensor, rnd: int) -> list:
+        with knobs.override(cuda_kernels=False):
+            b = getattr(slow, op)(ids.cuda())
+            c = getattr(mixed, op)(ids.cuda()) if rnd % 2 else None
+        if c is None:  # the mixed map alternates between the kernels and the torch ops
+            c = getattr(mixed, op)(ids.cuda())
+        a = getattr(fast, op)(ids.cuda())
+        return [a, b, c, getattr(ref, op)(ids)]
+
+    def same(results: list) -> None:
+        want = results[-1]
+        for got in results[:-1]:
+            if isinstance(want, tuple):
+                assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+                assert got[2] == want[2]
+            else:
+                assert torch.equal(got.cpu(), want)
+
+    for rnd in range(60):
+        pool = 3000 if (rnd // 15) % 2 == 0 else 1 << 62  # churn, then growth
+        n = 200_000 if rnd % 20 == 19 else int(rng.integers(0, 5000))
+        ids = torch.from_numpy(rng.integers(-pool, pool, size=n, dtype=np.int64))
+        same(run("lookup_or_insert", ids, rnd))
+        gone = ids[torch.from_numpy(rng.integers(0, max(n, 1), size=min(n, 1500)))] if n else ids
+        gone = torch.cat([gone, torch.from_numpy(rng.integers(-pool, pool, size=50, dtype=np.int64))])
+        same(run("erase", gone, rnd))
+        same(run("lookup", torch.cat([ids, gone]), rnd))
+    for m in (fast, slow, mixed):
+        ids, rows = m.export()
+        want_ids, want_rows = ref.export()
+        assert torch.equal(ids.cpu(), want_ids) and torch.equal(rows.cpu(), want_rows)
+        assert len(m) == len(ref) and m.row_capacity == ref.row_capacity
+    assert fast.slot_capacity == slow.slot_capacity  # the same growth: deleted slots counted alike
+
+
+def test_cuda_tables_train_identically_with_and_without_the_kernels(tmp_path):
+    if not cudakernels.available():
+        pytest.skip(f"CUDA kernels not built: {cudakernels.unavailable_reason()}")
+    with_k, opts_k, _ = _job("cuda", str(tmp_path / "k"))
+    _train(with_k, opts_k, 4, "cuda", seed=4)
+    with knobs.override(cuda_kernels=False):
+        without, opts_t, _ = _job("cuda", str(tmp_path / "t"))
+        _train(without, opts_t, 4, "cuda", seed=4)
+    for name in ("user", "item"):
+        ia, ra = getattr(with_k, name).id_rows()
+        ib, rb = getattr(without, name).id_rows()
+        assert torch.equal(ia, ib) and torch.equal(ra, rb)

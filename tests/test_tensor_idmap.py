@@ -128,3 +128,15 @@ def test_hashtable_trains_identically_with_either_map():
     assert torch.equal(ids_a, ids_b) and torch.equal(va, vb)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert torch.equal(a.id_rows()[1], b.id_rows()[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine test_cuda.py checks the kernels")
+def test_cuda_kernels_are_optional_without_a_gpu():
+    from recsave.tables import cudakernels
+
+    assert not cudakernels.available()
+    assert cudakernels.unavailable_reason() == "torch sees no CUDA device"
+    with knobs.override(cuda_kernels=False):
+        assert cudakernels.unavailable_reason() == "the knob cuda_kernels is off"
+    m = TensorIdMap("cpu")  # the torch-ops loops, as ever
+    assert m.lookup_or_insert(torch.tensor([5, 7, 5]))[0].tolist() == [0, 1, 0]

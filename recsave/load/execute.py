@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Set
 
 import torch
 
+from recsave import knobs
 from recsave.errors import ConfigError
 from recsave.load import contents, merge
 from recsave.load.config import SPARSE_OPTIM, Plan
@@ -201,12 +202,19 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
             src.read_table(src_table, [columns[c] for c in columns], rank, world, threads,
                            out={columns[c]: views[c] for c in columns}, with_ids=False)
             return
-        with HostToDevice() as h2d:  # column k+1 is read while column k is copied to the device
+        # A device table's columns are read in blocks of about write_block_bytes into two pinned
+        # buffers: block k+1 is read while block k is copied to the device, and the host holds
+        # two blocks, not two columns.
+        block_bytes = knobs.get("write_block_bytes")
+        with HostToDevice() as h2d:
             for column, view in views.items():
-                host = h2d.buffer(view)
-                src.read_table(src_table, [columns[column]], rank, world, threads,
-                               out={columns[column]: host}, with_ids=False)
-                h2d.copy(view, host)
+                step = max(1, block_bytes // max(1, view[:1].numel() * view.element_size()))
+                for a in range(0, view.shape[0], step):
+                    part = view[a:a + step]
+                    host = h2d.buffer(part)
+                    src.read_table(src_table, [columns[column]], rank, world, threads,
+                                   out={columns[column]: host}, with_ids=False, part=(a, a + part.shape[0]))
+                    h2d.copy(part, host)
 
     # The columns are read while the id map is rebuilt from the ids.
     return table.prepare_load(ids, list(columns), fill) is not None

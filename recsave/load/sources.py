@@ -91,12 +91,16 @@ class CheckpointSource:
         return [f"{table}@{column}"]
 
     def read_table(self, table: str, columns: Sequence[str], rank: int, world: int, concurrency: int,
-                   out: Optional[Dict[str, torch.Tensor]] = None,
-                   with_ids: bool = True) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
+                   out: Optional[Dict[str, torch.Tensor]] = None, with_ids: bool = True,
+                   part: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
         """The table's ids (those rank `rank` of `world` owns; None when not `with_ids`) and the
         given columns; `out` maps columns to destination tensors to read into (e.g. the table's
-        storage)."""
+        storage). `part` = (a, b) reads only rows [a, b) of those, so a large table can be read
+        in blocks (a CUDA table's restore, through bounded pinned buffers)."""
         ranges = self.row_ranges(table, rank, world)
+        if part is not None:
+            whole = [(0, self.index.tensor(f"{table}@id").shape[0])] if ranges is None else ranges
+            ranges = sub_ranges(whole, *part)
         names = ([f"{table}@id"] if with_ids else []) + [t for c in columns for t in self._stored(table, c)]
         quantised = "embedding" in columns and self._quantised(table)
         dest = {f"{table}@{c}": t for c, t in (out or {}).items() if not (quantised and c == "embedding")}
@@ -108,7 +112,7 @@ class CheckpointSource:
             given = (out or {}).get("embedding")
             data[f"{table}@embedding"] = rows if given is None else given.copy_(rows)
         ids = data.get(f"{table}@id")
-        if ids is not None and ranges is not None:  # bucket offsets must agree with the ids they delimit
+        if ids is not None and world > 1:  # bucket offsets must agree with the ids they delimit
             lo, hi = partition.bucket_range(rank, world, self.num_buckets)
             buckets = partition.bucket_of(ids, self.num_buckets)
             if bool(((buckets < lo) | (buckets >= hi)).any()):
@@ -124,6 +128,17 @@ class CheckpointSource:
 
     def pt_size(self, fname: str) -> int:
         return self.index.file(fname).size
+
+
+def sub_ranges(ranges: Sequence[Tuple[int, int]], a: int, b: int) -> List[Tuple[int, int]]:
+    """Rows [a, b) of the concatenation of `ranges`, as ranges of the same rows."""
+    out, pos = [], 0
+    for start, stop in ranges:
+        lo, hi = max(a - pos, 0), min(b - pos, stop - start)
+        if lo < hi:
+            out.append((start + lo, start + hi))
+        pos += stop - start
+    return out
 
 
 class ChainSource(CheckpointSource):
@@ -165,9 +180,12 @@ class ChainSource(CheckpointSource):
         return rows, cost
 
     def read_table(self, table: str, columns: Sequence[str], rank: int, world: int, concurrency: int,
-                   out: Optional[Dict[str, torch.Tensor]] = None,
-                   with_ids: bool = True) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
+                   out: Optional[Dict[str, torch.Tensor]] = None, with_ids: bool = True,
+                   part: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
         ids, data = merge.merged_table(self, table, list(columns), rank, world, concurrency)
+        if part is not None:  # the merged rows are built whole: a part is a slice of them
+            ids = ids[part[0]:part[1]]
+            data = {c: t[part[0]:part[1]] for c, t in data.items()}
         if out:
             for c, dest in out.items():
                 dest.copy_(data[c])

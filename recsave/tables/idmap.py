@@ -1,9 +1,11 @@
 """The id -> row maps behind HashTable, with one tensor interface.
 
 - ``CpuIdMap``: the C++ map of the extension (``recsave._C.IdMap``), for tables on the CPU.
-- ``TensorIdMap``: open addressing written in torch ops, so it runs on the table's own device (a
-  CUDA table keeps ids, rows and map on the GPU; every step is a batched tensor op, never a
-  per-id Python loop). It also runs on the CPU, which is how CPU-only CI tests its logic.
+- ``TensorIdMap``: open addressing over torch tensors on the table's own device (a CUDA table keeps
+  ids, rows and map on the GPU; every step is a batched tensor op, never a per-id Python loop). On
+  a CUDA device its two probe loops run as kernels of csrc/cuda/ where those are built
+  (tables/cudakernels.py); elsewhere, and on the CPU, as torch ops, which is how CPU-only CI tests
+  its logic. Both give the same rows.
 
 Both follow the same contract (csrc/core/id_map.h): a new id takes the lowest row freed by
 erase() if any, else ``row_capacity`` (which then grows by one); new ids of a batch get rows in
@@ -20,6 +22,7 @@ import torch
 from recsave import _C, knobs
 from recsave.argcheck import fail as type_error
 from recsave.errors import ArgumentTypeError, UsageError
+from recsave.tables import cudakernels
 
 # murmur3 fmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap).
 _FMIX_1 = 0xFF51AFD7ED558CCD - (1 << 64)
@@ -104,6 +107,10 @@ class TensorIdMap:
         return self._mask + 1
 
     # ------------------------------------------------------------------------------- probing
+    def _kernels(self) -> bool:
+        """Probe with the CUDA kernels (a CUDA map, the kernels built and the knob on)."""
+        return self.device.type == "cuda" and cudakernels.available()
+
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         h = ids ^ _lsr(ids, 33)
         h = h * _FMIX_1
@@ -119,6 +126,8 @@ class TensorIdMap:
         slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         if n == 0 or self._size == 0:
             return rows, slots
+        if self._kernels():
+            return cudakernels.find(self._keys, self._rows, self._mask, ids)
         active = torch.arange(n, device=self.device)
         keys, pos = ids, self._home(ids)
         while active.numel():
@@ -132,6 +141,9 @@ class TensorIdMap:
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Stores ids known to be absent (and distinct) with their rows; capacity must suffice."""
+        if self._kernels():
+            self._deleted -= cudakernels.place(self._keys, self._rows, self._mask, ids, rows)
+            return
         keys, vals, pos = ids, rows, self._home(ids)
         while keys.numel():
             open_ = self._rows[pos] < 0

@@ -1,0 +1,108 @@
+"""The optional CUDA kernels of csrc/cuda/ (TensorIdMap's probe loops), called through ctypes.
+
+setup.py builds ``recsave/_cuda_kernels.so`` with nvcc only where nvcc and a CUDA build of torch
+exist. Without it (CPU machines, CI) ``available()`` is False and TensorIdMap runs its torch-ops
+loops, which hand out exactly the same rows. The knob ``cuda_kernels`` turns the kernels off.
+
+The library has a plain C ABI (csrc/cuda/id_map_kernels.cu): raw device pointers, the caller's
+CUDA stream, a cudaError_t back. Tensors passed in must be contiguous int64 on one CUDA device.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Optional, Tuple
+
+import torch
+
+from recsave import knobs
+
+_ABI_VERSION = 1
+_LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cuda_kernels.so")
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_why_not: Optional[str] = None
+_tried = False
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _why_not, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if not os.path.exists(_LIBRARY):
+            _why_not = f"{_LIBRARY} was not built (setup.py builds it where nvcc and a CUDA torch exist)"
+            return None
+        try:
+            lib = ctypes.CDLL(_LIBRARY)
+        except OSError as exc:
+            _why_not = f"{_LIBRARY} does not load: {exc}"
+            return None
+        lib.recsave_cuda_abi_version.restype = ctypes.c_int
+        if lib.recsave_cuda_abi_version() != _ABI_VERSION:
+            _why_not = f"{_LIBRARY} is of another recsave version; rebuild it (make build)"
+            return None
+        ptr, i64, u64 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_ulonglong
+        lib.recsave_idmap_find.argtypes = [ptr, ptr, u64, ptr, i64, ptr, ptr, ptr]
+        lib.recsave_idmap_find.restype = ctypes.c_int
+        lib.recsave_idmap_place.argtypes = [ptr, ptr, u64, ptr, ptr, i64, ptr, ptr]
+        lib.recsave_idmap_place.restype = ctypes.c_int
+        lib.recsave_cuda_error_string.argtypes = [ctypes.c_int]
+        lib.recsave_cuda_error_string.restype = ctypes.c_char_p
+        _lib = lib
+        return lib
+
+
+def available() -> bool:
+    """True when the kernels are built, load, and the knob ``cuda_kernels`` is on."""
+    return bool(knobs.get("cuda_kernels")) and torch.cuda.is_available() and _load() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why available() is False (None when it is True)."""
+    if not knobs.get("cuda_kernels"):
+        return "the knob cuda_kernels is off"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    _load()
+    return _why_not
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        assert _lib is not None
+        raise RuntimeError(f"recsave CUDA kernel {what} failed: {_lib.recsave_cuda_error_string(code).decode()}")
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def find(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(row, slot) of each id in the table (keys, rows), -1 / -1 where absent; one launch."""
+    lib = _load()
+    assert lib is not None, "find() called without available()"
+    ids = ids.contiguous()
+    n = ids.numel()
+    out_rows = torch.empty(n, dtype=torch.int64, device=ids.device)
+    out_slots = torch.empty(n, dtype=torch.int64, device=ids.device)
+    with torch.cuda.device(ids.device):
+        _check(lib.recsave_idmap_find(keys.data_ptr(), rows.data_ptr(), mask, ids.data_ptr(), n,
+                                      out_rows.data_ptr(), out_slots.data_ptr(), _stream(ids.device)), "find")
+    return out_rows, out_slots
+
+
+def place(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor, vals: torch.Tensor) -> int:
+    """Stores distinct ids known to be absent with their rows (the table must have room); returns
+    how many deleted slots they took (one launch, then one sync for that count)."""
+    lib = _load()
+    assert lib is not None, "place() called without available()"
+    ids, vals = ids.contiguous(), vals.contiguous()
+    reused = torch.zeros(1, dtype=torch.int64, device=ids.device)
+    with torch.cuda.device(ids.device):
+        _check(lib.recsave_idmap_place(keys.data_ptr(), rows.data_ptr(), mask, ids.data_ptr(), vals.data_ptr(),
+                                       ids.numel(), reused.data_ptr(), _stream(ids.device)), "place")
+    return int(reused.item())
