@@ -8,12 +8,23 @@ from typing import List, Optional
 
 import torch
 
+from recsave import knobs
+
 
 def _pinned(nbytes: int) -> torch.Tensor:
     try:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     except RuntimeError:  # page-locked memory exhausted: a pageable buffer still works, slower
         return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def buffer_size(nbytes: int) -> int:
+    """Bytes to allocate for a block of `nbytes`: a request over a quarter of write_block_bytes
+    gets a whole block at once (blocks are at most that), so the buffer never grows again. Each
+    growth would leave the old buffer in torch's pinned-memory cache, where it stays resident:
+    a 4 GB save of CUDA tables grew its two buffers often enough to hold 367 MB (H200, ea2667a)."""
+    block = knobs.get("write_block_bytes")
+    return max(nbytes, block) if 4 * nbytes > block else nbytes
 
 
 class PinnedPair:
@@ -31,7 +42,8 @@ class PinnedPair:
         self._next ^= 1
         buf = self._buffers[k]
         if buf is None or buf.numel() < nbytes:
-            self._buffers[k] = buf = _pinned(nbytes)
+            self._buffers[k] = None
+            self._buffers[k] = buf = _pinned(buffer_size(nbytes))
         return buf[:nbytes]
 
 
@@ -84,7 +96,7 @@ class HostToDevice:
         buf = self._buffers[k]
         if buf is None or buf.numel() < nbytes:
             self._buffers[k] = None
-            self._buffers[k] = buf = _pinned(nbytes)
+            self._buffers[k] = buf = _pinned(buffer_size(nbytes))
         return buf[:nbytes].view(like.dtype).view(like.shape)
 
     def copy(self, dst: torch.Tensor, host: torch.Tensor) -> None:

@@ -1,0 +1,27 @@
+"""The host buffers of CUDA saves and restores (tables/devcopy.py): sized so that they never grow
+block by block (each growth would leave the old buffer resident in torch's pinned-memory cache).
+Runs on the CPU too, where page-locked memory falls back to pageable buffers."""
+from __future__ import annotations
+
+from recsave import knobs
+from recsave.tables.devcopy import PinnedPair, buffer_size
+
+
+def test_large_requests_get_a_whole_block_small_ones_their_size():
+    with knobs.override(write_block_bytes=1 << 20):
+        assert buffer_size(1000) == 1000
+        assert buffer_size(1 << 18) == 1 << 18  # a quarter block: exact
+        assert buffer_size((1 << 18) + 1) == 1 << 20
+        assert buffer_size(1 << 20) == 1 << 20
+        assert buffer_size(3 << 20) == 3 << 20  # one segment larger than a block
+
+
+def test_pinned_pair_keeps_its_buffers_across_blocks_of_varying_size():
+    with knobs.override(write_block_bytes=1 << 20):
+        pair = PinnedPair()
+        first = [pair.take(700_000), pair.take(800_000)]
+        ptrs = [b.data_ptr() for b in first]
+        for nbytes in (900_000, 1 << 20, 300_000, 1_000_000):  # blocks of a save, all <= one block
+            for k in range(2):
+                buf = pair.take(nbytes)
+                assert buf.numel() == nbytes and buf.data_ptr() == ptrs[k]
