@@ -395,6 +395,40 @@ def _raw_read_to_device(path: str, into: List[torch.Tensor], pinned: torch.Tenso
 
 
 # ------------------------------------------------------------------------------------------------
+# Where a CUDA save's host memory goes
+
+def measure_save_rss(args: argparse.Namespace, model: Model, device: torch.device, work: str) -> Dict[str, Any]:
+    """Peak host RSS over the start of each of `--rounds` Saver.save calls in a row (the first
+    allocates the pinned gather buffers, later ones reuse torch's cached pinned memory), per
+    write_block_bytes, with torch's pinned-memory allocator statistics where it has them."""
+    out: Dict[str, Any] = {}
+    for block in (64 << 20, 32 << 20):
+        rounds = []
+        with knobs.override(write_block_bytes=block):
+            for rnd in range(args.rounds):
+                C.clear_dir(work)
+                with Peak() as p:
+                    s = timed(lambda: Saver(model, output_dir=work, max_keep=None).save(f"ckpt_{rnd}"), device)
+                stats = _host_alloc_stats(device)
+                C.log(f"save_rss block {block >> 20} MiB round {rnd}: {p.bytes / 1e6:.0f} MB over start; {stats}")
+                rounds.append({"seconds": s, "rss_over_start": p.bytes, "rss_start": p.start, **stats})
+        out[str(block)] = rounds
+        free(device)
+    return out
+
+
+def _host_alloc_stats(device: torch.device) -> Dict[str, Any]:
+    fn = getattr(torch.cuda, "host_memory_stats", None)
+    if device.type != "cuda" or fn is None:
+        return {}
+    try:
+        st = fn()
+    except Exception:  # older torch: no statistics
+        return {}
+    return {k: v for k, v in st.items() if "bytes" in k and ("current" in k or "peak" in k)}
+
+
+# ------------------------------------------------------------------------------------------------
 # Async staging
 
 def measure_async(args: argparse.Namespace, model: Model, device: torch.device, work: str) -> Dict[str, Any]:
@@ -533,6 +567,13 @@ def report(res: Dict[str, Any]) -> str:
         lines += ["", "ratios (throughput of the first over the second):",
                   C.text_table(["ratio", "x"], [[k, f"{v:.2f}x"] for k, v in ratios])]
         res["ratios"] = dict(ratios)
+    if "save_rss" in res:
+        rows = [[int(block) >> 20, i, C.fmt_num(r["seconds"], 3), C.fmt_num(r["rss_over_start"] / 1e6, 0),
+                 C.fmt_num(r["rss_start"] / 1e6, 0),
+                 C.fmt_num(r.get("allocated_bytes.current", r.get("allocated_bytes.all.current", float("nan"))) / 1e6, 0)]
+                for block, rs in res["save_rss"].items() for i, r in enumerate(rs)]
+        lines += ["", "Saver.save of the CUDA tables, round by round (host RSS MB; pinned = torch's host allocator):",
+                  C.text_table(["block MiB", "round", "s", "RSS over start", "RSS at start", "pinned now"], rows)]
     if "async" in res:
         a = res["async"]
         b = a["staged_bytes"]
@@ -620,7 +661,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except Exception:
                 res["errors"]["save_load"] = traceback.format_exc()
                 C.log(res["errors"]["save_load"])
-        for name, fn in (("async", measure_async), ("delta", measure_delta)):
+        for name, fn in (("save_rss", measure_save_rss), ("async", measure_async), ("delta", measure_delta)):
             if name in only:
                 C.clear_dir(work)
                 try:
