@@ -36,7 +36,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C
@@ -641,37 +641,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     with C.bench_tempdir(args.dir) as work, knobs.override(fsync=False):
         res["machine"] = C.machine_info(work)
         C.check_free_space(work, 3 * args.size_gb * 1e9)
-        if "idmap" in only:
+        state: Dict[str, Any] = {"model": None}
+
+        def model() -> Model:  # the CUDA tables the later sections share (save_load's, else built)
+            if state["model"] is None:
+                free(device)
+                state["model"] = build(args, device)
+            return state["model"]
+
+        def save_load() -> Dict[str, Any]:
+            out = measure_save_load(args, device, work)
+            state["model"] = out.pop("model")
+            return out
+
+        sections: List[Tuple[str, Callable[[], Any]]] = [
+            ("idmap", lambda: measure_idmap(args, device)),
+            ("train", lambda: measure_train(args, device)),
+            ("save_load", save_load),
+            ("save_rss", lambda: measure_save_rss(args, model(), device, work)),
+            ("async", lambda: measure_async(args, model(), device, work)),
+            ("delta", lambda: measure_delta(args, model(), device, work)),
+        ]
+        for name, fn in sections:
+            if name not in only:
+                continue
+            C.clear_dir(work)
             try:
-                res["idmap"] = measure_idmap(args, device)
-            except Exception:
-                res["errors"]["idmap"] = traceback.format_exc()
-                C.log(res["errors"]["idmap"])
-        if "train" in only:
-            try:
-                res["train"] = measure_train(args, device)
-            except Exception:
-                res["errors"]["train"] = traceback.format_exc()
-                C.log(res["errors"]["train"])
-        model = None
-        if "save_load" in only:
-            try:
-                res["save_load"] = sl = measure_save_load(args, device, work)
-                model = sl.pop("model")
-            except Exception:
-                res["errors"]["save_load"] = traceback.format_exc()
-                C.log(res["errors"]["save_load"])
-        for name, fn in (("save_rss", measure_save_rss), ("async", measure_async), ("delta", measure_delta)):
-            if name in only:
-                C.clear_dir(work)
-                try:
-                    if model is None:
-                        free(device)
-                        model = build(args, device)
-                    res[name] = fn(args, model, device, work)
-                except Exception:
-                    res["errors"][name] = traceback.format_exc()
-                    C.log(res["errors"][name])
+                res[name] = fn()
+            except Exception:  # report it and go on with the other sections
+                res["errors"][name] = traceback.format_exc()
+                C.log(res["errors"][name])
         if device.type == "cuda":
             res["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     text = report(res)
