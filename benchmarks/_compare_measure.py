@@ -57,8 +57,14 @@ def measure_operation(spec: Dict[str, Any]) -> Dict[str, Any]:
         cpu = children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime
         res.update(nbytes=spec["dd_count"] * (64 << 20), cpu_s=cpu, others_cpu_s=max(0.0, res["others_cpu_s"] - cpu),
                    rss_delta=0)
-    # a load holds the state it read; an async save a staged host copy of it
-    res["rss_over_state"] = res["rss_delta"] - (nbytes if kind == "load" or method == "saver_async" else 0)
+    # A load holds the state it read; an async save a staged host copy of it. The Saver's rows also
+    # hold what a HashTable keeps beyond the benchmark's tensors: after a load its id map and the
+    # row metadata (last_step, count), in an async save's staged copy the metadata. Those count as
+    # state (`rss_over_state`); `rss_over_tensors` counts only the benchmark's tensors.
+    held = nbytes if kind == "load" or method == "saver_async" else 0
+    res["table_extra_bytes"] = table_extra_bytes(model, kind, method)
+    res["rss_over_tensors"] = res["rss_delta"] - held
+    res["rss_over_state"] = res["rss_delta"] - held - res["table_extra_bytes"]
     if patched is not None:
         res["verify_patched_calls"] = patched[0]
     if "saver" in spec:
@@ -76,6 +82,18 @@ def measure_operation(spec: Dict[str, Any]) -> Dict[str, Any]:
                    or out[n].shape != t.shape or not torch.equal(out[n], t)]
         res["check"] = {"ok": not bad, "mismatched": bad}
     return res
+
+
+def table_extra_bytes(model: Any, kind: str, method: str) -> int:
+    """What the Saver's tables hold beyond the benchmark's tensors (ids, embedding, slots): after a
+    load, every table's id map and row metadata (HashTable.memory_bytes); in an async save's staged
+    copy, the row metadata (16 bytes a row). 0 for other operations."""
+    if model is None or not (kind == "load" or method == "saver_async"):
+        return 0
+    tables = [m for m in model.modules() if hasattr(m, "memory_bytes")]
+    if kind == "load":
+        return sum(t.memory_bytes()["id_map"] + t.memory_bytes()["meta"] for t in tables)
+    return sum(16 * len(t) for t in tables)
 
 
 def run_rounds(args: argparse.Namespace, tmp: str, layout: Layout, methods: Dict[str, List[str]], repeats: int,
@@ -135,6 +153,8 @@ def summarize(samples: Samples) -> Dict[Tuple[str, str], Dict[str, Any]]:
         s = summary[key]
         s["rss_over_state_max"] = max(x["rss_over_state"] for x in runs)
         s["rss_over_state_median"] = C.median([x["rss_over_state"] for x in runs])
+        s["rss_over_tensors_max"] = max(x.get("rss_over_tensors", x["rss_over_state"]) for x in runs)
+        s["table_extra_bytes"] = max(x.get("table_extra_bytes", 0) for x in runs)
         fr = [x["cached_fraction"] for x in runs if x.get("cached_fraction") is not None]
         s["cached_fraction_median"] = C.median(fr) if fr else None
         s["nbytes"] = runs[0]["nbytes"]

@@ -77,7 +77,8 @@ def run_sweep(args: argparse.Namespace, tmp: str, drop: bool) -> Dict[str, Any]:
             key = (kind, method)
             points = [None if key not in s else
                       {"payload_gb": n / C.GB, "seconds": [x["seconds"] for x in smp[key]],
-                       **{f: s[key][f] for f in ("median_s", "median_gbps", "min_s", "max_s", "rss_over_state_max")}}
+                       **{f: s[key][f] for f in ("median_s", "median_gbps", "min_s", "max_s", "rss_over_state_max",
+                                                 "rss_over_tensors_max", "table_extra_bytes")}}
                       for n, s, smp in per_size]
             xs = [p["payload_gb"] for p in points if p for _ in p["seconds"]]
             ys = [t for p in points if p for t in p["seconds"]]

@@ -140,3 +140,18 @@ def test_cuda_kernels_are_optional_without_a_gpu():
         assert cudakernels.unavailable_reason() == "the knob cuda_kernels is off"
     m = TensorIdMap("cpu")  # the torch-ops loops, as ever
     assert m.lookup_or_insert(torch.tensor([5, 7, 5]))[0].tolist() == [0, 1, 0]
+
+
+def test_memory_bytes_counts_what_a_table_holds():
+    for kind in ("cpu", "tensor"):
+        t = HashTable(8, name="m", id_map=kind)
+        SparseAdagrad(t, lr=0.1)
+        t.load_rows(torch.arange(3000) * 11, torch.randn(3000, 8))
+        mem = t.memory_bytes()
+        cap = t._store.capacity  # noqa: SLF001 (the storage's capacity, which the sizes follow)
+        assert mem["embedding"] == cap * 8 * 4 and mem["slots"] == cap * 8 * 4
+        assert mem["row_ids"] == cap * 8 and mem["meta"] == cap * 16
+        per_slot = 16 if kind == "cpu" else 24
+        slots = t._map.slot_capacity  # noqa: SLF001
+        assert slots >= 2 * 3000 * 0.5 and mem["id_map"] >= per_slot * slots
+        assert mem["id_map"] <= per_slot * slots + 3000

@@ -277,6 +277,12 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         ids, rows = self._map.export()
         return ids.cpu(), rows.cpu()
 
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes the table holds on its device, by part: ``embedding`` and ``slots`` (row storage
+        to capacity), ``row_ids`` and ``meta`` (each row's id, ``last_step`` and ``count``) and
+        ``id_map``. Pending gradients are not counted (they last until the optimizer step)."""
+        return {**self._store.nbytes(), "id_map": int(self._map.nbytes)}
+
     def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment."""
         return self._store.gather(rows)

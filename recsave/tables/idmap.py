@@ -46,6 +46,15 @@ class CpuIdMap:
     def row_capacity(self) -> int:
         return self._map.row_capacity
 
+    @property
+    def slot_capacity(self) -> int:
+        return self._map.slot_capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the map: 16 bytes a slot (id, row) and a bit a row for the free rows."""
+        return 16 * self._map.slot_capacity + self._map.row_capacity // 8
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self._map.lookup(_host_array(ids), knobs.get("concurrency")))
 
@@ -105,6 +114,11 @@ class TensorIdMap:
     @property
     def slot_capacity(self) -> int:
         return self._mask + 1
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the map on its device: keys, rows and claims (8 bytes each a slot), free rows."""
+        return 24 * self.slot_capacity + 8 * self._free.numel()
 
     # ------------------------------------------------------------------------------- probing
     def _kernels(self) -> bool:
