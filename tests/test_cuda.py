@@ -273,9 +273,15 @@ def test_cuda_state_dict_round_trip_and_eviction(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The id-map kernels of csrc/cuda/ against the torch-ops probe loops and the C++ map
 
-def test_id_map_kernels_match_the_torch_ops_and_the_cpp_map():
-    if not cudakernels.available():
+def _require_kernels() -> None:
+    """Skips where the kernels are not built; where they are, they must run on this GPU."""
+    if not cudakernels.built():
         pytest.skip(f"CUDA kernels not built: {cudakernels.unavailable_reason()}")
+    assert cudakernels.available(torch.device("cuda")), cudakernels.unavailable_reason(torch.device("cuda"))
+
+
+def test_id_map_kernels_match_the_torch_ops_and_the_cpp_map():
+    _require_kernels()
     rng = np.random.default_rng(0)
     fast, slow, mixed = (TensorIdMap("cuda", capacity=4) for _ in range(3))
     ref = CpuIdMap()
@@ -316,8 +322,7 @@ def test_id_map_kernels_match_the_torch_ops_and_the_cpp_map():
 
 
 def test_cuda_tables_train_identically_with_and_without_the_kernels(tmp_path):
-    if not cudakernels.available():
-        pytest.skip(f"CUDA kernels not built: {cudakernels.unavailable_reason()}")
+    _require_kernels()
     with_k, opts_k, _ = _job("cuda", str(tmp_path / "k"))
     _train(with_k, opts_k, 4, "cuda", seed=4)
     with knobs.override(cuda_kernels=False):

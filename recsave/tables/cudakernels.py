@@ -10,21 +10,25 @@ CUDA stream, a cudaError_t back. Tensors passed in must be contiguous int64 on o
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from recsave import knobs
 
+log = logging.getLogger("recsave")
+
 _ABI_VERSION = 1
 _LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_cuda_kernels.so")
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # _probe loads the library under it
 _lib: Optional[ctypes.CDLL] = None
 _why_not: Optional[str] = None
 _tried = False
+_device_why_not: Dict[int, Optional[str]] = {}  # device index -> None (the kernels run there) or why not
 
 
 def _load() -> Optional[ctypes.CDLL]:
@@ -56,19 +60,50 @@ def _load() -> Optional[ctypes.CDLL]:
         return lib
 
 
-def available() -> bool:
-    """True when the kernels are built, load, and the knob ``cuda_kernels`` is on."""
-    return bool(knobs.get("cuda_kernels")) and torch.cuda.is_available() and _load() is not None
+def built() -> bool:
+    """True when setup.py built the library (it may still not load or run: see available())."""
+    return os.path.exists(_LIBRARY)
 
 
-def unavailable_reason() -> Optional[str]:
-    """Why available() is False (None when it is True)."""
+def available(device: Optional[torch.device] = None) -> bool:
+    """True when the kernels are built, load, the knob ``cuda_kernels`` is on and (for `device`, a
+    CUDA device; default the current one) they ran a first probe there."""
+    return unavailable_reason(device) is None
+
+
+def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
+    """Why available(device) is False (None when it is True)."""
     if not knobs.get("cuda_kernels"):
         return "the knob cuda_kernels is off"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
-    _load()
-    return _why_not
+    if _load() is None:
+        return _why_not
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _device_why_not:
+        with _lock:
+            if index not in _device_why_not:
+                _device_why_not[index] = _probe(index)
+                if _device_why_not[index] is not None:
+                    log.warning("recsave: %s; CUDA tables there use torch ops", _device_why_not[index])
+    return _device_why_not[index]
+
+
+def _probe(index: int) -> Optional[str]:
+    """Places one id in a two-slot table on cuda:`index` and finds it again: None when the kernels
+    ran there (e.g. not a GPU older than the architectures they were built for), else why not."""
+    device = torch.device("cuda", index)
+    try:
+        keys = torch.zeros(2, dtype=torch.int64, device=device)
+        rows = torch.full((2,), -1, dtype=torch.int64, device=device)
+        ids = torch.tensor([7], dtype=torch.int64, device=device)
+        _place_unchecked(keys, rows, 1, ids, torch.tensor([5], dtype=torch.int64, device=device))
+        found, _ = _find_unchecked(keys, rows, 1, torch.tensor([7, 8], dtype=torch.int64, device=device))
+        if found.tolist() != [5, -1]:
+            return f"the CUDA kernels gave wrong results on {device} ({found.tolist()} for [5, -1])"
+    except Exception as exc:  # any failure: the torch ops take over
+        return f"the CUDA kernels do not run on {device}: {exc}"
+    return None
 
 
 def _check(code: int, what: str) -> None:
@@ -83,8 +118,14 @@ def _stream(device: torch.device) -> int:
 
 def find(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(row, slot) of each id in the table (keys, rows), -1 / -1 where absent; one launch."""
+    assert available(ids.device), "find() called without available()"
+    return _find_unchecked(keys, rows, mask, ids)
+
+
+def _find_unchecked(keys: torch.Tensor, rows: torch.Tensor, mask: int,
+                    ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     lib = _load()
-    assert lib is not None, "find() called without available()"
+    assert lib is not None
     ids = ids.contiguous()
     n = ids.numel()
     out_rows = torch.empty(n, dtype=torch.int64, device=ids.device)
@@ -98,8 +139,13 @@ def find(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor) -
 def place(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor, vals: torch.Tensor) -> int:
     """Stores distinct ids known to be absent with their rows (the table must have room); returns
     how many deleted slots they took (one launch, then one sync for that count)."""
+    assert available(ids.device), "place() called without available()"
+    return _place_unchecked(keys, rows, mask, ids, vals)
+
+
+def _place_unchecked(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor, vals: torch.Tensor) -> int:
     lib = _load()
-    assert lib is not None, "place() called without available()"
+    assert lib is not None
     ids, vals = ids.contiguous(), vals.contiguous()
     reused = torch.zeros(1, dtype=torch.int64, device=ids.device)
     with torch.cuda.device(ids.device):

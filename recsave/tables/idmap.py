@@ -123,7 +123,7 @@ class TensorIdMap:
     # ------------------------------------------------------------------------------- probing
     def _kernels(self) -> bool:
         """Probe with the CUDA kernels (a CUDA map, the kernels built and the knob on)."""
-        return self.device.type == "cuda" and cudakernels.available()
+        return self.device.type == "cuda" and cudakernels.available(self.device)
 
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         h = ids ^ _lsr(ids, 33)
