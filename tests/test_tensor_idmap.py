@@ -155,3 +155,28 @@ def test_memory_bytes_counts_what_a_table_holds():
         slots = t._map.slot_capacity  # noqa: SLF001
         assert slots >= 2 * 3000 * 0.5 and mem["id_map"] >= per_slot * slots
         assert mem["id_map"] <= per_slot * slots + 3000
+
+
+def test_cuda_kernel_probe_outcomes_are_cached_only_when_final(monkeypatch, caplog):
+    """The per-GPU probe's bookkeeping (the probe itself runs in test_cuda.py on a GPU): a kernel
+    failure is remembered and warned about once; a failure to allocate the probe is not."""
+    from recsave.tables import cudakernels
+
+    answers = iter([("no memory for the probe", False), ("does not run", True)])
+    calls = []
+
+    def probe(index):
+        calls.append(index)
+        return next(answers)
+
+    monkeypatch.setattr(cudakernels.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cudakernels, "_load", lambda: object())
+    monkeypatch.setattr(cudakernels, "_probe", probe)
+    monkeypatch.setattr(cudakernels, "_device_why_not", {})
+    gpu = torch.device("cuda", 3)
+    with caplog.at_level("WARNING", logger="recsave"):
+        assert cudakernels.unavailable_reason(gpu) == "no memory for the probe"  # not final: asked again
+        assert cudakernels.unavailable_reason(gpu) == "does not run"
+        assert cudakernels.unavailable_reason(gpu) == "does not run" and not cudakernels.available(gpu)
+    assert calls == [3, 3]
+    assert [r.getMessage() for r in caplog.records].count("recsave: does not run; CUDA tables there use torch ops") == 1

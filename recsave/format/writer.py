@@ -321,6 +321,7 @@ def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]
                              f"{src.dtype}{[z - a] + list(src.shape[1:])}", key=name)
         return block
 
+    fetch = knobs.carried(fetch)  # knob overrides are per thread: the gather thread sees this one's
     with ThreadPoolExecutor(1, thread_name_prefix="recsave-gather") as pool:
         pending = pool.submit(fetch, plan[0])
         for k, segs in enumerate(plan):

@@ -196,6 +196,7 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
         return False
     threads = target.concurrency
     ids, _ = src.read_table(src_table, [], rank, world, threads)
+    block_bytes = knobs.get("write_block_bytes")
 
     def fill(views: Dict[str, torch.Tensor]) -> None:
         if all(v.device.type == "cpu" for v in views.values()):
@@ -205,8 +206,7 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
         # A device table's columns are read in blocks of about write_block_bytes into two pinned
         # buffers: block k+1 is read while block k is copied to the device, and the host holds
         # two blocks, not two columns.
-        block_bytes = knobs.get("write_block_bytes")
-        with HostToDevice() as h2d:
+        with HostToDevice(block_bytes) as h2d:
             for column, view in views.items():
                 step = max(1, block_bytes // max(1, view[:1].numel() * view.element_size()))
                 for a in range(0, view.shape[0], step):

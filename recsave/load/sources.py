@@ -183,7 +183,8 @@ class ChainSource(CheckpointSource):
                    out: Optional[Dict[str, torch.Tensor]] = None, with_ids: bool = True,
                    part: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:
         ids, data = merge.merged_table(self, table, list(columns), rank, world, concurrency)
-        if part is not None:  # the merged rows are built whole: a part is a slice of them
+        if part is not None:  # the merged rows are built whole per call: a part is a slice of them
+            # (reading a chain in k parts merges it k times; the block-wise restore never does)
             ids = ids[part[0]:part[1]]
             data = {c: t[part[0]:part[1]] for c, t in data.items()}
         if out:

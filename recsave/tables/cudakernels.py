@@ -32,32 +32,35 @@ _device_why_not: Dict[int, Optional[str]] = {}  # device index -> None (the kern
 
 
 def _load() -> Optional[ctypes.CDLL]:
+    """The library, loaded once (None, with the reason in _why_not, where it cannot be)."""
     global _lib, _why_not, _tried
+    if _tried:  # every probe step of a table asks: no lock once decided (both set before _tried)
+        return _lib
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if not os.path.exists(_LIBRARY):
-            _why_not = f"{_LIBRARY} was not built (setup.py builds it where nvcc and a CUDA torch exist)"
-            return None
-        try:
-            lib = ctypes.CDLL(_LIBRARY)
-        except OSError as exc:
-            _why_not = f"{_LIBRARY} does not load: {exc}"
-            return None
-        lib.recsave_cuda_abi_version.restype = ctypes.c_int
-        if lib.recsave_cuda_abi_version() != _ABI_VERSION:
-            _why_not = f"{_LIBRARY} is of another recsave version; rebuild it (make build)"
-            return None
-        ptr, i64, u64 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_ulonglong
-        lib.recsave_idmap_find.argtypes = [ptr, ptr, u64, ptr, i64, ptr, ptr, ptr]
-        lib.recsave_idmap_find.restype = ctypes.c_int
-        lib.recsave_idmap_place.argtypes = [ptr, ptr, u64, ptr, ptr, i64, ptr, ptr]
-        lib.recsave_idmap_place.restype = ctypes.c_int
-        lib.recsave_cuda_error_string.argtypes = [ctypes.c_int]
-        lib.recsave_cuda_error_string.restype = ctypes.c_char_p
-        _lib = lib
-        return lib
+        if not _tried:
+            _lib, _why_not = _open_library()
+            _tried = True
+        return _lib
+
+
+def _open_library() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
+    if not os.path.exists(_LIBRARY):
+        return None, f"{_LIBRARY} was not built (setup.py builds it where nvcc and a CUDA torch exist)"
+    try:
+        lib = ctypes.CDLL(_LIBRARY)
+    except OSError as exc:
+        return None, f"{_LIBRARY} does not load: {exc}"
+    lib.recsave_cuda_abi_version.restype = ctypes.c_int
+    if lib.recsave_cuda_abi_version() != _ABI_VERSION:
+        return None, f"{_LIBRARY} is of another recsave version; rebuild it (make build)"
+    ptr, i64, u64 = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_ulonglong
+    lib.recsave_idmap_find.argtypes = [ptr, ptr, u64, ptr, i64, ptr, ptr, ptr]
+    lib.recsave_idmap_find.restype = ctypes.c_int
+    lib.recsave_idmap_place.argtypes = [ptr, ptr, u64, ptr, ptr, i64, ptr, ptr]
+    lib.recsave_idmap_place.restype = ctypes.c_int
+    lib.recsave_cuda_error_string.argtypes = [ctypes.c_int]
+    lib.recsave_cuda_error_string.restype = ctypes.c_char_p
+    return lib, None
 
 
 def built() -> bool:
@@ -80,36 +83,54 @@ def unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
     if _load() is None:
         return _why_not
     index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if index not in _device_why_not:
-        with _lock:
-            if index not in _device_why_not:
-                _device_why_not[index] = _probe(index)
-                if _device_why_not[index] is not None:
-                    log.warning("recsave: %s; CUDA tables there use torch ops", _device_why_not[index])
-    return _device_why_not[index]
+    if index in _device_why_not:
+        return _device_why_not[index]
+    with _lock:
+        if index not in _device_why_not:
+            why, final = _probe(index)
+            if not final:  # e.g. no memory for the probe's tensors: this call only, ask again later
+                return why
+            _device_why_not[index] = why
+            if why is not None:
+                log.warning("recsave: %s; CUDA tables there use torch ops", why)
+        return _device_why_not[index]
 
 
-def _probe(index: int) -> Optional[str]:
-    """Places one id in a two-slot table on cuda:`index` and finds it again: None when the kernels
-    ran there (e.g. not a GPU older than the architectures they were built for), else why not."""
+def _probe(index: int) -> Tuple[Optional[str], bool]:
+    """Places one id in a two-slot table on cuda:`index` and finds it again. Returns (None when the
+    kernels ran there, else why not; whether that is final). A kernel that does not launch (e.g. a
+    GPU older than the architectures built) or answers wrongly is final; anything else (no memory
+    for the probe's tensors) is not."""
     device = torch.device("cuda", index)
     try:
         keys = torch.zeros(2, dtype=torch.int64, device=device)
         rows = torch.full((2,), -1, dtype=torch.int64, device=device)
         ids = torch.tensor([7], dtype=torch.int64, device=device)
-        _place_unchecked(keys, rows, 1, ids, torch.tensor([5], dtype=torch.int64, device=device))
-        found, _ = _find_unchecked(keys, rows, 1, torch.tensor([7, 8], dtype=torch.int64, device=device))
-        if found.tolist() != [5, -1]:
-            return f"the CUDA kernels gave wrong results on {device} ({found.tolist()} for [5, -1])"
-    except Exception as exc:  # any failure: the torch ops take over
-        return f"the CUDA kernels do not run on {device}: {exc}"
-    return None
+        vals = torch.tensor([5], dtype=torch.int64, device=device)
+        probe = torch.tensor([7, 8], dtype=torch.int64, device=device)
+    except Exception as exc:  # not the kernels' failure: the torch ops take this call
+        return f"no memory for the CUDA kernels' probe on {device}: {exc}", False
+    try:
+        _place_unchecked(keys, rows, 1, ids, vals)
+        found = _find_unchecked(keys, rows, 1, probe)[0].tolist()
+    except Exception as exc:  # a launch or an error it left: the torch ops take over
+        return f"the CUDA kernels do not run on {device}: {exc}", True
+    if found != [5, -1]:
+        return f"the CUDA kernels gave wrong results on {device} ({found} for [5, -1])", True
+    return None, True
 
 
 def _check(code: int, what: str) -> None:
     if code != 0:
         assert _lib is not None
         raise RuntimeError(f"recsave CUDA kernel {what} failed: {_lib.recsave_cuda_error_string(code).decode()}")
+
+
+def _same_device(*tensors: torch.Tensor) -> None:
+    """A kernel given pointers into another GPU's memory would fault the whole process."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise RuntimeError(f"recsave CUDA kernels need all tensors on one device, got {sorted(map(str, devices))}")
 
 
 def _stream(device: torch.device) -> int:
@@ -126,6 +147,7 @@ def _find_unchecked(keys: torch.Tensor, rows: torch.Tensor, mask: int,
                     ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     lib = _load()
     assert lib is not None
+    _same_device(keys, rows, ids)
     ids = ids.contiguous()
     n = ids.numel()
     out_rows = torch.empty(n, dtype=torch.int64, device=ids.device)
@@ -146,6 +168,7 @@ def place(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor, 
 def _place_unchecked(keys: torch.Tensor, rows: torch.Tensor, mask: int, ids: torch.Tensor, vals: torch.Tensor) -> int:
     lib = _load()
     assert lib is not None
+    _same_device(keys, rows, ids, vals)
     ids, vals = ids.contiguous(), vals.contiguous()
     reused = torch.zeros(1, dtype=torch.int64, device=ids.device)
     with torch.cuda.device(ids.device):

@@ -18,12 +18,13 @@ def _pinned(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def buffer_size(nbytes: int) -> int:
-    """Bytes to allocate for a block of `nbytes`: a request over a quarter of write_block_bytes
-    gets a whole block at once (blocks are at most that), so the buffer never grows again. Each
-    growth would leave the old buffer in torch's pinned-memory cache, where it stays resident:
-    a 4 GB save of CUDA tables grew its two buffers often enough to hold 367 MB (H200, ea2667a)."""
-    block = knobs.get("write_block_bytes")
+def buffer_size(nbytes: int, block: Optional[int] = None) -> int:
+    """Bytes to allocate for a block of `nbytes`: a request over a quarter of `block` (default the
+    knob write_block_bytes) gets a whole block at once (blocks are at most that), so the buffer
+    never grows again. Each growth would leave the old buffer in torch's pinned-memory cache, where
+    it stays resident: a 4 GB save of CUDA tables grew its two buffers often enough to hold 367 MB
+    (H200, ea2667a)."""
+    block = knobs.get("write_block_bytes") if block is None else block
     return max(nbytes, block) if 4 * nbytes > block else nbytes
 
 
@@ -35,6 +36,8 @@ class PinnedPair:
     def __init__(self) -> None:
         self._buffers: List[Optional[torch.Tensor]] = [None, None]
         self._next = 0
+        # read here, in the thread that plans the blocks (take() runs on the gather thread)
+        self._block = knobs.get("write_block_bytes")
 
     def take(self, nbytes: int) -> torch.Tensor:
         """The next buffer (uint8, at least `nbytes`)."""
@@ -43,7 +46,7 @@ class PinnedPair:
         buf = self._buffers[k]
         if buf is None or buf.numel() < nbytes:
             self._buffers[k] = None
-            self._buffers[k] = buf = _pinned(buffer_size(nbytes))
+            self._buffers[k] = buf = _pinned(buffer_size(nbytes, self._block))
         return buf[:nbytes]
 
 
@@ -76,11 +79,12 @@ class HostToDevice:
     copy out of one buffer overlaps the read into the other. Use as a context manager; on exit the
     copies are complete and ordered before later work on the current stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_bytes: Optional[int] = None) -> None:
         self._buffers: List[Optional[torch.Tensor]] = [None, None]
         self._events: List[Optional[torch.cuda.Event]] = [None, None]
         self._next = 0
         self._stream: Optional[torch.cuda.Stream] = None
+        self._block = knobs.get("write_block_bytes") if block_bytes is None else block_bytes
 
     def __enter__(self) -> "HostToDevice":
         return self
@@ -96,7 +100,7 @@ class HostToDevice:
         buf = self._buffers[k]
         if buf is None or buf.numel() < nbytes:
             self._buffers[k] = None
-            self._buffers[k] = buf = _pinned(buffer_size(nbytes))
+            self._buffers[k] = buf = _pinned(buffer_size(nbytes, self._block))
         return buf[:nbytes].view(like.dtype).view(like.shape)
 
     def copy(self, dst: torch.Tensor, host: torch.Tensor) -> None:

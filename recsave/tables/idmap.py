@@ -91,6 +91,9 @@ class TensorIdMap:
 
     def __init__(self, device: torch.device | str = "cpu", capacity: int = 1024):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # the GPU its tensors land on now, not whichever is current at a later call
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._size = 0
         self._deleted = 0
         self._row_capacity = 0
@@ -100,7 +103,7 @@ class TensorIdMap:
     def _allocate(self, capacity: int) -> None:
         self._keys = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self._rows = torch.full((capacity,), _EMPTY, dtype=torch.int64, device=self.device)
-        self._claim = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self._claim = torch.empty(0, dtype=torch.int64, device=self.device)  # the torch-ops _place's, made there
         self._mask = capacity - 1
         self._deleted = 0
 
@@ -117,8 +120,9 @@ class TensorIdMap:
 
     @property
     def nbytes(self) -> int:
-        """Memory of the map on its device: keys, rows and claims (8 bytes each a slot), free rows."""
-        return 24 * self.slot_capacity + 8 * self._free.numel()
+        """Memory of the map on its device: keys and rows (8 bytes each a slot), the claims of the
+        torch-ops insert where it ran (8 more a slot), free rows."""
+        return 16 * self.slot_capacity + 8 * (self._claim.numel() + self._free.numel())
 
     # ------------------------------------------------------------------------------- probing
     def _kernels(self) -> bool:
@@ -136,12 +140,12 @@ class TensorIdMap:
     def _find(self, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(row, slot) of each id; -1 / -1 where absent."""
         n = ids.numel()
+        if n and self._size and self._kernels():
+            return cudakernels.find(self._keys, self._rows, self._mask, ids)
         rows = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         if n == 0 or self._size == 0:
             return rows, slots
-        if self._kernels():
-            return cudakernels.find(self._keys, self._rows, self._mask, ids)
         active = torch.arange(n, device=self.device)
         keys, pos = ids, self._home(ids)
         while active.numel():
@@ -158,6 +162,8 @@ class TensorIdMap:
         if self._kernels():
             self._deleted -= cudakernels.place(self._keys, self._rows, self._mask, ids, rows)
             return
+        if self._claim.numel() != self.slot_capacity:
+            self._claim = torch.full((self.slot_capacity,), -1, dtype=torch.int64, device=self.device)
         keys, vals, pos = ids, rows, self._home(ids)
         while keys.numel():
             open_ = self._rows[pos] < 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from recsave import knobs
 from recsave.argcheck import check
 from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables.grads import RowGrads
@@ -91,7 +92,8 @@ class TableStaging:
         # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
         # The fill starts first: the map's slots are allocated and the ids checked while it reads.
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
-            filled = pool.submit(fill, views) if pool and fill else None
+            # knob overrides are per thread: the fill thread sees this one's
+            filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
             try:
                 self._map.reserve(n)
                 if self._partition is not None:
