@@ -92,7 +92,7 @@ def table_extra_bytes(model: Any, kind: str, method: str) -> int:
         return 0
     tables = [m for m in model.modules() if hasattr(m, "memory_bytes")]
     if kind == "load":
-        return sum(t.memory_bytes()["id_map"] + t.memory_bytes()["meta"] for t in tables)
+        return sum(mem["id_map"] + mem["meta"] for mem in (t.memory_bytes() for t in tables))
     return sum(16 * len(t) for t in tables)
 
 

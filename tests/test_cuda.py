@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import assert_states_equal, row_meta_state, table_state, tables_of
 
 from recsave import HashTable, Saver, knobs
 from recsave.tables import cudakernels
@@ -129,28 +130,18 @@ def test_large_cuda_table_is_gathered_in_blocks(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The rest of the CUDA paths: delta chains, tables moving between devices, the manager's
 # async_pinned autosave, model-bank warm starts, PyTorch interop and eviction on the device.
-# The helpers take the device so their logic can be exercised on a CPU too (`_dry_run` below);
-# the tests themselves always use "cuda".
+# The helpers take the device so their logic can also be exercised on a CPU; the tests themselves
+# always use "cuda".
 
-def _by_id(table: HashTable) -> dict:
-    """Every id's embedding row, slots and row metadata, sorted by id (CPU), plus the table step."""
-    ids, rows = table.id_rows()
-    order = torch.argsort(ids)
-    ids, rows = ids[order], rows[order]
-    values, slots = table.gather_rows(rows)
-    return {"ids": ids, "embedding": values, **{f"slot.{s}": v for s, v in slots.items()},
-            **{f"meta.{m}": v for m, v in table.row_meta(rows).items()}, "step": table.step}
+def _tables_state(model: torch.nn.Module) -> dict:
+    """Every table's ids, rows and slots by sorted id, its row metadata and its step (CPU)."""
+    out = {name + k: v for name, t in tables_of(model).items() for k, v in table_state(t).items()}
+    out.update(row_meta_state(model))
+    return out
 
 
-def _assert_same(a: torch.nn.Module, b: torch.nn.Module, names=("user", "item")) -> None:
-    for name in names:
-        sa, sb = _by_id(getattr(a, name)), _by_id(getattr(b, name))
-        assert sa.keys() == sb.keys(), name
-        for key in sa:
-            if key == "step":
-                assert sa[key] == sb[key], (name, key)
-            else:
-                assert torch.equal(sa[key].cpu(), sb[key].cpu()), (name, key)
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    assert_states_equal(_tables_state(a), _tables_state(b), "tables")
 
 
 def _delta_chain(device: str, out: str):
@@ -243,11 +234,11 @@ def _check_interop_and_evict(device: str, tmp) -> None:
     _assert_same(model, other)
     before = len(model.item)
     # Evicting by count on the device and on a CPU copy of the same rows removes the same ids.
-    state = _by_id(model.item)
+    ids, count = table_state(model.item)["@id"], row_meta_state(model)["item@count"]
     n_dev = model.item.evict(min_count=3)
-    mask = state["meta.count"].reshape(-1) < 3
+    mask = count.reshape(-1) < 3
     assert n_dev == int(mask.sum()) and len(model.item) == before - n_dev
-    assert torch.equal(torch.sort(model.item.ids()).values, state["ids"][~mask])
+    assert torch.equal(torch.sort(model.item.ids()).values, ids[~mask])
 
 
 def test_cuda_delta_chain_restores_bit_exact(tmp_path):

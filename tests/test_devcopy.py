@@ -8,12 +8,12 @@ from recsave.tables.devcopy import PinnedPair, buffer_size
 
 
 def test_large_requests_get_a_whole_block_small_ones_their_size():
-    with knobs.override(write_block_bytes=1 << 20):
-        assert buffer_size(1000) == 1000
-        assert buffer_size(1 << 18) == 1 << 18  # a quarter block: exact
-        assert buffer_size((1 << 18) + 1) == 1 << 20
-        assert buffer_size(1 << 20) == 1 << 20
-        assert buffer_size(3 << 20) == 3 << 20  # one segment larger than a block
+    block = 1 << 20
+    assert buffer_size(1000, block) == 1000
+    assert buffer_size(1 << 18, block) == 1 << 18  # a quarter block: exact
+    assert buffer_size((1 << 18) + 1, block) == 1 << 20
+    assert buffer_size(1 << 20, block) == 1 << 20
+    assert buffer_size(3 << 20, block) == 3 << 20  # one segment larger than a block
 
 
 def test_pinned_pair_keeps_its_buffers_across_blocks_of_varying_size():

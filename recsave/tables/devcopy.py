@@ -18,14 +18,22 @@ def _pinned(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def buffer_size(nbytes: int, block: Optional[int] = None) -> int:
-    """Bytes to allocate for a block of `nbytes`: a request over a quarter of `block` (default the
-    knob write_block_bytes) gets a whole block at once (blocks are at most that), so the buffer
-    never grows again. Each growth would leave the old buffer in torch's pinned-memory cache, where
-    it stays resident: a 4 GB save of CUDA tables grew its two buffers often enough to hold 367 MB
+def buffer_size(nbytes: int, block: int) -> int:
+    """Bytes to allocate for a block of `nbytes`: a request over a quarter of `block` (the knob
+    write_block_bytes) gets a whole block at once (blocks are at most that), so the buffer never
+    grows again. Each growth would leave the old buffer in torch's pinned-memory cache, where it
+    stays resident: a 4 GB save of CUDA tables grew its two buffers often enough to hold 367 MB
     (H200, ea2667a)."""
-    block = knobs.get("write_block_bytes") if block is None else block
     return max(nbytes, block) if 4 * nbytes > block else nbytes
+
+
+def _at_least(buffers: List[Optional[torch.Tensor]], k: int, nbytes: int, block: int) -> torch.Tensor:
+    """buffers[k] if it holds `nbytes`, else a new pinned one in its place (the old one freed first)."""
+    buf = buffers[k]
+    if buf is None or buf.numel() < nbytes:
+        buffers[k] = None
+        buffers[k] = buf = _pinned(buffer_size(nbytes, block))
+    return buf
 
 
 class PinnedPair:
@@ -43,11 +51,7 @@ class PinnedPair:
         """The next buffer (uint8, at least `nbytes`)."""
         k = self._next
         self._next ^= 1
-        buf = self._buffers[k]
-        if buf is None or buf.numel() < nbytes:
-            self._buffers[k] = None
-            self._buffers[k] = buf = _pinned(buffer_size(nbytes, self._block))
-        return buf[:nbytes]
+        return _at_least(self._buffers, k, nbytes, self._block)[:nbytes]
 
 
 class DeviceGather:
@@ -97,11 +101,7 @@ class HostToDevice:
         if event is not None:
             event.synchronize()
         nbytes = like.numel() * like.element_size()
-        buf = self._buffers[k]
-        if buf is None or buf.numel() < nbytes:
-            self._buffers[k] = None
-            self._buffers[k] = buf = _pinned(buffer_size(nbytes, self._block))
-        return buf[:nbytes].view(like.dtype).view(like.shape)
+        return _at_least(self._buffers, k, nbytes, self._block)[:nbytes].view(like.dtype).view(like.shape)
 
     def copy(self, dst: torch.Tensor, host: torch.Tensor) -> None:
         """Starts copying `host` (from buffer()) into the device tensor `dst`."""
