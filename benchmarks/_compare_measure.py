@@ -29,7 +29,7 @@ def measure_operation(spec: Dict[str, Any]) -> Dict[str, Any]:
     state = model = dest = None
     patched = None
     if kind == "save" and method.startswith("saver"):
-        model = build_model(layout, spec["seed"], fill=True)
+        model = build_model(layout, spec["seed"], fill=True, bucket_order=method == "saver_restored")
     elif kind == "save" and method != "dd":
         state = E.build_state(layout, spec["seed"])
     elif kind == "load" and method.startswith("saver"):

@@ -22,6 +22,8 @@ SAVE = {
     "engine_fsync": ("recsave engine write_shards, fsync on", "durable", "engine", True, "engine_fsync"),
     "saver": ("recsave Saver.save, fsync off", "HashTable model, whole API", "saver", False, "saver"),
     "saver_fsync": ("recsave Saver.save (default: fsync on)", "durable", "saver", True, "saver_fsync"),
+    "saver_restored": ("recsave Saver.save of a restored model, fsync off",
+                       "rows in bucket order, as a restore leaves them", "saver", False, "saver_restored"),
     "saver_async": ("recsave Saver.async_save + wait, fsync off", "until committed; RSS over state + staged copy",
                     "saver", False, "saver_async"),
 }
@@ -38,7 +40,8 @@ LOAD = {
 }
 KINDS = {"save": SAVE, "load": LOAD}
 FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
-SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver", "save:saver_async",
+SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver", "save:saver_restored",
+                 "save:saver_async",
                  "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver"]
 
 
@@ -76,7 +79,7 @@ def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> Optio
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=method == "dcp_fsync"))
-    elif method in ("saver", "saver_fsync"):
+    elif method in ("saver", "saver_fsync", "saver_restored"):
         from recsave import knobs
         with knobs.override(fsync=method == "saver_fsync"):
             spec["saver"].save("ckpt_1")

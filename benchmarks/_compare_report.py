@@ -23,6 +23,8 @@ RATIOS = [
     ("save: engine (fsync off) / torch.save", ("save", "engine"), ("save", "torch"), None),
     ("save: engine (fsync off) / DCP save (no sync)", ("save", "engine"), ("save", "dcp"), None),
     ("save: Saver / engine (fsync off)", ("save", "saver"), ("save", "engine"), 0.9),
+    ("save: Saver of a restored model / engine (fsync off)", ("save", "saver_restored"), ("save", "engine"), None),
+    ("save: Saver of a restored model / raw write", ("save", "saver_restored"), ("save", "raw"), None),
     ("save: Saver async_save until committed / Saver.save", ("save", "saver_async"), ("save", "saver"), None),
     ("load: Saver / raw read", ("load", "saver"), ("load", "raw"), 0.9),
     ("load: Saver / torch.load", ("load", "saver"), ("load", "torch"), 1.2),

@@ -25,11 +25,15 @@ def state_layout(size_bytes: int, tables: int, dim: int, slots: int, rows: Optio
     return out
 
 
-def build_model(layout: Layout, seed: int, fill: bool) -> Any:
+def build_model(layout: Layout, seed: int, fill: bool, bucket_order: bool = False) -> Any:
     """A ModuleDict of recsave.HashTables matching `layout`; with `fill`, holding exactly the ids and
-    values engine.build_state(layout, seed) makes (rows filled in place: no second copy)."""
+    values engine.build_state(layout, seed) makes (rows filled in place: no second copy). With
+    `bucket_order`, each table's rows are in the order a restore leaves them (ids sorted by bucket,
+    as a checkpoint's files hold them); the values are drawn in the same sequence, so the rows hold
+    the same bytes under other ids."""
     import torch
     import recsave
+    from recsave import partition
 
     g = torch.Generator().manual_seed(seed)
     model, views = torch.nn.ModuleDict(), {}
@@ -46,6 +50,8 @@ def build_model(layout: Layout, seed: int, fill: bool) -> Any:
                 t.add_slot(slot)
             if fill:
                 ids = torch.arange(shape[0]).mul_(len(layout)).add_(k)  # as engine.build_state
+                if bucket_order:
+                    ids = ids[torch.argsort(partition.bucket_of(ids), stable=True)]
                 views = t.prepare_load(ids, columns[table])
                 if views is None:
                     raise RuntimeError(f"{table}: HashTable.prepare_load refused the ids")

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,6 +32,12 @@ namespace {
 constexpr uint64_t kUnit = 1ull << 20;
 // A writer checksums then writes pieces this small, so the system call copies them out of the cache.
 constexpr uint64_t kWritePiece = 256ull << 10;
+// A gather writes a run of consecutive source rows this long or longer straight from the source
+// (an iovec of pwritev), as a contiguous write would; shorter runs are copied into the thread's
+// buffer first. A table kept in bucket order (e.g. restored from a checkpoint) is then written
+// without the copy; one in random order pays it, as one iovec per row would cost more.
+constexpr uint64_t kDirectRun = 4096;
+constexpr int kMaxIov = 1024;  // IOV_MAX on Linux
 // A reader reads pieces of this size into a per-thread buffer that stays in the L2 cache, then copies
 // them into place with streaming stores while checksumming in the same pass: the destination is
 // written once, without first being read into the cache, and the CRC costs no extra memory pass.
@@ -76,6 +83,26 @@ uint32_t combine_units(const std::vector<uint32_t>& crcs, size_t from, size_t to
   uint32_t crc = crcs[from];
   for (size_t u = from + 1; u < to; ++u) crc = crc32c_combine(crc, crcs[u], length_of(u));
   return crc;
+}
+
+// Work groups: runs of consecutive units that follow each other in the file, up to kUnit bytes
+// each; group g is units [groups[g], groups[g + 1]). A caller's checksum segments may be short
+// (cut at bucket boundaries): a group writes several of them with one system call per
+// kWritePiece bytes while still checksumming each unit apart.
+template <typename OffsetOf, typename BytesOf>
+std::vector<size_t> group_units(size_t num_units, OffsetOf offset_of, BytesOf bytes_of) {
+  std::vector<size_t> groups;
+  uint64_t bytes = 0;
+  for (size_t u = 0; u < num_units; ++u) {
+    const bool follows = u > 0 && offset_of(u) == offset_of(u - 1) + bytes_of(u - 1);
+    if (groups.empty() || !follows || bytes + bytes_of(u) > kUnit) {
+      groups.push_back(u);
+      bytes = 0;
+    }
+    bytes += bytes_of(u);
+  }
+  groups.push_back(num_units);
+  return groups;
 }
 
 uint8_t* bounce_buffer() {
@@ -217,6 +244,40 @@ void ShardWriter::put(const uint8_t* src, uint64_t length, uint64_t at) {
 #endif
 }
 
+void ShardWriter::putv(iovec* iov, int count, uint64_t length, uint64_t at) {
+  if (count == 1) {
+    put(static_cast<const uint8_t*>(iov->iov_base), length, at);
+    return;
+  }
+  for (uint64_t done = 0; done < length;) {
+    ssize_t rc = ::pwritev(fd_, iov, count, static_cast<off_t>(at + done));
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      throw_errno(temp_path_, "write of " + describe_range(at + done, length - done));
+    }
+    if (rc == 0) {
+      throw Error(ErrorKind::kIo, temp_path_, "write returned 0 for " + describe_range(at + done, length - done));
+    }
+    done += static_cast<uint64_t>(rc);
+    // A short write: skip the iovecs written whole, advance into the one written in part.
+    for (uint64_t left = static_cast<uint64_t>(rc); left && count;) {
+      if (left >= iov->iov_len) {
+        left -= iov->iov_len;
+        ++iov;
+        --count;
+      } else {
+        iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + left;
+        iov->iov_len -= left;
+        left = 0;
+      }
+    }
+  }
+  bytes_written_.fetch_add(length, std::memory_order_relaxed);
+#if defined(__linux__)
+  if (durable_) ::sync_file_range(fd_, static_cast<off_t>(at), static_cast<off_t>(length), SYNC_FILE_RANGE_WRITE);
+#endif
+}
+
 void ShardWriter::write(const WriteItem* items, size_t n, uint32_t* crcs_out, int threads) {
   std::vector<std::pair<uint64_t, uint64_t>> ranges(n);
   for (size_t i = 0; i < n; ++i) {
@@ -227,19 +288,36 @@ void ShardWriter::write(const WriteItem* items, size_t n, uint32_t* crcs_out, in
 
   std::vector<size_t> first;
   const std::vector<Unit> units = split_units(items, n, first);
+  const std::vector<size_t> groups = group_units(
+      units.size(), [&](size_t u) { return items[units[u].item].offset + units[u].begin; },
+      [&](size_t u) { return units[u].length; });
   std::vector<uint32_t> crcs(units.size());
-  shared_pool(threads).parallel_for(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
-    const Unit& unit = units[u];
-    const WriteItem& it = items[unit.item];
-    const uint8_t* src = static_cast<const uint8_t*>(it.src) + unit.begin;
-    uint32_t crc = 0;
-    for (uint64_t done = 0; done < unit.length;) {
-      uint64_t piece = std::min(kWritePiece, unit.length - done);
-      crc = crc32c(crc, src + done, piece);
-      put(src + done, piece, it.offset + unit.begin + done);
-      done += piece;
+  shared_pool(threads).parallel_for(static_cast<int64_t>(groups.size() - 1), threads, [&](int64_t g) {
+    // Pieces of up to kWritePiece bytes, checksummed then written (still in the cache) with one
+    // pwritev, each unit's CRC apart; a piece may span units.
+    iovec iov[kMaxIov];
+    int count = 0;
+    uint64_t at = items[units[groups[g]].item].offset + units[groups[g]].begin, pending = 0;
+    for (size_t u = groups[g]; u < groups[g + 1]; ++u) {
+      const Unit& unit = units[u];
+      const uint8_t* src = static_cast<const uint8_t*>(items[unit.item].src) + unit.begin;
+      uint32_t crc = 0;
+      for (uint64_t done = 0; done < unit.length;) {
+        const uint64_t piece = std::min(kWritePiece - pending, unit.length - done);
+        crc = crc32c(crc, src + done, piece);
+        iov[count++] = {const_cast<uint8_t*>(src + done), piece};
+        pending += piece;
+        done += piece;
+        if (pending == kWritePiece || count == kMaxIov) {
+          putv(iov, count, pending, at);
+          at += pending;
+          pending = 0;
+          count = 0;
+        }
+      }
+      crcs[u] = crc;
     }
-    crcs[u] = crc;
+    if (pending) putv(iov, count, pending, at);
   });
   for (size_t i = 0; i < n; ++i) crcs_out[i] = combine_units(crcs, first[i], first[i + 1], [&](size_t u) { return units[u].length; });
 }
@@ -271,36 +349,85 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
     return std::pair<uint64_t, uint64_t>{items[i].num_rows, std::max<uint64_t>(1, kUnit / items[i].row_bytes)};
   }, first);
 
+  const auto unit_bytes = [&](size_t u) { return units[u].length * items[units[u].item].row_bytes; };
+  const auto unit_offset = [&](size_t u) {
+    return items[units[u].item].offset + units[u].begin * items[units[u].item].row_bytes;
+  };
+  const std::vector<size_t> groups = group_units(units.size(), unit_offset, unit_bytes);
+  const size_t num_groups = groups.size() - 1;
+
   std::vector<uint32_t> crcs(units.size());
-  shared_pool(threads).parallel_for(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
-    const Unit& unit = units[u];  // begin, length: rows
-    const GatherItem& it = items[unit.item];
-    const uint8_t* base = static_cast<const uint8_t*>(it.base);
-    const int64_t* rows = it.rows + unit.begin;
-    const uint64_t rb = it.row_bytes;
-    const uint64_t per_piece = std::max<uint64_t>(1, kWritePiece / rb);
+  shared_pool(threads).parallel_for(static_cast<int64_t>(num_groups), threads, [&](int64_t g) {
+    // The pending write: iovecs over rows where they lie (runs of at least kDirectRun bytes) and
+    // over rows copied into `buffer` (adjacent copies share one), in file order from `at`.
     thread_local std::vector<uint8_t> buffer;
-    if (buffer.size() < per_piece * rb) buffer.resize(per_piece * rb);
+    thread_local std::vector<iovec> iov;
+    if (iov.size() < static_cast<size_t>(kMaxIov)) iov.resize(kMaxIov);
+    uint64_t capacity = kWritePiece;
+    for (size_t u = groups[g]; u < groups[g + 1]; ++u) capacity = std::max(capacity, items[units[u].item].row_bytes);
+    if (buffer.size() < capacity) buffer.resize(capacity);
     uint8_t* buf = buffer.data();
+    uint64_t at = unit_offset(groups[g]);
+    int count = 0;
+    uint64_t pending = 0, used = 0, span = 0, crc_from = 0;  // bytes: to write, of buf taken, not in an iovec, not checksummed
+    const auto checksum_copied = [&](uint32_t& crc) {
+      if (used > crc_from) crc = crc32c(crc, buf + crc_from, used - crc_from);
+      crc_from = used;
+    };
+    const auto close_span = [&] {
+      if (used > span) iov[count++] = {buf + span, used - span};
+      span = used;
+    };
+    const auto flush = [&](uint32_t& crc) {
+      checksum_copied(crc);
+      close_span();
+      if (pending) putv(iov.data(), count, pending, at);
+      at += pending;
+      pending = used = span = crc_from = 0;
+      count = 0;
+    };
     // Rows are random reads from memory: prefetching a few ahead keeps several misses in flight.
     constexpr uint64_t kAhead = 8;
-    uint32_t crc = 0;
-    uint64_t at = it.offset + unit.begin * rb;
-    for (uint64_t done = 0; done < unit.length;) {
-      const uint64_t k = std::min(per_piece, unit.length - done);
-      for (uint64_t j = 0; j < k; ++j) {
-        if (done + j + kAhead < unit.length) {
-          const uint8_t* ahead = base + static_cast<uint64_t>(rows[done + j + kAhead]) * rb;
-          for (uint64_t line = 0; line < std::min<uint64_t>(rb, 256); line += 64) __builtin_prefetch(ahead + line);
+    for (size_t u = groups[g]; u < groups[g + 1]; ++u) {
+      const Unit& unit = units[u];  // begin, length: rows
+      const GatherItem& it = items[unit.item];
+      const uint8_t* base = static_cast<const uint8_t*>(it.base);
+      const int64_t* rows = it.rows + unit.begin;
+      const uint64_t rb = it.row_bytes;
+      const uint64_t direct_rows = std::max<uint64_t>(2, (kDirectRun + rb - 1) / rb);
+      const uint64_t max_run = std::max<uint64_t>(direct_rows, kWritePiece / rb);
+      uint32_t crc = 0;
+      for (uint64_t j = 0; j < unit.length;) {
+        if (pending >= kWritePiece || count >= kMaxIov - 1) flush(crc);
+        const int64_t first_row = rows[j];
+        uint64_t run = 1;
+        while (run < max_run && j + run < unit.length && rows[j + run] == first_row + static_cast<int64_t>(run)) ++run;
+        const uint8_t* src = base + static_cast<uint64_t>(first_row) * rb;
+        if (run >= direct_rows) {
+          checksum_copied(crc);
+          close_span();
+          crc = crc32c(crc, src, run * rb);
+          iov[count++] = {const_cast<uint8_t*>(src), run * rb};
+        } else {
+          if (used + run * rb > buffer.size()) flush(crc);
+          for (uint64_t r = 0; r < run; ++r) {
+            const uint64_t next = j + r + kAhead;
+            if (next < unit.length) {
+              const uint8_t* ahead = base + static_cast<uint64_t>(rows[next]) * rb;
+              for (uint64_t line = 0; line < std::min<uint64_t>(rb, 256); line += 64) __builtin_prefetch(ahead + line);
+            }
+          }
+          std::memcpy(buf + used, src, run * rb);
+          used += run * rb;
         }
-        std::memcpy(buf + j * rb, base + static_cast<uint64_t>(rows[done + j]) * rb, rb);
+        pending += run * rb;
+        j += run;
       }
-      crc = crc32c(crc, buf, k * rb);
-      put(buf, k * rb, at);
-      at += k * rb;
-      done += k;
+      checksum_copied(crc);
+      crcs[u] = crc;
     }
-    crcs[u] = crc;
+    uint32_t unused = 0;
+    flush(unused);
   });
   for (size_t i = 0; i < n; ++i) {
     crcs_out[i] = combine_units(crcs, first[i], first[i + 1],

@@ -4,6 +4,8 @@
 // this layer moves bytes and guarantees each write / read either fully happened or threw.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -57,8 +59,12 @@ class ShardWriter {
 
   // Writes every gather item at its offset like write(), gathering the rows on the worker threads:
   // each thread copies rows into a small cache-resident buffer, checksums it and writes it, so the
-  // bytes are read from memory once and no permuted copy of the matrix exists. A row index outside
-  // [0, base_rows) is rejected (kInvalid) before anything is written.
+  // bytes are read from memory once and no permuted copy of the matrix exists. Runs of consecutive
+  // rows of 4 KiB and more are checksummed and written where they lie (pwritev), without the copy:
+  // a matrix already in the caller's order costs what a contiguous write() does. Items that follow
+  // each other in the file are written together, up to 1 MiB, so short items (checksum segments cut
+  // at bucket boundaries) do not mean short writes. A row index outside [0, base_rows) is rejected
+  // (kInvalid) before anything is written.
   void write_gathered(const GatherItem* items, size_t n, uint32_t* crcs_out, int threads);
 
   // fsync (when durable), close, rename to `path`, fsync the directory (when durable).
@@ -76,6 +82,8 @@ class ShardWriter {
   void check_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges) const;
   // pwrite of all `length` bytes at `at`.
   void put(const uint8_t* src, uint64_t length, uint64_t at);
+  // pwritev of all `length` bytes of the `count` iovecs at `at` (advances the iovecs on a short write).
+  void putv(struct iovec* iov, int count, uint64_t length, uint64_t at);
 
   std::string path_;
   std::string temp_path_;

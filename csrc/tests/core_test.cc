@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -344,7 +345,9 @@ void test_read_into_fresh_memory(const std::string& dir) {
 
 // Rows gathered by the writer threads: the file holds the permuted rows, each item's CRC is that of
 // its bytes; rows of several sizes (one byte, around the 256 KiB piece, larger than a 1 MiB unit),
-// repeated and empty row lists; an index outside the source is refused before anything is written.
+// repeated and empty row lists, runs of consecutive rows short and long (a long run is written from
+// the source, the rest copied: both in one write, in file order); an index outside the source is
+// refused before anything is written.
 void test_write_gathered(const std::string& dir) {
   std::mt19937_64 rng(9);
   struct Matrix {
@@ -360,6 +363,23 @@ void test_write_gathered(const std::string& dir) {
     for (uint64_t k = 0; k < 2 * m.rows + 1; ++k) m.order.push_back(static_cast<int64_t>(rng() % m.rows));
   }
   mats.back().order.clear();  // an empty row list: an empty item
+  // Runs of consecutive rows of every length around the direct-write threshold (4 KiB: 16 rows of
+  // 256 bytes, 512 of 8, 1 of 4096), mixed with single rows, and whole tables in row order.
+  const std::vector<uint64_t> run_lengths = {1, 2, 15, 16, 17, 40, 600, 1500};
+  for (auto [rows, row_bytes] : {std::pair<uint64_t, uint64_t>{3000, 256}, {40000, 8}, {300, 4096}, {5000, 100}}) {
+    Matrix m{rows, row_bytes, {}, {}};
+    m.data.resize(m.rows * m.row_bytes);
+    for (auto& x : m.data) x = static_cast<uint8_t>(rng());
+    while (m.order.size() < 3 * rows) {
+      const uint64_t len = std::min<uint64_t>(run_lengths[rng() % run_lengths.size()], rows);
+      const uint64_t start = rng() % (rows - len + 1);
+      for (uint64_t r = 0; r < len; ++r) m.order.push_back(static_cast<int64_t>(start + r));
+    }
+    mats.insert(mats.begin(), std::move(m));
+    Matrix ident{rows, row_bytes, mats.front().data, {}};
+    for (uint64_t r = 0; r < rows; ++r) ident.order.push_back(static_cast<int64_t>(r));
+    mats.insert(mats.begin(), std::move(ident));
+  }
   std::vector<recsave::GatherItem> items;
   std::vector<std::vector<uint8_t>> expected;
   uint64_t offset = 3;  // unaligned file offsets
@@ -396,7 +416,7 @@ void test_write_gathered(const std::string& dir) {
   }
   CHECK(same);
 
-  const Matrix& m = mats[0];
+  const Matrix& m = *std::find_if(mats.begin(), mats.end(), [](const Matrix& x) { return x.rows == 1000; });
   for (int64_t bad : {int64_t{-1}, static_cast<int64_t>(m.rows)}) {
     std::vector<int64_t> order = {0, 1, bad};
     recsave::GatherItem item{0, m.data.data(), m.rows, m.row_bytes, order.data(), order.size()};
