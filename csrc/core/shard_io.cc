@@ -89,12 +89,14 @@ uint32_t combine_units(const std::vector<uint32_t>& crcs, size_t from, size_t to
 // each; group g is units [groups[g], groups[g + 1]). A caller's checksum segments may be short
 // (cut at bucket boundaries): a group writes several of them with one system call per
 // kWritePiece bytes while still checksumming each unit apart.
-template <typename OffsetOf, typename BytesOf>
-std::vector<size_t> group_units(size_t num_units, OffsetOf offset_of, BytesOf bytes_of) {
+// `joinable(u)`, when given, must also hold for unit u to join the group of unit u - 1.
+template <typename OffsetOf, typename BytesOf, typename Joinable = bool (*)(size_t)>
+std::vector<size_t> group_units(size_t num_units, OffsetOf offset_of, BytesOf bytes_of,
+                                Joinable joinable = [](size_t) { return true; }) {
   std::vector<size_t> groups;
   uint64_t bytes = 0;
   for (size_t u = 0; u < num_units; ++u) {
-    const bool follows = u > 0 && offset_of(u) == offset_of(u - 1) + bytes_of(u - 1);
+    const bool follows = u > 0 && offset_of(u) == offset_of(u - 1) + bytes_of(u - 1) && joinable(u);
     if (groups.empty() || !follows || bytes + bytes_of(u) > kUnit) {
       groups.push_back(u);
       bytes = 0;
@@ -535,31 +537,56 @@ void ShardReader::read(const ReadItem* items, size_t n, bool verify, int threads
   }
   std::vector<size_t> first;
   const std::vector<Unit> units = split_units(items, n, first);
+  // Units of large items that follow each other in the file and in memory (the checksum segments
+  // of one tensor) are read together: short segments do not mean short reads.
+  const auto dst_of = [&](size_t u) { return static_cast<uint8_t*>(items[units[u].item].dst) + units[u].begin; };
+  const std::vector<size_t> groups = group_units(
+      units.size(), [&](size_t u) { return items[units[u].item].offset + units[u].begin; },
+      [&](size_t u) { return units[u].length; },
+      [&](size_t u) {
+        return items[units[u].item].length > kDirectMax && items[units[u - 1].item].length > kDirectMax &&
+               dst_of(u) == dst_of(u - 1) + units[u - 1].length;
+      });
   std::vector<uint32_t> crcs(units.size());
-  shared_pool(threads).parallel_for(static_cast<int64_t>(units.size()), threads, [&](int64_t u) {
-    const Unit& unit = units[u];
-    const ReadItem& it = items[unit.item];
-    uint8_t* dst = static_cast<uint8_t*>(it.dst) + unit.begin;
-    const uint64_t at = it.offset + unit.begin;
-    if (it.length <= kDirectMax) {
-      read_exact(dst, unit.length, at, it);
-      crcs[u] = verify ? crc32c(0, dst, unit.length) : 0;
+  shared_pool(threads).parallel_for(static_cast<int64_t>(groups.size() - 1), threads, [&](int64_t g) {
+    const size_t g0 = groups[g], g1 = groups[g + 1];
+    const ReadItem& it = items[units[g0].item];
+    uint8_t* dst = dst_of(g0);
+    const uint64_t at = it.offset + units[g0].begin;
+    if (it.length <= kDirectMax) {  // a group of one unit
+      read_exact(dst, units[g0].length, at, it);
+      crcs[g0] = verify ? crc32c(0, dst, units[g0].length) : 0;
       return;
     }
+    uint64_t total = 0;
+    for (size_t u = g0; u < g1; ++u) total += units[u].length;
     uint8_t* bounce = bounce_buffer();
-    populate_if_fresh(dst, unit.length);
+    populate_if_fresh(dst, total);
+    // Pieces of the group through the bounce buffer; each unit's CRC is taken apart.
+    size_t u = g0;
+    uint64_t in_unit = 0;
     uint32_t crc = 0;
-    for (uint64_t done = 0; done < unit.length;) {
-      uint64_t piece = std::min(kBouncePiece, unit.length - done);
-      read_exact(bounce, piece, at + done, it);
-      if (verify) {
-        crc = crc32c_copy(crc, dst + done, bounce, piece);
-      } else {
-        copy_streaming(dst + done, bounce, piece);
+    for (uint64_t done = 0; done < total;) {
+      const uint64_t piece = std::min(kBouncePiece, total - done);
+      read_exact(bounce, piece, at + done, items[units[u].item]);
+      for (uint64_t p = 0; p < piece;) {
+        const uint64_t take = std::min(piece - p, units[u].length - in_unit);
+        if (verify) {
+          crc = crc32c_copy(crc, dst + done + p, bounce + p, take);
+        } else {
+          copy_streaming(dst + done + p, bounce + p, take);
+        }
+        p += take;
+        in_unit += take;
+        if (in_unit == units[u].length) {
+          crcs[u++] = crc;
+          crc = 0;
+          in_unit = 0;
+        }
       }
       done += piece;
     }
-    crcs[u] = crc;
+    for (; u < g1; ++u) crcs[u] = 0;  // a large item's units are never empty; kept for safety
   });
   if (!verify) return;
   for (size_t i = 0; i < n; ++i) {
