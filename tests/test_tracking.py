@@ -40,6 +40,43 @@ def test_new_table_baseline_is_empty(id_map):
 
 
 @pytest.mark.parametrize("id_map", MAPS)
+def test_id_rows_follow_every_way_rows_change(id_map):
+    """id_rows (what a save writes): every live id once, by ascending row, at the row lookup gives
+    it, as a copy; after inserts (no row ever freed), a delete (a hole), an insert into the freed
+    row, a restore, a merge and a deep copy."""
+    t = _table(id_map)
+    live = set()
+
+    def check(table: HashTable) -> None:
+        ids, rows = table.id_rows()
+        assert sorted(ids.tolist()) == sorted(live) and len(ids) == len(live)
+        assert rows.tolist() == sorted(rows.tolist())
+        assert torch.equal(table.lookup(ids, insert=False), rows)
+        ids.fill_(-5)  # a copy: the next call sees the table's ids
+        assert -5 not in table.id_rows()[0].tolist()
+
+    t(_ids(10, 11, 12, 13))
+    live |= {10, 11, 12, 13}
+    check(t)
+    t.delete(_ids(11))
+    live -= {11}
+    check(t)
+    t(_ids(20))  # takes the freed row: no hole again
+    live |= {20}
+    check(t)
+    t(_ids(21, 22))
+    live |= {21, 22}
+    check(t)
+    assert t.prepare_load(_ids(7, 3, 9), ["embedding"]) is not None
+    live = {7, 3, 9}
+    check(t)
+    t.load_rows(_ids(3, 100), torch.zeros(2, 4), clear=False)
+    live |= {100}
+    check(t)
+    check(copy.deepcopy(t))
+
+
+@pytest.mark.parametrize("id_map", MAPS)
 def test_take_moves_the_baseline(id_map):
     t = _table(id_map)
     t(_ids(1, 2, 3, 4))

@@ -274,6 +274,11 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
 
     def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every live id, in row order (CPU int64)."""
+        n = len(self._map)
+        if n == self._map.row_capacity:
+            # No row was ever freed: rows 0..n-1 hold the ids row_ids[:n]. Copied (a save reads
+            # them while training goes on), a memcpy instead of a scan of the map's slots.
+            return self._store.row_ids[:n].to("cpu", copy=True), torch.arange(n, dtype=torch.int64)
         ids, rows = self._map.export()
         return ids.cpu(), rows.cpu()
 
