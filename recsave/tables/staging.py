@@ -90,12 +90,18 @@ class TableStaging:
         views = self._store.restore_views(n, columns, initial)
         self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
         # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
-        # The fill starts first: the map's slots are allocated and the ids checked while it reads.
+        # The map's slots are allocated before the fill starts (a few ms alone; ten times that
+        # while the fill's threads fault in the table's pages); the ids are checked and hashed
+        # while it reads.
+        try:
+            self._map.reserve(n)
+        except BaseException:
+            self.clear()
+            raise
         with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
             # knob overrides are per thread: the fill thread sees this one's
             filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
             try:
-                self._map.reserve(n)
                 if self._partition is not None:
                     self._check_owned(ids)
                 distinct = self._map.load_distinct(flat_ids(ids))
