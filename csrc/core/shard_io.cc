@@ -6,16 +6,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <condition_variable>
-#include <deque>
-#include <exception>
-#include <mutex>
-#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -45,9 +38,6 @@ constexpr uint64_t kWritePiece = 256ull << 10;
 // without the copy; one in random order pays it, as one iovec per row would cost more.
 constexpr uint64_t kDirectRun = 4096;
 constexpr int kMaxIov = 1024;  // IOV_MAX on Linux
-// Writes of at least this many bytes go through a write pipeline (ShardWriter::pipelined): one
-// thread makes every system call while the others checksum and gather the pieces ahead of it.
-constexpr uint64_t kPipelineMin = 8ull << 20;
 // A reader reads pieces of this size into a per-thread buffer that stays in the L2 cache, then copies
 // them into place with streaming stores while checksumming in the same pass: the destination is
 // written once, without first being read into the cache, and the CRC costs no extra memory pass.
@@ -256,146 +246,6 @@ void ShardWriter::put(const uint8_t* src, uint64_t length, uint64_t at) {
 #endif
 }
 
-// The hand-over between the threads that prepare pieces of a write (checksum them, gather rows into
-// a buffer) and the one thread that writes them. A buffered write to one file holds the file's
-// inode lock in the kernel, so writes from several threads take turns anyway, and a waiting writer
-// spins on a core for the whole turn of the one writing: one writer, fed by the others, leaves
-// that core to the checksums and gathers. Buffers (for gathered rows) bound how far producers run
-// ahead; pieces that only point at the caller's memory are bounded by count.
-class WritePipe {
- public:
-  struct Piece {
-    uint64_t at = 0;
-    uint64_t length = 0;
-    std::vector<iovec> iov;
-    uint8_t* buffer = nullptr;  // a buffer of this pipe the iovecs point into, returned once written
-  };
-
-  WritePipe(size_t buffers, uint64_t buffer_bytes, size_t max_pieces) : max_pieces_(max_pieces) {
-    for (size_t b = 0; b < buffers; ++b) {
-      storage_.emplace_back(new uint8_t[buffer_bytes]);
-      free_.push_back(storage_.back().get());
-    }
-    buffer_bytes_ = buffer_bytes;
-  }
-  uint64_t buffer_bytes() const { return buffer_bytes_; }
-
-  // A free buffer (waits for the writer to return one); throws Aborted once the writer failed.
-  uint8_t* take_buffer() {
-    std::unique_lock<std::mutex> lock(mu_);
-    can_push_.wait(lock, [&] { return aborted_ || !free_.empty(); });
-    if (aborted_) throw Aborted();
-    uint8_t* b = free_.back();
-    free_.pop_back();
-    return b;
-  }
-  // Hands a piece to the writer (waits while max_pieces are queued); throws Aborted likewise.
-  void push(Piece piece) {
-    std::unique_lock<std::mutex> lock(mu_);
-    can_push_.wait(lock, [&] { return aborted_ || queue_.size() < max_pieces_; });
-    if (aborted_) throw Aborted();
-    queue_.push_back(std::move(piece));
-    lock.unlock();
-    can_pop_.notify_one();
-  }
-  // The next piece; false once the producers are done and every piece was taken.
-  bool pop(Piece* piece) {
-    std::unique_lock<std::mutex> lock(mu_);
-    can_pop_.wait(lock, [&] { return done_ || !queue_.empty(); });
-    if (queue_.empty()) return false;
-    *piece = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    can_push_.notify_all();
-    return true;
-  }
-  void give_back(uint8_t* buffer) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      free_.push_back(buffer);
-    }
-    can_push_.notify_all();
-  }
-  void producers_done() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
-    }
-    can_pop_.notify_all();
-  }
-  void abort() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      aborted_ = true;
-    }
-    can_push_.notify_all();
-  }
-
-  struct Aborted {};  // thrown in producers after the writer failed; never leaves pipelined()
-
- private:
-  std::mutex mu_;
-  std::condition_variable can_pop_, can_push_;
-  std::deque<Piece> queue_;
-  std::vector<std::unique_ptr<uint8_t[]>> storage_;
-  std::vector<uint8_t*> free_;
-  uint64_t buffer_bytes_ = 0;
-  size_t max_pieces_;
-  bool done_ = false, aborted_ = false;
-};
-
-namespace {
-// CPUs this process may run on (a container or taskset may allow fewer than the machine has).
-int usable_cores() {
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
-// Producers of a pipelined write: as many threads as asked for, up to the cores. Beside the writer
-// that is one more thread than cores, but whichever side is ahead waits asleep: producers that
-// gather faster than the writer writes fill the pipe and stop, a writer faster than them waits for
-// pieces. Measured (1 GB of rows in random order, 2 cores, medians of 4): 0.35 s with 2 producers,
-// 0.47 s with 1.
-int pipeline_producers(int threads) { return std::max(1, std::min(threads, usable_cores())); }
-}  // namespace
-
-void ShardWriter::pipelined(size_t groups, int producers, uint64_t buffer_bytes,
-                            const std::function<void(int64_t, WritePipe&)>& produce) {
-  WritePipe pipe(buffer_bytes ? static_cast<size_t>(2 * producers + 2) : 0, buffer_bytes,
-                 static_cast<size_t>(4 * producers + 4));
-  std::exception_ptr producer_error;
-  std::thread feeder([&] {
-    try {
-      shared_pool(producers).parallel_for(static_cast<int64_t>(groups), producers,
-                                          [&](int64_t g) { produce(g, pipe); });
-    } catch (const WritePipe::Aborted&) {
-      // the writer failed: its error is the one to report
-    } catch (...) {
-      producer_error = std::current_exception();
-    }
-    pipe.producers_done();
-  });
-  std::exception_ptr writer_error;
-  try {
-    WritePipe::Piece piece;
-    while (pipe.pop(&piece)) {
-      putv(piece.iov.data(), static_cast<int>(piece.iov.size()), piece.length, piece.at);
-      if (piece.buffer) pipe.give_back(piece.buffer);
-    }
-  } catch (...) {
-    writer_error = std::current_exception();
-    pipe.abort();
-    WritePipe::Piece rest;
-    while (pipe.pop(&rest)) {}  // let producers blocked on a full queue finish
-  }
-  feeder.join();
-  if (writer_error) std::rethrow_exception(writer_error);
-  if (producer_error) std::rethrow_exception(producer_error);
-}
-
 void ShardWriter::putv(iovec* iov, int count, uint64_t length, uint64_t at) {
   if (count == 1) {
     put(static_cast<const uint8_t*>(iov->iov_base), length, at);
@@ -444,12 +294,9 @@ void ShardWriter::write(const WriteItem* items, size_t n, uint32_t* crcs_out, in
       units.size(), [&](size_t u) { return items[units[u].item].offset + units[u].begin; },
       [&](size_t u) { return units[u].length; });
   std::vector<uint32_t> crcs(units.size());
-  uint64_t total = 0;
-  for (size_t i = 0; i < n; ++i) total += items[i].length;
-  // Group g: pieces of up to kWritePiece bytes, checksummed then written (still in the cache) with
-  // one pwritev here (pipe == nullptr) or by the pipe's writer; each unit's CRC apart, a piece may
-  // span units.
-  const auto produce = [&](int64_t g, WritePipe* pipe) {
+  shared_pool(threads).parallel_for(static_cast<int64_t>(groups.size() - 1), threads, [&](int64_t g) {
+    // Pieces of up to kWritePiece bytes, checksummed then written (still in the cache) with one
+    // pwritev, each unit's CRC apart; a piece may span units.
     iovec iov[kMaxIov];
     int count = 0;
     uint64_t at = items[units[groups[g]].item].offset + units[groups[g]].begin, pending = 0;
@@ -464,11 +311,7 @@ void ShardWriter::write(const WriteItem* items, size_t n, uint32_t* crcs_out, in
         pending += piece;
         done += piece;
         if (pending == kWritePiece || count == kMaxIov) {
-          if (pipe) {
-            pipe->push({at, pending, std::vector<iovec>(iov, iov + count), nullptr});
-          } else {
-            putv(iov, count, pending, at);
-          }
+          putv(iov, count, pending, at);
           at += pending;
           pending = 0;
           count = 0;
@@ -476,17 +319,8 @@ void ShardWriter::write(const WriteItem* items, size_t n, uint32_t* crcs_out, in
       }
       crcs[u] = crc;
     }
-    if (pending && pipe) {
-      pipe->push({at, pending, std::vector<iovec>(iov, iov + count), nullptr});
-    } else if (pending) {
-      putv(iov, count, pending, at);
-    }
-  };
-  if (threads > 1 && total >= kPipelineMin) {
-    pipelined(groups.size() - 1, pipeline_producers(threads), 0, [&](int64_t g, WritePipe& pipe) { produce(g, &pipe); });
-  } else {
-    shared_pool(threads).parallel_for(static_cast<int64_t>(groups.size() - 1), threads, [&](int64_t g) { produce(g, nullptr); });
-  }
+    if (pending) putv(iov, count, pending, at);
+  });
   for (size_t i = 0; i < n; ++i) crcs_out[i] = combine_units(crcs, first[i], first[i + 1], [&](size_t u) { return units[u].length; });
 }
 
@@ -524,22 +358,17 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
   const std::vector<size_t> groups = group_units(units.size(), unit_offset, unit_bytes);
   const size_t num_groups = groups.size() - 1;
 
-  uint64_t capacity = kWritePiece, total = 0;  // a copy buffer holds a piece, or one row larger than that
-  for (size_t i = 0; i < n; ++i) {
-    capacity = std::max(capacity, items[i].row_bytes);
-    total += items[i].num_rows * items[i].row_bytes;
-  }
   std::vector<uint32_t> crcs(units.size());
-  // Group g: checksums its units and writes them (pipe == nullptr) or hands them to the pipe's writer.
-  const auto produce = [&](int64_t g, WritePipe* pipe) {
+  shared_pool(threads).parallel_for(static_cast<int64_t>(num_groups), threads, [&](int64_t g) {
     // The pending write: iovecs over rows where they lie (runs of at least kDirectRun bytes) and
-    // over rows copied into a buffer (adjacent copies share one), in file order from `at`. Written
-    // here, a piece's buffer is this thread's; handed over, each piece takes a buffer of the pipe.
+    // over rows copied into `buffer` (adjacent copies share one), in file order from `at`.
     thread_local std::vector<uint8_t> buffer;
     thread_local std::vector<iovec> iov;
     if (iov.size() < static_cast<size_t>(kMaxIov)) iov.resize(kMaxIov);
-    if (!pipe && buffer.size() < capacity) buffer.resize(capacity);
-    uint8_t* buf = pipe ? nullptr : buffer.data();
+    uint64_t capacity = kWritePiece;
+    for (size_t u = groups[g]; u < groups[g + 1]; ++u) capacity = std::max(capacity, items[units[u].item].row_bytes);
+    if (buffer.size() < capacity) buffer.resize(capacity);
+    uint8_t* buf = buffer.data();
     uint64_t at = unit_offset(groups[g]);
     int count = 0;
     uint64_t pending = 0, used = 0, span = 0, crc_from = 0;  // bytes: to write, of buf taken, not in an iovec, not checksummed
@@ -554,12 +383,7 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
     const auto flush = [&](uint32_t& crc) {
       checksum_copied(crc);
       close_span();
-      if (pending && pipe) {
-        pipe->push({at, pending, std::vector<iovec>(iov.data(), iov.data() + count), buf});
-        buf = nullptr;
-      } else if (pending) {
-        putv(iov.data(), count, pending, at);
-      }
+      if (pending) putv(iov.data(), count, pending, at);
       at += pending;
       pending = used = span = crc_from = 0;
       count = 0;
@@ -587,8 +411,7 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
           crc = crc32c(crc, src, run * rb);
           iov[count++] = {const_cast<uint8_t*>(src), run * rb};
         } else {
-          if (used + run * rb > capacity) flush(crc);
-          if (!buf) buf = pipe->take_buffer();
+          if (used + run * rb > buffer.size()) flush(crc);
           for (uint64_t r = 0; r < run; ++r) {
             const uint64_t next = j + r + kAhead;
             if (next < unit.length) {
@@ -607,13 +430,7 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
     }
     uint32_t unused = 0;
     flush(unused);
-    if (pipe && buf) pipe->give_back(buf);  // taken, then nothing copied into it
-  };
-  if (threads > 1 && total >= kPipelineMin) {
-    pipelined(num_groups, pipeline_producers(threads), capacity, [&](int64_t g, WritePipe& pipe) { produce(g, &pipe); });
-  } else {
-    shared_pool(threads).parallel_for(static_cast<int64_t>(num_groups), threads, [&](int64_t g) { produce(g, nullptr); });
-  }
+  });
   for (size_t i = 0; i < n; ++i) {
     crcs_out[i] = combine_units(crcs, first[i], first[i + 1],
                                 [&](size_t u) { return units[u].length * items[units[u].item].row_bytes; });

@@ -7,7 +7,6 @@
 #include <sys/uio.h>
 
 #include <atomic>
-#include <functional>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -39,8 +38,6 @@ struct ReadItem {
   uint64_t length;
   uint32_t expected_crc;  // CRC32C of the bytes, checked when verifying
 };
-
-class WritePipe;  // shard_io.cc: the hand-over of a pipelined write
 
 // Writes one shard file under a temporary name next to `path`; commit() makes it appear at `path`
 // atomically. Destroying an uncommitted writer removes the temporary file.
@@ -87,10 +84,6 @@ class ShardWriter {
   void put(const uint8_t* src, uint64_t length, uint64_t at);
   // pwritev of all `length` bytes of the `count` iovecs at `at` (advances the iovecs on a short write).
   void putv(struct iovec* iov, int count, uint64_t length, uint64_t at);
-  // Runs produce(g, pipe) for g in [0, groups) on `producers` threads while this thread writes the
-  // pieces they hand over (WritePipe, shard_io.cc), until all are written or one side fails.
-  void pipelined(size_t groups, int producers, uint64_t buffer_bytes,
-                 const std::function<void(int64_t, WritePipe&)>& produce);
 
   std::string path_;
   std::string temp_path_;

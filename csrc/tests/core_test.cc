@@ -2,11 +2,9 @@
 // shard writer / reader. Build: g++ -std=c++17 -O2 -pthread -Icsrc csrc/tests/core_test.cc
 // csrc/core/crc32c.cc csrc/core/shard_io.cc csrc/core/thread_pool.cc
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <csignal>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -321,8 +319,7 @@ void test_short_segments(const std::string& dir) {
   for (auto& x : src) x = static_cast<uint8_t>(rng());
   const uint64_t header = 13;  // the tensor starts at an odd file offset
   std::vector<recsave::WriteItem> items;
-  uint64_t at = 0;
-  for (uint64_t len : seg) {
+  for (uint64_t at = 0; uint64_t len : seg) {
     items.push_back({header + at, src.data() + at, len});
     at += len;
   }
@@ -376,79 +373,6 @@ void test_short_segments(const std::string& dir) {
   std::vector<recsave::ReadItem> others(reads.begin(), reads.begin() + 8);
   others.insert(others.end(), reads.begin() + 9, reads.end());
   r.read(others.data(), others.size(), true, 2);  // the other segments still verify
-}
-
-// Writes of 8 MiB and more are pipelined (one thread makes the system calls, the others checksum and
-// gather ahead of it): the file and the CRCs are those of the same write on one thread, for plain
-// and gathered items; a failing write (the file-size limit, EFBIG) surfaces as an error, the
-// producers stop and nothing hangs.
-void test_pipelined_writes(const std::string& dir) {
-  std::mt19937_64 rng(13);
-  const uint64_t rows = 60000, rb = 256;  // 15 MB
-  std::vector<uint8_t> data(rows * rb);
-  for (auto& x : data) x = static_cast<uint8_t>(rng());
-  std::vector<int64_t> order(rows);
-  for (uint64_t r = 0; r < rows; ++r) order[r] = static_cast<int64_t>(r);
-  std::shuffle(order.begin(), order.begin() + rows / 2, rng);  // half random, half in runs
-  std::vector<recsave::WriteItem> plain;
-  std::vector<recsave::GatherItem> gathered;
-  uint64_t offset = 5;
-  for (uint64_t begin = 0, k = 0; begin < rows; ++k) {  // segments of 1 to 700 rows
-    const uint64_t len = std::min<uint64_t>(rows - begin, 1 + (k * 7919) % 700);
-    plain.push_back({offset, data.data() + begin * rb, len * rb});
-    gathered.push_back({offset, data.data(), rows, rb, order.data() + begin, len});
-    offset += len * rb;
-    begin += len;
-  }
-  std::vector<uint8_t> file[2][2];  // [gathered][pipelined]
-  std::vector<uint32_t> crcs[2][2];
-  for (int g = 0; g < 2; ++g) {
-    for (int threads : {1, 3}) {
-      const std::string path = dir + "/pipe.bin";
-      std::vector<uint32_t>& out = crcs[g][threads > 1];
-      out.resize(plain.size());
-      recsave::ShardWriter w(path, false);
-      if (g) {
-        w.write_gathered(gathered.data(), gathered.size(), out.data(), threads);
-      } else {
-        w.write(plain.data(), plain.size(), out.data(), threads);
-      }
-      CHECK(w.bytes_written() == offset - 5);
-      w.commit();
-      std::vector<uint8_t>& bytes = file[g][threads > 1];
-      bytes.resize(offset);
-      recsave::ShardReader r(path);
-      recsave::ReadItem all{0, bytes.data(), offset, 0};
-      r.read(&all, 1, false, 1);
-    }
-    CHECK(file[g][0] == file[g][1] && crcs[g][0] == crcs[g][1]);
-  }
-  CHECK(file[0][0] != file[1][0]);  // the gather permuted the rows
-  bool crcs_ok = true;
-  for (size_t i = 0; i < plain.size(); ++i) crcs_ok = crcs_ok && crcs[0][0][i] == recsave::crc32c(0, plain[i].src, plain[i].length);
-  CHECK(crcs_ok);
-
-  // The writer fails half way: the file-size limit makes pwrite fail with EFBIG (SIGXFSZ ignored).
-  struct rlimit old_limit;
-  CHECK(::getrlimit(RLIMIT_FSIZE, &old_limit) == 0);
-  void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);
-  struct rlimit limit = old_limit;
-  limit.rlim_cur = 6 << 20;
-  CHECK(::setrlimit(RLIMIT_FSIZE, &limit) == 0);
-  for (int g = 0; g < 2; ++g) {
-    std::vector<uint32_t> out(plain.size());
-    recsave::ShardWriter w(dir + "/pipe-fail.bin", false);
-    CHECK(throws_kind(recsave::ErrorKind::kIo, [&] {
-      if (g) {
-        w.write_gathered(gathered.data(), gathered.size(), out.data(), 3);
-      } else {
-        w.write(plain.data(), plain.size(), out.data(), 3);
-      }
-    }));
-    w.abort();
-  }
-  CHECK(::setrlimit(RLIMIT_FSIZE, &old_limit) == 0);
-  std::signal(SIGXFSZ, old_handler);
 }
 
 // Reads into memory nothing has touched (a fresh anonymous mapping, as a new model's tables are):
@@ -588,7 +512,6 @@ int main() {
   test_shard_io(dir);
   test_shard_units(dir);
   test_short_segments(dir);
-  test_pipelined_writes(dir);
   test_read_into_fresh_memory(dir);
   test_write_gathered(dir);
   std::string cleanup = std::string("rm -rf ") + dir;
