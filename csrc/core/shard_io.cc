@@ -226,31 +226,11 @@ void ShardWriter::check_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges
 }
 
 void ShardWriter::put(const uint8_t* src, uint64_t length, uint64_t at) {
-  for (uint64_t done = 0; done < length;) {
-    ssize_t rc = ::pwrite(fd_, src + done, length - done, static_cast<off_t>(at + done));
-    if (rc < 0) {
-      if (errno == EINTR) continue;
-      throw_errno(temp_path_, "write of " + describe_range(at + done, length - done));
-    }
-    if (rc == 0) {
-      throw Error(ErrorKind::kIo, temp_path_, "write returned 0 for " + describe_range(at + done, length - done));
-    }
-    done += static_cast<uint64_t>(rc);
-  }
-  bytes_written_.fetch_add(length, std::memory_order_relaxed);
-#if defined(__linux__)
-  // A durable file is fsynced at commit: start writing these pages back now, so the disk works
-  // while the rest is written and the fsync has little left to wait for. Only a hint: errors
-  // (e.g. a file system without it) are the fsync's to report.
-  if (durable_) ::sync_file_range(fd_, static_cast<off_t>(at), static_cast<off_t>(length), SYNC_FILE_RANGE_WRITE);
-#endif
+  iovec one{const_cast<uint8_t*>(src), length};
+  putv(&one, 1, length, at);
 }
 
 void ShardWriter::putv(iovec* iov, int count, uint64_t length, uint64_t at) {
-  if (count == 1) {
-    put(static_cast<const uint8_t*>(iov->iov_base), length, at);
-    return;
-  }
   for (uint64_t done = 0; done < length;) {
     ssize_t rc = ::pwritev(fd_, iov, count, static_cast<off_t>(at + done));
     if (rc < 0) {
@@ -276,6 +256,9 @@ void ShardWriter::putv(iovec* iov, int count, uint64_t length, uint64_t at) {
   }
   bytes_written_.fetch_add(length, std::memory_order_relaxed);
 #if defined(__linux__)
+  // A durable file is fsynced at commit: start writing these pages back now, so the disk works
+  // while the rest is written and the fsync has little left to wait for. Only a hint: errors
+  // (e.g. a file system without it) are the fsync's to report.
   if (durable_) ::sync_file_range(fd_, static_cast<off_t>(at), static_cast<off_t>(length), SYNC_FILE_RANGE_WRITE);
 #endif
 }

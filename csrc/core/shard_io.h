@@ -80,7 +80,7 @@ class ShardWriter {
   // Throws unless the ranges [offset, offset + length) are valid and disjoint (two threads writing the
   // same bytes would make the file depend on timing).
   void check_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges) const;
-  // pwrite of all `length` bytes at `at`.
+  // Writes all `length` bytes of `src` at `at` (putv of one iovec).
   void put(const uint8_t* src, uint64_t length, uint64_t at);
   // pwritev of all `length` bytes of the `count` iovecs at `at` (advances the iovecs on a short write).
   void putv(struct iovec* iov, int count, uint64_t length, uint64_t at);
