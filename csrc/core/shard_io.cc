@@ -32,9 +32,9 @@ namespace {
 constexpr uint64_t kUnit = 1ull << 20;
 // A writer checksums then writes pieces this small, so the system call copies them out of the cache.
 constexpr uint64_t kWritePiece = 256ull << 10;
-// A gather writes a run of consecutive source rows this long or longer straight from the source
-// (an iovec of pwritev), as a contiguous write would; shorter runs are copied into the thread's
-// buffer first. A table kept in bucket order (e.g. restored from a checkpoint) is then written
+// A gather writes a run of two or more consecutive source rows of this many bytes or more straight
+// from the source (an iovec of pwritev), as a contiguous write would; shorter runs, and single rows,
+// are copied into the thread's buffer first. A table kept in bucket order (e.g. restored from a checkpoint) is then written
 // without the copy; one in random order pays it, as one iovec per row would cost more.
 constexpr uint64_t kDirectRun = 4096;
 constexpr int kMaxIov = 1024;  // IOV_MAX on Linux
@@ -223,11 +223,6 @@ void ShardWriter::check_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges
                       describe_range(ranges[k + 1].first, ranges[k + 1].second));
     }
   }
-}
-
-void ShardWriter::put(const uint8_t* src, uint64_t length, uint64_t at) {
-  iovec one{const_cast<uint8_t*>(src), length};
-  putv(&one, 1, length, at);
 }
 
 void ShardWriter::putv(iovec* iov, int count, uint64_t length, uint64_t at) {
@@ -569,7 +564,6 @@ void ShardReader::read(const ReadItem* items, size_t n, bool verify, int threads
       }
       done += piece;
     }
-    for (; u < g1; ++u) crcs[u] = 0;  // a large item's units are never empty; kept for safety
   });
   if (!verify) return;
   for (size_t i = 0; i < n; ++i) {

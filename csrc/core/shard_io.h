@@ -59,9 +59,9 @@ class ShardWriter {
 
   // Writes every gather item at its offset like write(), gathering the rows on the worker threads:
   // each thread copies rows into a small cache-resident buffer, checksums it and writes it, so the
-  // bytes are read from memory once and no permuted copy of the matrix exists. Runs of consecutive
-  // rows of 4 KiB and more are checksummed and written where they lie (pwritev), without the copy:
-  // a matrix already in the caller's order costs what a contiguous write() does. Items that follow
+  // bytes are read from memory once and no permuted copy of the matrix exists. Runs of two or more
+  // consecutive rows, 4 KiB and more, are checksummed and written where they lie (pwritev), without
+  // the copy: a matrix already in the caller's order costs what a contiguous write() does. Items that follow
   // each other in the file are written together, up to 1 MiB, so short items (checksum segments cut
   // at bucket boundaries) do not mean short writes. A row index outside [0, base_rows) is rejected
   // (kInvalid) before anything is written.
@@ -80,8 +80,6 @@ class ShardWriter {
   // Throws unless the ranges [offset, offset + length) are valid and disjoint (two threads writing the
   // same bytes would make the file depend on timing).
   void check_ranges(std::vector<std::pair<uint64_t, uint64_t>> ranges) const;
-  // Writes all `length` bytes of `src` at `at` (putv of one iovec).
-  void put(const uint8_t* src, uint64_t length, uint64_t at);
   // pwritev of all `length` bytes of the `count` iovecs at `at` (advances the iovecs on a short write).
   void putv(struct iovec* iov, int count, uint64_t length, uint64_t at);
 

@@ -41,8 +41,8 @@ class RowStorage:
 
     def nbytes(self) -> Dict[str, int]:
         """Bytes allocated per kind of column (whole capacity, used or not)."""
-        return {"embedding": _bytes(self.weight), "slots": sum(_bytes(t) for t in self.slots.values()),
-                "row_ids": _bytes(self.row_ids), "meta": sum(_bytes(t) for t in self.meta.values())}
+        return {"embedding": self.weight.nbytes, "slots": sum(t.nbytes for t in self.slots.values()),
+                "row_ids": self.row_ids.nbytes, "meta": sum(t.nbytes for t in self.meta.values())}
 
     def add_slot(self, slot: str, init: float) -> None:
         """A new slot filled with `init` (an existing one only takes `init` for later rows)."""
@@ -139,10 +139,6 @@ def put_rows(dst: torch.Tensor, rows: torch.Tensor, values: "torch.Tensor | floa
             dst.numpy()[rows.numpy()] = values.detach().numpy()
             return
     dst[rows] = values.to(device=dst.device, dtype=dst.dtype) if isinstance(values, torch.Tensor) else values
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _grow(t: torch.Tensor, rows: int, huge_pages: bool = True) -> torch.Tensor:
