@@ -74,7 +74,7 @@ READY = "@@READY "
 
 # Index keys whose change cannot alter the values loaded (FORMAT.md: informational, free-form, or only
 # used for resharding); a changed `step` is reported separately (the index carries no checksum).
-INDEX_LENIENT_TOP = {"recsave_version", "created_at", "step", "meta", "world_size"}
+INDEX_LENIENT_TOP = {"recsave_version", "created_at", "step", "meta", "world_size", "bucket_ranges"}
 INDEX_LENIENT_FILE = {"rank"}
 INDEX_LENIENT_CHUNK = {"buckets", "segment_bytes", "segments"}
 

@@ -172,10 +172,14 @@ def index_breakdown(path: str) -> Dict[str, int]:
 
     out = {"total": len(raw), "row_starts": 0, "crc32c": 0, "segments": 0, "chunk_other": 0, "chunks": 0,
            "files": size(index["files"]), "file_count": len(index["files"])}
+    # format_version 3 lists each distinct bucket range once (counted here); earlier versions
+    # repeat it in every chunk of a table's tensors (counted there)
+    out["row_starts"] = size(index.get("bucket_ranges", []))
     for entry in index["tensors"].values():
         for chunk in entry["chunks"]:
             out["chunks"] += 1
-            rs = chunk.get("buckets", {}).get("row_starts", [])
+            buckets = chunk.get("buckets", {})
+            rs = buckets.get("row_starts", []) if isinstance(buckets, dict) else []
             out["row_starts"] += size(rs)
             out["crc32c"] += size(chunk["crc32c"])
             out["segments"] += size(chunk.get("segments", []))

@@ -62,6 +62,46 @@ def test_saved_index_parses_and_dumps_to_the_same_bytes(tmp_path, make):
     assert index.io_state_count == 1
 
 
+def test_bucket_ranges_are_listed_once_and_shared_by_the_chunks(tmp_path):
+    """format_version 3: equal ranges (a table's tensors, chunk by chunk) are one `bucket_ranges`
+    entry, numbered in order of first use; parsing gives every chunk that range back, one object."""
+    parts = []
+    for rank, starts in enumerate([[0, 2, 5], [0, 0, 4]]):
+        n = starts[-1]
+        ranges = {"buckets": {"first": 2 * rank, "row_starts": starts}}
+        parts.append(fmt.write_shards(str(tmp_path), {"t@id": torch.arange(n), "t@embedding": torch.ones(n, 2),
+                                                      "u@id": torch.arange(n) + 9},
+                                      rank=rank, chunk_meta={"t@id": ranges, "t@embedding": ranges,
+                                                             "u@id": {"buckets": {"first": 0, "row_starts": [0, n]}}}))
+    index = fmt.merge_parts(parts, partition=fmt.Partition("mix64", 4), world_size=2)
+    assert index.format_version == 3
+    data = index_mod.dumps(index)
+    raw = json.loads(data)
+    assert raw["bucket_ranges"] == [{"first": 0, "row_starts": [0, 2, 5]}, {"first": 2, "row_starts": [0, 0, 4]},
+                                    {"first": 0, "row_starts": [0, 5]}, {"first": 0, "row_starts": [0, 4]}]
+    assert {n: [c["buckets"] for c in t["chunks"]] for n, t in raw["tensors"].items()} == \
+        {"t@id": [0, 1], "t@embedding": [0, 1], "u@id": [2, 3]}
+    parsed = index_mod.parse(data, "x")
+    assert parsed == index and index_mod.dumps(parsed) == data
+    ids, emb = parsed.tensor("t@id").chunks, parsed.tensor("t@embedding").chunks
+    assert all(a.buckets is b.buckets for a, b in zip(ids, emb))
+    assert [c.buckets for c in ids] == [fmt.BucketRange(0, (0, 2, 5)), fmt.BucketRange(2, (0, 0, 4))]
+
+
+def test_indexes_without_bucket_ranges_keep_the_versions_older_readers_know(tmp_path):
+    """Version 3 only where a chunk has bucket ranges: a checkpoint of dense parameters alone
+    stays readable by recsave releases that read versions 1 and 2."""
+    from recsave.format.records import version_for
+
+    model = torch.nn.Linear(3, 2)
+    saver = recsave.Saver(model, output_dir=str(tmp_path / "dense"))
+    ckpt = saver.save("ckpt_1")
+    raw = json.loads(Path(ckpt, "index").read_bytes())
+    assert raw["format_version"] == 1 and "bucket_ranges" not in raw
+    plain = fmt.write_shards(str(tmp_path), {"x": torch.ones(3)}).tensors
+    assert (version_for("full", plain), version_for("delta", plain), version_for("serving", plain)) == (1, 2, 2)
+
+
 def test_merged_parts_round_trip_through_their_bytes(tmp_path):
     parts = []
     for rank, n in enumerate([5, 0, 9]):

@@ -374,7 +374,7 @@ def test_reads_a_delta_as_stored_like_the_engine(chain_dir) -> None:
     out, changed, deleted = chain_dir
     d = str(out / "ckpt_2")
     idx = oracle.read_index(d)
-    assert (idx["format_version"], idx["kind"], idx["parent"]["id"], idx["base"]) == (2, "delta", "ckpt_1", "ckpt_1")
+    assert (idx["format_version"], idx["kind"], idx["parent"]["id"], idx["base"]) == (3, "delta", "ckpt_1", "ckpt_1")
     got, want = oracle.read_tensors(d), engine_tensors(d)
     assert sorted(got) == sorted(want)
     for name, t in want.items():
@@ -416,7 +416,8 @@ def _set(path: str, value):
 
 @pytest.mark.parametrize("change, error, match", [
     (_set("format_version", 1), E.CorruptCheckpointError, "format_version"),
-    (_set("format_version", 3), E.FormatVersionError, "format_version"),
+    (_set("format_version", 2), E.CorruptCheckpointError, "buckets"),  # version 2 holds ranges inline
+    (_set("format_version", 4), E.FormatVersionError, "format_version"),
     (_set("kind", "sketch"), E.FormatVersionError, "kind 'sketch'"),
     (_set("kind", 2), E.CorruptCheckpointError, "kind"),
     (_set("parent", None), E.CorruptCheckpointError, "parent"),
@@ -446,7 +447,7 @@ def test_other_kinds_must_not_have_parent_or_base(chain_dir) -> None:
     with pytest.raises(E.CorruptCheckpointError, match="must not have 'parent' or 'base'"):
         oracle.read_index(str(d))
     edit(d, lambda i: (i.pop("base"), i.update(format_version=2)))
-    with pytest.raises(E.FormatVersionError, match="version 2"):  # a full index is version 1 only
+    with pytest.raises(E.FormatVersionError, match="version 2"):  # a full index is version 1 or 3
         oracle.read_index(str(d))
 
 
@@ -471,7 +472,7 @@ def test_reads_an_int8_serving_checkpoint_and_decodes_it_as_recsave_loads_it(ser
 
     d, net = serving_dir
     idx = oracle.read_index(d)
-    assert (idx["format_version"], idx["kind"], idx["meta"]["tables"]["user"]["quant"]) == (2, "serving", "int8")
+    assert (idx["format_version"], idx["kind"], idx["meta"]["tables"]["user"]["quant"]) == (3, "serving", "int8")
     got, want = oracle.read_tensors(d), engine_tensors(d)
     assert sorted(got) == sorted(want) and {"user@scale", "user@offset"} <= set(got)
     for name, t in want.items():
@@ -495,7 +496,7 @@ def test_reads_an_int8_serving_checkpoint_and_decodes_it_as_recsave_loads_it(ser
     (_set("tensors/user@scale/dtype", "bfloat16"), E.CorruptCheckpointError, "scale"),
     (_set("meta/tables/user/dim", 9), E.CorruptCheckpointError, "int8"),
     (_set("tensors/user@offset", None), E.CorruptCheckpointError, "user@offset"),
-    (_set("kind", None), E.FormatVersionError, "version 2"),  # then a full index of version 2
+    (lambda i: (i.pop("kind"), i.update(format_version=2)), E.FormatVersionError, "version 2"),  # a full index of version 2
     (_set("parent", {"id": "x", "crc32c": 0}), E.CorruptCheckpointError, "parent"),
 ])
 def test_serving_index_rules_agree_with_the_engine(serving_dir, change, error, match) -> None:

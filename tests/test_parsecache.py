@@ -58,8 +58,10 @@ def test_held_bytes_stay_under_the_limit(monkeypatch):
 
 
 def test_index_read_twice_is_one_record_and_a_changed_index_is_read_anew(tmp_path):
-    model = torch.nn.ModuleDict({"t": recsave.HashTable(8, name="t")})
-    model["t"].lookup(torch.arange(20_000), insert=True)
+    # four tables: one bucket range each (4097 row starts) takes the index past MIN_BYTES
+    model = torch.nn.ModuleDict({f"t{k}": recsave.HashTable(8, name=f"t{k}") for k in range(4)})
+    for k, table in enumerate(model.values()):
+        table.lookup(torch.arange(20_000) + 10**6 * k, insert=True)
     recsave.Saver(model, output_dir=str(tmp_path)).save("ckpt_1")
     path = tmp_path / "ckpt_1" / "index"
     data = path.read_bytes()

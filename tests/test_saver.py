@@ -108,8 +108,13 @@ def test_on_disk_file_set_and_shard_contents(tmp_path):
     assert listing(out) == ["checkpoint", "ckpt_4"]  # no temporary files left anywhere
 
     index = _index(ckpt)
-    assert index["magic"] == "recsave.index" and index["format_version"] == 1
+    assert index["magic"] == "recsave.index" and index["format_version"] == 3
     assert index["step"] == 4 and index["world_size"] == 1
+    # Every tensor of a table refers to the table's one bucket range, listed once.
+    refs = {n: [c["buckets"] for c in e["chunks"]] for n, e in index["tensors"].items()}
+    assert {n.partition("@")[0] for n in refs} == set(TABLE_NAMES)
+    assert all(refs[n] == refs[f"{n.partition('@')[0]}@id"] for n in refs)
+    assert sorted(r for t in TABLE_NAMES for r in refs[f"{t}@id"]) == list(range(len(index["bucket_ranges"])))
     assert set(index["files"]) == set(files) - {"index"}
     for name, entry in index["files"].items():
         assert entry["size"] == os.path.getsize(os.path.join(ckpt, name)), name

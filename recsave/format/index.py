@@ -14,6 +14,7 @@ from recsave.format.dtypes import from_name
 from recsave.format.meta import parse_meta
 from recsave.format.parsecache import ParseCache
 from recsave.format.records import (
+    BUCKET_RANGES_VERSION,
     DELTA_FORMAT_VERSION,
     FORMAT_VERSION,
     KIND_DELTA,
@@ -31,6 +32,7 @@ from recsave.format.records import (
     Partition,
     Retention,
     TensorEntry,
+    version_for,
 )
 from recsave.storage import Storage, get_storage
 from recsave.version import __version__
@@ -89,7 +91,7 @@ def _merge(ordered: Sequence[IndexPart], step: Optional[int], partition: Optiona
         tensors[name] = TensorEntry(first.dtype, (rows[name], *first.shape[1:]), tuple(chunks[name]))
     return Index(
         magic=MAGIC,
-        format_version=FORMAT_VERSION,
+        format_version=version_for(KIND_FULL, tensors),
         recsave_version=__version__,
         created_at=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         step=step,
@@ -125,10 +127,11 @@ def validate(index: Any, path: str) -> Index:
                                  f"(reads {list(KINDS)}); upgrade recsave to read this checkpoint", path=path)
     if kind != KIND_FULL and version == FORMAT_VERSION:
         raise checks.corrupt(path, f"a {kind!r} index must have format_version > {FORMAT_VERSION}, found {version}")
-    if kind == KIND_FULL and version != FORMAT_VERSION:  # version 2 is only defined for the other kinds
+    if kind == KIND_FULL and version == DELTA_FORMAT_VERSION:  # version 2 is only defined for the other kinds
         raise FormatVersionError(
             f"{path}: format_version {version} of a full checkpoint is not supported by recsave {__version__} "
-            f"(reads version {FORMAT_VERSION} for full checkpoints); upgrade recsave to read it", path=path)
+            f"(reads versions {FORMAT_VERSION} and {BUCKET_RANGES_VERSION} for full checkpoints); upgrade "
+            f"recsave to read it", path=path)
     absent = [k for k in REQUIRED_KEYS if k not in index]
     if absent:
         raise checks.corrupt(path, f"index lacks required key(s) {absent}")
@@ -151,8 +154,9 @@ def validate(index: Any, path: str) -> Index:
             crc = checks.as_int(entry["crc32c"], f"crc32c of {name!r}", path, hi=0xFFFFFFFF)
         rank = checks.as_int(entry.get("rank"), f"rank of {name!r}", path, hi=1 << 24)
         files[name] = FileEntry(size, rank, crc)
+    shared = _parse_bucket_ranges(index.get("bucket_ranges"), path) if version == BUCKET_RANGES_VERSION else None
     spans: Dict[str, List[Tuple[int, int, str]]] = {}
-    tensors = {name: _parse_tensor(name, entry, files, spans, path) for name, entry in raw_tensors.items()}
+    tensors = {name: _parse_tensor(name, entry, files, spans, shared, path) for name, entry in raw_tensors.items()}
     for fname, ranges in spans.items():
         ranges.sort()
         for (_b0, e0, n0), (b1, _e1, n1) in zip(ranges, ranges[1:]):
@@ -188,9 +192,9 @@ def _parse_chain(index: Dict[str, Any], kind: str, version: int, path: str) -> T
         if "parent" in index or "base" in index:
             raise checks.corrupt(path, f"a {kind!r} checkpoint's index must not have 'parent' or 'base'")
         return None, None
-    if version != DELTA_FORMAT_VERSION:
-        raise checks.corrupt(path, f"a delta index must have format_version {DELTA_FORMAT_VERSION}, "
-                             f"found {version}")
+    if version not in (DELTA_FORMAT_VERSION, BUCKET_RANGES_VERSION):
+        raise checks.corrupt(path, f"a delta index must have format_version {DELTA_FORMAT_VERSION} or "
+                             f"{BUCKET_RANGES_VERSION}, found {version}")
     raw = index.get("parent")
     if not isinstance(raw, dict):
         raise checks.corrupt(path, f"a delta index needs 'parent': {{'id', 'crc32c'}}, found {raw!r}")
@@ -244,8 +248,28 @@ def _parse_partition(partition: Any, path: str) -> Optional[Partition]:
     return Partition("mix64", checks.as_int(partition.get("num_buckets"), "num_buckets", path, lo=1, hi=1 << 30))
 
 
+def _parse_bucket_ranges(raw: Any, path: str) -> List[BucketRange]:
+    """The `bucket_ranges` list of a format_version 3 index: each entry checked once here (rows
+    from 0, never decreasing); a chunk referring to one checks that it ends at the chunk's rows."""
+    if not isinstance(raw, list):
+        raise checks.corrupt(path, f"a format_version {BUCKET_RANGES_VERSION} index needs a 'bucket_ranges' "
+                             f"list, found {type(raw).__name__}")
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"bucket_ranges[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("row_starts"), list):
+            raise checks.corrupt(path, f"{where} must be {{'first': int, 'row_starts': [...]}}")
+        first = checks.as_int(entry.get("first"), f"{where} first bucket", path)
+        starts = checks.as_ints(entry["row_starts"], f"{where} row start", path, increasing="weakly")
+        if not starts or starts[0] != 0:
+            raise checks.corrupt(path, f"{where} row_starts must begin at 0")
+        out.append(BucketRange(first, tuple(starts)))
+    return out
+
+
 def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
-                  spans: Dict[str, List[Tuple[int, int, str]]], path: str) -> TensorEntry:
+                  spans: Dict[str, List[Tuple[int, int, str]]], shared: Optional[List[BucketRange]],
+                  path: str) -> TensorEntry:
     if not isinstance(entry, dict) or not isinstance(entry.get("chunks"), list):
         raise checks.corrupt(path, "tensor entry needs 'dtype', 'shape' and a 'chunks' list", name)
     dtype = from_name(entry.get("dtype"), path=path, key=name)
@@ -286,7 +310,7 @@ def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
         if checks.byte_size(chunk_shape, dtype.itemsize, path, name) != length:
             raise checks.corrupt(path, f"chunk length {length} does not match shape {chunk_shape} "
                                  f"of {dtype.name}", name)
-        chunks.append(_parse_segments(chunk, fname, offset, length, rows, path, name))
+        chunks.append(_parse_segments(chunk, fname, offset, length, rows, shared, path, name))
         spans.setdefault(fname, []).append((offset, offset + length, name))
     if shape and next_row != shape[0]:
         raise checks.corrupt(path, f"chunks cover {next_row} rows of {shape[0]}", name)
@@ -294,7 +318,8 @@ def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
 
 
 def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
-                    rows: Optional[Tuple[int, int]], path: str, name: str) -> Chunk:
+                    rows: Optional[Tuple[int, int]], shared: Optional[List[BucketRange]], path: str,
+                    name: str) -> Chunk:
     crcs = checks.as_ints(chunk.get("crc32c"), "crc32c value", path, name, hi=0xFFFFFFFF)
     has_uniform, has_explicit = "segment_bytes" in chunk, "segments" in chunk
     if has_uniform == has_explicit:
@@ -316,8 +341,26 @@ def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
     if len(crcs) != expected:
         raise checks.corrupt(path, f"{len(crcs)} crc32c values for {expected} segments", name)
     buckets = chunk.get("buckets")
-    return Chunk(fname, offset, length, tuple(crcs), step, None if ends is None else tuple(ends), rows,
-                 None if buckets is None else _parse_buckets(buckets, rows, path, name))
+    if buckets is None:
+        ranges = None
+    elif shared is None:
+        ranges = _parse_buckets(buckets, rows, path, name)
+    else:
+        ranges = _shared_buckets(buckets, shared, rows, path, name)
+    return Chunk(fname, offset, length, tuple(crcs), step, None if ends is None else tuple(ends), rows, ranges)
+
+
+def _shared_buckets(ref: Any, shared: List[BucketRange], rows: Optional[Tuple[int, int]], path: str,
+                    name: str) -> BucketRange:
+    """A format_version 3 chunk's `buckets`: the position of its ranges in `bucket_ranges`."""
+    if type(ref) is not int or not 0 <= ref < len(shared):
+        raise checks.corrupt(path, f"chunk buckets must be a position in 'bucket_ranges' (0 to "
+                             f"{len(shared) - 1}), found {ref!r}", name)
+    nrows = rows[1] - rows[0] if rows else 0
+    if shared[ref].row_starts[-1] != nrows:
+        raise checks.corrupt(path, f"bucket_ranges[{ref}] ends at row {shared[ref].row_starts[-1]}, the "
+                             f"chunk has {nrows} rows", name)
+    return shared[ref]
 
 
 def _parse_buckets(buckets: Any, rows: Optional[Tuple[int, int]], path: str, name: str) -> BucketRange:

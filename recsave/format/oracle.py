@@ -1,5 +1,5 @@
 """An independent, pure-Python reader of the recsave checkpoint format (docs/FORMAT.md: format_version
-1, full checkpoints, and 2, delta and serving checkpoints).
+1, full checkpoints, 2, delta and serving checkpoints, and 3, any kind with shared bucket ranges).
 
 This module is the test oracle: it was written from the specification only and shares no code with
 recsave's own writer and reader (``recsave.format.*``, ``recsave._C``). It is slow and simple on
@@ -41,6 +41,7 @@ from recsave.format.oracle_checks import (
     INDEX_VERSIONS,
     MAX_HEADER_BYTES,
     MAX_INDEX_BYTES,
+    SHARED_RANGES_VERSION,
     as_int,
     as_obj,
     as_shape,
@@ -79,7 +80,39 @@ def _segment_ends(chunk: dict, length: int, path: str, key: str) -> List[int]:
     return list(ends)
 
 
-def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, path: str) -> None:
+def _bucket_ranges(idx: dict, path: str) -> Optional[List[Any]]:
+    """The `bucket_ranges` list of a version 3 index (each entry checked: an int `first` and
+    `row_starts` of ints rising from 0); None for versions 1 and 2, whose chunks hold their own."""
+    if idx["format_version"] != SHARED_RANGES_VERSION:
+        return None
+    ranges = idx.get("bucket_ranges")
+    if not isinstance(ranges, list):
+        raise corrupt(path, f"a version {SHARED_RANGES_VERSION} index must have a bucket_ranges list")
+    for i, b in enumerate(ranges):
+        b = as_obj(b, f"bucket_ranges[{i}]", path)
+        as_int(b.get("first"), f"bucket_ranges[{i}].first", path)
+        rs = b.get("row_starts")
+        if (not isinstance(rs, list) or not rs or not all(map(is_int, rs)) or rs[0] != 0
+                or any(x > y for x, y in zip(rs, rs[1:]))):
+            raise corrupt(path, f"bucket_ranges[{i}].row_starts {rs!r:.80} must rise from 0")
+    return ranges
+
+
+def _chunk_row_starts(c: dict, i: int, shared: Optional[List[Any]], path: str, name: str) -> Any:
+    """A chunk's bucket row starts: its own `buckets` object (versions 1, 2), or the entry of
+    `bucket_ranges` its `buckets` integer names (version 3)."""
+    if shared is None:
+        b = as_obj(c["buckets"], f"chunk {i} buckets", path, name)
+        as_int(b.get("first"), "buckets.first", path, name)
+        return b.get("row_starts")
+    ref = c["buckets"]
+    if not is_int(ref) or not 0 <= ref < len(shared):
+        raise corrupt(path, f"chunk {i} buckets {ref!r:.80} is not a position in bucket_ranges", name)
+    return shared[ref]["row_starts"]
+
+
+def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, shared: Optional[List[Any]],
+                  path: str) -> None:
     shape, _ = as_shape(t.get("shape"), "logical", path, name, itemsize)
     chunks = t.get("chunks")
     if not isinstance(chunks, list) or not chunks:
@@ -120,9 +153,7 @@ def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, p
             raise corrupt(path, f"chunk {i} crc32c must be a list of 32-bit unsigned integers", name)
         _segment_ends(c, length, path, name)
         if "buckets" in c:
-            b = as_obj(c["buckets"], f"chunk {i} buckets", path, name)
-            as_int(b.get("first"), "buckets.first", path, name)
-            rs = b.get("row_starts")
+            rs = _chunk_row_starts(c, i, shared, path, name)
             if (not shape or not isinstance(rs, list) or len(rs) < 1 or not all(map(is_int, rs))
                     or rs[0] != 0 or rs[-1] != nrows or any(x > y for x, y in zip(rs, rs[1:]))):
                 raise corrupt(path, f"chunk {i} buckets.row_starts {rs!r:.80} must rise from 0 to {nrows}", name)
@@ -179,13 +210,14 @@ def read_index(ckpt_dir: str) -> dict:
         if "crc32c" in entry:
             as_int(entry["crc32c"], f"crc32c of file {fname!r}", path, hi=1 << 32)
     world: Dict[str, List[Tuple[int, int, str]]] = {}
+    shared = _bucket_ranges(idx, path)
     for name, t in as_obj(idx.get("tensors"), "tensors", path).items():
         t = as_obj(t, "tensor entry", path, name)
         if name == "__metadata__":  # cannot be stored in a safetensors header
             raise corrupt(path, "'__metadata__' is not a valid tensor name", name)
         if not isinstance(t.get("dtype"), str) or t["dtype"] not in DTYPE_TABLE:
             raise corrupt(path, f"unknown dtype {t.get('dtype')!r:.80}", name)
-        _check_chunks(name, t, DTYPE_TABLE[t["dtype"]][0], files, world, path)
+        _check_chunks(name, t, DTYPE_TABLE[t["dtype"]][0], files, world, shared, path)
     for fname, ranges in world.items():  # chunk ranges of one file must not overlap (empty ones cannot)
         ranges = sorted(r for r in ranges if r[1] > r[0])
         for (b0, e0, n0), (b1, _, n1) in zip(ranges, ranges[1:]):

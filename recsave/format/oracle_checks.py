@@ -12,8 +12,11 @@ import torch
 from recsave.errors import CorruptCheckpointError, FormatVersionError
 
 FORMAT_VERSION = 1  # a full checkpoint's index, and every shard file's header
-KIND_VERSIONS = {"full": 1, "delta": 2, "serving": 2}  # FORMAT.md section 3 `kind` -> its format_version
-INDEX_VERSIONS = sorted(set(KIND_VERSIONS.values()))
+SHARED_RANGES_VERSION = 3  # any kind; chunks refer to `bucket_ranges` by position
+# FORMAT.md section 3 `kind` -> the format_versions it may have
+KIND_VERSIONS = {"full": (1, SHARED_RANGES_VERSION), "delta": (2, SHARED_RANGES_VERSION),
+                 "serving": (2, SHARED_RANGES_VERSION)}
+INDEX_VERSIONS = sorted({v for vs in KIND_VERSIONS.values() for v in vs})
 MAX_ID_BYTES = 255  # a <ckpt_id> (section 1)
 INDEX_MAGIC = "recsave.index"
 MAX_INDEX_BYTES = 256 * 1024 * 1024
@@ -115,10 +118,10 @@ def check_kind(idx: dict, path: str) -> str:
     if kind not in KIND_VERSIONS:
         raise FormatVersionError(f"{path}: unknown checkpoint kind {kind!r:.80} (this reader knows "
                                  f"{sorted(KIND_VERSIONS)}); upgrade recsave to read it", path=path)
-    if kind == "full" and version != KIND_VERSIONS[kind]:
+    if kind == "full" and version not in KIND_VERSIONS[kind]:
         raise FormatVersionError(f"{path}: format_version {version} is not defined for a full checkpoint (this "
-                                 f"reader knows version {KIND_VERSIONS[kind]}); upgrade recsave to read it", path=path)
-    if version != KIND_VERSIONS[kind]:
+                                 f"reader knows versions {KIND_VERSIONS[kind]}); upgrade recsave to read it", path=path)
+    if version not in KIND_VERSIONS[kind]:
         raise corrupt(path, f"a {kind!r} index must have format_version {KIND_VERSIONS[kind]}, not {version}")
     if kind != "delta":
         if "parent" in idx or "base" in idx:

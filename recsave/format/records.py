@@ -20,7 +20,8 @@ from recsave.format.dtypes import BY_NAME, DType
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1           # a "full" checkpoint (docs/FORMAT.md section 3)
 DELTA_FORMAT_VERSION = 2     # an index of another kind ("delta", "serving"): older readers refuse it
-READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION)
+BUCKET_RANGES_VERSION = 3    # any kind, bucket ranges listed once in `bucket_ranges`, chunks refer to them
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, BUCKET_RANGES_VERSION)
 KIND_FULL = "full"
 KIND_DELTA = "delta"         # changed rows + tombstones over a parent checkpoint (docs/FORMAT.md section 10)
 KIND_SERVING = "serving"     # weights only, possibly quantised (docs/FORMAT.md section 8)
@@ -31,13 +32,32 @@ QUANT_INT8 = "int8"          # TableMeta.quant: per-row affine int8 rows (recsav
 def is_newer_index(index: Any) -> bool:
     """Whether a JSON-decoded index was written by a newer recsave: a format_version above 1 that
     this recsave does not read for its kind (version 2 is read only with a known kind other than
-    "full"). Such a checkpoint is intact, only unreadable here."""
+    "full", version 3 with any known kind). Such a checkpoint is intact, only unreadable here."""
     if not isinstance(index, dict):
         return False
     version, kind = index.get("format_version"), index.get("kind", KIND_FULL)
     if type(version) is not int or version <= FORMAT_VERSION:
         return False
-    return not (version == DELTA_FORMAT_VERSION and kind in KINDS and kind != KIND_FULL)
+    return not readable_version(version, kind)
+
+
+def readable_version(version: int, kind: str) -> bool:
+    """Whether this recsave reads an index of `format_version` `version` and `kind`
+    (docs/FORMAT.md section 3: 1 is "full" only, 2 every other kind, 3 any kind)."""
+    if kind not in KINDS:
+        return False
+    if version == BUCKET_RANGES_VERSION:
+        return True
+    return version == (FORMAT_VERSION if kind == KIND_FULL else DELTA_FORMAT_VERSION)
+
+
+def version_for(kind: str, tensors: Mapping[str, "TensorEntry"]) -> int:
+    """The format_version recsave writes an index of `kind` with: 3 when a chunk has bucket
+    ranges (listed once, docs/FORMAT.md section 3), else the version readers of 1 and 2 know (1
+    for "full", 2 for the other kinds), so that a checkpoint without tables stays readable by them."""
+    if any(c.buckets is not None for t in tensors.values() for c in t.chunks):
+        return BUCKET_RANGES_VERSION
+    return FORMAT_VERSION if kind == KIND_FULL else DELTA_FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -127,7 +147,9 @@ class Chunk:
             return self
         return dataclasses.replace(self, rows=(self.rows[0] + base, self.rows[1] + base))
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self, bucket_ids: Optional[Mapping["BucketRange", int]] = None) -> Dict[str, Any]:
+        """The chunk entry; with `bucket_ids` (format_version 3), `buckets` is the position of its
+        ranges in the index's `bucket_ranges` instead of the ranges themselves."""
         out: Dict[str, Any] = {"file": self.file, "offset": self.offset, "length": self.length,
                                "crc32c": self.crc32c}
         if self.segment_bytes is not None:
@@ -137,7 +159,7 @@ class Chunk:
         if self.rows is not None:
             out["rows"] = self.rows
         if self.buckets is not None:
-            out["buckets"] = self.buckets.to_json()
+            out["buckets"] = self.buckets.to_json() if bucket_ids is None else bucket_ids[self.buckets]
         return out
 
 
@@ -160,8 +182,8 @@ class TensorEntry:
     def nbytes(self) -> int:
         return sum(c.length for c in self.chunks)
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"dtype": self.dtype, "shape": self.shape, "chunks": [c.to_json() for c in self.chunks]}
+    def to_json(self, bucket_ids: Optional[Mapping["BucketRange", int]] = None) -> Dict[str, Any]:
+        return {"dtype": self.dtype, "shape": self.shape, "chunks": [c.to_json(bucket_ids) for c in self.chunks]}
 
 
 @dataclass(frozen=True)
@@ -245,8 +267,20 @@ def _files_json(files: Mapping[str, FileEntry]) -> Dict[str, Any]:
     return {n: f.to_json() for n, f in files.items()}
 
 
-def _tensors_json(tensors: Mapping[str, TensorEntry]) -> Dict[str, Any]:
-    return {n: t.to_json() for n, t in tensors.items()}
+def _tensors_json(tensors: Mapping[str, TensorEntry],
+                  bucket_ids: Optional[Mapping[BucketRange, int]] = None) -> Dict[str, Any]:
+    return {n: t.to_json(bucket_ids) for n, t in tensors.items()}
+
+
+def _bucket_ids(tensors: Mapping[str, TensorEntry]) -> Dict[BucketRange, int]:
+    """Each distinct BucketRange of the chunks, numbered in order of first use: the tensors of a
+    table (ids, embedding, slots, row metadata) share one per chunk, so the index lists it once."""
+    ids: Dict[BucketRange, int] = {}
+    for t in tensors.values():
+        for c in t.chunks:
+            if c.buckets is not None:
+                ids.setdefault(c.buckets, len(ids))
+    return ids
 
 
 @dataclass(frozen=True)
@@ -351,9 +385,13 @@ class Index:
             "world_size": self.world_size,
             "partition": self.partition.to_json() if self.partition is not None else None,
             "files": _files_json(self.files),
-            "tensors": _tensors_json(self.tensors),
-            "meta": self.meta.to_json() if self.meta is not None else {},
         })
+        bucket_ids = None
+        if self.format_version == BUCKET_RANGES_VERSION:
+            bucket_ids = _bucket_ids(self.tensors)
+            out["bucket_ranges"] = [b.to_json() for b in bucket_ids]
+        out["tensors"] = _tensors_json(self.tensors, bucket_ids)
+        out["meta"] = self.meta.to_json() if self.meta is not None else {}
         if self.parent is not None:
             out["parent"] = self.parent.to_json()
         if self.base is not None:

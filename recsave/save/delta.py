@@ -13,7 +13,7 @@ import torch
 from recsave.errors import RecsaveError
 from recsave.format import chain
 from recsave.format import index as index_mod
-from recsave.format.records import DELTA_FORMAT_VERSION, KIND_DELTA, KIND_FULL, Index, Parent
+from recsave.format.records import KIND_DELTA, KIND_FULL, Index, Parent, version_for
 from recsave.save.snapshot import Delta, SaveState
 from recsave.storage import Storage, dist
 from recsave.tables.tablelike import TableLike
@@ -140,9 +140,10 @@ def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -
 
 
 def as_delta(storage: Storage, output_dir: str, index: Index, parent_id: str) -> Index:
-    """The index as a delta of checkpoint `parent_id` (format_version 2, kind, parent, base)."""
+    """The index as a delta of checkpoint `parent_id` (kind, parent, base; format_version 2, or 3
+    with bucket ranges: records.version_for)."""
     parent_dir = storage.join(output_dir, parent_id)
     parent, crc = chain.read_with_crc(storage, parent_dir)
     base = parent.base if parent.is_delta and parent.base is not None else parent_id
-    return dataclasses.replace(index, format_version=DELTA_FORMAT_VERSION, kind=KIND_DELTA,
+    return dataclasses.replace(index, format_version=version_for(KIND_DELTA, index.tensors), kind=KIND_DELTA,
                                parent=Parent(parent_id, crc), base=base)

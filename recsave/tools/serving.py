@@ -22,13 +22,13 @@ from recsave.format import index as index_mod
 from recsave.format.quant import SCALE_DTYPES, quantize_rows
 from recsave.format.reader import read_tensors
 from recsave.format.records import (
-    DELTA_FORMAT_VERSION,
     KIND_FULL,
     KIND_SERVING,
     QUANT_INT8,
     IndexPart,
     Meta,
     TableMeta,
+    version_for,
 )
 from recsave.format.writer import RowSource, write_shards
 from recsave.save.layout import bucket_segment_ends
@@ -134,7 +134,8 @@ def _write(src: Any, names: List[str], dtype: Optional[torch.dtype], scale_dtype
     index = index_mod.merge_parts(list(parts.values()), step=src.index.step, partition=src.index.partition,
                                   meta=Meta(tables, dict(meta.dense), (), ()),
                                   world_size=max(src.index.world_size, len(parts), 1))
-    index = dataclasses.replace(index, kind=KIND_SERVING, format_version=DELTA_FORMAT_VERSION).with_files(files)
+    index = dataclasses.replace(index, kind=KIND_SERVING,
+                                format_version=version_for(KIND_SERVING, index.tensors)).with_files(files)
     index_mod.write(ckpt_dir, index, storage=storage)
 
 
