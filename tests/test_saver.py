@@ -14,6 +14,8 @@ import torch
 from safetensors.numpy import load_file
 
 import recsave
+from recsave import partition
+from recsave.errors import UsageError
 from recsave.save.pipeline import CheckpointWriter
 from recsave import CheckpointExistsError, CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
 from recsave import _C
@@ -581,3 +583,43 @@ def test_in_place_restore_fills_storage_while_the_id_map_is_rebuilt():
     filled = []
     assert table.prepare_load(torch.tensor([1, 2, 1]), ["embedding"], lambda v: filled.append(True)) is None
     assert filled == [True] and len(table) == 0
+
+
+def test_in_place_restore_of_several_tables_has_one_fill():
+    """HashTable.prepare_loads: every table's views go to one fill; a table whose ids repeat gets
+    None and is left empty while the others are restored; a failing fill, or ids a table's
+    partition refuses, leave every table empty."""
+    tables = [recsave.HashTable(2, name=n) for n in ("a", "b", "c")]
+    ids = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 1]), torch.tensor([-9, 9])]
+    calls = []
+
+    def fill(views):
+        calls.append([sorted(v) for v in views])
+        for k, v in enumerate(views):
+            v["embedding"].fill_(float(k))
+            if "count" in v:
+                v["count"].fill_(3)
+
+    out = recsave.HashTable.prepare_loads([(tables[0], ids[0], ["embedding", "count"]),
+                                            (tables[1], ids[1], ["embedding"]),
+                                            (tables[2], ids[2], ["embedding"])], fill)
+    assert calls == [[["count", "embedding"], ["embedding"], ["embedding"]]]
+    assert out[1] is None and len(tables[1]) == 0
+    assert [len(tables[0]), len(tables[2])] == [3, 2] and set(out[0]) == {"embedding", "count"}
+    assert torch.equal(tables[0].lookup(ids[0], insert=False), torch.arange(3))
+    assert torch.equal(tables[2].weight[:2], torch.full((2, 2), 2.0))
+    assert torch.equal(tables[0].row_meta(torch.arange(3))["count"], torch.full((3, 1), 3))
+
+    def broken(views):
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        recsave.HashTable.prepare_loads([(t, i, ["embedding"]) for t, i in zip(tables[::2], ids[::2])], broken)
+    assert [len(t) for t in tables] == [0, 0, 0]
+
+    tables[2].set_partition(0, 2, 8)
+    foreign = next(int(i) for i in range(100) if partition.owner_of(torch.tensor([i]), 2, 8)[0] == 1)
+    with pytest.raises(UsageError):
+        recsave.HashTable.prepare_loads([(tables[0], ids[0], ["embedding"]),
+                                         (tables[2], torch.tensor([foreign]), ["embedding"])], fill)
+    assert [len(t) for t in tables] == [0, 0, 0]

@@ -102,6 +102,7 @@ def _fit(values: torch.Tensor, table: HashTable, ids: torch.Tensor, column: str)
 
 def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan, won: Won, rank: int, world: int,
                   load_plan: LoadPlan, report: LoadReport, slots_only: bool) -> None:
+    staged = []
     for table_name, (src_table, columns) in sorted(table_columns(won).items()):
         has_embedding = "embedding" in columns
         if has_embedding == slots_only:
@@ -111,11 +112,23 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
                          partition=(rank, world, src.num_buckets) if world > 1 else None)
         # row metadata, for tables that keep it (a TableLike need not)
         meta = _meta_columns(src, src_table) if has_embedding and callable(getattr(table, "meta_columns", None)) else []
-        if has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
-                                                                          plan, rank, world):
+        staged.append((table_name, src_table, columns, table, meta))
+    # HashTables on the CPU restored from a checkpoint are read in one pass, straight into their storage
+    batch = [(name, src_table, {**columns, **{m: m for m in meta}}, table)
+             for name, src_table, columns, table, meta in staged
+             if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu"
+             and _restores_in_place(table, src, src_table, plan)]
+    in_place = _load_cpu_tables_in_place(target, batch, src, rank, world)
+    batched = {name for name, _, _, _ in batch}  # those not in_place repeat an id: the general path
+    for table_name, src_table, columns, table, meta in staged:
+        has_embedding = "embedding" in columns
+        if table_name in in_place:
             loaded_rows = len(table)
-        elif has_embedding and _load_in_place(target, table, src, src_table, {**columns, **{m: m for m in meta}},
-                                              plan, rank, world):
+        elif has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
+                                                                            plan, rank, world):
+            loaded_rows = len(table)
+        elif has_embedding and table_name not in batched and _load_in_place(
+                target, table, src, src_table, {**columns, **{m: m for m in meta}}, plan, rank, world):
             loaded_rows = len(table)
         else:
             ids, data = src.read_table(src_table, list(columns.values()) + meta, rank, world, target.concurrency)
@@ -185,14 +198,44 @@ def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_tab
     return True
 
 
+def _restores_in_place(table: Any, src: Any, src_table: str, plan: Plan) -> bool:
+    """Whether the restore fast path applies: a HashTable (prepare_load is optional in TableLike)
+    cleared by the load, from a checkpoint table of the same dim and dtype."""
+    info = src.contents.tables.get(src_table)
+    return (callable(getattr(table, "prepare_load", None)) and plan.conf.hashtable_clear
+            and src.kind == "checkpoint" and info is not None and info.dim == table.embedding_dim
+            and info.dtype == contents.dtype_name(table.dtype))
+
+
+def _load_cpu_tables_in_place(target: LoadTarget, batch: List[Any], src: Any, rank: int, world: int) -> Set[str]:
+    """The restore fast path for several CPU tables, given as (name, checkpoint table, columns,
+    table): their ids are read, then every table's columns in one pass straight into its storage
+    while the id maps are rebuilt (HashTable.prepare_loads). Returns the names restored; a table
+    whose ids repeat is left to the general path."""
+    if not batch:
+        return set()
+    threads = target.concurrency
+    ids = [src.read_table(src_table, [], rank, world, threads)[0] for _, src_table, _, _ in batch]
+
+    # What fill reads, without the tables: a failed load's error must not keep them alive (its
+    # traceback holds the fill thread's frames; execute clears the frames' locals, not closures).
+    reads = [(src_table, columns) for _, src_table, columns, _ in batch]
+
+    def fill(views: List[Dict[str, torch.Tensor]]) -> None:
+        src.read_tables_into({src_table: {columns[c]: v[c] for c in columns}
+                              for (src_table, columns), v in zip(reads, views)}, rank, world, threads)
+
+    requests = [(table, table_ids, list(columns)) for (_, _, columns, table), table_ids in zip(batch, ids)]
+    views = HashTable.prepare_loads(requests, fill)
+    return {name for (name, _, _, _), v in zip(batch, views) if v is not None}
+
+
 def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],
                    plan: Plan, rank: int, world: int) -> bool:
-    """The restore fast path: a cleared CPU table whose shape and dtype match reads the checkpoint
-    straight into its storage (no second copy of the table in memory). False: use the general path."""
-    info = src.contents.tables.get(src_table)
-    in_place = callable(getattr(table, "prepare_load", None))  # optional in TableLike
-    if (not in_place or not plan.conf.hashtable_clear or src.kind != "checkpoint" or info is None
-            or info.dim != table.embedding_dim or info.dtype != contents.dtype_name(table.dtype)):
+    """The restore fast path of one table (a CUDA table's: its columns go through pinned host
+    blocks): a cleared table whose shape and dtype match reads the checkpoint straight into its
+    storage (no second copy of the table in memory). False: use the general path."""
+    if not _restores_in_place(table, src, src_table, plan):
         return False
     threads = target.concurrency
     ids, _ = src.read_table(src_table, [], rank, world, threads)

@@ -3,7 +3,7 @@ answer the same questions — what they hold, how much a read costs, and the rea
 configs, plans and loads treat them alike."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -121,6 +121,29 @@ class CheckpointSource:
                     f"ids (rank {rank} of {world} read ids of other buckets); the index is damaged — "
                     f"restore from another checkpoint", path=self.ckpt_dir, key=table)
         return ids, {c: data[f"{table}@{c}"] for c in columns}
+
+    def read_tables_into(self, outs: Mapping[str, Mapping[str, torch.Tensor]], rank: int, world: int,
+                         concurrency: int) -> None:
+        """Reads columns of several tables straight into `outs[table][column]` (as read_table's
+        `out`, without the ids) in one read_tensors call: its threads go from one table's file to
+        the next without a pause for the caller."""
+        names: List[str] = []
+        rows: Dict[str, List[Tuple[int, int]]] = {}
+        dest: Dict[str, torch.Tensor] = {}
+        for table, columns in outs.items():
+            if "embedding" in columns and self._quantised(table):  # decoded after its read
+                self.read_table(table, list(columns), rank, world, concurrency, out=dict(columns), with_ids=False)
+                continue
+            ranges = self.row_ranges(table, rank, world)
+            for column, tensor in columns.items():
+                name = f"{table}@{column}"
+                names.append(name)
+                dest[name] = tensor
+                if ranges is not None:
+                    rows[name] = ranges
+        if names:
+            read_tensors(self.ckpt_dir, names, index=self.index, storage=self.storage, concurrency=concurrency,
+                         rows=rows or None, out=dest, checked=self._checked)
 
     def read_pt(self, fname: str) -> Any:
         """A verified .pt file of the checkpoint, with numpy values restored (format/plainstate.py)."""

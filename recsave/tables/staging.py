@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -81,7 +81,60 @@ class TableStaging:
         `fill(views)`, when given, fills the views on another thread while the id map is rebuilt
         (a restore reads the checkpoint while hashing the ids); if it raises, the table is left
         cleared and its error propagates. Returns None (table left cleared) when this is not
-        possible: duplicate ids."""
+        possible: duplicate ids. `prepare_loads` does this for several tables with one fill."""
+        whole = None if fill is None else lambda views: fill(views[0])
+        return TableStaging.prepare_loads([(self, ids, columns)], whole)[0]
+
+    @staticmethod
+    def prepare_loads(requests: Sequence[Tuple["TableStaging", torch.Tensor, List[str]]],
+                      fill: Optional[Callable[[List[Dict[str, torch.Tensor]]], None]] = None,
+                      ) -> List[Optional[Dict[str, torch.Tensor]]]:
+        """`prepare_load` of several tables, given as (table, ids, columns), at once: every table
+        is cleared and gets its views first, then one `fill(views of each table, in order)` runs on
+        another thread while the tables' id maps are rebuilt one after another. A restore of many
+        tables thus reads them in one pass (no table waits for the previous one's reads to drain,
+        and its hashing overlaps them). A table whose ids repeat gets None and is left cleared; if
+        `fill` raises, or a table refuses its ids (another rank's), every table is left cleared
+        and the error propagates."""
+        tables = [t for t, _, _ in requests]
+        views: List[Dict[str, torch.Tensor]] = []
+        try:
+            for table, ids, columns in requests:
+                views.append(table._begin_load(ids, columns))  # noqa: SLF001 (same class)
+        except BaseException:
+            for table in tables:
+                table.clear()
+            raise
+        # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
+        distinct: List[bool] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
+            # knob overrides are per thread: the fill thread sees this one's
+            filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
+            try:
+                for table, ids, _ in requests:
+                    distinct.append(table._rebuild_map(ids))  # noqa: SLF001 (same class)
+            except BaseException:
+                for table in tables:
+                    table.clear()
+                raise
+        error = filled.exception() if filled else None
+        if error is not None:
+            for table in tables:
+                table.clear()
+            raise error
+        out: List[Optional[Dict[str, torch.Tensor]]] = []
+        for table, (_, ids, _), table_views, ok in zip(tables, requests, views, distinct):
+            if ok:  # ids[i] -> row i
+                table._store.advise_hugepages()  # noqa: SLF001 (same class)
+                table._tracker.mark_first(ids.numel())  # noqa: SLF001 (same class)
+            else:  # a repeated id: rows cannot be 0..n-1
+                table.clear()
+            out.append(table_views if ok else None)
+        return out
+
+    def _begin_load(self, ids: torch.Tensor, columns: List[str]) -> Dict[str, torch.Tensor]:
+        """prepare_load's first step: the cleared table's views of rows [0, n), its row ids, and
+        room for n ids in the map."""
         self.clear()
         n = ids.numel()
         # Filled on 4 KB pages (a huge page is zeroed whole before the read overwrites it: an extra
@@ -89,34 +142,17 @@ class TableStaging:
         initial = self.initial_rows(ids) if "embedding" not in columns else torch.empty(0)
         views = self._store.restore_views(n, columns, initial)
         self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
-        # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
         # The map's slots are allocated before the fill starts (a few ms alone; ten times that
         # while the fill's threads fault in the table's pages); the ids are checked and hashed
         # while it reads.
-        try:
-            self._map.reserve(n)
-        except BaseException:
-            self.clear()
-            raise
-        with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
-            # knob overrides are per thread: the fill thread sees this one's
-            filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
-            try:
-                if self._partition is not None:
-                    self._check_owned(ids)
-                distinct = self._map.load_distinct(flat_ids(ids))
-            except BaseException:
-                self.clear()
-                raise
-        error = filled.exception() if filled else None
-        if error is not None or not distinct:  # a repeated id: rows cannot be 0..n-1
-            self.clear()
-            if error is not None:
-                raise error
-            return None
-        self._store.advise_hugepages()
-        self._tracker.mark_first(n)
+        self._map.reserve(n)
         return views
+
+    def _rebuild_map(self, ids: torch.Tensor) -> bool:
+        """prepare_load's second step, while the views fill: ids[i] -> row i (False: an id repeats)."""
+        if self._partition is not None:
+            self._check_owned(ids)
+        return bool(self._map.load_distinct(flat_ids(ids)))
 
     def _check_slot_values(self, slots: Any, where: str) -> Dict[str, torch.Tensor]:
         """`slots` is a dict of this table's slot names to tensors (a new slot is created with
