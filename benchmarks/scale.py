@@ -17,6 +17,7 @@ Results: benchmarks/results/scale.json and scale.md (`scale-quick.*` with --quic
 from __future__ import annotations
 
 import argparse
+import base64
 import collections
 import datetime
 import functools
@@ -184,7 +185,8 @@ def index_breakdown(path: str) -> Dict[str, int]:
             out["crc32c"] += size(chunk["crc32c"])
             out["segments"] += size(chunk.get("segments", []))
             out["chunk_other"] += size(chunk) - size(rs) - size(chunk["crc32c"]) - size(chunk.get("segments", []))
-    out["crc_count"] = sum(len(c["crc32c"]) for e in index["tensors"].values() for c in e["chunks"])
+    crcs = [c["crc32c"] for e in index["tensors"].values() for c in e["chunks"]]  # version 3 packs them
+    out["crc_count"] = sum(len(x) if isinstance(x, list) else len(base64.b64decode(x)) // 4 for x in crcs)
     out["rest"] = out["total"] - out["row_starts"] - out["crc32c"] - out["segments"] - out["chunk_other"] - out["files"]
     return out
 

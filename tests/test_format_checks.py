@@ -1,7 +1,9 @@
 """Validators of values read from an index: long integer lists are checked in bulk, and every kind of
 bad entry is still refused with a message naming the value."""
+import base64
 import copy
 import json
+import struct
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from recsave import format as fmt
 from recsave.errors import CorruptCheckpointError
 from recsave.format import checks
 from recsave.format import index as index_mod
-from recsave.format.records import BucketRange
+from recsave.format.records import BucketRange, pack_crcs
 
 
 def test_valid_long_lists_pass_unchanged():
@@ -45,7 +47,7 @@ def test_bad_lists_are_corrupt_and_named(values, kwargs, message):
 
 def _written_index(tmp_path):
     """The JSON object a reader decodes for a one-chunk tensor with bucket ranges and explicit
-    segments (format_version 3: the ranges listed once in `bucket_ranges`)."""
+    segments (format_version 3: the ranges listed once in `bucket_ranges`, the CRCs packed)."""
     part = fmt.write_shards(str(tmp_path), {"x": torch.arange(40.0).view(10, 4)}, segments={"x": [32, 96, 160]},
                             chunk_meta={"x": {"buckets": {"first": 0, "row_starts": [0, 2, 2, 10]}}})
     return json.loads(index_mod.dumps(fmt.merge_parts([part])))
@@ -80,8 +82,14 @@ def test_bucket_and_segment_lists_of_a_written_index_are_validated(tmp_path):
         "segment end 0": (lambda ix: chunk(ix).update(segments=[0, 96, 160]), "strictly increasing from 0"),
         "segments repeat": (lambda ix: chunk(ix).update(segments=[32, 32, 160]), "found 32 then 32"),
         "segments short": (lambda ix: chunk(ix).update(segments=[32, 96, 150]), "segments end at 150"),
-        "crc not a list": (lambda ix: chunk(ix).update(crc32c=7), "must be a list"),
+        "crc not text": (lambda ix: chunk(ix).update(crc32c=[1, 2, 3]), "crc32c must be base64"),
+        "crc not base64": (lambda ix: chunk(ix).update(crc32c="AAAA*AAA"), "crc32c must be base64"),
+        "crc not whole values": (lambda ix: chunk(ix).update(crc32c="AAAAAAA="), "crc32c must be base64"),
+        "a crc short": (lambda ix: chunk(ix).update(crc32c=pack_crcs([1, 2])), "2 crc32c values for 3 segments"),
     })
+    packed = chunk(index)["crc32c"]
+    crcs = index_mod.validate(copy.deepcopy(index), "ok").tensor("x").chunks[0].crc32c
+    assert packed == base64.b64encode(struct.pack("<3I", *crcs)).decode() and len(packed) == 16
 
 
 def test_bucket_lists_of_a_version_1_index_are_validated(tmp_path):
@@ -89,6 +97,7 @@ def test_bucket_lists_of_a_version_1_index_are_validated(tmp_path):
     index = _written_index(tmp_path)
     chunk = lambda ix: ix["tensors"]["x"]["chunks"][0]  # noqa: E731
     chunk(index)["buckets"] = index.pop("bucket_ranges")[0]
+    chunk(index)["crc32c"] = list(struct.unpack("<3I", base64.b64decode(chunk(index)["crc32c"])))
     index["format_version"] = 1
     assert index_mod.validate(copy.deepcopy(index), "ok").tensor("x").chunks[0].buckets == BucketRange(0, (0, 2, 2, 10))
     _refused(index, {
@@ -97,4 +106,7 @@ def test_bucket_lists_of_a_version_1_index_are_validated(tmp_path):
         "bucket start past rows": (lambda ix: chunk(ix)["buckets"].update(row_starts=[0, 11]), "found 11"),
         "buckets short": (lambda ix: chunk(ix)["buckets"].update(row_starts=[0, 9]), "end at the chunk's 10 rows"),
         "a reference in version 1": (lambda ix: chunk(ix).update(buckets=0), "chunk buckets must be"),
+        "packed crcs in version 1": (lambda ix: chunk(ix).update(crc32c=pack_crcs(chunk(ix)["crc32c"])),
+                                     "must be a list"),
+        "crc not a list": (lambda ix: chunk(ix).update(crc32c=7), "must be a list"),
     })

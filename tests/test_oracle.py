@@ -416,7 +416,7 @@ def _set(path: str, value):
 
 @pytest.mark.parametrize("change, error, match", [
     (_set("format_version", 1), E.CorruptCheckpointError, "format_version"),
-    (_set("format_version", 2), E.CorruptCheckpointError, "buckets"),  # version 2 holds ranges inline
+    (_set("format_version", 2), E.CorruptCheckpointError, "crc32c"),  # version 2 holds CRC lists, ranges inline
     (_set("format_version", 4), E.FormatVersionError, "format_version"),
     (_set("kind", "sketch"), E.FormatVersionError, "kind 'sketch'"),
     (_set("kind", 2), E.CorruptCheckpointError, "kind"),

@@ -32,6 +32,7 @@ from recsave.format.records import (
     Partition,
     Retention,
     TensorEntry,
+    unpack_crcs,
     version_for,
 )
 from recsave.storage import Storage, get_storage
@@ -320,7 +321,11 @@ def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
 def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
                     rows: Optional[Tuple[int, int]], shared: Optional[List[BucketRange]], path: str,
                     name: str) -> Chunk:
-    crcs = checks.as_ints(chunk.get("crc32c"), "crc32c value", path, name, hi=0xFFFFFFFF)
+    crcs: Sequence[int]
+    if shared is None:
+        crcs = checks.as_ints(chunk.get("crc32c"), "crc32c value", path, name, hi=0xFFFFFFFF)
+    else:  # format_version 3: packed
+        crcs = _packed_crcs(chunk.get("crc32c"), path, name)
     has_uniform, has_explicit = "segment_bytes" in chunk, "segments" in chunk
     if has_uniform == has_explicit:
         raise checks.corrupt(path, "chunk needs exactly one of segment_bytes and segments", name)
@@ -348,6 +353,15 @@ def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
     else:
         ranges = _shared_buckets(buckets, shared, rows, path, name)
     return Chunk(fname, offset, length, tuple(crcs), step, None if ends is None else tuple(ends), rows, ranges)
+
+
+def _packed_crcs(text: Any, path: str, name: str) -> Tuple[int, ...]:
+    """A format_version 3 chunk's `crc32c`: base64 of little-endian uint32 values."""
+    crcs = unpack_crcs(text) if isinstance(text, str) else None
+    if crcs is None:
+        raise checks.corrupt(path, f"crc32c must be base64 of 4-byte little-endian values in a format_version "
+                             f"{BUCKET_RANGES_VERSION} index, found {text!r:.80}", name)
+    return crcs
 
 
 def _shared_buckets(ref: Any, shared: List[BucketRange], rows: Optional[Tuple[int, int]], path: str,

@@ -19,6 +19,8 @@ int8 serving table (section 8) it returns the codes, ``@scale`` and ``@offset`` 
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import errno
 import os
 import stat
@@ -98,6 +100,22 @@ def _bucket_ranges(idx: dict, path: str) -> Optional[List[Any]]:
     return ranges
 
 
+def _chunk_crcs(crcs: Any, i: int, packed: bool, path: str, name: str) -> List[int]:
+    """A chunk's CRC32C values: a list of 32-bit unsigned integers (versions 1, 2), or (version 3)
+    padded base64 text of their little-endian 4-byte forms, one after another."""
+    if not packed:
+        if not isinstance(crcs, list) or not all(is_int(x) and 0 <= x < 1 << 32 for x in crcs):
+            raise corrupt(path, f"chunk {i} crc32c must be a list of 32-bit unsigned integers", name)
+        return crcs
+    try:
+        raw = base64.b64decode(crcs, validate=True) if isinstance(crcs, str) else None
+    except binascii.Error:
+        raw = None
+    if raw is None or len(raw) % 4:
+        raise corrupt(path, f"chunk {i} crc32c {crcs!r:.80} is not base64 of 4-byte little-endian values", name)
+    return [int.from_bytes(raw[k:k + 4], "little") for k in range(0, len(raw), 4)]
+
+
 def _chunk_row_starts(c: dict, i: int, shared: Optional[List[Any]], path: str, name: str) -> Any:
     """A chunk's bucket row starts: its own `buckets` object (versions 1, 2), or the entry of
     `bucket_ranges` its `buckets` integer names (version 3)."""
@@ -148,9 +166,7 @@ def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, s
         if offset + length > files[fname]["size"]:
             raise corrupt(path, f"chunk {i} at offset {offset} length {length} ends beyond file {fname!r} "
                                  f"of size {files[fname]['size']}", name)
-        crcs = c.get("crc32c")
-        if not isinstance(crcs, list) or not all(is_int(x) and 0 <= x < 1 << 32 for x in crcs):
-            raise corrupt(path, f"chunk {i} crc32c must be a list of 32-bit unsigned integers", name)
+        c["crc32c"] = _chunk_crcs(c.get("crc32c"), i, shared is not None, path, name)  # version 3: decoded
         _segment_ends(c, length, path, name)
         if "buckets" in c:
             rs = _chunk_row_starts(c, i, shared, path, name)
@@ -174,7 +190,8 @@ def _index_bytes(path: str, what: str, missing: str) -> bytes:
 
 
 def read_index(ckpt_dir: str) -> dict:
-    """Loads ``<ckpt_dir>/index`` and validates it against FORMAT.md section 3; returns the parsed JSON."""
+    """Loads ``<ckpt_dir>/index`` and validates it against FORMAT.md section 3; returns the parsed JSON
+    (a version 3 chunk's packed `crc32c` decoded into the list versions 1 and 2 hold)."""
     path = os.path.join(ckpt_dir, "index")
     raw = _index_bytes(path, "the index", f"no index: {ckpt_dir} is not a committed checkpoint")
     idx = as_obj(parse_json(raw, "the index", path), "the index", path)

@@ -8,9 +8,11 @@ between ranks, which a `MappingProxyType` would not allow.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
+import struct
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,7 +22,7 @@ from recsave.format.dtypes import BY_NAME, DType
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1           # a "full" checkpoint (docs/FORMAT.md section 3)
 DELTA_FORMAT_VERSION = 2     # an index of another kind ("delta", "serving"): older readers refuse it
-BUCKET_RANGES_VERSION = 3    # any kind, bucket ranges listed once in `bucket_ranges`, chunks refer to them
+BUCKET_RANGES_VERSION = 3    # any kind: bucket ranges listed once in `bucket_ranges`, chunks refer to them; CRCs packed
 READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, BUCKET_RANGES_VERSION)
 KIND_FULL = "full"
 KIND_DELTA = "delta"         # changed rows + tombstones over a parent checkpoint (docs/FORMAT.md section 10)
@@ -58,6 +60,23 @@ def version_for(kind: str, tensors: Mapping[str, "TensorEntry"]) -> int:
     if any(c.buckets is not None for t in tensors.values() for c in t.chunks):
         return BUCKET_RANGES_VERSION
     return FORMAT_VERSION if kind == KIND_FULL else DELTA_FORMAT_VERSION
+
+
+def pack_crcs(crcs: Sequence[int]) -> str:
+    """A format_version 3 chunk's `crc32c`: base64 (RFC 4648, padded) of the values as consecutive
+    little-endian uint32, about 5.3 bytes a segment where a JSON list takes about 11."""
+    return base64.b64encode(struct.pack(f"<{len(crcs)}I", *crcs)).decode("ascii")
+
+
+def unpack_crcs(text: str) -> Optional[Tuple[int, ...]]:
+    """The CRC values of pack_crcs' text; None when it is not padded base64 of a multiple of 4 bytes."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):  # binascii.Error is a ValueError
+        return None
+    if len(raw) % 4:
+        return None
+    return struct.unpack(f"<{len(raw) // 4}I", raw)
 
 
 @dataclass(frozen=True)
@@ -149,9 +168,10 @@ class Chunk:
 
     def to_json(self, bucket_ids: Optional[Mapping["BucketRange", int]] = None) -> Dict[str, Any]:
         """The chunk entry; with `bucket_ids` (format_version 3), `buckets` is the position of its
-        ranges in the index's `bucket_ranges` instead of the ranges themselves."""
-        out: Dict[str, Any] = {"file": self.file, "offset": self.offset, "length": self.length,
-                               "crc32c": self.crc32c}
+        ranges in the index's `bucket_ranges` instead of the ranges themselves, and `crc32c` the
+        CRCs packed (pack_crcs) instead of a list."""
+        crcs = self.crc32c if bucket_ids is None else pack_crcs(self.crc32c)
+        out: Dict[str, Any] = {"file": self.file, "offset": self.offset, "length": self.length, "crc32c": crcs}
         if self.segment_bytes is not None:
             out["segment_bytes"] = self.segment_bytes
         else:
