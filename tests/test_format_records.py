@@ -102,6 +102,31 @@ def test_indexes_without_bucket_ranges_keep_the_versions_older_readers_know(tmp_
     assert (version_for("full", plain), version_for("delta", plain), version_for("serving", plain)) == (1, 2, 2)
 
 
+def test_a_saved_part_shares_one_bucket_range_per_table(tmp_path, monkeypatch):
+    """The index part a rank sends to rank 0 (pickled) holds each table's bucket range once: every
+    tensor of the table refers to the same BucketRange, which pickle keeps shared."""
+    from recsave.save import pipeline
+
+    parts = []
+    write_rank_files = pipeline.CheckpointWriter._write_rank_files
+
+    def kept(self, *args, **kwargs):
+        out = write_rank_files(self, *args, **kwargs)
+        parts.append(out[0])
+        return out
+
+    monkeypatch.setattr(pipeline.CheckpointWriter, "_write_rank_files", kept)
+    _multi_table_checkpoint(str(tmp_path / "run"))
+    (part,) = parts
+    ranges = {}
+    for name, entry in part.tensors.items():
+        for chunk in entry.chunks:
+            ranges.setdefault(name.partition("@")[0], set()).add(id(chunk.buckets))
+    assert set(ranges) == {"user", "item"} and all(len(ids) == 1 for ids in ranges.values())
+    again = pickle.loads(pickle.dumps(part))
+    assert again.tensors["user@id"].chunks[0].buckets is again.tensors["user@embedding"].chunks[0].buckets
+
+
 def test_merged_parts_round_trip_through_their_bytes(tmp_path):
     parts = []
     for rank, n in enumerate([5, 0, 9]):

@@ -10,6 +10,7 @@ import torch
 
 from recsave import knobs
 from recsave.errors import UsageError
+from recsave.format.records import BucketRange
 from recsave.format.writer import RowSource
 from recsave.save.snapshot import PinnedPair, TableState
 from recsave.tables import partition
@@ -43,7 +44,7 @@ def bucket_segment_ends(row_starts: Sequence[int], row_bytes: int, max_bytes: in
 class TableLayout:
     """One table's tensors in bucket order, as write_shards takes them."""
     tensors: Dict[str, Any]
-    meta: Dict[str, Any]  # chunk fields: the bucket row starts
+    meta: Dict[str, Any]  # chunk fields: the bucket row starts, one BucketRange shared by the tensors
     segments: Dict[str, List[int]]
     num_rows: int
     tensor_meta: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # per-tensor chunk fields (tombstones)
@@ -77,8 +78,9 @@ def bucket_layout(name: str, table: TableState, rank: int, world: int, num_bucke
     seg_max = knobs.get("segment_bytes")
     segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)
                 for n, t in tensors.items()}
-    layout = TableLayout(tensors, {"buckets": {"first": first, "row_starts": row_starts}}, segments,
-                         int(ids.numel()))
+    # One BucketRange for every tensor of the table: the part pickled to rank 0 holds it once
+    # (pickle keeps shared objects shared), as the index does (format version 3).
+    layout = TableLayout(tensors, {"buckets": BucketRange(first, tuple(row_starts))}, segments, int(ids.numel()))
     if table.tombstones is not None:
         _add_tombstones(layout, name, table.tombstones, first, stop, num_buckets, seg_max)
     return layout
