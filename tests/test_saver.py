@@ -585,6 +585,33 @@ def test_in_place_restore_fills_storage_while_the_id_map_is_rebuilt():
     assert filled == [True] and len(table) == 0
 
 
+def test_a_table_whose_ids_repeat_is_restored_by_the_general_path(tmp_path, monkeypatch):
+    """A load restores its CPU tables together; one whose ids the fast path refuses (they repeat)
+    is staged with load_rows instead, and the load still restores every table exactly."""
+    from recsave.load.sources import CheckpointSource
+
+    out = tmp_path / "run"
+    job = _trained_job(out, steps=4)
+    job.saver.save("ckpt_4")
+    saved = job_state(job)
+    read_table = CheckpointSource.read_table
+    calls = []
+
+    def ids_repeat_once(self, table, columns, *args, **kwargs):
+        ids, data = read_table(self, table, columns, *args, **kwargs)
+        calls.append((table, list(columns)))
+        if table == "user" and not columns and ids is not None:  # the fast path's ids read
+            ids = torch.cat([ids[:1], ids[:-1]])
+        return ids, data
+
+    monkeypatch.setattr(CheckpointSource, "read_table", ids_repeat_once)
+    fresh = make_job(str(out))
+    fresh.saver.load()
+    assert_jobs_equal(job_state(fresh), saved)
+    assert [t for t, c in calls if c] == ["user"]  # only the refused table was read again, whole
+    assert sorted(t for t, c in calls if not c) == sorted(tables_of(job.model))  # each table's ids once
+
+
 def test_in_place_restore_of_several_tables_has_one_fill():
     """HashTable.prepare_loads: every table's views go to one fill; a table whose ids repeat gets
     None and is left empty while the others are restored; a failing fill, or ids a table's
