@@ -650,3 +650,8 @@ def test_in_place_restore_of_several_tables_has_one_fill():
         recsave.HashTable.prepare_loads([(tables[0], ids[0], ["embedding"]),
                                          (tables[2], torch.tensor([foreign]), ["embedding"])], fill)
     assert [len(t) for t in tables] == [0, 0, 0]
+
+    tables[1].load_rows(ids[0], torch.ones(3, 2))
+    with pytest.raises(UsageError, match="table 'b' is given twice"):
+        recsave.HashTable.prepare_loads([(tables[1], ids[0], ["embedding"]), (tables[1], ids[2], ["embedding"])])
+    assert len(tables[1]) == 3  # refused before anything changed

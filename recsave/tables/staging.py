@@ -97,6 +97,10 @@ class TableStaging:
         `fill` raises, or a table refuses its ids (another rank's), every table is left cleared
         and the error propagates."""
         tables = [t for t, _, _ in requests]
+        if len({id(t) for t in tables}) != len(tables):  # its second views would overwrite the first
+            twice = next(t for k, t in enumerate(tables) if any(t is u for u in tables[:k]))
+            raise UsageError(f"HashTable.prepare_loads: table {twice.table_name!r} is given twice; give "
+                             f"each table once, with all of its ids", key=twice.table_name)
         views: List[Dict[str, torch.Tensor]] = []
         try:
             for table, ids, columns in requests:
