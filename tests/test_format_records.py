@@ -168,6 +168,18 @@ def test_corpus_index_parses_to_the_same_json():
         contents.of_index(index, str(CORPUS_INDEX))
 
 
+def test_corpus_version_3_index_parses_to_the_same_json():
+    """The hand-built version 3 index (tests/corpus/valid_v3, written from docs/FORMAT.md with struct
+    and base64): recsave reads its shared ranges and packed CRCs and writes them back the same."""
+    path = CORPUS_INDEX.parent.parent / "valid_v3" / "index"
+    data = path.read_bytes()
+    index = index_mod.parse(data, str(path))
+    assert index.format_version == 3 and json.loads(index_mod.dumps(index)) == json.loads(data)
+    ids, score = index.tensor("ids").chunks[0], index.tensor("ids_score").chunks[0]
+    assert ids.buckets == fmt.BucketRange(1, (0, 1, 1, 3)) and score.buckets is ids.buckets
+    assert len(index.tensor("emb").chunks[0].crc32c) == 3  # 36 bytes in 16-byte segments
+
+
 def test_meta_is_validated_at_parse_time():
     raw = json.loads(CORPUS_INDEX.read_bytes())
     raw["meta"] = {"tables": {}, "dense": {"w": {"shape": [2], "dtype": "float32"}}, "extras": ["opt"],

@@ -3,7 +3,8 @@
 
 Every file is built by hand from docs/FORMAT.md with struct and json (never with recsave's writer), so
 the corpus tests the readers against the spec rather than against recsave's own idea of it. One case is
-valid (``valid_basic``); every other case breaks exactly one rule of the spec, as far as the rule allows.
+valid (``valid_basic``, and ``valid_v3``: the same written as format_version 3); every other case breaks
+exactly one rule of the spec, as far as the rule allows.
 
 cases.json maps a case to ``{"error": <class name in recsave.errors or null>, "match": <substring the
 message must contain, compared case-insensitively, outside the temporary directory's path>}``, plus
@@ -15,6 +16,7 @@ tests/test_oracle.py to build checkpoints by hand.
 """
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import struct
@@ -214,6 +216,35 @@ def valid_basic(d: Path) -> List[dict]:
     return specs
 
 
+def to_version_3(d: Path) -> None:
+    """Rewrites the index in ``d`` as FORMAT.md section 3 defines version 3: each distinct bucket
+    range once in ``bucket_ranges`` (chunks name theirs by position) and every chunk's CRCs as one
+    base64 string of little-endian uint32."""
+    def convert(i: dict) -> None:
+        i["format_version"] = 3
+        ranges: List[dict] = []
+        for t in i["tensors"].values():
+            for c in t["chunks"]:
+                c["crc32c"] = base64.b64encode(struct.pack(f"<{len(c['crc32c'])}I", *c["crc32c"])).decode()
+                if "buckets" in c:
+                    if c["buckets"] not in ranges:
+                        ranges.append(c["buckets"])
+                    c["buckets"] = ranges.index(c["buckets"])
+        i["bucket_ranges"] = ranges
+    edit_index(d, convert)
+
+
+def valid_v3(d: Path) -> List[dict]:
+    """valid_basic's tensors plus one sharing the bucket range of "ids", as version 3."""
+    specs = valid_basic(d)
+    specs.append({"name": "ids_score", "dtype": "float32", "shape": [3], "data": struct.pack("<3f", 0.25, -8.0, 3.5),
+                  "parts": [("sparse-0-0.safetensors", 3, ("ends", [4, 12]))],
+                  "buckets": [{"first": 1, "row_starts": [0, 1, 1, 3]}]})
+    write_checkpoint(d, specs, partition={"scheme": "mix64", "num_buckets": 8})
+    to_version_3(d)
+    return specs
+
+
 def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
     """Builds one case into ``d``; returns (error class name, message substring, extra cases.json fields)."""
     C, V, NF = "CorruptCheckpointError", "FormatVersionError", "CheckpointNotFoundError"
@@ -221,6 +252,24 @@ def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
     if case == "valid_basic":
         ref = {s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": s["data"].hex()} for s in valid_basic(d)}
         return None, "", {"tensors": ref}
+    if case == "valid_v3":
+        ref = {s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": s["data"].hex()} for s in valid_v3(d)}
+        return None, "", {"tensors": ref}
+    if case == "v3_bucket_reference_past_the_list":
+        valid_v3(d)
+        edit_index(d, lambda i: chunk0(i, "ids").update(buckets=1))
+        return C, "position in", {}
+    if case == "v3_crc_not_base64":
+        base(d)
+        to_version_3(d)
+        edit_index(d, lambda i: chunk0(i).update(crc32c=chunk0(i)["crc32c"][:-4] + "****"))
+        return C, "base64", {}
+    if case == "v3_crc_list":  # version 1's form in a version 3 index
+        base(d)
+        crcs = chunk0(json.loads((d / "index").read_text()))["crc32c"]
+        to_version_3(d)
+        edit_index(d, lambda i: chunk0(i).update(crc32c=crcs))
+        return C, "base64", {}
     if case == "crc_flipped_byte":
         idx = base(d)
         blob = bytearray((d / F).read_bytes())
@@ -437,6 +486,7 @@ CASES = [
     "file_name_dotdot", "file_name_absolute", "file_name_with_slash", "symlink_outside", "missing_shard",
     "missing_index", "unknown_dtype", "index_not_json", "index_not_utf8", "index_not_object", "index_too_large",
     "index_shape_overflow", "index_ndim_over_32", "index_shape_bool", "index_size_string", "index_offset_float",
+    "valid_v3", "v3_bucket_reference_past_the_list", "v3_crc_not_base64", "v3_crc_list",
 ]
 
 
