@@ -112,23 +112,23 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
                          partition=(rank, world, src.num_buckets) if world > 1 else None)
         # row metadata, for tables that keep it (a TableLike need not)
         meta = _meta_columns(src, src_table) if has_embedding and callable(getattr(table, "meta_columns", None)) else []
-        staged.append((table_name, src_table, columns, table, meta))
+        # what the restore fast path reads: the columns and the row metadata
+        staged.append((table_name, src_table, columns, table, meta, {**columns, **{m: m for m in meta}}))
     # HashTables on the CPU restored from a checkpoint are read in one pass, straight into their storage
-    batch = [(name, src_table, {**columns, **{m: m for m in meta}}, table)
-             for name, src_table, columns, table, meta in staged
+    batch = [(name, src_table, read, table) for name, src_table, columns, table, _, read in staged
              if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu"
              and _restores_in_place(table, src, src_table, plan)]
     in_place = _load_cpu_tables_in_place(target, batch, src, rank, world)
     batched = {name for name, _, _, _ in batch}  # those not in_place repeat an id: the general path
-    for table_name, src_table, columns, table, meta in staged:
+    for table_name, src_table, columns, table, meta, read in staged:
         has_embedding = "embedding" in columns
         if table_name in in_place:
             loaded_rows = len(table)
         elif has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
                                                                             plan, rank, world):
             loaded_rows = len(table)
-        elif has_embedding and table_name not in batched and _load_in_place(
-                target, table, src, src_table, {**columns, **{m: m for m in meta}}, plan, rank, world):
+        elif has_embedding and table_name not in batched and _load_in_place(target, table, src, src_table, read,
+                                                                             plan, rank, world):
             loaded_rows = len(table)
         else:
             ids, data = src.read_table(src_table, list(columns.values()) + meta, rank, world, target.concurrency)

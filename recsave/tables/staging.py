@@ -102,30 +102,23 @@ class TableStaging:
             raise UsageError(f"HashTable.prepare_loads: table {twice.table_name!r} is given twice; give "
                              f"each table once, with all of its ids", key=twice.table_name)
         views: List[Dict[str, torch.Tensor]] = []
+        distinct: List[bool] = []
         try:
             for table, ids, columns in requests:
                 views.append(table._begin_load(ids, columns))  # noqa: SLF001 (same class)
+            # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
+            with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
+                # knob overrides are per thread: the fill thread sees this one's
+                filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
+                for table, ids, _ in requests:
+                    distinct.append(table._rebuild_map(ids))  # noqa: SLF001 (same class)
+            error = filled.exception() if filled else None
+            if error is not None:
+                raise error
         except BaseException:
             for table in tables:
                 table.clear()
             raise
-        # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
-        distinct: List[bool] = []
-        with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
-            # knob overrides are per thread: the fill thread sees this one's
-            filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
-            try:
-                for table, ids, _ in requests:
-                    distinct.append(table._rebuild_map(ids))  # noqa: SLF001 (same class)
-            except BaseException:
-                for table in tables:
-                    table.clear()
-                raise
-        error = filled.exception() if filled else None
-        if error is not None:
-            for table in tables:
-                table.clear()
-            raise error
         out: List[Optional[Dict[str, torch.Tensor]]] = []
         for table, (_, ids, _), table_views, ok in zip(tables, requests, views, distinct):
             if ok:  # ids[i] -> row i
