@@ -285,6 +285,7 @@ def summarize_world(world: int, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
             "storage_calls_rank0": sum(r0["storage"].values()),
             "storage_calls_other": C.median([sum(x["storage"].values()) for x in others]),
             "storage_rank0": r0["storage"],
+            "storage_rank1": others[0]["storage"],
             "wall_s": C.median([max(rk["rounds"][i][f"{what}_s"] for rk in ranks)
                                 for i in range(len(ranks[0]["rounds"]))]),
             "seconds_rank0": {k: C.median([rd[what]["seconds"].get(k, 0.0) for rd in ranks[0]["rounds"]])
@@ -305,6 +306,8 @@ FITTED = [  # (label, getter): fitted against W, and against W^2 where all ranks
     ("load: collective calls, rank 0", lambda x: x["load"]["rounds_rank0"]),
     ("load: bytes received, all ranks (padded)", lambda x: x["load"]["all_received_padded"]),
     ("load: Storage calls, rank 0", lambda x: x["load"]["storage_calls_rank0"]),
+    ("load: Storage calls, other ranks (median)", lambda x: x["load"]["storage_calls_other"]),
+    ("load: whole-file reads (index, list, .pt), rank 1", lambda x: x["load"]["storage_rank1"].get("read_bytes", 0)),
     ("load: index read + parse s (rank 0)", lambda x: x["load"]["seconds_rank0"].get("index read + parse", 0.0)),
     ("load: wall s (slowest rank)", lambda x: x["load"]["wall_s"]),
 ]
@@ -331,8 +334,9 @@ def markdown(d: Dict[str, Any]) -> str:
             + [C.fmt_num(r["per_w"], 4), C.fmt_num(r["r2"], 3), C.fmt_num(r["r2_w2"], 3),
                C.fmt_num(r["at_1000_linear"], 2) if abs(r["at_1000_linear"]) < 100 else f"{r['at_1000_linear']:,.0f}"]
             for r in d["fits"]]
-    calls = "; ".join(f"W={x['world']}: save {x['save']['collective_calls']}, load {x['load']['collective_calls']}"
-                      for x in d["worlds"][:1])
+    calls = "; ".join(f"W={x['world']}: save {x['save']['collective_calls']}, load {x['load']['collective_calls']}; "
+                      f"Storage calls of a load, rank 0 {x['load']['storage_rank0']}, rank 1 "
+                      f"{x['load'].get('storage_rank1', 'n/a')}" for x in d["worlds"][:1])
     bd = [x["index_breakdown"] for x in d["worlds"]]
     parts = ["row_starts", "crc32c", "segments", "chunk_other", "files", "rest", "total"]
     breakdown = C.markdown_table(

@@ -286,7 +286,7 @@ class CheckpointManager:
     def load_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadReport:
         """Warm start: applies bank entries in order (the last entry wins a name). Entries with
         ``is_dynamic: True`` are remembered for update_model_bank()."""
-        plan = self.saver.plan_model_bank(entries)
+        plan = self.saver.plan_model_bank(entries, collective=True)
         report = self.saver.execute_plan(plan)
         self._bank = (list(entries), plan.source_versions())
         return report
@@ -298,7 +298,7 @@ class CheckpointManager:
         if self._bank is None:
             return None
         entries, loaded = self._bank
-        plan = self.saver.plan_model_bank(entries)
+        plan = self.saver.plan_model_bank(entries, collective=True)  # every rank calls it: it may load
         current = plan.source_versions()
         changed = {i for i, entry in enumerate(entries)
                    if isinstance(entry, dict) and entry.get("is_dynamic") and current.get(i) != loaded.get(i)}

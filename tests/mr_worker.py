@@ -5,7 +5,8 @@
 Scenarios: ``save`` (build this rank's shard of a known table set and save it), ``load`` (load the
 latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed`` / ``save_error``
 (rank 1 SIGKILLs itself / rank 2 raises in the middle of a second save; the others must raise),
-``load_damaged`` (load into a model holding other rows; dump what each rank holds after).
+``load_damaged`` (load into a model holding other rows; dump what each rank holds after); ``load``
+also reports the whole-file reads (indexes, the checkpoint list) this rank made.
 ``delta_save`` (a full then two deltas, incremental=True), ``delta_continue`` (restore the latest
 with WORLD ranks, change rows, save the delta ckpt_4); CKPT_ID makes ``load`` load that id.
 ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
@@ -101,6 +102,22 @@ def delta_ids(k):
     ids = global_ids()
     start = (k * 401) % 2000
     return ids[start:start + 40], ids[2200 + 15 * k:2200 + 15 * k + 15]
+
+
+def count_whole_file_reads():
+    """Counts Storage.read_bytes calls (whole small files: indexes, the checkpoint list) by file name."""
+    import collections
+
+    from recsave.storage import LocalStorage
+    from recsave.storage.base import Storage
+
+    counts = collections.Counter()
+    for cls in (LocalStorage, Storage):
+        def counted(self, path, limit, _real=cls.read_bytes):
+            counts[path.rstrip("/").rsplit("/", 1)[-1]] += 1
+            return _real(self, path, limit)
+        cls.read_bytes = counted
+    return counts
 
 
 def listing(root):
@@ -255,9 +272,11 @@ def main():
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump({"position": reader.position}, f)
     elif scenario == "load":
+        whole_reads = count_whole_file_reads()
         report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None,
                             ckpt_id=os.environ.get("CKPT_ID"))
-        out = {"bytes_read": report.bytes_read, "rows_read": report.rows_read, "position": reader.position}
+        out = {"bytes_read": report.bytes_read, "rows_read": report.rows_read, "position": reader.position,
+               "whole_reads": dict(whole_reads), "checkpoints": report.checkpoints}
         for name in ("user", "item"):
             table = getattr(model, name)
             ids, values, slots = table.export()

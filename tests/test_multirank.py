@@ -64,6 +64,7 @@ def test_save_with_n_ranks_load_with_m(tmp_path, save_world, scheme, how, monkey
         reports = [json.loads((tmp_path / f"report_{load_world}_{r}.json").read_text()) for r in range(load_world)]
         if load_world == save_world:  # io states come back per rank
             assert [rep["position"] for rep in reports] == [1000 + r for r in range(load_world)]
+        _check_index_read_once(reports, str(tmp_path / "out" / "ckpt_1"), chain_length=1)
         sparse_bytes = sum(t.nbytes for t in index.tensors.values())
         for rep in reports:  # each rank reads about its share of the sparse bytes
             assert rep["bytes_read"] <= sparse_bytes / load_world * 1.05 + 4 * (64 << 10) * 4
@@ -231,6 +232,18 @@ def _check_loaded(tmp_path, world, state):
         assert sorted(seen) == sorted(state)
 
 
+def _check_index_read_once(reports, ckpt_dir, chain_length):
+    """Rank 0 read every index of the chain and the checkpoint list once; the others took its
+    bytes and its resolution of the latest checkpoint (load/shared_index.py), reading neither."""
+    want_dir = ckpt_dir.replace("file://", "")
+    for r, rep in enumerate(reports):
+        assert [c.replace("file://", "") for c in rep["checkpoints"]] == [want_dir], rep
+        reads = rep["whole_reads"]
+        assert reads.get("index", 0) == (chain_length if r == 0 else 0), (r, reads)
+        if r:
+            assert reads.get("checkpoint", 0) == 0, (r, reads)
+
+
 def mr_rows(i, salt):
     return expected_rows(i.reshape(1), float(salt))[0]
 
@@ -249,6 +262,8 @@ def test_delta_chain_across_world_sizes(tmp_path):
             codes, outs = run_ranks("load", world, tmp_path, {"NO_IO": "1", "CKPT_ID": ckpt_id})
             assert codes == [0] * world, outs
             _check_loaded(tmp_path, world, _expected_after(k))
+            reports = [json.loads((tmp_path / f"report_{world}_{r}.json").read_text()) for r in range(world)]
+            _check_index_read_once(reports, str(tmp_path / "out" / ckpt_id), chain_length=k + 1)
     codes, outs = run_ranks("delta_continue", 3, tmp_path, {"NO_IO": "1"})
     assert codes == [0, 0, 0], outs
     assert all(json.loads((tmp_path / f"kinds_3_{r}.json").read_text()) == ["delta"] for r in range(3))
@@ -259,6 +274,19 @@ def test_delta_chain_across_world_sizes(tmp_path):
         codes, outs = run_ranks("load", world, tmp_path, {"NO_IO": "1", "CKPT_ID": "ckpt_4"})
         assert codes == [0] * world, outs
         _check_loaded(tmp_path, world, _expected_after(3))
+
+
+def test_a_load_of_a_missing_checkpoint_raises_on_every_rank_without_waiting(tmp_path):
+    """Rank 0 fails to open the checkpoint: it still sends the broadcast the others wait for, and
+    every rank raises the same error at once instead of timing out."""
+    codes, outs = run_ranks("save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    start = time.monotonic()
+    codes, outs = run_ranks("load", 2, tmp_path, {"CKPT_ID": "ckpt_9", "RECSAVE_COLLECTIVE_TIMEOUT_S": "60"})
+    assert time.monotonic() - start < 50, outs
+    assert codes[0] != 0 and codes[1] != 0, outs
+    for out in outs:
+        assert "CheckpointNotFoundError" in out and "ckpt_9" in out, out
 
 
 def test_delta_of_a_table_cleared_on_one_rank(tmp_path):

@@ -35,7 +35,7 @@ def read_with_crc(storage: Storage, ckpt_dir: str) -> Tuple[Index, int]:
     """The index of `ckpt_dir` and the CRC32C of its bytes, from one read (so both describe the
     same bytes)."""
     path = storage.join(ckpt_dir, index_mod.INDEX_FILE)
-    data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+    data = index_mod.read_bytes(storage, path)
     return index_mod.parse(data, path), int(_C.crc32c(data))
 
 

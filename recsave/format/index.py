@@ -2,10 +2,12 @@
 the typed records of recsave.format.records (its `meta` object in format/meta.py), read, write."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import json
 import math
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import gcpause, knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
@@ -428,13 +430,39 @@ def _parse(data: bytes, path: str) -> Index:
         return validate(index, path)
 
 
+# How index bytes are fetched: Storage.read_bytes, unless a load installed another reader
+# (load/shared_index.py: rank 0 reads each index once and the other ranks take its bytes).
+IndexBytesReader = Callable[[Storage, str, int], bytes]
+_reader: "contextvars.ContextVar[Optional[IndexBytesReader]]" = contextvars.ContextVar("recsave_index_reader",
+                                                                                      default=None)
+
+
+@contextlib.contextmanager
+def reading_through(reader: IndexBytesReader) -> Iterator[None]:
+    """Within the block (this thread / task), read_bytes fetches index bytes through
+    `reader(storage, path, limit)`, which must behave as Storage.read_bytes does."""
+    token = _reader.set(reader)
+    try:
+        yield
+    finally:
+        _reader.reset(token)
+
+
+def read_bytes(storage: Storage, path: str) -> bytes:
+    """The bytes of the index file at `path`, refusing one over the ``max_index_bytes`` knob before
+    reading it (CorruptCheckpointError); CheckpointNotFoundError when it is missing."""
+    limit = knobs.get("max_index_bytes")
+    reader = _reader.get()
+    return storage.read_bytes(path, limit) if reader is None else reader(storage, path, limit)
+
+
 def read(directory: str, storage: Optional[Storage] = None) -> Index:
     """Reads and validates `<directory>/index` (through `storage`, by default the one of
     `directory`), refusing one over the ``max_index_bytes`` knob before reading it."""
     storage = storage or get_storage(directory)
     path = storage.join(directory, INDEX_FILE)
     try:
-        data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+        data = read_bytes(storage, path)
     except CheckpointNotFoundError:
         raise _no_index(directory, path) from None
     return parse(data, path)

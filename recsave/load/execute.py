@@ -71,8 +71,9 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
 
 
 def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
-    """Plans and executes config entries in order; the last entry wins a name."""
-    return execute(target, plan_entries(target, entries, **kwargs))
+    """Plans and executes config entries in order; the last entry wins a name. Every rank of a
+    process group takes part: rank 0 reads each index once for all (load/shared_index.py)."""
+    return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
 
 
 def _read_pt_files(src: Any, won: Won) -> Dict[str, Any]:

@@ -4,13 +4,14 @@ result is a LoadPlan that load/execute.py carries out (docs/ARCHITECTURE.md, "A 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
 from recsave.errors import ConfigError
 from recsave.load import config, contents
 from recsave.load.config import SPARSE_OPTIM, Plan
+from recsave.load.shared_index import open_sources
 from recsave.load.sources import open_source
 from recsave.storage import dist
 
@@ -90,26 +91,25 @@ class LoadPlan:
 
 def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard_id: Optional[int] = None,
                  ckpt_id: Optional[str] = None, direct_path: bool = False,
-                 require_path: bool = False) -> LoadPlan:
-    """Resolves config entries against the target's model into a LoadPlan (a dry run)."""
+                 require_path: bool = False, share_reads: bool = False) -> LoadPlan:
+    """Resolves config entries against the target's model into a LoadPlan (a dry run).
+
+    `share_reads`: every rank of the process group plans this load together (a load that is
+    executed), so rank 0 reads each index once and broadcasts it (load/shared_index.py). A dry
+    run alone leaves it off: it may be called on one rank only."""
     rank, world = dist.resolve(shard_id, None)
     tables, dense = contents.model_state(target.model)
     model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
-    plans: List[Plan] = []
-    sources: List[Any] = []
-    entry_of: List[int] = []
+    confs = [config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
+                          require_path=True) for i, entry in enumerate(entries)]
+    entry_of = [i for i, conf in enumerate(confs) if not conf.skip]
+    openings = [(cast(str, confs[i].path), ckpt_id, direct_path) for i in entry_of]
+    sources = open_sources(openings, world) if share_reads else [open_source(*o) for o in openings]
+    plans: List[Plan] = [config.plan(confs[i], model, src.contents, src.ckpt_dir, src.index)
+                         for i, src in zip(entry_of, sources)]
     result = LoadPlan()
-    for i, entry in enumerate(entries):
-        conf = config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
-                            require_path=True)
-        if conf.skip:
-            result.checkpoints.append("")
-            continue
-        src = open_source(conf.path, ckpt_id, direct_path)  # type: ignore[arg-type]
-        plans.append(config.plan(conf, model, src.contents, src.ckpt_dir, src.index))
-        sources.append(src)
-        entry_of.append(i)
-        result.checkpoints.append(src.ckpt_dir)
+    opened = dict(zip(entry_of, sources))
+    result.checkpoints = [opened[i].ckpt_dir if i in opened else "" for i in range(len(confs))]
     _check_io_states(plans, sources, world, target)
     won = config.winners(plans)
     for k, (src, p, w) in enumerate(zip(sources, plans, won)):

@@ -352,14 +352,21 @@ class Saver:
 
     def load_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadReport:
         """Applies bank entries in order; for a name given by several entries the last one wins."""
-        return self.execute_plan(self.plan_model_bank(entries, shard_id=shard_id))
+        return self.execute_plan(self.plan_model_bank(entries, shard_id=shard_id, collective=True))
 
-    def plan_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadPlan:
+    def plan_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None, *,
+                        collective: bool = False) -> LoadPlan:
         """Dry run of load_model_bank: resolves every entry and lists, per name, the source, rows and
-        bytes to read, and what stays initialised. Reads only indexes; changes nothing."""
+        bytes to read, and what stays initialised. Reads only indexes; changes nothing.
+
+        `collective=True` when every rank of the process group makes this call (to execute the
+        plan, as load_model_bank does): rank 0 then reads each index once and broadcasts it. Off,
+        each rank reads its own, and a dry run on one rank alone waits for no other."""
         check(entries, (list, tuple), "entries", "plan_model_bank", expected="a list of entry dicts")
         check(shard_id, int, "shard_id", "plan_model_bank", optional=True)
-        return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True)
+        check(collective, bool, "collective", "plan_model_bank")
+        return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True,
+                            share_reads=collective)
 
     def execute_plan(self, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
         """Carries out a plan made by plan_model_bank (only for the model names in `only`, when

@@ -166,6 +166,26 @@ def gather_to_rank0(obj: Any, world_size: int, rank: int) -> Optional[List[Any]]
     return _guard("gather", run)
 
 
+def group_rank() -> int:
+    """This process's rank in torch.distributed's default group (0 without one)."""
+    return torch_dist.get_rank() if initialized() else 0
+
+
+def broadcast_from_rank0(obj: Any, world_size: int) -> Any:
+    """Rank 0's `obj` on every rank (`obj` itself without collectives); the root is the group's
+    rank 0 whatever shard_id a caller passed. One broadcast over recsave's group: gloo's is a
+    binomial tree, log2 W steps, the root sending one copy a step."""
+    if not collective(world_size):
+        return obj
+    group = recsave_group()
+    box = [obj if group_rank() == 0 else None]
+
+    def run() -> Any:
+        torch_dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return _guard("broadcast", run)
+
+
 def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank0: bool = False,
                    rank: int = 0) -> Optional[T]:
     """Runs `fn` (on every rank, or on rank 0 only), then lets every rank know whether it succeeded
