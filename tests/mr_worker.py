@@ -14,8 +14,8 @@ of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (eve
 shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
 instead of the HashTables), ``torch_bank`` (bank-load a torch.save file and a DCP directory of
 plain tensors written by the test; dump what this rank holds). OUT_SCHEME=file makes the output dir a
-file:// URL (the fsspec path); PER_RANK_OUT=1 gives each rank its own output dir out_RANK (per-rank
-local disks).
+file:// URL (the fsspec path), OUT_URL any URL (an S3 bucket); PER_RANK_OUT=1 gives each rank its
+own output dir out_RANK (per-rank local disks).
 """
 import datetime
 import json
@@ -73,6 +73,7 @@ def build(work_dir):
         out = os.path.join(work_dir, f"out_{dist.get_rank()}")
     if os.environ.get("OUT_SCHEME") == "file":  # the fsspec path, shared by the ranks
         out = "file://" + out
+    out = os.environ.get("OUT_URL", out)  # e.g. a bucket on the test's S3 server
     saver = Saver(model, sparse_optim=opt, output_dir=out, max_keep=2)
     reader = Reader()
     saver.register_io_state("reader", reader)

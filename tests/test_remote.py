@@ -332,3 +332,48 @@ def test_exit_is_not_held_up_by_a_hung_endpoint(tmp_path):
                                client_kwargs={"endpoint_url": url, "region_name": "us-east-1"},
                                skip_instance_cache=True)
         assert fs.exists(f"{bucket}/run/{LOCK_FILE}")  # left behind, taken over as stale later
+
+
+def test_a_files_ukey_is_the_same_from_a_listing_and_from_a_stat(remote):
+    """Another rank takes rank 0's index bytes only when its ukey of the file equals rank 0's
+    (load/shared_index.py); a rank whose fsspec cache holds the file from a directory listing must
+    get the same token as one that asked the store about the file alone."""
+    storage = get_storage(remote)
+    path = storage.join(remote, "ckpt_1", "index")
+    storage.write_atomic(path, b"x" * 1000)
+    _clear_fs_caches() if remote.startswith("s3") else None
+    fresh = get_storage(remote).ukey(path)
+    fs = _fs(remote)
+    fs.ls(storage.join(remote, "ckpt_1"), detail=True)  # the listing fills the cache
+    assert get_storage(remote).ukey(path) == fresh
+    storage.write_atomic(path, b"y" * 1000)
+    assert get_storage(remote).ukey(path) != fresh
+
+
+@pytest.mark.s3
+@pytest.mark.multirank
+def test_two_ranks_restore_from_s3_with_one_read_of_the_index(moto_server, tmp_path, monkeypatch):
+    """Saved by 2 gloo ranks to S3, loaded by 2: rank 1 reads neither the index nor the checkpoint
+    list (rank 0 broadcasts them; the ETags match) and holds exactly its rows."""
+    import torch
+    from mr_worker import expected_rows, global_ids
+    from test_multirank import run_ranks
+
+    from recsave import partition
+
+    bucket = f"recsave-{uuid.uuid4().hex[:16]}"
+    _fs(f"s3://{bucket}").mkdir(bucket)
+    monkeypatch.setenv("OUT_URL", f"s3://{bucket}/out")
+    codes, outs = run_ranks("save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    codes, outs = run_ranks("load", 2, tmp_path)
+    assert codes == [0, 0], outs
+    ids_all = global_ids()
+    for r in range(2):
+        report = json.loads((tmp_path / f"report_2_{r}.json").read_text())
+        assert report["whole_reads"].get("index", 0) == (1 if r == 0 else 0), report
+        assert report["whole_reads"].get("checkpoint", 0) == (1 if r == 0 else 0), report
+        assert report["checkpoints"] == [f"s3://{bucket}/out/ckpt_1"]
+        got = torch.load(tmp_path / f"user_2_{r}.pt", weights_only=True)
+        assert sorted(got["ids"].tolist()) == sorted(ids_all[partition.owner_of(ids_all, 2) == r].tolist())
+        assert torch.equal(got["values"], expected_rows(got["ids"], 0.0))

@@ -76,7 +76,16 @@ class FsspecStorage(Storage):
         return None if info.get("type") == "directory" else int(info["size"])
 
     def ukey(self, path: str) -> str:
-        return str(self._call(self.fs.ukey, path, "stat"))
+        # fsspec's default ukey hashes the whole info dict, whose keys differ between an object
+        # store's HEAD and a listing (s3fs: "Key"/"Size" only in the latter), so two processes
+        # could get two tokens for one file. The entity tag and size name the content wherever
+        # the info came from. Asked afresh: a cached answer could not tell that the file changed.
+        fresh = _accepts_refresh(self.fs)
+        info = self._call(lambda p: self.fs.info(p, refresh=True) if fresh else self.fs.info(p), path, "stat")
+        etag = info.get("ETag", info.get("etag"))
+        if etag is None:
+            return str(self._call(self.fs.ukey, path, "stat"))
+        return f"etag:{str(etag).strip(chr(34))}:{info.get('size')}"
 
     # ------------------------------------------------------------------------------------- removal
     def remove_tree(self, path: str) -> None:
