@@ -233,13 +233,15 @@ def _check_loaded(tmp_path, world, state):
 
 
 def _check_index_read_once(reports, ckpt_dir, chain_length):
-    """Rank 0 read every index of the chain and the checkpoint list once; the others took its
-    bytes and its resolution of the latest checkpoint (load/shared_index.py), reading neither."""
+    """Rank 0 read every index of the chain, the checkpoint list and the dense files once; the
+    others took its bytes and its resolution of the latest checkpoint (load/shared_reads.py),
+    reading none of them."""
     want_dir = ckpt_dir.replace("file://", "")
     for r, rep in enumerate(reports):
         assert [c.replace("file://", "") for c in rep["checkpoints"]] == [want_dir], rep
         reads = rep["whole_reads"]
         assert reads.get("index", 0) == (chain_length if r == 0 else 0), (r, reads)
+        assert reads.get("model.pt", 0) == reads.get("extra.pt", 0) == (1 if r == 0 else 0), (r, reads)
         if r:
             assert reads.get("checkpoint", 0) == 0, (r, reads)
 

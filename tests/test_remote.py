@@ -336,7 +336,7 @@ def test_exit_is_not_held_up_by_a_hung_endpoint(tmp_path):
 
 def test_a_files_ukey_is_the_same_from_a_listing_and_from_a_stat(remote):
     """Another rank takes rank 0's index bytes only when its ukey of the file equals rank 0's
-    (load/shared_index.py); a rank whose fsspec cache holds the file from a directory listing must
+    (load/shared_reads.py); a rank whose fsspec cache holds the file from a directory listing must
     get the same token as one that asked the store about the file alone."""
     storage = get_storage(remote)
     path = storage.join(remote, "ckpt_1", "index")

@@ -431,7 +431,7 @@ def _parse(data: bytes, path: str) -> Index:
 
 
 # How index bytes are fetched: Storage.read_bytes, unless a load installed another reader
-# (load/shared_index.py: rank 0 reads each index once and the other ranks take its bytes).
+# (load/shared_reads.py: rank 0 reads each index once and the other ranks take its bytes).
 IndexBytesReader = Callable[[Storage, str, int], bytes]
 _reader: "contextvars.ContextVar[Optional[IndexBytesReader]]" = contextvars.ContextVar("recsave_index_reader",
                                                                                       default=None)

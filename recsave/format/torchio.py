@@ -50,11 +50,22 @@ def read_bytes(storage: Storage, directory: str, fname: str, index: Index) -> by
     return data
 
 
+def matches(index: Index, fname: str, data: bytes) -> bool:
+    """Whether `data` are the bytes the index records for `fname` (its size and CRC32C; False for
+    a file listed without a CRC, whose bytes cannot be told apart)."""
+    entry = index.files.get(fname)
+    return entry is not None and entry.crc32c is not None and len(data) == entry.size and \
+        _C.crc32c(data) == entry.crc32c
+
+
 def load(storage: Storage, directory: str, fname: str, index: Index) -> Any:
     """torch.load(weights_only=True) of a verified file. Pickled callables and other arbitrary
     objects are refused (never executed) with CorruptCheckpointError."""
-    data = read_bytes(storage, directory, fname, index)
-    path = storage.join(directory, fname)
+    return decode(read_bytes(storage, directory, fname, index), storage.join(directory, fname))
+
+
+def decode(data: bytes, path: str) -> Any:
+    """torch.load(weights_only=True) of verified bytes read from `path` (named in errors)."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError,

@@ -11,7 +11,7 @@ import torch
 
 from recsave import knobs
 from recsave.errors import ConfigError
-from recsave.load import contents, merge
+from recsave.load import contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport
@@ -36,8 +36,9 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     extra_data: Dict[str, Any] = {}
 
     def stage() -> None:
-        # Small files first: they are read and verified before any table is.
-        pt_files = [_read_pt_files(s, w) for s, w in zip(ex.sources, won)]
+        # Small files first: they are read and verified before any table is (rank 0 reads them
+        # for every rank where they are the same files).
+        pt_files = shared_reads.read_pt_files(ex.sources, [_pt_files_needed(w) for w in won], ex.world)
         for slots_only in (False, True):
             for src, p, w in zip(ex.sources, ex.plans, won):
                 _stage_tables(target, tx, src, p, w, ex.rank, ex.world, plan, report, slots_only)
@@ -72,16 +73,17 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
 
 def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
     """Plans and executes config entries in order; the last entry wins a name. Every rank of a
-    process group takes part: rank 0 reads each index once for all (load/shared_index.py)."""
+    process group takes part: rank 0 reads each index once for all (load/shared_reads.py)."""
     return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
 
 
-def _read_pt_files(src: Any, won: Won) -> Dict[str, Any]:
-    files: Dict[str, Any] = {}
+def _pt_files_needed(won: Won) -> List[str]:
+    """The .pt files of a source that the names it wins come from."""
+    files = []
     if any(cat == "dense" for cat, _ in won.values()):
-        files["model"] = src.read_pt("model.pt")
+        files.append("model.pt")
     if any(cat == "extra" or name == SPARSE_OPTIM for name, (cat, _) in won.items()):
-        files["extra"] = src.read_pt("extra.pt")
+        files.append("extra.pt")
     return files
 
 
@@ -266,14 +268,14 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
 
 def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, files: Dict[str, Any],
                  rank: int, world: int, load_plan: LoadPlan, report: LoadReport, extra_data: Dict[str, Any]) -> None:
-    if "extra" in files:
-        extra_data.update(files["extra"])
+    if "extra.pt" in files:
+        extra_data.update(files["extra.pt"])
     io_data = None
     for name, (cat, source) in sorted(won.items()):
         if cat == "dense":
-            tx.stage_dense(name, files["model"][source])
+            tx.stage_dense(name, files["model.pt"][source])
         elif cat == "extra" or name == SPARSE_OPTIM:
-            tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], files["extra"][source]))
+            tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], files["extra.pt"][source]))
         elif cat == "io_state":
             saved = src.io_state_count
             if io_data is None:

@@ -11,7 +11,7 @@ import torch
 from recsave.errors import ConfigError
 from recsave.load import config, contents
 from recsave.load.config import SPARSE_OPTIM, Plan
-from recsave.load.shared_index import open_sources
+from recsave.load.shared_reads import open_sources
 from recsave.load.sources import open_source
 from recsave.storage import dist
 
@@ -95,7 +95,7 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
     """Resolves config entries against the target's model into a LoadPlan (a dry run).
 
     `share_reads`: every rank of the process group plans this load together (a load that is
-    executed), so rank 0 reads each index once and broadcasts it (load/shared_index.py). A dry
+    executed), so rank 0 reads each index once and broadcasts it (load/shared_reads.py). A dry
     run alone leaves it off: it may be called on one rank only."""
     rank, world = dist.resolve(shard_id, None)
     tables, dense = contents.model_state(target.model)

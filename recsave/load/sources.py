@@ -147,7 +147,19 @@ class CheckpointSource:
 
     def read_pt(self, fname: str) -> Any:
         """A verified .pt file of the checkpoint, with numpy values restored (format/plainstate.py)."""
-        return plainstate.decode(torchio.load(self.storage, self.ckpt_dir, fname, self.index))
+        return self.decode_pt(fname, self.read_pt_bytes(fname))
+
+    def read_pt_bytes(self, fname: str) -> bytes:
+        """A .pt file's bytes, checked against the index (presence, size, CRC32C)."""
+        return torchio.read_bytes(self.storage, self.ckpt_dir, fname, self.index)
+
+    def pt_matches(self, fname: str, data: bytes) -> bool:
+        """Whether `data` (e.g. read by another rank) are this checkpoint's `fname`, by the index."""
+        return torchio.matches(self.index, fname, data)
+
+    def decode_pt(self, fname: str, data: bytes) -> Any:
+        """read_pt of bytes already checked (read_pt_bytes, pt_matches)."""
+        return plainstate.decode(torchio.decode(data, self.storage.join(self.ckpt_dir, fname)))
 
     def pt_size(self, fname: str) -> int:
         return self.index.file(fname).size

@@ -1,7 +1,8 @@
-"""One read of each index for a load on many ranks: rank 0 opens the sources of a load's entries,
-then broadcasts the index bytes it read and the checkpoint each entry resolved to; every other rank
-takes those bytes instead of reading (and parsing a list to find) them itself, where its own storage
-holds the same file (docs/ARCHITECTURE.md, "A load").
+"""One read of each index and dense file for a load on many ranks: rank 0 opens the sources of a
+load's entries, then broadcasts the index bytes it read and the checkpoint each entry resolved to;
+every other rank takes those bytes instead of reading (and parsing a list to find) them itself,
+where its own storage holds the same file. The dense files every rank loads whole (model.pt,
+extra.pt) go the same way when the load stages them (docs/ARCHITECTURE.md, "A load").
 
 At a thousand ranks on an object store every rank used to GET the whole index (49 MB in the scale
 model, benchmarks/README.md): 49 GB of requests for one restore, though a rank needs its share of
@@ -9,10 +10,11 @@ it. A broadcast sends the bytes down a tree instead. It also makes the ranks agr
 an output dir's "latest" names: a commit between two ranks' reads of the list can no longer hand
 them different checkpoints.
 
-Whether a rank reads the same file as rank 0 is decided per file from `Storage.ukey` (size, mtime
+Whether a rank reads the same index as rank 0 is decided per file from `Storage.ukey` (size, mtime
 and inode on a local disk, the ETag on an object store), never from the path string alone: per-rank
-local output dirs can give every rank the same path for different files. A rank whose file differs,
-or that was given other entries, reads for itself, as every rank did before.
+local output dirs can give every rank the same path for different files. A dense file is taken when
+its size and CRC32C are those this rank's own index records. A rank whose file differs, or that was
+given other entries, reads for itself, as every rank did before.
 """
 from __future__ import annotations
 
@@ -122,3 +124,38 @@ def open_sources(entries: Sequence[Opening], world: int) -> List[Any]:
     if failure is not None:
         raise failure
     return sources
+
+
+def read_pt_files(sources: Sequence[Any], wanted: Sequence[Sequence[str]], world: int) -> List[Dict[str, Any]]:
+    """Per source, its .pt files named in `wanted` (fname -> read_pt's object). With several ranks
+    in a process group rank 0 reads the files of recsave checkpoints and broadcasts their bytes (one
+    collective per call on every rank, also when rank 0 fails); another rank decodes the bytes
+    that match its own index's record of the file, and reads the rest itself."""
+    if not dist.collective(world):
+        return [{f: src.read_pt(f) for f in names} for src, names in zip(sources, wanted)]
+    blobs: Dict[Tuple[int, str], bytes] = {}
+    if dist.group_rank() == 0:
+        failure: Optional[BaseException] = None
+        try:
+            for k, (src, names) in enumerate(zip(sources, wanted)):
+                if isinstance(src, CheckpointSource):
+                    for f in names:
+                        blobs[k, f] = src.read_pt_bytes(f)
+        except BaseException as exc:  # the other ranks wait for the broadcast: send it, then raise
+            failure = exc
+        dist.broadcast_from_rank0(blobs, world)
+        if failure is not None:
+            raise failure
+    else:
+        blobs = dist.broadcast_from_rank0(None, world)
+    out: List[Dict[str, Any]] = []
+    for k, (src, names) in enumerate(zip(sources, wanted)):
+        files = {}
+        for f in names:
+            data = blobs.get((k, f))
+            if data is not None and isinstance(src, CheckpointSource) and src.pt_matches(f, data):
+                files[f] = src.decode_pt(f, data)
+            else:
+                files[f] = src.read_pt(f)
+        out.append(files)
+    return out

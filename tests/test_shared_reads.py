@@ -1,4 +1,4 @@
-"""load/shared_index.py in one process: what rank 0 records while it opens a load's sources, and how
+"""load/shared_reads.py in one process: what rank 0 records while it opens a load's sources, and how
 another rank takes those bytes only for a file that is the same on its side. The broadcast itself,
 and loads on several ranks, are in tests/test_multirank.py."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from helpers import CTR, make_batch, train_step
 from recsave import Saver, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
 from recsave.format import index as index_mod
-from recsave.load import shared_index
-from recsave.load.shared_index import IndexRecorder, SharedIndexReader, SharedReads
+from recsave.load import shared_reads
+from recsave.load.shared_reads import IndexRecorder, SharedIndexReader, SharedReads
 from recsave.load.sources import ChainSource, open_source
 from recsave.storage import LocalStorage
 
@@ -72,7 +72,7 @@ def test_rank0_records_every_index_of_a_chain_and_the_checkpoint_it_resolved(out
 def test_another_rank_opens_the_same_chain_without_reading_an_index(out, monkeypatch):
     shared, (mine,) = record([(out, None, False)])
     storage = CountingStorage()
-    monkeypatch.setattr(shared_index, "get_storage", lambda path: storage)
+    monkeypatch.setattr(shared_reads, "get_storage", lambda path: storage)
     monkeypatch.setattr("recsave.load.sources.get_storage", lambda path: storage)
     reader = SharedIndexReader(shared)
     with index_mod.reading_through(reader.read):
@@ -136,8 +136,34 @@ def test_the_limit_on_index_bytes_still_holds_for_bytes_taken(out):
 
 
 def test_without_a_process_group_open_sources_opens_each_entry(out):
-    sources = shared_index.open_sources([(out, None, False), (out, "ckpt_1", False)], world=1)
+    sources = shared_reads.open_sources([(out, None, False), (out, "ckpt_1", False)], world=1)
     assert [s.ckpt_dir for s in sources] == [os.path.join(out, "ckpt_3"), os.path.join(out, "ckpt_1")]
     ids, columns = sources[1].read_table("user", ["embedding"], 0, 1, 2)
     want_ids, want = open_source(out, "ckpt_1").read_table("user", ["embedding"], 0, 1, 2)
     assert torch.equal(ids, want_ids) and torch.equal(columns["embedding"], want["embedding"])
+
+
+def test_a_dense_file_from_rank0_is_taken_only_where_this_ranks_index_records_it(out, monkeypatch):
+    """As rank 1 of 2 (the broadcast answered with chosen bytes): model.pt bytes of this checkpoint
+    are decoded without a read; another checkpoint's bytes (per-rank dirs holding other states)
+    do not match this index's size and CRC32C, so the rank reads its own file."""
+    from recsave.load.sources import CheckpointSource
+    from recsave.storage import dist
+
+    mine, other = open_source(out, "ckpt_3"), open_source(out, "ckpt_1")
+    assert isinstance(mine, CheckpointSource)
+    good, stale = mine.read_pt_bytes("model.pt"), other.read_pt_bytes("model.pt")
+    assert good != stale and mine.pt_matches("model.pt", good) and not mine.pt_matches("model.pt", stale)
+    monkeypatch.setattr(dist, "collective", lambda world: True)
+    monkeypatch.setattr(dist, "group_rank", lambda: 1)
+    reads = []
+    real = CheckpointSource.read_pt_bytes
+    monkeypatch.setattr(CheckpointSource, "read_pt_bytes", lambda self, f: reads.append(f) or real(self, f))
+    for blob, want_reads in ((good, []), (stale, ["model.pt"])):
+        reads.clear()
+        monkeypatch.setattr(dist, "broadcast_from_rank0", lambda obj, world, b=blob: {(0, "model.pt"): b})
+        (files,) = shared_reads.read_pt_files([mine], [["model.pt"]], world=2)
+        assert reads == want_reads
+        expected = torch.load(os.path.join(out, "ckpt_3", "model.pt"), weights_only=True)
+        assert sorted(files["model.pt"]) == sorted(expected)
+        assert all(torch.equal(files["model.pt"][k], expected[k]) for k in expected)
