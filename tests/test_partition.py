@@ -7,6 +7,7 @@ import torch
 import recsave
 from recsave import HashTable, Saver, partition
 from recsave.errors import UsageError
+from recsave.tables import partition as table_partition
 
 MASK = (1 << 64) - 1
 
@@ -113,6 +114,39 @@ def test_io_state_reshards_through_load_io_states(tmp_path, monkeypatch):
 def test_stable_order_matches_a_stable_argsort(num_keys):
     keys = torch.randint(0, num_keys, (50_000,), generator=torch.Generator().manual_seed(num_keys))
     assert torch.equal(partition.stable_order(keys, num_keys), torch.argsort(keys, stable=True))
+
+
+@pytest.mark.parametrize("num_buckets,first,stop", [(4096, 0, 4096), (4096, 1024, 2048), (1000, 0, 1000),
+                                                     (1000, 333, 666), (1, 0, 1)])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_owned_bucket_order_is_the_stable_order_of_the_owned_buckets(num_buckets, first, stop, threads):
+    """400k ids: several slices of the engine's parallel passes; equal buckets keep id order across
+    slice boundaries; a power-of-two and another bucket count; one rank's range of several."""
+    g = torch.Generator().manual_seed(num_buckets + first)
+    ids = torch.randint(-2**62, 2**62, (400_000,), generator=g)
+    owner_buckets = partition.bucket_of(ids, num_buckets)
+    ids = ids[(owner_buckets >= first) & (owner_buckets < stop)]
+    keys = partition.bucket_of(ids, num_buckets) - first
+    with recsave.knobs.override(concurrency=threads):
+        order, counts = table_partition.owned_bucket_order(ids, num_buckets, first, stop)
+    assert torch.equal(order, torch.argsort(keys, stable=True))
+    assert torch.equal(counts, torch.bincount(keys, minlength=stop - first))
+
+
+def test_owned_bucket_order_finds_an_id_of_another_rank_and_takes_no_ids():
+    ids = torch.arange(200_000, dtype=torch.int64)
+    buckets = partition.bucket_of(ids, 4096)
+    for first, stop in ((0, 2048), (2048, 4096)):
+        mine = ids[(buckets >= first) & (buckets < stop)]
+        assert table_partition.owned_bucket_order(mine, 4096, first, stop) is not None
+        foreign = ids[(buckets < first) | (buckets >= stop)][-1:]
+        for at in (0, mine.numel() // 2, mine.numel()):  # first slice, a middle one, the last
+            assert table_partition.owned_bucket_order(torch.cat([mine[:at], foreign, mine[at:]]), 4096, first, stop) is None
+    order, counts = table_partition.owned_bucket_order(torch.empty(0, dtype=torch.int64), 4096, 0, 4096)
+    assert order.numel() == 0 and counts.shape == (4096,) and int(counts.sum()) == 0
+    for first, stop in ((0, 0), (5, 4097), (-1, 3)):
+        with pytest.raises(UsageError, match="is not a range of 4096 buckets"):
+            table_partition.owned_bucket_order(ids, 4096, first, stop)
 
 
 def test_bucket_order_counts_and_refuses_keys_out_of_range():

@@ -655,3 +655,25 @@ def test_in_place_restore_of_several_tables_has_one_fill():
     with pytest.raises(UsageError, match="table 'b' is given twice"):
         recsave.HashTable.prepare_loads([(tables[1], ids[0], ["embedding"]), (tables[1], ids[2], ["embedding"])])
     assert len(tables[1]) == 3  # refused before anything changed
+
+
+def test_a_table_with_freed_rows_saves_by_its_row_list(tmp_path):
+    """A table that never freed a row gives its ids without a list of rows (dense_row_ids): rows
+    0..n-1. Once a row is freed it has none, and the save takes id_rows' rows: both round-trip."""
+    from recsave import HashTable, Saver
+
+    table = HashTable(4, name="t", seed=3)
+    ids = torch.tensor([50, 7, -3, 2**40, 11], dtype=torch.int64)
+    table.lookup(ids, insert=True)
+    assert torch.equal(table.dense_row_ids(), ids)
+    table.delete(torch.tensor([7, 2**40]))
+    assert table.dense_row_ids() is None
+    live, rows = table.id_rows()
+    assert sorted(live.tolist()) == [-3, 11, 50] and sorted(rows.tolist()) == [0, 2, 4]
+    model = torch.nn.ModuleDict({"t": table})
+    want_ids, want_values, _ = table.export()
+    Saver(model, output_dir=str(tmp_path / "out")).save("ckpt_1")
+    fresh = torch.nn.ModuleDict({"t": HashTable(4, name="t", seed=9)})
+    Saver(fresh, output_dir=str(tmp_path / "out")).load()
+    got_ids, got_values, _ = fresh["t"].export(want_ids)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_values, want_values)

@@ -12,4 +12,14 @@ namespace recsave {
 // counts unspecified, when a key lies outside [0, num_keys).
 bool counting_order(const int64_t* keys, int64_t n, int64_t num_keys, int64_t* order, int64_t* counts);
 
+// The rows of a save in bucket order in one call: key[i] = mix64(ids[i]) % num_buckets - first, then
+// order and counts as counting_order gives them for those keys (num_keys = the rank's buckets). The
+// keys are never written out (each pass hashes the ids), and both passes run on up to `threads`
+// threads: each thread counts, then places, its own slice of the ids, at offsets
+// taken bucket by bucket and slice by slice, so equal keys stay in their original order. Returns
+// false, leaving order and counts unspecified, when an id's key lies outside [0, num_keys) (an id
+// another rank owns).
+bool bucket_order_of_ids(const int64_t* ids, int64_t n, uint64_t num_buckets, int64_t first, int64_t num_keys,
+                         int64_t* order, int64_t* counts, int threads);
+
 }  // namespace recsave

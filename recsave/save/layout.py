@@ -57,27 +57,31 @@ class TableLayout:
 def bucket_layout(name: str, table: TableState, rank: int, world: int, num_buckets: int) -> TableLayout:
     """The table's tensors with rows sorted by the buckets this rank owns."""
     # Peak memory here grows with the table's rows: temporaries are few and freed early.
-    ids, rows = table.id_rows()
+    ids, rows = table.ids_by_row()
     first, stop = partition.bucket_range(rank, world, num_buckets)
-    keys = partition.bucket_of(ids, num_buckets).sub_(first)  # bucket - first
-    if world > 1 and bool(((keys < 0) | (keys >= stop - first)).any()):
+    owned = partition.owned_bucket_order(ids, num_buckets, first, stop)
+    if owned is None:  # with one rank every bucket is its own: only several ranks get here
         raise UsageError(
             f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
             f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
-    order, counts = partition.bucket_order(keys, stop - first)
+    order, counts = owned
     row_starts = [0] + torch.cumsum(counts, 0).tolist()
-    del keys
     # Ids come in row order with distinct rows: a table that never freed a row has rows 0..n-1,
     # and its rows in bucket order are the order itself.
-    dense = rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1
-    sorted_rows = order if dense else rows[order]
+    dense = rows is None or rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1
+    sorted_rows = order if dense or rows is None else rows[order]
     tensors: Dict[str, Any] = {f"{name}@id": RowSource.take(ids, order)}
     buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
     for column in ["embedding"] + table.slot_names() + sorted(table.meta):
         tensors[f"{name}@{column}"] = table.row_source(column, sorted_rows, buffers)
     seg_max = knobs.get("segment_bytes")
-    segments = {n: bucket_segment_ends(row_starts, t.nbytes // max(ids.numel(), 1), seg_max)
-                for n, t in tensors.items()}
+    ends_by_row_bytes: Dict[int, List[int]] = {}  # tensors with rows of one size share their ends
+    segments = {}
+    for n, t in tensors.items():
+        row_bytes = t.nbytes // max(ids.numel(), 1)
+        if row_bytes not in ends_by_row_bytes:
+            ends_by_row_bytes[row_bytes] = bucket_segment_ends(row_starts, row_bytes, seg_max)
+        segments[n] = ends_by_row_bytes[row_bytes]
     # One BucketRange for every tensor of the table: the part pickled to rank 0 holds it once
     # (pickle keeps shared objects shared), as the index does (format version 3).
     layout = TableLayout(tensors, {"buckets": BucketRange(first, tuple(row_starts))}, segments, int(ids.numel()))

@@ -43,6 +43,16 @@ class TableState:
         assert self.ids is not None and self.rows is not None
         return self.ids, self.rows
 
+    def ids_by_row(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """id_rows, or (ids, None) when the id at position r is in row r for every r (a table
+        that never freed a row, HashTable.dense_row_ids): no list of rows is made."""
+        if self.table is not None:
+            dense_row_ids = getattr(self.table, "dense_row_ids", None)
+            ids = dense_row_ids() if callable(dense_row_ids) else None
+            if ids is not None:
+                return ids, None
+        return self.id_rows()
+
     def slot_names(self) -> List[str]:
         return sorted(c for c in self.columns if c != "embedding")
 

@@ -274,13 +274,22 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
 
     def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every live id, in row order (CPU int64)."""
-        n = len(self._map)
-        if n == self._map.row_capacity:
-            # No row was ever freed: rows 0..n-1 hold the ids row_ids[:n]. Copied (a save reads
-            # them while training goes on), a memcpy instead of a scan of the map's slots.
-            return self._store.row_ids[:n].to("cpu", copy=True), torch.arange(n, dtype=torch.int64)
+        ids = self.dense_row_ids()
+        if ids is not None:
+            return ids, torch.arange(ids.numel(), dtype=torch.int64)
         ids, rows = self._map.export()
         return ids.cpu(), rows.cpu()
+
+    def dense_row_ids(self) -> Optional[torch.Tensor]:
+        """When no row was ever freed, a CPU copy of the ids of rows 0..n-1 (row r holds the r-th);
+        else None (id_rows gives each id's row). A save's layout then needs no list of rows: one
+        int64 per row less of fresh memory, whose page faults cost a VM about 2 ms per million."""
+        n = len(self._map)
+        if n != self._map.row_capacity:
+            return None
+        # Copied (an async save reads them while training goes on): a memcpy instead of a scan of
+        # the map's slots.
+        return self._store.row_ids[:n].to("cpu", copy=True)
 
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes the table holds on its device, by part: ``embedding`` and ``slots`` (row storage

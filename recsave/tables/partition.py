@@ -75,6 +75,22 @@ def bucket_order(keys: torch.Tensor, num_keys: int) -> Tuple[torch.Tensor, torch
     return torch.sort(flat.to(dtype), stable=True).indices, torch.bincount(flat, minlength=num_keys)
 
 
+def owned_bucket_order(ids: torch.Tensor, num_buckets: int, first: int,
+                       stop: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """bucket_order of `ids` by bucket - first for a rank that owns buckets [first, stop): (the
+    stable order, each owned bucket's count), or None when an id lies in a bucket outside the
+    range (another rank's id). What a save's layout needs, in one engine call that hashes the ids
+    on the `concurrency` knob's threads without writing their buckets out as a tensor."""
+    if num_buckets < 1 or not 0 <= first < stop <= num_buckets:
+        raise UsageError(f"bucket range [{first}, {stop}) is not a range of {num_buckets} buckets")
+    flat = _ids(ids)
+    order = torch.empty(flat.numel(), dtype=torch.int64)
+    counts = torch.empty(stop - first, dtype=torch.int64)
+    ok = _C.bucket_order_of_ids(flat.data_ptr(), flat.numel(), num_buckets, first, stop - first, order.data_ptr(),
+                                counts.data_ptr(), knobs.get("concurrency"))
+    return (order, counts) if ok else None
+
+
 def bucket_range(rank: int, world_size: int, num_buckets: int = DEFAULT_NUM_BUCKETS) -> Tuple[int, int]:
     """[first, stop) buckets owned by `rank` of `world_size`."""
     if world_size < 1 or not 0 <= rank < world_size:
