@@ -141,7 +141,8 @@ def test_owned_bucket_order_finds_an_id_of_another_rank_and_takes_no_ids():
         assert table_partition.owned_bucket_order(mine, 4096, first, stop) is not None
         foreign = ids[(buckets < first) | (buckets >= stop)][-1:]
         for at in (0, mine.numel() // 2, mine.numel()):  # first slice, a middle one, the last
-            assert table_partition.owned_bucket_order(torch.cat([mine[:at], foreign, mine[at:]]), 4096, first, stop) is None
+            mixed = torch.cat([mine[:at], foreign, mine[at:]])
+            assert table_partition.owned_bucket_order(mixed, 4096, first, stop) is None
     order, counts = table_partition.owned_bucket_order(torch.empty(0, dtype=torch.int64), 4096, 0, 4096)
     assert order.numel() == 0 and counts.shape == (4096,) and int(counts.sum()) == 0
     for first, stop in ((0, 0), (5, 4097), (-1, 3)):
