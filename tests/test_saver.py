@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -655,6 +656,43 @@ def test_in_place_restore_of_several_tables_has_one_fill():
     with pytest.raises(UsageError, match="table 'b' is given twice"):
         recsave.HashTable.prepare_loads([(tables[1], ids[0], ["embedding"]), (tables[1], ids[2], ["embedding"])])
     assert len(tables[1]) == 3  # refused before anything changed
+
+
+def test_prepare_loads_reads_ids_when_a_table_takes_them_and_keeps_no_copy():
+    """Ids given as functions: each called once, in order; by the time the fill runs no id tensor
+    they returned is alive (the maps were rebuilt from the tables' own row ids); the restore is the
+    same as with tensors, a repeated id included."""
+    tables = [recsave.HashTable(2, name=n) for n in ("a", "b", "c")]
+    given = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 1]), torch.tensor([-9, 9, 2**62])]
+    calls, alive, seen = [], [], []
+
+    def reader(k):
+        def read():
+            calls.append(k)
+            ids = given[k].clone()
+            alive.append(weakref.ref(ids))
+            return ids
+        return read
+
+    def fill(views):
+        seen.append([ref() is not None for ref in alive])
+        for k, v in enumerate(views):
+            v["embedding"].fill_(float(k))
+
+    out = recsave.HashTable.prepare_loads([(t, reader(k), ["embedding"]) for k, t in enumerate(tables)], fill)
+    assert calls == [0, 1, 2] and seen == [[False, False, False]]
+    assert out[1] is None and len(tables[1]) == 0
+    for k in (0, 2):
+        assert torch.equal(tables[k].lookup(given[k], insert=False), torch.arange(3))
+        assert torch.equal(tables[k].weight[:3], torch.full((3, 2), float(k)))
+
+    def failing():
+        raise OSError("ids unreadable")
+
+    with pytest.raises(OSError, match="ids unreadable"):
+        recsave.HashTable.prepare_loads([(tables[0], reader(0), ["embedding"]), (tables[2], failing, ["embedding"])],
+                                        fill)
+    assert [len(t) for t in tables] == [0, 0, 0]
 
 
 def test_a_table_with_freed_rows_saves_by_its_row_list(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import traceback
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 
@@ -218,7 +218,6 @@ def _load_cpu_tables_in_place(target: LoadTarget, batch: List[Any], src: Any, ra
     if not batch:
         return set()
     threads = target.concurrency
-    ids = [src.read_table(src_table, [], rank, world, threads)[0] for _, src_table, _, _ in batch]
 
     # What fill reads, without the tables: a failed load's error must not keep them alive (its
     # traceback holds the fill thread's frames; execute clears the frames' locals, not closures).
@@ -228,7 +227,12 @@ def _load_cpu_tables_in_place(target: LoadTarget, batch: List[Any], src: Any, ra
         src.read_tables_into({src_table: {columns[c]: v[c] for c in columns}
                               for (src_table, columns), v in zip(reads, views)}, rank, world, threads)
 
-    requests = [(table, table_ids, list(columns)) for (_, _, columns, table), table_ids in zip(batch, ids)]
+    def ids_of(src_table: str) -> Callable[[], torch.Tensor]:
+        # Read when the table takes them, and dropped once copied into its row ids: the load holds
+        # one table's ids read at a time, not every table's until the fill ends.
+        return lambda: src.read_table(src_table, [], rank, world, threads)[0]
+
+    requests = [(table, ids_of(src_table), list(columns)) for _, src_table, columns, table in batch]
     views = HashTable.prepare_loads(requests, fill)
     return {name for (name, _, _, _), v in zip(batch, views) if v is not None}
 

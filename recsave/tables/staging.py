@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -86,7 +86,8 @@ class TableStaging:
         return TableStaging.prepare_loads([(self, ids, columns)], whole)[0]
 
     @staticmethod
-    def prepare_loads(requests: Sequence[Tuple["TableStaging", torch.Tensor, List[str]]],
+    def prepare_loads(requests: Sequence[Tuple["TableStaging", Union[torch.Tensor, Callable[[], torch.Tensor]],
+                                               List[str]]],
                       fill: Optional[Callable[[List[Dict[str, torch.Tensor]]], None]] = None,
                       ) -> List[Optional[Dict[str, torch.Tensor]]]:
         """`prepare_load` of several tables, given as (table, ids, columns), at once: every table
@@ -95,22 +96,31 @@ class TableStaging:
         tables thus reads them in one pass (no table waits for the previous one's reads to drain,
         and its hashing overlaps them). A table whose ids repeat gets None and is left cleared; if
         `fill` raises, or a table refuses its ids (another rank's), every table is left cleared
-        and the error propagates."""
+        and the error propagates.
+
+        `ids` may be a function returning them, called once, in order: the ids it returns are
+        dropped once copied into the table's row ids (the map is rebuilt from those), so a load
+        of many tables holds one table's ids read, not every table's."""
         tables = [t for t, _, _ in requests]
         if len({id(t) for t in tables}) != len(tables):  # its second views would overwrite the first
             twice = next(t for k, t in enumerate(tables) if any(t is u for u in tables[:k]))
             raise UsageError(f"HashTable.prepare_loads: table {twice.table_name!r} is given twice; give "
                              f"each table once, with all of its ids", key=twice.table_name)
         views: List[Dict[str, torch.Tensor]] = []
+        map_ids: List[torch.Tensor] = []  # what each map is rebuilt from
         distinct: List[bool] = []
         try:
             for table, ids, columns in requests:
-                views.append(table._begin_load(ids, columns))  # noqa: SLF001 (same class)
+                given = ids() if callable(ids) else ids
+                views.append(table._begin_load(given, columns))  # noqa: SLF001 (same class)
+                # Ids read for this call are now the table's row ids: hash those, drop the read.
+                map_ids.append(table._store.row_ids[:given.numel()] if callable(ids) else given)  # noqa: SLF001
+                del given
             # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
             with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
                 # knob overrides are per thread: the fill thread sees this one's
                 filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
-                for table, ids, _ in requests:
+                for table, ids in zip(tables, map_ids):
                     distinct.append(table._rebuild_map(ids))  # noqa: SLF001 (same class)
             error = filled.exception() if filled else None
             if error is not None:
@@ -120,7 +130,7 @@ class TableStaging:
                 table.clear()
             raise
         out: List[Optional[Dict[str, torch.Tensor]]] = []
-        for table, (_, ids, _), table_views, ok in zip(tables, requests, views, distinct):
+        for table, ids, table_views, ok in zip(tables, map_ids, views, distinct):
             if ok:  # ids[i] -> row i
                 table._store.advise_hugepages()  # noqa: SLF001 (same class)
                 table._tracker.mark_first(ids.numel())  # noqa: SLF001 (same class)
