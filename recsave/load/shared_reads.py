@@ -19,7 +19,7 @@ given other entries, reads for itself, as every rank did before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from recsave.errors import RecsaveError
 from recsave.format import index as index_mod
@@ -100,6 +100,20 @@ class SharedIndexReader:
             return False
 
 
+def _run_then_send(work: Callable[[], None], message: Callable[[], Any], world: int) -> None:
+    """Rank 0's side of a shared read: runs `work`, then broadcasts `message()` (what the work got
+    done, a part of it if it failed) and re-raises the work's error. The broadcast goes out either
+    way, since the other ranks wait for it."""
+    failure: Optional[BaseException] = None
+    try:
+        work()
+    except BaseException as exc:
+        failure = exc
+    dist.broadcast_from_rank0(message(), world)
+    if failure is not None:
+        raise failure
+
+
 def open_sources(entries: Sequence[Opening], world: int) -> List[Any]:
     """open_source for every entry, in order; with several ranks in a process group, each index
     read once on rank 0 and broadcast (one collective per call on every rank, also when rank 0
@@ -112,17 +126,15 @@ def open_sources(entries: Sequence[Opening], world: int) -> List[Any]:
             return [open_source(*reader.opening(e)) for e in entries]
     recorder = IndexRecorder()
     sources: List[Any] = []
-    failure: Optional[BaseException] = None
-    try:
+
+    def open_all() -> None:
         with index_mod.reading_through(recorder.read):
             for e in entries:
                 sources.append(open_source(*e))
-    except BaseException as exc:  # the other ranks wait for the broadcast: send it, then raise
-        failure = exc
-    resolved = [(e, s.ckpt_dir if isinstance(s, CheckpointSource) else None) for e, s in zip(entries, sources)]
-    dist.broadcast_from_rank0(SharedReads(resolved, recorder.indexes), world)
-    if failure is not None:
-        raise failure
+
+    _run_then_send(open_all, lambda: SharedReads(
+        [(e, s.ckpt_dir if isinstance(s, CheckpointSource) else None) for e, s in zip(entries, sources)],
+        recorder.indexes), world)
     return sources
 
 
@@ -134,18 +146,16 @@ def read_pt_files(sources: Sequence[Any], wanted: Sequence[Sequence[str]], world
     if not dist.collective(world):
         return [{f: src.read_pt(f) for f in names} for src, names in zip(sources, wanted)]
     blobs: Dict[Tuple[int, str], bytes] = {}
-    if dist.group_rank() == 0:
-        failure: Optional[BaseException] = None
-        try:
-            for k, (src, names) in enumerate(zip(sources, wanted)):
-                if isinstance(src, CheckpointSource):
-                    for f in names:
-                        blobs[k, f] = src.read_pt_bytes(f)
-        except BaseException as exc:  # the other ranks wait for the broadcast: send it, then raise
-            failure = exc
-        dist.broadcast_from_rank0(blobs, world)
-        if failure is not None:
-            raise failure
+    own = dist.group_rank() == 0  # rank 0's bytes were checked by its own read: no second CRC
+
+    def read_all() -> None:
+        for k, (src, names) in enumerate(zip(sources, wanted)):
+            if isinstance(src, CheckpointSource):
+                for f in names:
+                    blobs[k, f] = src.read_pt_bytes(f)
+
+    if own:
+        _run_then_send(read_all, lambda: blobs, world)
     else:
         blobs = dist.broadcast_from_rank0(None, world)
     out: List[Dict[str, Any]] = []
@@ -153,7 +163,7 @@ def read_pt_files(sources: Sequence[Any], wanted: Sequence[Sequence[str]], world
         files = {}
         for f in names:
             data = blobs.get((k, f))
-            if data is not None and isinstance(src, CheckpointSource) and src.pt_matches(f, data):
+            if data is not None and isinstance(src, CheckpointSource) and (own or src.pt_matches(f, data)):
                 files[f] = src.decode_pt(f, data)
             else:
                 files[f] = src.read_pt(f)

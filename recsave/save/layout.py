@@ -68,8 +68,10 @@ def bucket_layout(name: str, table: TableState, rank: int, world: int, num_bucke
     row_starts = [0] + torch.cumsum(counts, 0).tolist()
     # Ids come in row order with distinct rows: a table that never freed a row has rows 0..n-1,
     # and its rows in bucket order are the order itself.
-    dense = rows is None or rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1
-    sorted_rows = order if dense or rows is None else rows[order]
+    if rows is None or rows.numel() == 0 or int(rows[-1]) == rows.numel() - 1:
+        sorted_rows = order
+    else:
+        sorted_rows = rows[order]
     tensors: Dict[str, Any] = {f"{name}@id": RowSource.take(ids, order)}
     buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
     for column in ["embedding"] + table.slot_names() + sorted(table.meta):
