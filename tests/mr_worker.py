@@ -30,6 +30,8 @@ import recsave
 from recsave import HashTable, Saver, partition
 from recsave.tables.optim import SparseAdagrad
 
+from gloo_exit import exit_now
+
 GLOBAL_IDS = 3000
 DIM = 6
 
@@ -291,3 +293,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now(0)

@@ -37,6 +37,7 @@ import recsave.save.pipeline  # noqa: E402
 from recsave import CheckpointManager, HashTable, Saver, partition  # noqa: E402
 from recsave.tables.optim import SparseAdagrad  # noqa: E402
 
+from gloo_exit import exit_now  # noqa: E402
 from helpers import Reader, model_state  # noqa: E402
 
 torch.set_num_threads(1)
@@ -160,4 +161,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    try:
+        status = main(sys.argv)
+    except SystemExit as stop:  # Preempted: status 143
+        if not isinstance(stop.code, int):
+            raise
+        status = stop.code
+    exit_now(status)
