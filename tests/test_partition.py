@@ -128,9 +128,10 @@ def test_owned_bucket_order_is_the_stable_order_of_the_owned_buckets(num_buckets
     ids = ids[(owner_buckets >= first) & (owner_buckets < stop)]
     keys = partition.bucket_of(ids, num_buckets) - first
     with recsave.knobs.override(concurrency=threads):
-        order, counts = table_partition.owned_bucket_order(ids, num_buckets, first, stop)
+        order, counts, in_order = table_partition.owned_bucket_order(ids, num_buckets, first, stop)
     assert torch.equal(order, torch.argsort(keys, stable=True))
     assert torch.equal(counts, torch.bincount(keys, minlength=stop - first))
+    assert torch.equal(in_order, ids[order])
 
 
 def test_owned_bucket_order_finds_an_id_of_another_rank_and_takes_no_ids():
@@ -143,8 +144,8 @@ def test_owned_bucket_order_finds_an_id_of_another_rank_and_takes_no_ids():
         for at in (0, mine.numel() // 2, mine.numel()):  # first slice, a middle one, the last
             mixed = torch.cat([mine[:at], foreign, mine[at:]])
             assert table_partition.owned_bucket_order(mixed, 4096, first, stop) is None
-    order, counts = table_partition.owned_bucket_order(torch.empty(0, dtype=torch.int64), 4096, 0, 4096)
-    assert order.numel() == 0 and counts.shape == (4096,) and int(counts.sum()) == 0
+    order, counts, in_order = table_partition.owned_bucket_order(torch.empty(0, dtype=torch.int64), 4096, 0, 4096)
+    assert order.numel() == 0 and in_order.numel() == 0 and counts.shape == (4096,) and int(counts.sum()) == 0
     for first, stop in ((0, 0), (5, 4097), (-1, 3)):
         with pytest.raises(UsageError, match="is not a range of 4096 buckets"):
             table_partition.owned_bucket_order(ids, 4096, first, stop)

@@ -41,7 +41,7 @@ void bind_table(py::module_& m) {
       py::arg("counts_address"),
       "Stable counting sort of int64 keys in [0, num_keys): order (n entries) and counts (num_keys).");
   m.def("bucket_order_of_ids", [](uint64_t ids, int64_t n, uint64_t num_buckets, int64_t first, int64_t num_keys,
-                                  uint64_t order, uint64_t counts, int threads) {
+                                  uint64_t order, uint64_t counts, uint64_t sorted_ids, int threads) {
         if (n < 0 || num_keys < 1 || num_keys > (int64_t{1} << 32) || num_buckets == 0 || first < 0 || threads < 1) {
           throw recsave::Error(recsave::ErrorKind::kInvalid, "",
                                "n must be >= 0, 1 <= num_keys <= 2^32, num_buckets >= 1, first >= 0, threads >= 1");
@@ -51,13 +51,14 @@ void bind_table(py::module_& m) {
           py::gil_scoped_release nogil;
           ok = recsave::bucket_order_of_ids(reinterpret_cast<const int64_t*>(ids), n, num_buckets, first, num_keys,
                                             reinterpret_cast<int64_t*>(order), reinterpret_cast<int64_t*>(counts),
-                                            threads);
+                                            reinterpret_cast<int64_t*>(sorted_ids), threads);
         }
         return ok;
       }, py::arg("ids_address"), py::arg("n"), py::arg("num_buckets"), py::arg("first"), py::arg("num_keys"),
-      py::arg("order_address"), py::arg("counts_address"), py::arg("threads") = 1,
+      py::arg("order_address"), py::arg("counts_address"), py::arg("sorted_ids_address") = 0, py::arg("threads") = 1,
       "Stable order of int64 ids by mix64(id) % num_buckets - first, and the count of each of the num_keys "
-      "keys; False when a key lies outside [0, num_keys).");
+      "keys; with sorted_ids_address (not 0), the ids in that order too. False when a key lies outside "
+      "[0, num_keys).");
   m.def("mix64", [](int64_t id) { return static_cast<int64_t>(recsave::mix64(static_cast<uint64_t>(id))); },
         py::arg("id"), "splitmix64 finaliser of one id, as a signed int64.");
 }

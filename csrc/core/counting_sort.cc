@@ -43,7 +43,7 @@ struct BucketKey {
 }  // namespace
 
 bool bucket_order_of_ids(const int64_t* ids, int64_t n, uint64_t num_buckets, int64_t first, int64_t num_keys,
-                         int64_t* order, int64_t* counts, int threads) {
+                         int64_t* order, int64_t* counts, int64_t* sorted_ids, int threads) {
   constexpr int64_t kMinSlice = 1 << 16;  // below this a thread's start costs more than its share
   constexpr int64_t kMaxCountCells = 1 << 22;  // per-slice count tables: at most 32 MB in all
   const int64_t by_size = std::max<int64_t>(1, n / kMinSlice);
@@ -87,8 +87,18 @@ bool bucket_order_of_ids(const int64_t* ids, int64_t n, uint64_t num_buckets, in
     // page faults cost more on a VM than the hash (about 1 ns an id).
     int64_t* next = local.data() + t * num_keys;
     int64_t* placed = order;
+    int64_t* placed_ids = sorted_ids;
     const int64_t end = slice_begin(t + 1);
-    for (int64_t i = slice_begin(t); i < end; ++i) placed[next[key_of(ids[i])]++] = i;
+    if (placed_ids == nullptr) {
+      for (int64_t i = slice_begin(t); i < end; ++i) placed[next[key_of(ids[i])]++] = i;
+      return;
+    }
+    for (int64_t i = slice_begin(t); i < end; ++i) {
+      const int64_t id = ids[i];
+      const int64_t at = next[key_of(id)]++;
+      placed[at] = i;
+      placed_ids[at] = id;
+    }
   });
   return true;
 }

@@ -319,7 +319,8 @@ void test_short_segments(const std::string& dir) {
   for (auto& x : src) x = static_cast<uint8_t>(rng());
   const uint64_t header = 13;  // the tensor starts at an odd file offset
   std::vector<recsave::WriteItem> items;
-  for (uint64_t at = 0; uint64_t len : seg) {
+  uint64_t at = 0;
+  for (uint64_t len : seg) {
     items.push_back({header + at, src.data() + at, len});
     at += len;
   }

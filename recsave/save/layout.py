@@ -11,7 +11,6 @@ import torch
 from recsave import knobs
 from recsave.errors import UsageError
 from recsave.format.records import BucketRange
-from recsave.format.writer import RowSource
 from recsave.save.snapshot import PinnedPair, TableState
 from recsave.tables import partition
 
@@ -64,7 +63,7 @@ def bucket_layout(name: str, table: TableState, rank: int, world: int, num_bucke
         raise UsageError(
             f"table {name!r} on rank {rank} of {world} holds ids owned by other ranks; route ids "
             f"with recsave.partition.owner_of(ids, {world}) before the lookup", key=name)
-    order, counts = owned
+    order, counts = owned.order, owned.counts
     row_starts = [0] + torch.cumsum(counts, 0).tolist()
     # Ids come in row order with distinct rows: a table that never freed a row has rows 0..n-1,
     # and its rows in bucket order are the order itself.
@@ -72,7 +71,8 @@ def bucket_layout(name: str, table: TableState, rank: int, world: int, num_bucke
         sorted_rows = order
     else:
         sorted_rows = rows[order]
-    tensors: Dict[str, Any] = {f"{name}@id": RowSource.take(ids, order)}
+    # The ids were placed in bucket order by the same pass: written as they lie, not gathered.
+    tensors: Dict[str, Any] = {f"{name}@id": owned.ids}
     buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
     for column in ["embedding"] + table.slot_names() + sorted(table.meta):
         tensors[f"{name}@{column}"] = table.row_source(column, sorted_rows, buffers)

@@ -12,7 +12,7 @@ by N ranks can be loaded by M: each reads the byte ranges of the buckets it owns
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -75,20 +75,28 @@ def bucket_order(keys: torch.Tensor, num_keys: int) -> Tuple[torch.Tensor, torch
     return torch.sort(flat.to(dtype), stable=True).indices, torch.bincount(flat, minlength=num_keys)
 
 
-def owned_bucket_order(ids: torch.Tensor, num_buckets: int, first: int,
-                       stop: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """bucket_order of `ids` by bucket - first for a rank that owns buckets [first, stop): (the
-    stable order, each owned bucket's count), or None when an id lies in a bucket outside the
-    range (another rank's id). What a save's layout needs, in one engine call that hashes the ids
-    on the `concurrency` knob's threads without writing their buckets out as a tensor."""
+class OwnedBuckets(NamedTuple):
+    """A rank's ids in bucket order (owned_bucket_order)."""
+    order: torch.Tensor   # int64 positions into the ids, stable within a bucket
+    counts: torch.Tensor  # int64, ids per owned bucket
+    ids: torch.Tensor     # the ids in that order: ids[order]
+
+
+def owned_bucket_order(ids: torch.Tensor, num_buckets: int, first: int, stop: int) -> Optional[OwnedBuckets]:
+    """bucket_order of `ids` by bucket - first for a rank that owns buckets [first, stop): the stable
+    order, each owned bucket's count and the ids in that order, or None when an id lies in a bucket
+    outside the range (another rank's id). What a save's layout needs, in one engine call that
+    hashes the ids on the `concurrency` knob's threads without writing their buckets out as a
+    tensor, and places the ids while it places their positions."""
     if num_buckets < 1 or not 0 <= first < stop <= num_buckets:
         raise UsageError(f"bucket range [{first}, {stop}) is not a range of {num_buckets} buckets")
     flat = _ids(ids)
     order = torch.empty(flat.numel(), dtype=torch.int64)
     counts = torch.empty(stop - first, dtype=torch.int64)
+    in_order = torch.empty(flat.numel(), dtype=torch.int64)
     ok = _C.bucket_order_of_ids(flat.data_ptr(), flat.numel(), num_buckets, first, stop - first, order.data_ptr(),
-                                counts.data_ptr(), knobs.get("concurrency"))
-    return (order, counts) if ok else None
+                                counts.data_ptr(), in_order.data_ptr(), knobs.get("concurrency"))
+    return OwnedBuckets(order, counts, in_order) if ok else None
 
 
 def bucket_range(rank: int, world_size: int, num_buckets: int = DEFAULT_NUM_BUCKETS) -> Tuple[int, int]:
