@@ -58,7 +58,7 @@ class ShardWriter {
   void write(const WriteItem* items, size_t n, uint32_t* crcs_out, int threads);
 
   // Writes every gather item at its offset like write(), gathering the rows on the worker threads:
-  // each thread copies rows into a small cache-resident buffer, checksums it and writes it, so the
+  // each thread copies rows into a buffer of up to 1 MiB (its cache), checksums it and writes it, so the
   // bytes are read from memory once and no permuted copy of the matrix exists. Runs of two or more
   // consecutive rows, 4 KiB and more, are checksummed and written where they lie (pwritev), without
   // the copy: a matrix already in the caller's order costs what a contiguous write() does. Items that follow

@@ -25,7 +25,7 @@ class RowSource:
     so a save never holds a second copy of the whole tensor.
 
     ``RowSource.take(storage, rows)`` (CPU) is ``storage[rows]``: the engine gathers the rows itself
-    on its writer threads, each through a small cache-resident buffer it checksums and writes. Any
+    on its writer threads, each through a buffer of up to 1 MiB it checksums and writes. Any
     other source gives ``fetch(a, b)``, rows [a, b) as a CPU tensor; the writer then holds at most
     two blocks of ``write_block_bytes`` (one written, one being fetched)."""
 
