@@ -84,7 +84,7 @@ _KNOBS: Dict[str, Knob] = {
     # Rows of a GPU table, or of any table saved to remote storage, are gathered and written in
     # blocks of about this many bytes (two in flight); a GPU table's restore reads and copies its
     # columns in blocks of this size too. CPU tables saved to local disk are gathered by the
-    # engine's writer threads through 256 KiB buffers of their own.
+    # engine's writer threads through 1 MiB buffers of their own.
     "write_block_bytes": Knob("RECSAVE_WRITE_BLOCK_BYTES", 64 << 20, int, lo=1),
     # Size of one in-memory chunk streamed to / from remote (fsspec) storage.
     "io_chunk_bytes": Knob("RECSAVE_IO_CHUNK_BYTES", 64 << 20, int, lo=1),

@@ -31,10 +31,11 @@ namespace {
 // the items are few and large; the CRCs of an item's units are combined afterwards.
 constexpr uint64_t kUnit = 1ull << 20;
 // A writer checksums then writes pieces of up to this many bytes, so the system call copies them out
-// of the (L2 or L3) cache. Not smaller: the page cache takes a buffered write in folios up to the
-// write's size (ext4 on Linux 6.18 here), and every folio costs its own allocation, accounting and
-// extent lookup. The engine's write of 1 GB went from 5.0 GB/s with 256 KiB pieces to 6.2 with
-// 1 MiB (4 rounds each, the same in every round), a Saver's save of 2 GB from 3.6 to 4.0 GB/s.
+// of the (L2 or L3) cache. Not smaller: the page cache most likely takes a buffered write in folios
+// up to the write's size (ext4's large folios, Linux 6.16 on), and every folio costs its own
+// allocation, accounting and extent lookup. The engine's write of 1 GB went from 5.0 GB/s with
+// 256 KiB pieces to 6.2 with 1 MiB (4 rounds each, higher in every round), a Saver's save of 2 GB
+// from 3.6 to 4.0 GB/s (benchmarks/README.md, write-grain session).
 constexpr uint64_t kWritePiece = 1ull << 20;
 // A gather writes a run of two or more consecutive source rows of this many bytes or more straight
 // from the source (an iovec of pwritev), as a contiguous write would; shorter runs, and single rows,
