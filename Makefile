@@ -24,10 +24,12 @@ $(STAMP): setup.cfg setup.py pyproject.toml $(CSRC)
 build: setup
 	$(PY) setup.py -q build_ext --inplace
 
-# ruff (style, imports, private-member access, bug finders) and mypy, configured in pyproject.toml.
-# Both run, then the target fails if either found something.
+# ruff (style, imports, private-member access, bug finders; the library, its tests and benchmarks)
+# and mypy (the library), configured in pyproject.toml. Both run, then the target fails if either
+# found something.
 lint: setup
-	status=0; $(PY) -m ruff check recsave || status=1; $(PY) -m mypy recsave || status=1; exit $$status
+	status=0; $(PY) -m ruff check recsave tests benchmarks || status=1; $(PY) -m mypy recsave || status=1; \
+	exit $$status
 
 # The whole suite (what CI runs).
 test: setup

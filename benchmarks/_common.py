@@ -197,7 +197,7 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple) -> None:
     try:
         try:
             reply = ("ok", fn(*args))
-        except BaseException:  # noqa: BLE001 - reported to the parent
+        except BaseException:
             reply = ("error", traceback.format_exc())
         conn.send(reply)
     except (BrokenPipeError, EOFError):
@@ -345,7 +345,7 @@ def machine_info(directory: str) -> Dict[str, Any]:
     cpu = platform.processor()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {
         "cpu": cpu, "cpus": os.cpu_count(), "memory_bytes": mem, "kernel": platform.release(),
         "python": platform.python_version(), "torch": version("torch"), "numpy": version("numpy"),

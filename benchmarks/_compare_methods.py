@@ -40,7 +40,8 @@ LOAD = {
 }
 KINDS = {"save": SAVE, "load": LOAD}
 FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
-SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver", "save:saver_restored",
+SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver",
+                 "save:saver_restored",
                  "save:saver_async",
                  "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver"]
 
@@ -75,6 +76,7 @@ def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> Optio
                         "conv=fdatasync", "status=none"], check=True)
     elif method in ("dcp", "dcp_fsync"):
         import warnings
+
         import torch.distributed.checkpoint as dcp
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
@@ -105,6 +107,7 @@ def run_load(method: str, spec: Dict[str, Any], layout: Layout, dest: Any) -> An
         return E._load(method.replace("engine", "recsave"), spec, layout)
     if method == "dcp":
         import warnings
+
         import torch.distributed.checkpoint as dcp
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

@@ -32,6 +32,7 @@ def build_model(layout: Layout, seed: int, fill: bool, bucket_order: bool = Fals
     as a checkpoint's files hold them); the values are drawn in the same sequence, so the rows hold
     the same bytes under other ids."""
     import torch
+
     import recsave
     from recsave import partition
 

@@ -18,16 +18,16 @@ import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.ensure_repo_on_path()
 
 import torch  # noqa: E402
 
 from recsave import HashTable, Saver  # noqa: E402
-from recsave.tables.optim import SparseAdagrad  # noqa: E402
-from recsave.save.snapshot import Stager, capture  # noqa: E402
 from recsave.load import contents  # noqa: E402
+from recsave.save.snapshot import Stager, capture  # noqa: E402
+from recsave.tables.optim import SparseAdagrad  # noqa: E402
 
 
 class Model(torch.nn.Module):

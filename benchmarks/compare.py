@@ -27,13 +27,21 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
-import engine as E  # noqa: E402
-from _compare_measure import noise_of, reads_label, run_rounds, summarize  # noqa: E402
-from _compare_methods import KINDS, PRELOAD, SWEEP_DEFAULT, selected  # noqa: E402
-from _compare_report import (budget_rows, default_header, default_markdown, main_table, plot_sweep,  # noqa: E402
-                             ratio_rows, sweep_markdown, write_markdown)
-from _compare_state import build_model, state_layout  # noqa: E402
+import _common as C
+import engine as E
+from _compare_measure import noise_of, reads_label, run_rounds, summarize
+from _compare_methods import KINDS, PRELOAD, SWEEP_DEFAULT, selected
+from _compare_report import (
+    budget_rows,
+    default_header,
+    default_markdown,
+    main_table,
+    plot_sweep,
+    ratio_rows,
+    sweep_markdown,
+    write_markdown,
+)
+from _compare_state import build_model, state_layout
 
 C.ensure_repo_on_path()
 
@@ -96,6 +104,7 @@ def profile_worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     import cProfile
     import io
     import pstats
+
     import recsave
 
     layout, out = spec["layout"], {}

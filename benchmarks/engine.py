@@ -22,7 +22,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.ensure_repo_on_path()
 
@@ -168,7 +168,8 @@ def _save(method: str, spec: Dict[str, Any], state: Dict[str, Any]) -> None:
         from safetensors.torch import save_file
         save_file(state, path)
     elif method in ("recsave", "recsave_fsync"):
-        from recsave import format as fmt, knobs
+        from recsave import format as fmt
+        from recsave import knobs
         knob = {"fsync": method == "recsave_fsync"}
         if spec.get("segment_bytes"):
             knob["segment_bytes"] = spec["segment_bytes"]
@@ -362,7 +363,8 @@ def run_rounds(args: argparse.Namespace, tmp: str, methods: Dict[str, List[str]]
             C.settle()
             res = run_op(make_spec(args, "save", method, out[method]), timeout)
             samples[("save", method)].append(res)
-            C.log(f"[round {r + 1}/{args.repeats}] save   {method:18s} {C.gbps(res['nbytes'], res['seconds']):6.2f} GB/s")
+            rate = C.gbps(res['nbytes'], res['seconds'])
+            C.log(f"[round {r + 1}/{args.repeats}] save   {method:18s} {rate:6.2f} GB/s")
             if method not in needed:
                 remove(out[method])
         for method in C.rounds_order(methods["load"], r):
@@ -372,12 +374,14 @@ def run_rounds(args: argparse.Namespace, tmp: str, methods: Dict[str, List[str]]
             samples[("load", method)].append(res)
             if "check" in res and not res["check"]["ok"]:
                 failures.append(f"load {method}: round trip mismatch in {res['check']['mismatched']}")
-            C.log(f"[round {r + 1}/{args.repeats}] load   {method:18s} {C.gbps(res['nbytes'], res['seconds']):6.2f} GB/s"
-                  + ("" if "check" not in res else "  (round trip " + ("ok" if res["check"]["ok"] else "MISMATCH") + ")"))
+            rate = C.gbps(res['nbytes'], res['seconds'])
+            trip = "" if "check" not in res else "  (round trip " + ("ok" if res["check"]["ok"] else "MISMATCH") + ")"
+            C.log(f"[round {r + 1}/{args.repeats}] load   {method:18s} {rate:6.2f} GB/s" + trip)
         for method in C.rounds_order(methods["memory"], r):
             res = run_op(make_spec(args, "memory", method, None), timeout)
             samples[("memory", method)].append(res)
-            C.log(f"[round {r + 1}/{args.repeats}] memory {method:18s} {C.gbps(res['nbytes'], res['seconds']):6.2f} GB/s")
+            rate = C.gbps(res['nbytes'], res['seconds'])
+            C.log(f"[round {r + 1}/{args.repeats}] memory {method:18s} {rate:6.2f} GB/s")
         shutil.rmtree(rdir, ignore_errors=True)
     return samples, failures
 
@@ -404,7 +408,8 @@ def run_sweep(args: argparse.Namespace, tmp: str, drop: bool) -> List[Dict[str, 
             res2 = run_op(make_spec(args, "load", "recsave_verify", path, concurrency=conc), timeout)
             times[(conc, seg, "load")].append(res2["seconds"])
             nbytes = res["nbytes"]
-            C.log(f"[sweep {r + 1}/{args.repeats}] concurrency {conc} segment {segment_label(res['segment_bytes'])}: save "
+            seg_label = segment_label(res['segment_bytes'])
+            C.log(f"[sweep {r + 1}/{args.repeats}] concurrency {conc} segment {seg_label}: save "
                   f"{C.gbps(nbytes, res['seconds']):.2f} GB/s, load {C.gbps(nbytes, res2['seconds']):.2f} GB/s")
             remove(path)
     return [{"concurrency": c, "segment_bytes": used[(c, s)],
@@ -544,7 +549,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     summary = summarize(samples)
     ratios, overheads = compute_ratios(summary)
     noise = {"loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
-             "others_cpu_share_median": C.median([x["others_cpu_s"] / x["seconds"] for v in samples.values() for x in v])}
+             "others_cpu_share_median": C.median([x["others_cpu_s"] / x["seconds"]
+                                                  for v in samples.values() for x in v])}
     text = report(args, summary, ratios, overheads, sweep, reads_cold, machine, nbytes, noise)
     print(text)
     result = {

@@ -85,9 +85,9 @@ def worker_main(ref_path: str) -> int:
     import traceback
 
     import torch
+    from helpers import assert_jobs_equal, job_state, make_job, same_bits
 
     import recsave
-    from helpers import assert_jobs_equal, job_state, make_job, same_bits
 
     torch.set_num_threads(1)
     refs = torch.load(ref_path, weights_only=False)
@@ -103,7 +103,7 @@ def worker_main(ref_path: str) -> int:
             state, gstep = job_state(job), job.manager.global_step
         except recsave.RecsaveError as exc:
             return {"outcome": "error", "type": type(exc).__name__, "msg": str(exc)[:300]}
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             return {"outcome": "exception", "type": type(exc).__name__, "msg": tail(exc)}
         diffs = {}
         for cid, ref in refs.items():
@@ -124,7 +124,7 @@ def worker_main(ref_path: str) -> int:
             got = recsave.format.read_tensors(ckpt_dir)
         except recsave.RecsaveError as exc:
             return {"outcome": "error", "type": type(exc).__name__, "msg": str(exc)[:300]}
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             return {"outcome": "exception", "type": type(exc).__name__, "msg": tail(exc)}
         want = refs[LATEST]["tensors"]
         bad = sorted(set(got) ^ set(want)) + [n for n in got if n in want and not same_bits(got[n], want[n])]
@@ -144,7 +144,7 @@ def worker_main(ref_path: str) -> int:
                 job = make_job(out, save_interval=2, max_keep=2)
                 step = job.manager.restore()
                 state = job_state(job)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 return {"restore": {"outcome": "exception", "type": type(exc).__name__, "msg": tail(exc)}}
             restored: Dict[str, Any] = {"outcome": "different", "step": step}
             for cid, ref in refs.items():
@@ -158,7 +158,7 @@ def worker_main(ref_path: str) -> int:
                 job.manager.save()
                 job.saver.close()
                 catalog.collect_garbage(out)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 return {"restore": restored, "after": {"outcome": "exception", "type": type(exc).__name__,
                                                        "msg": tail(exc)}}
         dirs = sorted(n for n in os.listdir(out) if os.path.isdir(os.path.join(out, n)))
@@ -817,7 +817,8 @@ class Worker:
         self.log.close()
 
 
-SAN_MARKERS = ("ERROR: AddressSanitizer", "AddressSanitizer: CHECK failed", "runtime error:", "ERROR: LeakSanitizer", "UndefinedBehaviorSanitizer")
+SAN_MARKERS = ("ERROR: AddressSanitizer", "AddressSanitizer: CHECK failed", "runtime error:", "ERROR: LeakSanitizer",
+               "UndefinedBehaviorSanitizer")
 
 
 def judge_listing(m: Mutation, res: Dict[str, Any], tally: Dict[str, Counter], failures: List[Dict[str, Any]],
@@ -934,7 +935,7 @@ def run(mutations: int = 2000, seed: int = 0, workers: int = 2, asan: bool = Fal
             raise SystemExit(f"--asan: workers imported {pool[0].info['_C']}, not the sanitized build")
         next_case = 0
         while next_case < mutations or any(w.case for w in pool):
-            for i, w in enumerate(pool):
+            for w in pool:
                 if w.case is None and next_case < mutations:
                     case_dir = os.path.join(work, f"case-{next_case}")
                     shutil.copytree(pristine, case_dir, symlinks=True)

@@ -171,7 +171,7 @@ def free(device: torch.device) -> None:
 # Id map
 
 def measure_idmap(args: argparse.Namespace, device: torch.device) -> List[Dict[str, Any]]:
-    n, step = args.ids, args.map_batch
+    n = args.ids
     gen = torch.Generator().manual_seed(1)
     ids_cpu = torch.unique(torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen))
     ids_cpu = ids_cpu[torch.randperm(ids_cpu.numel(), generator=gen)]
@@ -293,7 +293,8 @@ def measure_save_load(args: argparse.Namespace, device: torch.device, work: str)
     model = build(args, device)
     cols = columns_of(model)
     state = nbytes(cols)
-    C.log(f"state: {args.tables} tables x {len(model.tables[0])} rows, dim {args.dim}, {state / 1e9:.2f} GB on {device}")
+    C.log(f"state: {args.tables} tables x {len(model.tables[0])} rows, dim {args.dim}, "
+          f"{state / 1e9:.2f} GB on {device}")
     host = [c.cpu() for c in cols]  # the raw rows' source and the CPU tables' rows
     cpu_model = fresh_model(args, torch.device("cpu"))
     for t_dev, t_cpu in zip(model.tables, cpu_model.tables):
@@ -570,7 +571,8 @@ def report(res: Dict[str, Any]) -> str:
     if "save_rss" in res:
         rows = [[int(block) >> 20, i, C.fmt_num(r["seconds"], 3), C.fmt_num(r["rss_over_start"] / 1e6, 0),
                  C.fmt_num(r["rss_start"] / 1e6, 0),
-                 C.fmt_num(r.get("allocated_bytes.current", r.get("allocated_bytes.all.current", float("nan"))) / 1e6, 0)]
+                 C.fmt_num(r.get("allocated_bytes.current",
+                                 r.get("allocated_bytes.all.current", float("nan"))) / 1e6, 0)]
                 for block, rs in res["save_rss"].items() for i, r in enumerate(rs)]
         lines += ["", "Saver.save of the CUDA tables, round by round (host RSS MB; pinned = torch's host allocator):",
                   C.text_table(["block MiB", "round", "s", "RSS over start", "RSS at start", "pinned now"], rows)]

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.ensure_repo_on_path()
 
@@ -129,7 +129,7 @@ def idmap_rows(args: argparse.Namespace, threads: int, batches: List[np.ndarray]
         rows.append(("reference: recsave TensorIdMap (torch ops) lookup, zipf batches", batch_ids,
                      Measured(lambda _: [tm.lookup(b) for b in tbatches], reps), "device map, run on the CPU"))
         tm = None
-    except Exception as exc:  # noqa: BLE001 - optional row
+    except Exception as exc:
         C.log(f"TensorIdMap row skipped: {type(exc).__name__}: {exc}")
     return [{"threads": threads, "op": op, "ids_per_op": k, "seconds": x.seconds, "median_s": C.median(x.seconds),
              "ids_per_s": k / C.median(x.seconds), "others_cpu_share": x.others_cpu / x.wall, "note": note}

@@ -30,7 +30,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C
 
 C.ensure_repo_on_path()
 
@@ -90,6 +90,7 @@ class Counter:
 
 def instrument(counter: Counter, world: int) -> None:
     import torch.distributed as td
+
     from recsave.format import index as index_mod
     from recsave.save import pipeline
     from recsave.storage.local import LocalStorage
@@ -142,7 +143,7 @@ def worker(rank: int, world: int, init_file: str, work: str, spec: Dict[str, Any
     with knobs.override(fsync=False):
         for r in range(spec["rounds"]):
             rnd: Dict[str, Any] = {}
-            for what, run in (("save", lambda: saver.save(f"ckpt_{r + 1}")), ("load", loader.load)):
+            for what, run in (("save", lambda r=r: saver.save(f"ckpt_{r + 1}")), ("load", loader.load)):
                 td.barrier()
                 counter.phase = what
                 start = time.perf_counter()
@@ -345,8 +346,8 @@ def markdown(d: Dict[str, Any]) -> str:
         + [["chunks / CRCs / files"] + [f"{b['chunks']} / {b['crc_count']} / {b['file_count']}" for b in bd]],
         "l" + "r" * len(ws))
     return "\n".join([
-        f"### scale.py: {d['config']['tables']} tables x {d['config']['rows']:,} ids (dim {d['config']['dim']}, 1 slot) "
-        f"over W gloo ranks on one machine; recsave at {d['commit']}", "",
+        f"### scale.py: {d['config']['tables']} tables x {d['config']['rows']:,} ids "
+        f"(dim {d['config']['dim']}, 1 slot) over W gloo ranks on one machine; recsave at {d['commit']}", "",
         f"Machine: {d['machine']['cpus']} CPUs ({d['machine']['cpu']}); {d['config']['repeats']} round(s), medians; "
         "counts and bytes are exact, times noisy (W processes share the cores).", "",
         C.markdown_table(headers, rows, "l" + "r" * (len(headers) - 1)), "",

@@ -36,6 +36,7 @@ killed saves (unlisted directories) are gone once a later save has committed. Ex
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -45,7 +46,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -60,21 +60,19 @@ os.environ.setdefault("RECSAVE_FSYNC", "0")  # SIGKILL keeps the page cache: fsy
 
 sys.path.insert(0, HERE)
 import _common as C  # noqa: E402  (benchmarks/_common.py)
-
 import torch  # noqa: E402
+from helpers import assert_jobs_equal, job_state, make_job  # noqa: E402
 
 import recsave  # noqa: E402
+import recsave.format.chain  # noqa: E402
 import recsave.format.ckptlist  # noqa: E402
 import recsave.format.index  # noqa: E402
-import recsave.format.writer  # noqa: E402
-import recsave.save.pipeline  # noqa: E402
-import recsave.storage.local  # noqa: E402
 import recsave.format.torchio  # noqa: E402
-import recsave.format.chain  # noqa: E402
+import recsave.format.writer  # noqa: E402
 import recsave.save.delta  # noqa: E402
+import recsave.save.pipeline  # noqa: E402
 import recsave.save.policy  # noqa: E402
-
-from helpers import assert_jobs_equal, job_state, make_job  # noqa: E402
+import recsave.storage.local  # noqa: E402
 
 KILL_ENV = "RECSAVE_STRESS_KILL"
 MAX_KEEP = 2
@@ -379,7 +377,7 @@ def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: in
                 k = rng.randint(1, counts[target])
                 kill, delay, label = f"{target}:{k}:{when}", None, f"{target}:{when}"
             err = os.path.join(work, f"err-{trial}")
-            pid = _fork(lambda: job_child(out, interval, latest, steps, refs, kill, err))
+            pid = _fork(functools.partial(job_child, out, interval, latest, steps, refs, kill, err))
             if delay is not None:
                 deadline = time.monotonic() + delay
                 status = None
@@ -413,7 +411,7 @@ def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: in
                                      finished=status == "exit 0", full_every=full_every)
             if failure is None:
                 verr, vres = os.path.join(work, f"verr-{trial}"), os.path.join(work, f"vres-{trial}")
-                vstatus = _wait(_fork(lambda: verify_child(out, interval, refs, verr, vres)), 120)
+                vstatus = _wait(_fork(functools.partial(verify_child, out, interval, refs, verr, vres)), 120)
                 if vstatus != "exit 0":
                     detail = open(verr).read() if os.path.exists(verr) else ""
                     failure = f"verification {vstatus}:\n{detail}"
@@ -508,7 +506,7 @@ def _check_dir(out: str, latest_before: int, prev_latest: int, leftovers_before:
     """Checks on the output dir after a trial that need no restore."""
     try:
         listed = read_list(out)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"the checkpoint file is unreadable: {exc!r}"
     latest = step_of(listed[-1]) if listed else 0
     if latest < prev_latest or latest < latest_before:

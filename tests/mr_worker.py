@@ -25,12 +25,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from gloo_exit import exit_now
 
 import recsave
 from recsave import HashTable, Saver, partition
 from recsave.tables.optim import SparseAdagrad
-
-from gloo_exit import exit_now
 
 GLOBAL_IDS = 3000
 DIM = 6
@@ -154,7 +153,8 @@ def tablelike(scenario, rank, world, work_dir):
 
 
 def main():
-    scenario, rank, world, init_file, work_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    scenario, init_file, work_dir = sys.argv[1], sys.argv[4], sys.argv[5]
+    rank, world = int(sys.argv[2]), int(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     if scenario in ("tt_save", "tt_load"):

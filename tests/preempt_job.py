@@ -15,8 +15,9 @@ training job with a CheckpointManager that is preempted by a real signal.
         skewed and faster); writes the steps at which step() saved to RESULT (JSON).
 
 PREEMPT_JOB_ASYNC=1 makes train / resume autosave with async_mode="async" (background writes run
-collectives while step() agrees on the next save). WORLD 1 runs without torch.distributed (INIT is then ignored). With several ranks each rank
-trains on the ids it owns (recsave.partition) and dense gradients are averaged over the ranks.
+collectives while step() agrees on the next save). WORLD 1 runs without torch.distributed (INIT is
+then ignored). With several ranks each rank trains on the ids it owns (recsave.partition) and dense
+gradients are averaged over the ranks.
 """
 from __future__ import annotations
 
@@ -29,16 +30,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from gloo_exit import exit_now
+from helpers import Reader, model_state
 
-import recsave  # noqa: E402
-import recsave.save.pipeline  # noqa: E402
-from recsave import CheckpointManager, HashTable, Saver, partition  # noqa: E402
-from recsave.tables.optim import SparseAdagrad  # noqa: E402
-
-from gloo_exit import exit_now  # noqa: E402
-from helpers import Reader, model_state  # noqa: E402
+import recsave
+import recsave.save.pipeline
+from recsave import CheckpointManager, HashTable, Saver, partition
+from recsave.tables.optim import SparseAdagrad
 
 torch.set_num_threads(1)
 STEP_SECONDS = 0.004  # a small pause per step, so that a signal lands mid-run

@@ -21,13 +21,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
+from helpers import job_state, make_job
 
-import recsave.format.index  # noqa: E402
-import recsave.save.pipeline  # noqa: E402
-import recsave.format.torchio  # noqa: E402
-
-from helpers import job_state, make_job  # noqa: E402
+import recsave.format.index
+import recsave.format.torchio
+import recsave.save.pipeline
 
 KILL_POINTS = ("after_first_shard", "after_model_pt", "before_index", "after_index")
 # The same points inside the background write of an async save (CheckpointManager async_mode).

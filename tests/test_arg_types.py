@@ -78,7 +78,8 @@ TYPE_CASES = {
     # CheckpointManager
     "Manager-saver": (lambda e: CheckpointManager("saver", 10), "saver", "str"),
     "Manager-save_interval": (lambda e: CheckpointManager(e["saver"], save_interval="10"), "save_interval", "str"),
-    "Manager-save_interval-bool": (lambda e: CheckpointManager(e["saver"], save_interval=True), "save_interval", "bool"),
+    "Manager-save_interval-bool": (lambda e: CheckpointManager(e["saver"], save_interval=True), "save_interval",
+                                   "bool"),
     "Manager-async_mode": (lambda e: CheckpointManager(e["saver"], 0, async_mode=1), "async_mode", "int"),
     "restore-global_step": (lambda e: e["mgr"].restore("5"), "global_step", "str"),
     "restore-global_step-bool": (lambda e: e["mgr"].restore(True), "global_step", "bool"),

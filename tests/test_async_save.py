@@ -9,13 +9,13 @@ import threading
 
 import pytest
 import torch
-
 from helpers import assert_jobs_equal, job_state, make_job
-from recsave import CheckpointManager, HashTable, Saver, knobs
-from recsave.save import pipeline as saver_mod
-from recsave.errors import StorageError, UsageError
-from recsave.tables.optim import SparseAdagrad
 from test_faults import faulty, inject  # noqa: F401  (fixture)
+
+from recsave import CheckpointManager, HashTable, Saver, knobs
+from recsave.errors import StorageError, UsageError
+from recsave.save import pipeline as saver_mod
+from recsave.tables.optim import SparseAdagrad
 
 
 def _files(ckpt_dir: str) -> dict:

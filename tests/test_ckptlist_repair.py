@@ -9,14 +9,13 @@ import shutil
 import warnings
 
 import pytest
+from helpers import assert_jobs_equal, job_state, make_job
 
 import recsave
 from recsave.format import ckptlist
 from recsave.storage import get_storage
 from recsave.tools import catalog
 from recsave.tools.cli import main as cli_main
-
-from helpers import assert_jobs_equal, job_state, make_job
 
 IDS = ["ckpt_10", "ckpt_20", "ckpt_30"]
 FULL = "ckpt_10\nckpt_20\nckpt_30\n"

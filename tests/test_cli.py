@@ -5,13 +5,12 @@ import subprocess
 import sys
 
 import pytest
+from helpers import make_job
 
 import recsave
-from recsave.tools.cli import main
-from recsave.storage.lock import LOCK_FILE, WriterLock
 from recsave.storage import LocalStorage
-
-from helpers import make_job
+from recsave.storage.lock import LOCK_FILE, WriterLock
+from recsave.tools.cli import main
 
 
 @pytest.fixture()

@@ -4,6 +4,7 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import CTR, assert_states_equal, make_job, model_state, tables_of
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import recsave
@@ -12,8 +13,6 @@ from recsave.errors import ConfigError, UsageError
 from recsave.tools import catalog, cli
 from recsave.tools.convert import EXTRA_PREFIX
 from recsave.tools.torchzip import StreamingTorchSave
-
-from helpers import CTR, assert_states_equal, make_job, model_state, tables_of
 
 
 def _trained(tmp_path):

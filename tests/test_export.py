@@ -18,13 +18,12 @@ from helpers import make_job, same_bits
 
 import recsave
 from recsave import format as fmt
-from recsave.tools.cli import main
-from recsave.errors import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError,
-                            UsageError)
-from recsave.tools.export import MANIFEST, ParquetSource, is_parquet_source, to_parquet
+from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError, UsageError
 from recsave.load.config import TableInfo
-from recsave.tables.partition import owner_of
 from recsave.storage import get_storage
+from recsave.tables.partition import owner_of
+from recsave.tools.cli import main
+from recsave.tools.export import MANIFEST, ParquetSource, is_parquet_source, to_parquet
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

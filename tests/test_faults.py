@@ -23,13 +23,12 @@ import fsspec
 import pytest
 import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+from helpers import assert_jobs_equal, job_state, make_job
+from test_remote import moto_server  # noqa: F401  (the session's moto_server fixture)
 
 import recsave
 from recsave import CorruptCheckpointError, StorageError, knobs
 from recsave.storage import get_storage, is_transient
-
-from helpers import assert_jobs_equal, job_state, make_job
-from test_remote import moto_server  # noqa: F401  (the session's moto_server fixture)
 
 FAST = dict(io_retries=3, io_retry_base_s=0.001, io_retry_max_s=0.01)
 
@@ -521,7 +520,8 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 with proxy.lock:
-                    action = "503" if self.command in proxy.fail_methods else (proxy.plan.pop(0) if proxy.plan else "ok")
+                    planned = proxy.plan.pop(0) if proxy.plan else "ok"
+                    action = "503" if self.command in proxy.fail_methods else planned
                     if action != "ok":
                         proxy.injected += 1
                 if action == "drop":

@@ -4,7 +4,7 @@ import signal
 
 import torch
 
-from recsave.format import read_tensors, write_shards
+from recsave.format import write_shards
 
 
 def test_engine_works_in_a_forked_child(tmp_path):

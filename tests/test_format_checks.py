@@ -71,7 +71,8 @@ def test_bucket_and_segment_lists_of_a_written_index_are_validated(tmp_path):
     _refused(index, {
         "bucket start decreasing": (lambda ix: ranges(ix).update(row_starts=[0, 3, 2, 10]), "found 3 then 2"),
         "bucket start not 0": (lambda ix: ranges(ix).update(row_starts=[1, 2, 10]), "begin at 0"),
-        "bucket start past rows": (lambda ix: ranges(ix).update(row_starts=[0, 11]), "ends at row 11, the chunk has 10"),
+        "bucket start past rows": (lambda ix: ranges(ix).update(row_starts=[0, 11]),
+                                   "ends at row 11, the chunk has 10"),
         "buckets short": (lambda ix: ranges(ix).update(row_starts=[0, 9]), "ends at row 9, the chunk has 10"),
         "ranges not a list": (lambda ix: ix.update(bucket_ranges={}), "needs a 'bucket_ranges' list"),
         "ranges absent": (lambda ix: ix.pop("bucket_ranges"), "needs a 'bucket_ranges' list"),

@@ -3,14 +3,12 @@ import os
 
 import pytest
 import torch
+from conftest import raw_bytes
 
 import recsave.knobs
 from recsave import format as fmt
 from recsave.errors import RecsaveError
-from recsave.format import commits as commits_mod
 from recsave.format.commits import DeferredCommits
-
-from conftest import raw_bytes
 
 
 def _tensors(k: int) -> dict:

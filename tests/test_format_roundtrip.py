@@ -5,15 +5,12 @@ import os
 
 import pytest
 import torch
+from conftest import all_dtype_tensors, raw_bytes
 from safetensors import safe_open
 
-import recsave.knobs
 from recsave import format as fmt
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UsageError
 from recsave.format import oracle
-from recsave.format.dtypes import BY_NAME
-
-from conftest import all_dtype_tensors, raw_bytes
 
 
 def save(directory, tensors, **kwargs):
@@ -197,8 +194,8 @@ def test_more_than_2_gib_across_files(tmp_path):
 def test_checked_files_are_checked_once_and_still_against_every_tensor(tmp_path, monkeypatch):
     """read_tensors(checked=...): a file's size and header are read by the first call only; a later
     call still checks the chunks it reads against the kept header."""
-    from recsave.format import reader
     from recsave.format import index as index_mod
+    from recsave.format import reader
 
     tensors = {"a": torch.arange(12.0).view(3, 4), "b": torch.arange(6, dtype=torch.int64)}
     save(tmp_path, tensors)

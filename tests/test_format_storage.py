@@ -1,17 +1,15 @@
 """The format through fsspec (memory://, file://) and partial row reads."""
 import uuid
-
 from typing import List
 
 import pytest
 import torch
+from conftest import all_dtype_tensors, raw_bytes
 
 import recsave.knobs
 from recsave import format as fmt
 from recsave.errors import CorruptCheckpointError
 from recsave.storage import get_storage
-
-from conftest import all_dtype_tensors, raw_bytes
 
 
 def _url(tmp_path, scheme):

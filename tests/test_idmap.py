@@ -378,7 +378,7 @@ def test_threads_may_share_a_map():
                 np.testing.assert_array_equal(m.lookup(first, threads=2), np.arange(50_000))
                 ids, rows = m.export()
                 assert len(ids) == len(rows) and (np.diff(rows) > 0).all()
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(e)
 
     workers = [threading.Thread(target=reader) for _ in range(2)]

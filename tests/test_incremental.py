@@ -426,7 +426,7 @@ def test_async_delta_stages_only_the_changed_rows(chain_dir, tmp_path):
     table_bytes = sum(sum(c.nbytes for c in t.columns().values()) for t in tables_of(job.model).values())
     row_bytes = 3 * 8 * 4 + 2 * 8  # embedding, adam_m, adam_v (dim 8, float32), last_step, count
     dense = sum(t.nbytes for t in job.model.state_dict().values() if isinstance(t, torch.Tensor))
-    staged = job.saver._stager.nbytes - dense  # noqa: SLF001 (table buffers: room for 2x the changed rows)
+    staged = job.saver._stager.nbytes - dense
     assert 0 < staged <= 2 * changed * row_bytes and staged < table_bytes / 4
     assert_same(job.state(), restored(mine, "ckpt_11").state(), "async delta")
 

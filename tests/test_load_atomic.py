@@ -7,12 +7,11 @@ import os
 
 import pytest
 import torch
+from helpers import assert_jobs_equal, job_state, make_job, tables_of
 
 import recsave
 from recsave import CorruptCheckpointError
 from recsave.tables.hashtable import HashTable
-
-from helpers import assert_jobs_equal, job_state, make_job, tables_of
 
 
 def _flip(ckpt: str, tensor: str) -> None:

@@ -7,10 +7,9 @@ import os
 
 import pytest
 import torch
+from helpers import assert_jobs_equal, assert_obj_equal, job_state, make_job, same_bits, train
 
 from recsave import CheckpointManager, CheckpointNotFoundError, ConfigError, HashTable, Saver, ShapeMismatchError
-
-from helpers import assert_jobs_equal, assert_obj_equal, job_state, make_job, same_bits, train
 
 SLOT = "adagrad_acc"
 SLOT_INIT = 0.1  # make_job's SparseAdagrad initial_accumulator_value

@@ -15,13 +15,13 @@ import uuid
 import warnings
 
 import pytest
+from helpers import assert_jobs_equal, job_state, make_job
 
 from recsave import knobs
 from recsave.errors import RecsaveError, WriterLockedError
-from recsave.storage.lock import LOCK_FILE, WriterLock
 from recsave.storage import LocalStorage, get_storage
+from recsave.storage.lock import LOCK_FILE, WriterLock
 
-from helpers import assert_jobs_equal, job_state, make_job
 
 @pytest.fixture(autouse=True)
 def _lock_on():

@@ -1,12 +1,11 @@
 """Model bank: dry-run plans equal what the load does, dynamic entries, dim / dtype policies."""
 import pytest
 import torch
+from helpers import make_job, model_state, table_state
 
-from recsave import CheckpointManager, HashTable, Saver
+from recsave import HashTable, Saver
 from recsave.errors import ConfigError, ShapeMismatchError
 from recsave.tables.optim import SparseAdagrad
-
-from helpers import make_job, model_state, table_state
 
 
 def trained_job(path, steps=6, seed=0, **kw):

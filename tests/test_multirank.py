@@ -7,11 +7,10 @@ import time
 
 import pytest
 import torch
+from mr_worker import expected_rows, global_ids, listing
 
 from recsave import partition
 from recsave.format import read_index
-
-from mr_worker import expected_rows, global_ids, listing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.multirank

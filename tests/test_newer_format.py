@@ -8,12 +8,11 @@ import os
 import warnings
 
 import pytest
+from helpers import assert_jobs_equal, job_state, make_job
 
 from recsave import CheckpointExistsError, CorruptCheckpointError, FormatVersionError, RecsaveError
 from recsave.tools import catalog
 from recsave.tools.cli import main as cli_main
-
-from helpers import assert_jobs_equal, job_state, make_job
 
 NEWER = (r"written by a newer recsave \(format_version 4\); upgrade recsave, or restore an explicit "
          r"older step with restore\(global_step=\.\.\.\)")

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_jobs_equal, job_state, make_job, model_state
 
 from recsave import ConfigError, Saver
-
-from helpers import assert_jobs_equal, job_state, make_job, model_state
 
 
 class Counter:

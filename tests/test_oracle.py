@@ -496,7 +496,8 @@ def test_reads_an_int8_serving_checkpoint_and_decodes_it_as_recsave_loads_it(ser
     (_set("tensors/user@scale/dtype", "bfloat16"), E.CorruptCheckpointError, "scale"),
     (_set("meta/tables/user/dim", 9), E.CorruptCheckpointError, "int8"),
     (_set("tensors/user@offset", None), E.CorruptCheckpointError, "user@offset"),
-    (lambda i: (i.pop("kind"), i.update(format_version=2)), E.FormatVersionError, "version 2"),  # a full index of version 2
+    # a full index of version 2
+    (lambda i: (i.pop("kind"), i.update(format_version=2)), E.FormatVersionError, "version 2"),
     (_set("parent", {"id": "x", "crc32c": 0}), E.CorruptCheckpointError, "parent"),
 ])
 def test_serving_index_rules_agree_with_the_engine(serving_dir, change, error, match) -> None:

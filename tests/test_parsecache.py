@@ -50,7 +50,7 @@ def test_held_bytes_stay_under_the_limit(monkeypatch):
     cache: ParseCache[str] = ParseCache()
     for i in range(10):
         cache.get(_big(str(i)), lambda raw: json.loads(raw)["tag"])
-    assert cache._held <= 3 * parsecache.MIN_BYTES + 200 and len(cache._entries) <= 3  # noqa: SLF001
+    assert cache._held <= 3 * parsecache.MIN_BYTES + 200 and len(cache._entries) <= 3
     calls = []
     cache.get(_big("9"), lambda raw: calls.append(raw) or "9")
     cache.get(_big("0"), lambda raw: calls.append(raw) or "0")

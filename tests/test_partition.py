@@ -1,5 +1,4 @@
 """recsave.tables.partition and sharded HashTables (single process)."""
-import os
 
 import pytest
 import torch
@@ -106,7 +105,8 @@ def test_io_state_reshards_through_load_io_states(tmp_path, monkeypatch):
     saver2.load()
     assert reader2.seen == (1, 1, 3) and reader2.position == 30
     # The table got rank 1's share of the ids, and is now a shard.
-    assert sorted(fresh.t.ids().tolist()) == [i for i in range(10) if partition.owner_of(torch.tensor([i]), 3).item() == 1]
+    owned = [i for i in range(10) if partition.owner_of(torch.tensor([i]), 3).item() == 1]
+    assert sorted(fresh.t.ids().tolist()) == owned
     assert fresh.t.partition == (1, 3, 4096)
 
 

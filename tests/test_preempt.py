@@ -15,11 +15,10 @@ import time
 
 import pytest
 import torch
+from helpers import assert_jobs_equal, make_job
 
 import recsave
 from recsave import ArgumentTypeError, CheckpointManager, Preempted, UsageError
-
-from helpers import assert_jobs_equal, make_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "preempt_job.py")

@@ -19,12 +19,11 @@ from typing import Iterator, Tuple
 
 import fsspec
 import pytest
+from helpers import assert_jobs_equal, job_state, make_job, same_bits, train
 
 from recsave import CorruptCheckpointError
-from recsave.storage.lock import LOCK_FILE
 from recsave.storage import get_storage
-
-from helpers import assert_jobs_equal, job_state, make_job, same_bits, train
+from recsave.storage.lock import LOCK_FILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -265,10 +264,10 @@ def test_resharding_load_reads_only_owned_buckets(remote, monkeypatch):
     """A checkpoint on remote storage loaded by rank 1 of 3 (the environment says so): exactly that
     rank's ids, bit for bit, reading about a third of the sparse bytes through ranged requests."""
     import torch
+    from helpers import table_state
 
     from recsave import partition
     from recsave.format import read_index
-    from helpers import table_state
 
     monkeypatch.setenv("RECSAVE_MIN_SEGMENT_BYTES", "256")  # fine segments for these tiny tables
     out = f"{remote}/run"

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 import torch
-
-from helpers import listing, assert_jobs_equal, job_state, make_job
+from helpers import assert_jobs_equal, job_state, listing, make_job
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_job.py")

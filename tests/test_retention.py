@@ -6,14 +6,13 @@ import json
 import os
 
 import pytest
+from helpers import listing, make_job
 
 from recsave import ArgumentTypeError, CheckpointManager, CorruptCheckpointError, Saver, UsageError
 from recsave.format import read_index
 from recsave.format.retention import select
 from recsave.tools.catalog import clean_output_dir, list_checkpoints
 from recsave.tools.cli import main
-
-from helpers import listing, make_job
 
 IDS = [f"c{i}" for i in range(10)]
 

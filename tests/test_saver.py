@@ -12,17 +12,33 @@ import weakref
 
 import pytest
 import torch
+from helpers import (
+    Reader,
+    assert_jobs_equal,
+    assert_models_equal,
+    assert_obj_equal,
+    assert_states_equal,
+    ckpt_files,
+    job_state,
+    listing,
+    make_job,
+    model_state,
+    tables_of,
+    train,
+)
 from safetensors.numpy import load_file
 
 import recsave
-from recsave import partition
+from recsave import (
+    _C,
+    CheckpointExistsError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    partition,
+)
 from recsave.errors import UsageError
 from recsave.save.pipeline import CheckpointWriter
-from recsave import CheckpointExistsError, CheckpointManager, CheckpointNotFoundError, CorruptCheckpointError
-from recsave import _C
-
-from helpers import (listing, Reader, assert_jobs_equal, assert_models_equal, assert_obj_equal, assert_states_equal,
-                     ckpt_files, job_state, make_job, model_state, tables_of, train)
 
 TABLE_NAMES = ["item", "user"]
 DENSE_NAMES = ["bn.bias", "bn.num_batches_tracked", "bn.running_mean", "bn.running_var", "bn.weight",

@@ -1,13 +1,12 @@
 """recsave.TableLike: a table that is no HashTable is saved, loaded and bank-loaded like one."""
 import pytest
 import torch
+from tablelike_table import TensorTable
 
 import recsave
 from recsave import HashTable, Saver, TableLike
 from recsave.errors import UsageError
 from recsave.format import read_index
-
-from tablelike_table import TensorTable
 
 
 class TTModel(torch.nn.Module):

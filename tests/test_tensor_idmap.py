@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_idmap import EXTREMES, Oracle
 
 from recsave import HashTable, knobs
 from recsave.errors import UsageError
 from recsave.tables.idmap import CpuIdMap, TensorIdMap, make_id_map
 from recsave.tables.optim import SparseAdagrad
-from test_idmap import EXTREMES, Oracle
 
 
 def _check_export(m, oracle):
@@ -148,11 +148,11 @@ def test_memory_bytes_counts_what_a_table_holds():
         SparseAdagrad(t, lr=0.1)
         t.load_rows(torch.arange(3000) * 11, torch.randn(3000, 8))
         mem = t.memory_bytes()
-        cap = t._store.capacity  # noqa: SLF001 (the storage's capacity, which the sizes follow)
+        cap = t._store.capacity
         assert mem["embedding"] == cap * 8 * 4 and mem["slots"] == cap * 8 * 4
         assert mem["row_ids"] == cap * 8 and mem["meta"] == cap * 16
         per_slot = 16 if kind == "cpu" else 24
-        slots = t._map.slot_capacity  # noqa: SLF001
+        slots = t._map.slot_capacity
         assert slots >= 2 * 3000 * 0.5 and mem["id_map"] >= per_slot * slots
         assert mem["id_map"] <= per_slot * slots + 3000
 
