@@ -20,8 +20,9 @@ LEFTOVER_THREADS = 5  # exit status when a Python thread outlived the job
 
 
 def exit_now(code: int) -> None:
-    """Flushes stdout / stderr and ends the process with `code`, or with LEFTOVER_THREADS (naming
-    the threads on stderr) when a Python thread other than the main one is still alive."""
+    """Flushes stdout / stderr and ends the process with `code`; a success becomes LEFTOVER_THREADS
+    (the threads named on stderr) when a thread a normal exit would wait for (not a daemon) is
+    still alive."""
     others = [t for t in threading.enumerate()
               if t is not threading.main_thread() and t.is_alive() and not t.daemon]
     if others and code == 0:

@@ -55,10 +55,9 @@ void bind_table(py::module_& m) {
         }
         return ok;
       }, py::arg("ids_address"), py::arg("n"), py::arg("num_buckets"), py::arg("first"), py::arg("num_keys"),
-      py::arg("order_address"), py::arg("counts_address"), py::arg("sorted_ids_address") = 0, py::arg("threads") = 1,
+      py::arg("order_address"), py::arg("counts_address"), py::arg("sorted_ids_address"), py::arg("threads") = 1,
       "Stable order of int64 ids by mix64(id) % num_buckets - first, and the count of each of the num_keys "
-      "keys; with sorted_ids_address (not 0), the ids in that order too. False when a key lies outside "
-      "[0, num_keys).");
+      "keys, and the ids in that order; False when a key lies outside [0, num_keys).");
   m.def("mix64", [](int64_t id) { return static_cast<int64_t>(recsave::mix64(static_cast<uint64_t>(id))); },
         py::arg("id"), "splitmix64 finaliser of one id, as a signed int64.");
 }

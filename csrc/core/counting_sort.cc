@@ -89,10 +89,6 @@ bool bucket_order_of_ids(const int64_t* ids, int64_t n, uint64_t num_buckets, in
     int64_t* placed = order;
     int64_t* placed_ids = sorted_ids;
     const int64_t end = slice_begin(t + 1);
-    if (placed_ids == nullptr) {
-      for (int64_t i = slice_begin(t); i < end; ++i) placed[next[key_of(ids[i])]++] = i;
-      return;
-    }
     for (int64_t i = slice_begin(t); i < end; ++i) {
       const int64_t id = ids[i];
       const int64_t at = next[key_of(id)]++;

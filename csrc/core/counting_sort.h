@@ -16,9 +16,9 @@ bool counting_order(const int64_t* keys, int64_t n, int64_t num_keys, int64_t* o
 // order and counts as counting_order gives them for those keys (num_keys = the rank's buckets). The
 // keys are never written out (each pass hashes the ids), and both passes run on up to `threads`
 // threads: each thread counts, then places, its own slice of the ids, at offsets
-// taken bucket by bucket and slice by slice, so equal keys stay in their original order. Where
-// `sorted_ids` is not null it receives ids[order[k]] at k, placed in the same pass: the save then
-// writes the ids as they lie instead of gathering 8-byte rows one cache miss each. Returns false,
+// taken bucket by bucket and slice by slice, so equal keys stay in their original order.
+// sorted_ids (n entries) receives ids[order[k]] at k, placed in the same pass: the save then writes
+// the ids as they lie instead of gathering 8-byte rows one cache miss each. Returns false,
 // leaving order, counts and sorted_ids unspecified, when an id's key lies outside [0, num_keys) (an
 // id another rank owns).
 bool bucket_order_of_ids(const int64_t* ids, int64_t n, uint64_t num_buckets, int64_t first, int64_t num_keys,
