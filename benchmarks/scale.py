@@ -27,7 +27,7 @@ import pickle
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C
@@ -184,8 +184,10 @@ def index_breakdown(path: str) -> Dict[str, int]:
             rs = buckets.get("row_starts", []) if isinstance(buckets, dict) else []
             out["row_starts"] += size(rs)
             out["crc32c"] += size(chunk["crc32c"])
-            out["segments"] += size(chunk.get("segments", []))
-            out["chunk_other"] += size(chunk) - size(rs) - size(chunk["crc32c"]) - size(chunk.get("segments", []))
+            # segment ends listed (versions 1-3) or the bucket rule named (version 4)
+            segs = size(chunk["segments"]) if "segments" in chunk else size(chunk.get("bucket_segments", []))
+            out["segments"] += segs
+            out["chunk_other"] += size(chunk) - size(rs) - size(chunk["crc32c"]) - segs
     crcs = [c["crc32c"] for e in index["tensors"].values() for c in e["chunks"]]  # version 3 packs them
     out["crc_count"] = sum(len(x) if isinstance(x, list) else len(base64.b64decode(x)) // 4 for x in crcs)
     out["rest"] = out["total"] - out["row_starts"] - out["crc32c"] - out["segments"] - out["chunk_other"] - out["files"]
@@ -193,40 +195,48 @@ def index_breakdown(path: str) -> Dict[str, int]:
 
 
 def synthetic_commit(world: int, tables: int, slots: int, rank_bytes: float, dim: int = 64,
-                     num_buckets: int = 4096) -> Dict[str, Any]:
+                     num_buckets: int = 4096, listed: bool = False) -> Dict[str, Any]:
     """Rank 0's index work at `world` ranks, measured on synthetic parts shaped like a save's (per
-    rank and table: ids, embedding and slot chunks of `rank_bytes` / tables bytes in all, checksum
-    segments of the `segment_bytes` knob, the rank's bucket row starts): pickled part size, unpickling
-    every part (what gather_object does on rank 0), merge_parts, the index JSON and parsing it
-    (what every loading rank does)."""
+    rank and table: ids, embedding and slot chunks of `rank_bytes` / tables bytes in all, the rank's
+    bucket row starts, checksum segments cut at them by the Saver's rule with the `segment_bytes`
+    knob): pickled part size, unpickling every part (what gather_object does on rank 0),
+    merge_parts, the index JSON and parsing it (what every loading rank does). The chunks name the
+    rule (format_version 4), or with `listed` list the same ends (version 3, as before 4 existed)."""
     from recsave import gcpause, knobs
     from recsave.format import index as index_mod
+    from recsave.format import segments as bucket_rule
     from recsave.format.records import BucketRange, Chunk, FileEntry, IndexPart, Partition, TensorEntry
 
-    seg = knobs.get("segment_bytes")
+    seg, least = knobs.get("segment_bytes"), knobs.get("min_segment_bytes")
     row_bytes = {"id": 8, **{c: 4 * dim for c in ["embedding"] + [f"slot{j}" for j in range(slots)]}}
     rows = int(rank_bytes / tables / sum(row_bytes.values()))
     parts = []
     for r in range(world):
         first, stop = r * num_buckets // world, (r + 1) * num_buckets // world
-        starts = tuple(rows * (b - first) // (stop - first) for b in range(first, stop + 1))
         files, tensors = {}, {}
         for t in range(tables):
+            # each table its own bucket range, as in a save (tables differ in rows), shared by its tensors
+            n_rows = rows + t
+            buckets = BucketRange(first, tuple(n_rows * (b - first) // (stop - first) for b in range(first, stop + 1)))
             fname = f"sparse-{r}-{t}.safetensors"
             offset = 1000
+            ends_of: Dict[int, Tuple[int, ...]] = {}  # the layout's ends were shared by a table's tensors
             for col, rb in row_bytes.items():
-                n = rows * rb
-                ends = tuple(range(seg, n, seg)) + (n,)
-                chunk = Chunk(fname, offset, n, tuple((e * 2654435761 + r) & 0xFFFFFFFF for e in ends),
-                              segments=ends, rows=(0, rows), buckets=BucketRange(first, starts))
+                n = n_rows * rb
+                rule = bucket_rule.rule_for(rb, seg, least)
+                ends = ends_of.setdefault(rb, tuple(bucket_rule.ends(buckets.row_starts, rb, rule)))
+                crcs = tuple((e * 2654435761 + r) & 0xFFFFFFFF for e in ends)
+                form: Dict[str, Any] = {"segments": ends} if listed else {"bucket_segments": rule}
+                chunk = Chunk(fname, offset, n, crcs, rows=(0, n_rows), buckets=buckets, **form)
                 tensors[f"t{t}@{col}"] = TensorEntry("int64" if col == "id" else "float32",
-                                                     (rows,) if col == "id" else (rows, dim), (chunk,))
+                                                     (n_rows,) if col == "id" else (n_rows, dim), (chunk,))
                 offset += n
             files[fname] = FileEntry(offset, r)
         files[f"io_state_{r}.pt"] = FileEntry(1200, r, 12345)
         parts.append(IndexPart(r, files, tensors))
     blobs = [pickle.dumps(p) for p in parts]
     out: Dict[str, Any] = {"world": world, "tables": tables, "slots": slots, "rank_bytes": rank_bytes,
+                           "form": "listed ends (version 3)" if listed else "bucket rule (version 4)",
                            "part_pickled_bytes": C.median([len(b) for b in blobs])}
     start = time.perf_counter()
     with gcpause.paused():  # as storage/dist.gather_to_rank0

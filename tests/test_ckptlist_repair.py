@@ -255,7 +255,7 @@ def test_rebuild_keeps_newer_format_checkpoints(run):
     path = os.path.join(out, "ckpt_30", "index")
     with open(path) as f:
         index = json.load(f)
-    index["format_version"] = 3
+    index["format_version"] = 5
     with open(path, "w") as f:
         json.dump(index, f)
     _damage(out, "emptied")

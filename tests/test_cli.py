@@ -33,7 +33,7 @@ def test_ls_lists_committed_checkpoints(output_dir, capsys):
 def test_inspect_describes_tables_and_dense(output_dir, capsys):
     assert main(["inspect", str(output_dir)]) == 0
     out = capsys.readouterr().out
-    assert "ckpt_4: step 4, 1 rank(s), format 3" in out
+    assert "ckpt_4: step 4, 1 rank(s), format 4" in out
     assert "user:" in out and "dim 8 float32, slots adagrad_acc" in out
     assert "mlp.0.weight" in out and "extras: dense_opt, sparse_optim" in out
     assert "io states: reader" in out

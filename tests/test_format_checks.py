@@ -12,7 +12,9 @@ from recsave import format as fmt
 from recsave.errors import CorruptCheckpointError
 from recsave.format import checks
 from recsave.format import index as index_mod
+from recsave.format.pycrc32c import crc32c
 from recsave.format.records import BucketRange, pack_crcs
+from recsave.format.segments import BucketSegments
 
 
 def test_valid_long_lists_pass_unchanged():
@@ -111,3 +113,58 @@ def test_bucket_lists_of_a_version_1_index_are_validated(tmp_path):
                                      "must be a list"),
         "crc not a list": (lambda ix: chunk(ix).update(crc32c=7), "must be a list"),
     })
+
+
+def _rule_index(tmp_path):
+    """A one-chunk tensor whose segments follow the bucket rule (format_version 4): rows of 16
+    bytes in buckets of 2, 0 and 8 rows, a segment step of 3 rows and a minimum of one row."""
+    part = fmt.write_shards(str(tmp_path), {"x": torch.arange(40.0).view(10, 4)},
+                            segments={"x": BucketSegments(48, 16)},
+                            chunk_meta={"x": {"buckets": {"first": 0, "row_starts": [0, 2, 2, 10]}}})
+    return json.loads(index_mod.dumps(fmt.merge_parts([part])))
+
+
+def test_bucket_rule_segments_are_named_not_listed_and_validated(tmp_path):
+    index = _rule_index(tmp_path)
+    chunk = lambda ix: ix["tensors"]["x"]["chunks"][0]  # noqa: E731
+    assert index["format_version"] == 4 and index["bucket_ranges"] == [{"first": 0, "row_starts": [0, 2, 2, 10]}]
+    assert chunk(index)["bucket_segments"] == {"step": 48, "min": 16} and "segments" not in chunk(index)
+    parsed = index_mod.validate(copy.deepcopy(index), "ok").tensor("x").chunks[0]
+    # the bucket at 32 bytes, then steps of 48 inside the 128-byte bucket, and its end
+    assert parsed.segment_ends() == (32, 80, 128, 160)
+    assert parsed.segment_bounds() == [(0, 32), (32, 80), (80, 128), (128, 160)]
+    data = torch.arange(40.0).view(10, 4).numpy().tobytes()
+    assert [c for _, _, c in parsed.checked_segments()] == [crc32c(data[b:e]) for b, e in parsed.segment_bounds()]
+    assert torch.equal(fmt.read_tensors(str(tmp_path), index=index_mod.validate(index, "ok"))["x"],
+                       torch.arange(40.0).view(10, 4))
+    _refused(index, {
+        "rule in version 3": (lambda ix: ix.update(format_version=3), "bucket_segments needs format_version 4"),
+        "rule without buckets": (lambda ix: chunk(ix).pop("buckets"), "bucket_segments needs format_version 4"),
+        "rule and ends": (lambda ix: chunk(ix).update(segments=[32, 80, 128, 160]), "exactly one of"),
+        "rule and uniform": (lambda ix: chunk(ix).update(segment_bytes=48), "exactly one of"),
+        "no form at all": (lambda ix: chunk(ix).pop("bucket_segments"), "exactly one of"),
+        "step 0": (lambda ix: chunk(ix)["bucket_segments"].update(step=0), "step must be an integer in"),
+        "step not an int": (lambda ix: chunk(ix)["bucket_segments"].update(step=True), "found True"),
+        "min negative": (lambda ix: chunk(ix)["bucket_segments"].update(min=-1), "min must be an integer in"),
+        "unknown key": (lambda ix: chunk(ix)["bucket_segments"].update(max=1), "must be {'step': int"),
+        "not an object": (lambda ix: chunk(ix).update(bucket_segments=[48, 16]), "must be {'step': int"),
+        "a crc short": (lambda ix: chunk(ix).update(crc32c=pack_crcs([1, 2, 3])), "3 crc32c values for 4 segments"),
+        # step 1 over the chunk would be 160 segments: counted, not listed
+        "rule of other ends": (lambda ix: chunk(ix)["bucket_segments"].update(step=1), "4 crc32c values for 160"),
+    })
+
+
+def test_a_rule_checked_once_is_not_taken_for_a_bad_one(tmp_path):
+    """The parser checks each distinct `bucket_segments` once; a bad value after a good one (step
+    True after step 48, a list) is still refused, not matched to the good one."""
+    index = _rule_index(tmp_path)
+    for tensor in ("y", "z"):  # two more chunks naming the same rule, in files of their own
+        index["tensors"][tensor] = copy.deepcopy(index["tensors"]["x"])
+        index["files"][f"{tensor}.safetensors"] = dict(index["files"]["sparse-0-0.safetensors"])
+        index["tensors"][tensor]["chunks"][0]["file"] = f"{tensor}.safetensors"
+    index_mod.validate(copy.deepcopy(index), "ok")
+    for bad, message in ((True, "found True"), ([48], "found \\[48\\]")):
+        damaged = copy.deepcopy(index)
+        damaged["tensors"]["z"]["chunks"][0]["bucket_segments"]["step"] = bad
+        with pytest.raises(CorruptCheckpointError, match=message):
+            index_mod.validate(damaged, "bad")

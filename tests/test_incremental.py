@@ -111,13 +111,13 @@ def test_delta_index_format(chain_dir, tmp_path):
     out, _ = chain_dir
     full = index_mod.read(os.path.join(out, "ckpt_0"))
     raw = json.loads(open(os.path.join(out, "ckpt_0", "index"), "rb").read())
-    assert "kind" not in raw and "parent" not in raw and full.format_version == 3 and full.kind == "full"
+    assert "kind" not in raw and "parent" not in raw and full.format_version == 4 and full.kind == "full"
     assert {"user@last_step", "user@count", "item@last_step", "item@count"} <= set(full.tensors)
     assert full.tensor("user@last_step").shape == (full.meta.tables["user"].rows, 1)
     d5 = index_mod.read(os.path.join(out, "ckpt_5"))
     raw5 = json.loads(open(os.path.join(out, "ckpt_5", "index"), "rb").read())
     assert list(raw5)[:3] == ["magic", "format_version", "kind"]
-    assert (d5.format_version, d5.kind, d5.base) == (3, "delta", "ckpt_0")
+    assert (d5.format_version, d5.kind, d5.base) == (4, "delta", "ckpt_0")
     assert d5.parent.id == "ckpt_4" and d5.parent.crc32c == chain.index_crc(recsave.storage.get_storage(out),
                                                                              os.path.join(out, "ckpt_4"))
     assert d5.tensor("user@id").shape[0] < full.tensor("user@id").shape[0] / 4

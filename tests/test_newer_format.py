@@ -14,17 +14,17 @@ from recsave import CheckpointExistsError, CorruptCheckpointError, FormatVersion
 from recsave.tools import catalog
 from recsave.tools.cli import main as cli_main
 
-NEWER = (r"written by a newer recsave \(format_version 4\); upgrade recsave, or restore an explicit "
+NEWER = (r"written by a newer recsave \(format_version 5\); upgrade recsave, or restore an explicit "
          r"older step with restore\(global_step=\.\.\.\)")
 
 
 def make_newer(ckpt_dir) -> None:
     """Rewrites the index of a committed checkpoint as a newer recsave would have written it: the
-    same valid file, format_version 4."""
+    same valid file, format_version 5."""
     path = os.path.join(ckpt_dir, "index")
     with open(path, "rb") as f:
         index = json.load(f)
-    index["format_version"] = 4
+    index["format_version"] = 5
     with open(path, "w") as f:
         json.dump(index, f)
 
@@ -79,7 +79,7 @@ def test_fallback_restore_stops_on_a_newer_checkpoint_and_keeps_it(tmp_path):
     assert fresh.manager.restore(global_step=2) == 2
     assert_jobs_equal(job_state(fresh), state2)
     # Saving the newer checkpoint's id again is refused and leaves it alone.
-    with pytest.raises(CheckpointExistsError, match=r"ckpt_4.*written by a newer recsave \(format_version 4\)"):
+    with pytest.raises(CheckpointExistsError, match=r"ckpt_4.*written by a newer recsave \(format_version 5\)"):
         fresh.saver.save("ckpt_4")
     assert tree(out / "ckpt_4") == before
     assert listed(out) == ["ckpt_2", "ckpt_4"]
@@ -94,7 +94,7 @@ def test_save_never_replaces_an_unlisted_newer_checkpoint(tmp_path):
         f.write("ckpt_2\n")
     before = tree(out / "ckpt_4")
     fresh = make_job(str(out))
-    with pytest.raises(CheckpointExistsError, match=r"ckpt_4.*written by a newer recsave \(format_version 4\)"):
+    with pytest.raises(CheckpointExistsError, match=r"ckpt_4.*written by a newer recsave \(format_version 5\)"):
         fresh.saver.save("ckpt_4")
     assert tree(out / "ckpt_4") == before
     assert listed(out) == ["ckpt_2"]
@@ -105,7 +105,7 @@ def test_rotation_keeps_a_newer_checkpoint_and_warns_once(tmp_path):
     out = tmp_path / "out"
     job, _ = two_steps(out, max_keep=2)
     before = tree(out / "ckpt_4")
-    with pytest.warns(RuntimeWarning, match=r"ckpt_4.*written by a newer recsave \(format_version 4\).*not deleted"):
+    with pytest.warns(RuntimeWarning, match=r"ckpt_4.*written by a newer recsave \(format_version 5\).*not deleted"):
         job.train(2)   # saves ckpt_6: ckpt_2 falls out of max_keep=2 and is deleted
         job.train(2)   # saves ckpt_8: ckpt_4 falls out of max_keep, and is kept
         job.manager.wait()

@@ -374,7 +374,7 @@ def test_reads_a_delta_as_stored_like_the_engine(chain_dir) -> None:
     out, changed, deleted = chain_dir
     d = str(out / "ckpt_2")
     idx = oracle.read_index(d)
-    assert (idx["format_version"], idx["kind"], idx["parent"]["id"], idx["base"]) == (3, "delta", "ckpt_1", "ckpt_1")
+    assert (idx["format_version"], idx["kind"], idx["parent"]["id"], idx["base"]) == (4, "delta", "ckpt_1", "ckpt_1")
     got, want = oracle.read_tensors(d), engine_tensors(d)
     assert sorted(got) == sorted(want)
     for name, t in want.items():
@@ -417,7 +417,8 @@ def _set(path: str, value):
 @pytest.mark.parametrize("change, error, match", [
     (_set("format_version", 1), E.CorruptCheckpointError, "format_version"),
     (_set("format_version", 2), E.CorruptCheckpointError, "crc32c"),  # version 2 holds CRC lists, ranges inline
-    (_set("format_version", 4), E.FormatVersionError, "format_version"),
+    (_set("format_version", 3), E.CorruptCheckpointError, "bucket_segments"),
+    (_set("format_version", 5), E.FormatVersionError, "format_version"),
     (_set("kind", "sketch"), E.FormatVersionError, "kind 'sketch'"),
     (_set("kind", 2), E.CorruptCheckpointError, "kind"),
     (_set("parent", None), E.CorruptCheckpointError, "parent"),
@@ -472,7 +473,7 @@ def test_reads_an_int8_serving_checkpoint_and_decodes_it_as_recsave_loads_it(ser
 
     d, net = serving_dir
     idx = oracle.read_index(d)
-    assert (idx["format_version"], idx["kind"], idx["meta"]["tables"]["user"]["quant"]) == (3, "serving", "int8")
+    assert (idx["format_version"], idx["kind"], idx["meta"]["tables"]["user"]["quant"]) == (4, "serving", "int8")
     got, want = oracle.read_tensors(d), engine_tensors(d)
     assert sorted(got) == sorted(want) and {"user@scale", "user@offset"} <= set(got)
     for name, t in want.items():

@@ -127,8 +127,15 @@ def test_on_disk_file_set_and_shard_contents(tmp_path):
     assert listing(out) == ["checkpoint", "ckpt_4"]  # no temporary files left anywhere
 
     index = _index(ckpt)
-    assert index["magic"] == "recsave.index" and index["format_version"] == 3
+    assert index["magic"] == "recsave.index" and index["format_version"] == 4
     assert index["step"] == 4 and index["world_size"] == 1
+    # Every table chunk names the bucket rule of its segments (the knobs' sizes), never the ends.
+    itemsize = {"int64": 8, "float32": 4}
+    for name, entry in index["tensors"].items():
+        row_bytes = itemsize[entry["dtype"]] * (entry["shape"][1] if len(entry["shape"]) > 1 else 1)
+        for chunk in entry["chunks"]:
+            assert "segments" not in chunk and "segment_bytes" not in chunk, name
+            assert chunk["bucket_segments"] == {"step": (4 << 20) // row_bytes * row_bytes, "min": 64 << 10}, name
     # Every tensor of a table refers to the table's one bucket range, listed once.
     refs = {n: [c["buckets"] for c in e["chunks"]] for n, e in index["tensors"].items()}
     assert {n.partition("@")[0] for n in refs} == set(TABLE_NAMES)

@@ -84,7 +84,7 @@ def test_int8_is_small_bounded_and_loads_exactly_as_documented(source, tmp_path)
     assert path == str(tmp_path / "serve" / "ckpt_7")
     assert (tmp_path / "serve" / "checkpoint").read_text().split() == ["ckpt_7"]
     index = index_mod.read(path)
-    assert (index.kind, index.format_version, index.step) == ("serving", 3, 7)
+    assert (index.kind, index.format_version, index.step) == ("serving", 4, 7)
     raw = json.loads((tmp_path / "serve" / "ckpt_7" / "index").read_text())
     assert list(raw)[:3] == ["magic", "format_version", "kind"] and raw["kind"] == "serving"
     assert sorted(index.tensors) == sorted(f"{t}@{c}" for t in ("user", "item")
@@ -277,7 +277,7 @@ def edit_index(ckpt_dir: str, **changes) -> None:
 def test_index_kind_rules(source, tmp_path):
     ckpt, _ = source
     raw = json.loads(open(os.path.join(ckpt, "index")).read())
-    assert "kind" not in raw and raw["format_version"] == 3 and index_mod.read(ckpt).kind == "full"
+    assert "kind" not in raw and raw["format_version"] == 4 and index_mod.read(ckpt).kind == "full"
     path = recsave.export_serving(ckpt, str(tmp_path / "serve"), "int8")
     edit_index(path, format_version=1)  # a reader of version 1 alone would misread it: never allowed
     with pytest.raises(CorruptCheckpointError, match="must have format_version > 1"):
@@ -285,7 +285,10 @@ def test_index_kind_rules(source, tmp_path):
     edit_index(path, format_version=2, kind="sketch")
     with pytest.raises(FormatVersionError, match="kind 'sketch'"):
         index_mod.read(path)
-    edit_index(path, format_version=3, kind="serving")
+    edit_index(path, format_version=3, kind="serving")  # version 3 has no bucket_segments
+    with pytest.raises(CorruptCheckpointError, match="bucket_segments needs format_version 4"):
+        index_mod.read(path)
+    edit_index(path, format_version=4, kind="serving")
     raw = json.loads(open(os.path.join(path, "index")).read())
     raw["meta"]["tables"]["user"]["quant"] = "int4"
     with open(os.path.join(path, "index"), "w") as f:
@@ -310,7 +313,9 @@ def test_which_indexes_count_as_written_by_a_newer_recsave():
     assert not is_newer_index({"format_version": 3, "kind": "serving"})  # shared bucket ranges, any kind
     assert not is_newer_index({"format_version": 3})
     assert is_newer_index({"format_version": 3, "kind": "sketch"})
-    assert is_newer_index({"format_version": 4, "kind": "serving"}) and is_newer_index({"format_version": 4})
+    assert not is_newer_index({"format_version": 4}) and not is_newer_index({"format_version": 4, "kind": "delta"})
+    assert is_newer_index({"format_version": 4, "kind": "sketch"})
+    assert is_newer_index({"format_version": 5, "kind": "serving"}) and is_newer_index({"format_version": 5})
     assert not is_newer_index({"format_version": "2"}) and not is_newer_index([2])
 
 
@@ -347,9 +352,9 @@ def test_cli_export_serving(source, tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", "--json", out8]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["kind"] == "serving" and doc["format_version"] == 3
+    assert doc["kind"] == "serving" and doc["format_version"] == 4
     assert doc["tables"]["user"]["bytes"] == 3000 * (8 + DIM + 2 + 2)  # ids, codes, scale, offset
-    assert main(["inspect", out8]) == 0 and "format 3 (serving)" in capsys.readouterr().out
+    assert main(["inspect", out8]) == 0 and "format 4 (serving)" in capsys.readouterr().out
     assert main(["verify", out8]) == 0
 
 

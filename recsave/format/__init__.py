@@ -22,11 +22,12 @@ from recsave.format.records import (
                                     TableMeta,
                                     TensorEntry,
 )
+from recsave.format.segments import BucketSegments
 from recsave.format.writer import RowSource, shard_file_name, write_shards
 
 __all__ = [
     "DType", "from_torch", "FORMAT_VERSION", "INDEX_FILE", "MAGIC", "merge_parts", "new_part",
     "read_index", "validate_index", "write_index", "read_tensors", "RowSource", "shard_file_name",
     "write_shards", "Index", "IndexPart", "FileEntry", "TensorEntry", "Chunk", "BucketRange",
-    "Partition", "Meta", "TableMeta", "DenseMeta",
+    "BucketSegments", "Partition", "Meta", "TableMeta", "DenseMeta",
 ]

@@ -12,11 +12,13 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 from recsave import gcpause, knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
 from recsave.format import checks
+from recsave.format import segments as bucket_rule
 from recsave.format.dtypes import from_name
 from recsave.format.meta import parse_meta
 from recsave.format.parsecache import ParseCache
 from recsave.format.records import (
     BUCKET_RANGES_VERSION,
+    BUCKET_SEGMENTS_VERSION,
     DELTA_FORMAT_VERSION,
     FORMAT_VERSION,
     KIND_DELTA,
@@ -24,6 +26,7 @@ from recsave.format.records import (
     KINDS,
     MAGIC,
     READABLE_FORMAT_VERSIONS,
+    SHARED_RANGES_VERSIONS,
     BucketRange,
     Chunk,
     FileEntry,
@@ -37,6 +40,7 @@ from recsave.format.records import (
     unpack_crcs,
     version_for,
 )
+from recsave.format.segments import BucketSegments
 from recsave.storage import Storage, get_storage
 from recsave.version import __version__
 
@@ -133,7 +137,8 @@ def validate(index: Any, path: str) -> Index:
     if kind == KIND_FULL and version == DELTA_FORMAT_VERSION:  # version 2 is only defined for the other kinds
         raise FormatVersionError(
             f"{path}: format_version {version} of a full checkpoint is not supported by recsave {__version__} "
-            f"(reads versions {FORMAT_VERSION} and {BUCKET_RANGES_VERSION} for full checkpoints); upgrade "
+            f"(reads versions {FORMAT_VERSION}, {BUCKET_RANGES_VERSION} and {BUCKET_SEGMENTS_VERSION} for full "
+            f"checkpoints); upgrade "
             f"recsave to read it", path=path)
     absent = [k for k in REQUIRED_KEYS if k not in index]
     if absent:
@@ -157,7 +162,10 @@ def validate(index: Any, path: str) -> Index:
             crc = checks.as_int(entry["crc32c"], f"crc32c of {name!r}", path, hi=0xFFFFFFFF)
         rank = checks.as_int(entry.get("rank"), f"rank of {name!r}", path, hi=1 << 24)
         files[name] = FileEntry(size, rank, crc)
-    shared = _parse_bucket_ranges(index.get("bucket_ranges"), path) if version == BUCKET_RANGES_VERSION else None
+    shared = None
+    if version in SHARED_RANGES_VERSIONS:
+        shared = _SharedRanges(_parse_bucket_ranges(index.get("bucket_ranges"), version, path),
+                               rules=version == BUCKET_SEGMENTS_VERSION)
     spans: Dict[str, List[Tuple[int, int, str]]] = {}
     tensors = {name: _parse_tensor(name, entry, files, spans, shared, path) for name, entry in raw_tensors.items()}
     for fname, ranges in spans.items():
@@ -189,15 +197,15 @@ def validate(index: Any, path: str) -> Index:
 
 
 def _parse_chain(index: Dict[str, Any], kind: str, version: int, path: str) -> Tuple[Optional[Parent], Optional[str]]:
-    """(parent, base) of an index (docs/FORMAT.md section 10): a delta needs format_version 2, a
-    parent {"id", "crc32c"} and the id of its chain's base; other kinds have neither."""
+    """(parent, base) of an index (docs/FORMAT.md section 10): a delta needs format_version 2 or
+    above, a parent {"id", "crc32c"} and the id of its chain's base; other kinds have neither."""
     if kind != KIND_DELTA:
         if "parent" in index or "base" in index:
             raise checks.corrupt(path, f"a {kind!r} checkpoint's index must not have 'parent' or 'base'")
         return None, None
-    if version not in (DELTA_FORMAT_VERSION, BUCKET_RANGES_VERSION):
-        raise checks.corrupt(path, f"a delta index must have format_version {DELTA_FORMAT_VERSION} or "
-                             f"{BUCKET_RANGES_VERSION}, found {version}")
+    if version not in (DELTA_FORMAT_VERSION, *SHARED_RANGES_VERSIONS):
+        raise checks.corrupt(path, f"a delta index must have format_version {DELTA_FORMAT_VERSION}, "
+                             f"{BUCKET_RANGES_VERSION} or {BUCKET_SEGMENTS_VERSION}, found {version}")
     raw = index.get("parent")
     if not isinstance(raw, dict):
         raise checks.corrupt(path, f"a delta index needs 'parent': {{'id', 'crc32c'}}, found {raw!r}")
@@ -251,11 +259,41 @@ def _parse_partition(partition: Any, path: str) -> Optional[Partition]:
     return Partition("mix64", checks.as_int(partition.get("num_buckets"), "num_buckets", path, lo=1, hi=1 << 30))
 
 
-def _parse_bucket_ranges(raw: Any, path: str) -> List[BucketRange]:
-    """The `bucket_ranges` list of a format_version 3 index: each entry checked once here (rows
+class _SharedRanges:
+    """The `bucket_ranges` of a format_version 3 or 4 index and, in version 4 (`rules`), the segment
+    count of each (range, row size, rule) its chunks name: a table's tensors share them, so each is
+    counted once however many tensors name it."""
+
+    def __init__(self, ranges: List[BucketRange], rules: bool) -> None:
+        self.ranges, self.rules = ranges, rules
+        self._counts: Dict[Tuple[int, int, BucketSegments], int] = {}
+        self._rules: Dict[Tuple[Any, ...], BucketSegments] = {}
+
+    def rule(self, raw: Any, path: str, name: str) -> BucketSegments:
+        """A chunk's `bucket_segments`, checked once per distinct value (a save uses one per row size)."""
+        key = None
+        if isinstance(raw, dict) and all(type(v) is int for v in raw.values()):  # hashable, and True is not 1
+            key = tuple(raw.items())
+        rule = self._rules.get(key) if key is not None else None
+        if rule is None:
+            rule = _parse_rule(raw, path, name)
+            if key is not None:
+                self._rules[key] = rule
+        return rule
+
+    def segment_count(self, ref: int, row_bytes: int, rule: BucketSegments) -> int:
+        key = (ref, row_bytes, rule)
+        n = self._counts.get(key)
+        if n is None:
+            n = self._counts[key] = bucket_rule.count(self.ranges[ref].row_starts, row_bytes, rule)
+        return n
+
+
+def _parse_bucket_ranges(raw: Any, version: int, path: str) -> List[BucketRange]:
+    """The `bucket_ranges` list of a format_version 3 or 4 index: each entry checked once here (rows
     from 0, never decreasing); a chunk referring to one checks that it ends at the chunk's rows."""
     if not isinstance(raw, list):
-        raise checks.corrupt(path, f"a format_version {BUCKET_RANGES_VERSION} index needs a 'bucket_ranges' "
+        raise checks.corrupt(path, f"a format_version {version} index needs a 'bucket_ranges' "
                              f"list, found {type(raw).__name__}")
     out = []
     for i, entry in enumerate(raw):
@@ -271,7 +309,7 @@ def _parse_bucket_ranges(raw: Any, path: str) -> List[BucketRange]:
 
 
 def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
-                  spans: Dict[str, List[Tuple[int, int, str]]], shared: Optional[List[BucketRange]],
+                  spans: Dict[str, List[Tuple[int, int, str]]], shared: Optional[_SharedRanges],
                   path: str) -> TensorEntry:
     if not isinstance(entry, dict) or not isinstance(entry.get("chunks"), list):
         raise checks.corrupt(path, "tensor entry needs 'dtype', 'shape' and a 'chunks' list", name)
@@ -321,22 +359,34 @@ def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
 
 
 def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
-                    rows: Optional[Tuple[int, int]], shared: Optional[List[BucketRange]], path: str,
+                    rows: Optional[Tuple[int, int]], shared: Optional[_SharedRanges], path: str,
                     name: str) -> Chunk:
     crcs: Sequence[int]
     if shared is None:
         crcs = checks.as_ints(chunk.get("crc32c"), "crc32c value", path, name, hi=0xFFFFFFFF)
-    else:  # format_version 3: packed
+    else:  # format_version 3 or 4: packed
         crcs = _packed_crcs(chunk.get("crc32c"), path, name)
-    has_uniform, has_explicit = "segment_bytes" in chunk, "segments" in chunk
-    if has_uniform == has_explicit:
-        raise checks.corrupt(path, "chunk needs exactly one of segment_bytes and segments", name)
+    buckets = chunk.get("buckets")
+    ref: Optional[int] = None
+    if buckets is None:
+        ranges = None
+    elif shared is None:
+        ranges = _parse_buckets(buckets, rows, path, name)
+    else:
+        ref = _shared_bucket_ref(buckets, shared.ranges, rows, path, name)
+        ranges = shared.ranges[ref]
+    forms = [k for k in ("segment_bytes", "segments", "bucket_segments") if k in chunk]
+    if len(forms) != 1:
+        raise checks.corrupt(path, "chunk needs exactly one of segment_bytes, segments and bucket_segments "
+                             f"(bucket_segments only in format_version {BUCKET_SEGMENTS_VERSION}), found "
+                             f"{forms or 'none'}", name)
     step: Optional[int] = None
     ends: Optional[List[int]] = None
-    if has_uniform:
+    rule: Optional[BucketSegments] = None
+    if forms[0] == "segment_bytes":
         step = checks.as_int(chunk["segment_bytes"], "segment_bytes", path, name, lo=1)
         expected = max(1, -(-length // step))
-    else:
+    elif forms[0] == "segments":
         ends = checks.as_ints(chunk["segments"], "segment end", path, name, hi=length, increasing="strictly")
         if not ends:
             raise checks.corrupt(path, "segments must be a non-empty list", name)
@@ -345,30 +395,39 @@ def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
         if ends[-1] != length or (length == 0 and len(ends) != 1):
             raise checks.corrupt(path, f"segments end at {ends[-1]}, chunk length is {length}", name)
         expected = len(ends)
+    else:
+        if shared is None or not shared.rules or ref is None or rows is None:
+            raise checks.corrupt(path, f"bucket_segments needs format_version {BUCKET_SEGMENTS_VERSION} and "
+                                 f"the chunk's 'buckets'", name)
+        rule = shared.rule(chunk["bucket_segments"], path, name)
+        nrows = rows[1] - rows[0]
+        expected = shared.segment_count(ref, length // nrows if nrows else 0, rule)
     if len(crcs) != expected:
         raise checks.corrupt(path, f"{len(crcs)} crc32c values for {expected} segments", name)
-    buckets = chunk.get("buckets")
-    if buckets is None:
-        ranges = None
-    elif shared is None:
-        ranges = _parse_buckets(buckets, rows, path, name)
-    else:
-        ranges = _shared_buckets(buckets, shared, rows, path, name)
-    return Chunk(fname, offset, length, tuple(crcs), step, None if ends is None else tuple(ends), rows, ranges)
+    return Chunk(fname, offset, length, tuple(crcs), step, None if ends is None else tuple(ends), rows, ranges,
+                 rule)
+
+
+def _parse_rule(raw: Any, path: str, name: str) -> BucketSegments:
+    """A format_version 4 chunk's `bucket_segments`: {"step": int >= 1, "min": int >= 0}."""
+    if not isinstance(raw, dict) or set(raw) != {"step", "min"}:
+        raise checks.corrupt(path, f"bucket_segments must be {{'step': int, 'min': int}}, found {raw!r:.80}", name)
+    return BucketSegments(checks.as_int(raw["step"], "bucket_segments step", path, name, lo=1),
+                          checks.as_int(raw["min"], "bucket_segments min", path, name))
 
 
 def _packed_crcs(text: Any, path: str, name: str) -> Tuple[int, ...]:
-    """A format_version 3 chunk's `crc32c`: base64 of little-endian uint32 values."""
+    """A format_version 3 or 4 chunk's `crc32c`: base64 of little-endian uint32 values."""
     crcs = unpack_crcs(text) if isinstance(text, str) else None
     if crcs is None:
         raise checks.corrupt(path, f"crc32c must be base64 of 4-byte little-endian values in a format_version "
-                             f"{BUCKET_RANGES_VERSION} index, found {text!r:.80}", name)
+                             f"{BUCKET_RANGES_VERSION} or {BUCKET_SEGMENTS_VERSION} index, found {text!r:.80}", name)
     return crcs
 
 
-def _shared_buckets(ref: Any, shared: List[BucketRange], rows: Optional[Tuple[int, int]], path: str,
-                    name: str) -> BucketRange:
-    """A format_version 3 chunk's `buckets`: the position of its ranges in `bucket_ranges`."""
+def _shared_bucket_ref(ref: Any, shared: List[BucketRange], rows: Optional[Tuple[int, int]], path: str,
+                       name: str) -> int:
+    """A format_version 3 or 4 chunk's `buckets`: the position of its ranges in `bucket_ranges`."""
     if type(ref) is not int or not 0 <= ref < len(shared):
         raise checks.corrupt(path, f"chunk buckets must be a position in 'bucket_ranges' (0 to "
                              f"{len(shared) - 1}), found {ref!r}", name)
@@ -376,7 +435,7 @@ def _shared_buckets(ref: Any, shared: List[BucketRange], rows: Optional[Tuple[in
     if shared[ref].row_starts[-1] != nrows:
         raise checks.corrupt(path, f"bucket_ranges[{ref}] ends at row {shared[ref].row_starts[-1]}, the "
                              f"chunk has {nrows} rows", name)
-    return shared[ref]
+    return ref
 
 
 def _parse_buckets(buckets: Any, rows: Optional[Tuple[int, int]], path: str, name: str) -> BucketRange:

@@ -1,5 +1,6 @@
 """An independent, pure-Python reader of the recsave checkpoint format (docs/FORMAT.md: format_version
-1, full checkpoints, 2, delta and serving checkpoints, and 3, any kind with shared bucket ranges).
+1, full checkpoints, 2, delta and serving checkpoints, 3, any kind with shared bucket ranges, and 4,
+version 3 with segments given by the bucket rule).
 
 This module is the test oracle: it was written from the specification only and shares no code with
 recsave's own writer and reader (``recsave.format.*``, ``recsave._C``). It is slow and simple on
@@ -43,6 +44,7 @@ from recsave.format.oracle_checks import (
     INDEX_VERSIONS,
     MAX_HEADER_BYTES,
     MAX_INDEX_BYTES,
+    RULE_VERSION,
     SHARED_RANGES_VERSION,
     as_int,
     as_obj,
@@ -82,14 +84,42 @@ def _segment_ends(chunk: dict, length: int, path: str, key: str) -> List[int]:
     return list(ends)
 
 
+def _rule_ends(rule: Any, row_starts: List[int], row_bytes: int, crcs: int, path: str, key: str) -> List[int]:
+    """The segment ends of a version 4 chunk's `bucket_segments` {"step", "min"} (section 3), walked
+    as the spec words it: a segment closes at a bucket boundary once it holds `min` bytes (or at
+    the chunk's end), and inside a stretch longer than `step` every `step` bytes. Stops with an
+    error as soon as there are more ends than the chunk's `crcs` CRC values."""
+    rule = as_obj(rule, "bucket_segments", path, key)
+    if sorted(rule) != ["min", "step"]:
+        raise corrupt(path, f"bucket_segments must have exactly 'step' and 'min', got {sorted(rule)!r:.80}", key)
+    step = as_int(rule["step"], "bucket_segments.step", path, key, lo=1)
+    least = as_int(rule["min"], "bucket_segments.min", path, key)
+    length = row_starts[-1] * row_bytes
+    if length == 0:
+        ends = [0]
+    else:
+        ends, last = [], 0
+        for boundary in (r * row_bytes for r in row_starts[1:]):
+            while boundary - last > step or (boundary > last and (boundary - last >= least or boundary == length)):
+                last = last + step if boundary - last > step else boundary
+                ends.append(last)
+                if len(ends) > crcs:
+                    raise corrupt(path, f"bucket_segments give more segments than the {crcs} crc32c values", key)
+        if ends[-1:] != [length]:
+            ends.append(length)
+    if len(ends) != crcs:
+        raise corrupt(path, f"bucket_segments give {len(ends)} segments but there are {crcs} crc32c values", key)
+    return ends
+
+
 def _bucket_ranges(idx: dict, path: str) -> Optional[List[Any]]:
-    """The `bucket_ranges` list of a version 3 index (each entry checked: an int `first` and
+    """The `bucket_ranges` list of a version 3 or 4 index (each entry checked: an int `first` and
     `row_starts` of ints rising from 0); None for versions 1 and 2, whose chunks hold their own."""
-    if idx["format_version"] != SHARED_RANGES_VERSION:
+    if idx["format_version"] not in (SHARED_RANGES_VERSION, RULE_VERSION):
         return None
     ranges = idx.get("bucket_ranges")
     if not isinstance(ranges, list):
-        raise corrupt(path, f"a version {SHARED_RANGES_VERSION} index must have a bucket_ranges list")
+        raise corrupt(path, f"a version {idx['format_version']} index must have a bucket_ranges list")
     for i, b in enumerate(ranges):
         b = as_obj(b, f"bucket_ranges[{i}]", path)
         as_int(b.get("first"), f"bucket_ranges[{i}].first", path)
@@ -118,7 +148,7 @@ def _chunk_crcs(crcs: Any, i: int, packed: bool, path: str, name: str) -> List[i
 
 def _chunk_row_starts(c: dict, i: int, shared: Optional[List[Any]], path: str, name: str) -> Any:
     """A chunk's bucket row starts: its own `buckets` object (versions 1, 2), or the entry of
-    `bucket_ranges` its `buckets` integer names (version 3)."""
+    `bucket_ranges` its `buckets` integer names (versions 3, 4)."""
     if shared is None:
         b = as_obj(c["buckets"], f"chunk {i} buckets", path, name)
         as_int(b.get("first"), "buckets.first", path, name)
@@ -130,7 +160,7 @@ def _chunk_row_starts(c: dict, i: int, shared: Optional[List[Any]], path: str, n
 
 
 def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, shared: Optional[List[Any]],
-                  path: str) -> None:
+                  rules: bool, path: str) -> None:
     shape, _ = as_shape(t.get("shape"), "logical", path, name, itemsize)
     chunks = t.get("chunks")
     if not isinstance(chunks, list) or not chunks:
@@ -167,12 +197,18 @@ def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, s
             raise corrupt(path, f"chunk {i} at offset {offset} length {length} ends beyond file {fname!r} "
                                  f"of size {files[fname]['size']}", name)
         c["crc32c"] = _chunk_crcs(c.get("crc32c"), i, shared is not None, path, name)  # version 3: decoded
-        _segment_ends(c, length, path, name)
+        rs = None
         if "buckets" in c:
             rs = _chunk_row_starts(c, i, shared, path, name)
             if (not shape or not isinstance(rs, list) or len(rs) < 1 or not all(map(is_int, rs))
                     or rs[0] != 0 or rs[-1] != nrows or any(x > y for x, y in zip(rs, rs[1:]))):
                 raise corrupt(path, f"chunk {i} buckets.row_starts {rs!r:.80} must rise from 0 to {nrows}", name)
+        if "bucket_segments" in c:  # version 4: listed here as the explicit ends they stand for
+            if not rules or rs is None or "segment_bytes" in c or "segments" in c:
+                raise corrupt(path, f"chunk {i} bucket_segments needs format_version {RULE_VERSION}, the chunk's "
+                                    f"buckets, and no segment_bytes or segments", name)
+            c["segments"] = _rule_ends(c.pop("bucket_segments"), rs, row_bytes, len(c["crc32c"]), path, name)
+        _segment_ends(c, length, path, name)
         world.setdefault(fname, []).append((offset, offset + length, name))
     if shape and next_row != shape[0]:
         raise corrupt(path, f"chunk rows stop at {next_row}, not at shape[0] = {shape[0]}", name)
@@ -191,7 +227,8 @@ def _index_bytes(path: str, what: str, missing: str) -> bytes:
 
 def read_index(ckpt_dir: str) -> dict:
     """Loads ``<ckpt_dir>/index`` and validates it against FORMAT.md section 3; returns the parsed JSON
-    (a version 3 chunk's packed `crc32c` decoded into the list versions 1 and 2 hold)."""
+    (a version 3 or 4 chunk's packed `crc32c` decoded into the list versions 1 and 2 hold, and a
+    version 4 chunk's `bucket_segments` into the `segments` ends it stands for)."""
     path = os.path.join(ckpt_dir, "index")
     raw = _index_bytes(path, "the index", f"no index: {ckpt_dir} is not a committed checkpoint")
     idx = as_obj(parse_json(raw, "the index", path), "the index", path)
@@ -234,7 +271,7 @@ def read_index(ckpt_dir: str) -> dict:
             raise corrupt(path, "'__metadata__' is not a valid tensor name", name)
         if not isinstance(t.get("dtype"), str) or t["dtype"] not in DTYPE_TABLE:
             raise corrupt(path, f"unknown dtype {t.get('dtype')!r:.80}", name)
-        _check_chunks(name, t, DTYPE_TABLE[t["dtype"]][0], files, world, shared, path)
+        _check_chunks(name, t, DTYPE_TABLE[t["dtype"]][0], files, world, shared, version == RULE_VERSION, path)
     for fname, ranges in world.items():  # chunk ranges of one file must not overlap (empty ones cannot)
         ranges = sorted(r for r in ranges if r[1] > r[0])
         for (b0, e0, n0), (b1, _, n1) in zip(ranges, ranges[1:]):

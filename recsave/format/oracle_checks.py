@@ -13,9 +13,10 @@ from recsave.errors import CorruptCheckpointError, FormatVersionError
 
 FORMAT_VERSION = 1  # a full checkpoint's index, and every shard file's header
 SHARED_RANGES_VERSION = 3  # any kind; chunks refer to `bucket_ranges` by position
+RULE_VERSION = 4  # version 3, and a chunk may give its segments as the `bucket_segments` rule
 # FORMAT.md section 3 `kind` -> the format_versions it may have
-KIND_VERSIONS = {"full": (1, SHARED_RANGES_VERSION), "delta": (2, SHARED_RANGES_VERSION),
-                 "serving": (2, SHARED_RANGES_VERSION)}
+KIND_VERSIONS = {"full": (1, SHARED_RANGES_VERSION, RULE_VERSION), "delta": (2, SHARED_RANGES_VERSION, RULE_VERSION),
+                 "serving": (2, SHARED_RANGES_VERSION, RULE_VERSION)}
 INDEX_VERSIONS = sorted({v for vs in KIND_VERSIONS.values() for v in vs})
 MAX_ID_BYTES = 255  # a <ckpt_id> (section 1)
 INDEX_MAGIC = "recsave.index"

@@ -17,13 +17,17 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from recsave.errors import UsageError
+from recsave.format import segments
 from recsave.format.dtypes import BY_NAME, DType
+from recsave.format.segments import BucketSegments
 
 MAGIC = "recsave.index"
 FORMAT_VERSION = 1           # a "full" checkpoint (docs/FORMAT.md section 3)
 DELTA_FORMAT_VERSION = 2     # an index of another kind ("delta", "serving"): older readers refuse it
 BUCKET_RANGES_VERSION = 3    # any kind: bucket ranges listed once in `bucket_ranges`, chunks refer to them; CRCs packed
-READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, BUCKET_RANGES_VERSION)
+BUCKET_SEGMENTS_VERSION = 4  # version 3, and chunks may name the rule of their segments (`bucket_segments`)
+SHARED_RANGES_VERSIONS = (BUCKET_RANGES_VERSION, BUCKET_SEGMENTS_VERSION)  # with a top-level `bucket_ranges`
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, DELTA_FORMAT_VERSION, BUCKET_RANGES_VERSION, BUCKET_SEGMENTS_VERSION)
 KIND_FULL = "full"
 KIND_DELTA = "delta"         # changed rows + tombstones over a parent checkpoint (docs/FORMAT.md section 10)
 KIND_SERVING = "serving"     # weights only, possibly quantised (docs/FORMAT.md section 8)
@@ -34,7 +38,7 @@ QUANT_INT8 = "int8"          # TableMeta.quant: per-row affine int8 rows (recsav
 def is_newer_index(index: Any) -> bool:
     """Whether a JSON-decoded index was written by a newer recsave: a format_version above 1 that
     this recsave does not read for its kind (version 2 is read only with a known kind other than
-    "full", version 3 with any known kind). Such a checkpoint is intact, only unreadable here."""
+    "full", versions 3 and 4 with any known kind). Such a checkpoint is intact, only unreadable here."""
     if not isinstance(index, dict):
         return False
     version, kind = index.get("format_version"), index.get("kind", KIND_FULL)
@@ -45,19 +49,23 @@ def is_newer_index(index: Any) -> bool:
 
 def readable_version(version: int, kind: str) -> bool:
     """Whether this recsave reads an index of `format_version` `version` and `kind`
-    (docs/FORMAT.md section 3: 1 is "full" only, 2 every other kind, 3 any kind)."""
+    (docs/FORMAT.md section 3: 1 is "full" only, 2 every other kind, 3 and 4 any kind)."""
     if kind not in KINDS:
         return False
-    if version == BUCKET_RANGES_VERSION:
+    if version in SHARED_RANGES_VERSIONS:
         return True
     return version == (FORMAT_VERSION if kind == KIND_FULL else DELTA_FORMAT_VERSION)
 
 
 def version_for(kind: str, tensors: Mapping[str, "TensorEntry"]) -> int:
-    """The format_version recsave writes an index of `kind` with: 3 when a chunk has bucket
-    ranges (listed once, docs/FORMAT.md section 3), else the version readers of 1 and 2 know (1
-    for "full", 2 for the other kinds), so that a checkpoint without tables stays readable by them."""
-    if any(c.buckets is not None for t in tensors.values() for c in t.chunks):
+    """The format_version recsave writes an index of `kind` with: 4 when a chunk's segments follow
+    the bucket rule, 3 when a chunk has bucket ranges (listed once, docs/FORMAT.md section 3), else
+    the version readers of 1 and 2 know (1 for "full", 2 for the other kinds), so that a checkpoint
+    without tables stays readable by them."""
+    chunks = [c for t in tensors.values() for c in t.chunks]
+    if any(c.bucket_segments is not None for c in chunks):
+        return BUCKET_SEGMENTS_VERSION
+    if any(c.buckets is not None for c in chunks):
         return BUCKET_RANGES_VERSION
     return FORMAT_VERSION if kind == KIND_FULL else DELTA_FORMAT_VERSION
 
@@ -125,8 +133,9 @@ class BucketRange:
 @dataclass(frozen=True)
 class Chunk:
     """Rows `[rows[0], rows[1])` of a tensor (`rows` is None for a 0-d tensor) stored at `offset`
-    of `file`, checksummed per segment: uniform `segment_bytes` pieces or explicit `segments` ends
-    (exactly one of the two is set)."""
+    of `file`, checksummed per segment: uniform `segment_bytes` pieces, explicit `segments` ends,
+    or `bucket_segments`, the rule that cuts them at the boundaries of `buckets` (format/segments.py;
+    exactly one of the three is set)."""
     file: str
     offset: int
     length: int
@@ -135,6 +144,7 @@ class Chunk:
     segments: Optional[Tuple[int, ...]] = None
     rows: Optional[Tuple[int, int]] = None
     buckets: Optional[BucketRange] = None
+    bucket_segments: Optional[BucketSegments] = None
 
     @property
     def first_row(self) -> int:
@@ -150,10 +160,19 @@ class Chunk:
                 return [(0, 0)]
             return [(b, min(b + step, length)) for b in range(0, length, step)]
         bounds, begin = [], 0
-        for end in self.segments or ():
+        for end in self.segment_ends():
             bounds.append((begin, end))
             begin = end
         return bounds
+
+    def segment_ends(self) -> Tuple[int, ...]:
+        """End offsets of the explicit or bucket-rule segments, relative to the chunk (() for
+        uniform ones)."""
+        rule, buckets = self.bucket_segments, self.buckets
+        if rule is None or buckets is None:
+            return self.segments or ()
+        rows = buckets.row_starts[-1]
+        return segments.ends(buckets.row_starts, self.length // rows if rows else 0, rule)
 
     def checked_segments(self) -> Iterator[Tuple[int, int, int]]:
         """(begin, end, crc32c) of each segment, relative to the chunk."""
@@ -167,13 +186,15 @@ class Chunk:
         return dataclasses.replace(self, rows=(self.rows[0] + base, self.rows[1] + base))
 
     def to_json(self, bucket_ids: Optional[Mapping["BucketRange", int]] = None) -> Dict[str, Any]:
-        """The chunk entry; with `bucket_ids` (format_version 3), `buckets` is the position of its
+        """The chunk entry; with `bucket_ids` (format_versions 3, 4), `buckets` is the position of its
         ranges in the index's `bucket_ranges` instead of the ranges themselves, and `crc32c` the
         CRCs packed (pack_crcs) instead of a list."""
         crcs = self.crc32c if bucket_ids is None else pack_crcs(self.crc32c)
         out: Dict[str, Any] = {"file": self.file, "offset": self.offset, "length": self.length, "crc32c": crcs}
         if self.segment_bytes is not None:
             out["segment_bytes"] = self.segment_bytes
+        elif self.bucket_segments is not None:
+            out["bucket_segments"] = self.bucket_segments.to_json()
         else:
             out["segments"] = self.segments
         if self.rows is not None:
@@ -332,10 +353,6 @@ class IndexPart:
         """This part plus `files` (e.g. the rank's io state)."""
         return self.joined(IndexPart(self.rank, files, {}))
 
-    def to_json(self) -> Dict[str, Any]:
-        return {"magic": MAGIC, "format_version": FORMAT_VERSION, "rank": self.rank,
-                "files": _files_json(self.files), "tensors": _tensors_json(self.tensors)}
-
 
 @dataclass(frozen=True)
 class Index:
@@ -407,7 +424,7 @@ class Index:
             "files": _files_json(self.files),
         })
         bucket_ids = None
-        if self.format_version == BUCKET_RANGES_VERSION:
+        if self.format_version in SHARED_RANGES_VERSIONS:
             bucket_ids = _bucket_ids(self.tensors)
             out["bucket_ranges"] = [b.to_json() for b in bucket_ids]
         out["tensors"] = _tensors_json(self.tensors, bucket_ids)

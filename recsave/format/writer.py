@@ -13,9 +13,11 @@ import torch
 from recsave import _C, knobs
 from recsave.errors import UsageError
 from recsave.format import header
+from recsave.format import segments as bucket_rule
 from recsave.format.commits import DeferredCommits
 from recsave.format.dtypes import DType, from_torch
 from recsave.format.records import FORMAT_VERSION, BucketRange, Chunk, FileEntry, IndexPart, TensorEntry
+from recsave.format.segments import BucketSegments
 from recsave.storage import Storage, get_storage
 
 
@@ -116,7 +118,7 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
                  durable: Optional[bool] = None,
                  chunk_meta: Optional[Mapping[str, Dict[str, Any]]] = None,
                  storage: Optional[Storage] = None, first_part: int = 0,
-                 segments: Optional[Mapping[str, Sequence[int]]] = None,
+                 segments: Optional[Mapping[str, Union[Sequence[int], BucketSegments]]] = None,
                  commits: Optional[DeferredCommits] = None) -> IndexPart:
     """Writes `tensors` into `<directory>/<prefix>-<rank>-<part>.safetensors` files and returns the
     index part describing them (docs/FORMAT.md section 3). Each file appears atomically; if anything
@@ -124,7 +126,8 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
 
     `chunk_meta` adds extra keys (e.g. ``buckets``) to a tensor's chunk entry; part numbers start at
     `first_part` (several calls of one rank write distinct files). `segments` gives, per tensor,
-    explicit checksum segment ends (byte offsets, e.g. at bucket boundaries) instead of uniform
+    explicit checksum segment ends (byte offsets) or a BucketSegments rule (the ends at the
+    boundaries of the tensor's `buckets` in `chunk_meta`, format/segments.py) instead of uniform
     `segment_bytes` pieces. The files are written by `storage` (by default the one of `directory`):
     on local disk through the engine's positional writes, elsewhere streamed
     (``Storage.write_shard``).
@@ -139,7 +142,9 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
     if segment_bytes < 1:
         raise UsageError(f"segment_bytes must be >= 1, got {segment_bytes}")
     items = [_prepare(n, t) for n, t in tensors.items()]
-    layout = {n: _segment_layout(t, segment_bytes, (segments or {}).get(n)) for n, t, _ in items}
+    fields_of = {name: _chunk_fields(name, extra) for name, extra in (chunk_meta or {}).items()}
+    layout = {n: _segment_layout(n, t, segment_bytes, (segments or {}).get(n), fields_of.get(n, {}).get("buckets"))
+              for n, t, _ in items}
     storage = storage or get_storage(directory)
     part = _PartBuilder(rank)
     written: List[str] = []
@@ -158,9 +163,8 @@ def write_shards(directory: str, tensors: Mapping[str, torch.Tensor], *, rank: i
             with contextlib.suppress(OSError):
                 storage.remove_file(path)
         raise
-    for name, extra in (chunk_meta or {}).items():
+    for name, fields in fields_of.items():
         entry = part.tensors[name]
-        fields = _chunk_fields(name, extra)
         part.tensors[name] = dataclasses.replace(
             entry, chunks=tuple(dataclasses.replace(c, **fields) for c in entry.chunks))
     return part.build()
@@ -180,13 +184,21 @@ def _chunk_fields(name: str, extra: Mapping[str, Any]) -> Dict[str, Any]:
 Layout = Tuple[List[Tuple[int, int]], Dict[str, Any]]  # segment (begin, end) pairs, chunk fields
 
 
-def _segment_layout(t: Source, segment_bytes: int, ends: Optional[Sequence[int]]) -> Layout:
+def _segment_layout(name: str, t: Source, segment_bytes: int, spec: Union[None, Sequence[int], BucketSegments],
+                    buckets: Optional[BucketRange]) -> Layout:
     """Checksum segments of a tensor's bytes and how the chunk entry describes them."""
     nbytes = t.nbytes
-    if ends is None:
+    if spec is None:
         bounds = [(b, min(b + segment_bytes, nbytes)) for b in range(0, nbytes, segment_bytes)] or [(0, 0)]
         return bounds, {"segment_bytes": segment_bytes}
-    ends = [int(e) for e in ends]
+    if isinstance(spec, BucketSegments):
+        rows = t.shape[0] if len(t.shape) else 0
+        if buckets is None or buckets.row_starts[-1] != rows:
+            raise UsageError(f"{name!r}: bucket segments need the tensor's buckets in chunk_meta, ending at its "
+                             f"{rows} rows", key=name)
+        cuts = bucket_rule.ends(buckets.row_starts, nbytes // rows if rows else 0, spec)
+        return list(zip((0,) + cuts[:-1], cuts)) if nbytes else [(0, 0)], {"bucket_segments": spec}
+    ends = [int(e) for e in spec]
     increasing = all(b < e for b, e in zip([0] + ends, ends))
     if not ends or ends[-1] != nbytes or (nbytes and not increasing):
         raise UsageError(f"segment ends {ends[:8]}... must increase strictly and end at {nbytes}")

@@ -4,39 +4,24 @@ bucket boundaries so a resharding reader reads only the buckets it owns (docs/FO
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict
 
 import torch
 
 from recsave import knobs
 from recsave.errors import UsageError
+from recsave.format import segments as bucket_rule
 from recsave.format.records import BucketRange
+from recsave.format.segments import BucketSegments
 from recsave.save.snapshot import PinnedPair, TableState
 from recsave.tables import partition
 
 
-def bucket_segment_ends(row_starts: Sequence[int], row_bytes: int, max_bytes: int) -> List[int]:
-    """Checksum segment ends (bytes) for rows sorted by bucket: cut at bucket boundaries once a
-    segment holds the knob `min_segment_bytes`, and inside buckets about every `max_bytes` (on row
-    boundaries, so rows can be produced in blocks)."""
-    total = row_starts[-1] * row_bytes
-    if total == 0:
-        return [0]
-    min_bytes = knobs.get("min_segment_bytes")
-    step = max(row_bytes, max_bytes // row_bytes * row_bytes)  # every end on a row boundary
-    ends: List[int] = []
-    begin = 0
-    for boundary in [r * row_bytes for r in row_starts[1:]]:
-        while boundary - begin > step:
-            begin += step
-            ends.append(begin)
-        if boundary - begin >= min_bytes or boundary == total:
-            if boundary > begin:
-                ends.append(boundary)
-                begin = boundary
-    if not ends or ends[-1] != total:
-        ends.append(total)
-    return ends
+def segment_rule(row_bytes: int) -> BucketSegments:
+    """The checksum segments of rows sorted by bucket: cut at bucket boundaries once a segment holds
+    the knob `min_segment_bytes`, and inside buckets about every `segment_bytes` (on row boundaries,
+    so rows can be produced in blocks). The index names this rule (format/segments.py), not the ends."""
+    return bucket_rule.rule_for(row_bytes, knobs.get("segment_bytes"), knobs.get("min_segment_bytes"))
 
 
 @dataclass
@@ -44,7 +29,7 @@ class TableLayout:
     """One table's tensors in bucket order, as write_shards takes them."""
     tensors: Dict[str, Any]
     meta: Dict[str, Any]  # chunk fields: the bucket row starts, one BucketRange shared by the tensors
-    segments: Dict[str, List[int]]
+    segments: Dict[str, BucketSegments]
     num_rows: int
     tensor_meta: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # per-tensor chunk fields (tombstones)
     tombstones: int = 0
@@ -76,24 +61,17 @@ def bucket_layout(name: str, table: TableState, rank: int, world: int, num_bucke
     buffers = PinnedPair() if any(t.is_cuda for t in table.columns.values()) else None
     for column in ["embedding"] + table.slot_names() + sorted(table.meta):
         tensors[f"{name}@{column}"] = table.row_source(column, sorted_rows, buffers)
-    seg_max = knobs.get("segment_bytes")
-    ends_by_row_bytes: Dict[int, List[int]] = {}  # tensors with rows of one size share their ends
-    segments = {}
-    for n, t in tensors.items():
-        row_bytes = t.nbytes // max(ids.numel(), 1)
-        if row_bytes not in ends_by_row_bytes:
-            ends_by_row_bytes[row_bytes] = bucket_segment_ends(row_starts, row_bytes, seg_max)
-        segments[n] = ends_by_row_bytes[row_bytes]
+    segments = {n: segment_rule(t.nbytes // max(ids.numel(), 1)) for n, t in tensors.items()}
     # One BucketRange for every tensor of the table: the part pickled to rank 0 holds it once
     # (pickle keeps shared objects shared), as the index does (format version 3).
     layout = TableLayout(tensors, {"buckets": BucketRange(first, tuple(row_starts))}, segments, int(ids.numel()))
     if table.tombstones is not None:
-        _add_tombstones(layout, name, table.tombstones, first, stop, num_buckets, seg_max)
+        _add_tombstones(layout, name, table.tombstones, first, stop, num_buckets)
     return layout
 
 
 def _add_tombstones(layout: TableLayout, name: str, tombstones: torch.Tensor, first: int, stop: int,
-                    num_buckets: int, seg_max: int) -> None:
+                    num_buckets: int) -> None:
     """A delta's `<table>@tombstone`: the removed ids sorted by bucket, with bucket ranges like
     `@id`, so that a reader with another world size reads only the buckets it owns."""
     dead = tombstones.reshape(-1).to(torch.int64).cpu()
@@ -102,6 +80,6 @@ def _add_tombstones(layout: TableLayout, name: str, tombstones: torch.Tensor, fi
     starts = [0] + torch.cumsum(counts, 0).tolist()
     tensor = f"{name}@tombstone"
     layout.tensors[tensor] = dead[order].contiguous()
-    layout.tensor_meta[tensor] = {"buckets": {"first": first, "row_starts": starts}}
-    layout.segments[tensor] = bucket_segment_ends(starts, 8, seg_max)
+    layout.tensor_meta[tensor] = {"buckets": BucketRange(first, tuple(starts))}
+    layout.segments[tensor] = segment_rule(8)
     layout.tombstones = int(dead.numel())

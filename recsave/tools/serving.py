@@ -19,6 +19,7 @@ from recsave.argcheck import check
 from recsave.errors import CheckpointExistsError, UsageError
 from recsave.format import ckptlist, torchio
 from recsave.format import index as index_mod
+from recsave.format import segments as bucket_rule
 from recsave.format.quant import SCALE_DTYPES, quantize_rows
 from recsave.format.reader import read_tensors
 from recsave.format.records import (
@@ -31,7 +32,7 @@ from recsave.format.records import (
     version_for,
 )
 from recsave.format.writer import RowSource, write_shards
-from recsave.save.layout import bucket_segment_ends
+from recsave.save.layout import segment_rule
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tools import toolargs
@@ -156,10 +157,13 @@ def _table_parts(src: Any, name: str, dim: int, dtype: Optional[torch.dtype], sc
             tensors[emb] = torch.empty(0, dim, dtype=dtype)
         else:
             tensors[emb] = RowSource(dtype, (n, dim), _caster(src, emb, c0, dtype))
-        starts: Tuple[int, ...] = chunk.buckets.row_starts if chunk.buckets is not None else (0, n)
-        seg_max = knobs.get("segment_bytes")
-        segments = {t: bucket_segment_ends(starts, _row_bytes(v), seg_max) for t, v in tensors.items()}
-        chunk_meta = {t: {"buckets": chunk.buckets} for t in tensors} if chunk.buckets is not None else None
+        segments: Dict[str, Any] = {t: segment_rule(_row_bytes(v)) for t, v in tensors.items()}
+        chunk_meta = None
+        if chunk.buckets is not None:  # the index names the rule
+            chunk_meta = {t: {"buckets": chunk.buckets} for t in tensors}
+        else:  # no buckets to apply it to: the ends it gives for the chunk as one bucket, listed
+            segments = {t: list(bucket_rule.ends((0, n), _row_bytes(v), rule)) for (t, v), rule
+                        in zip(tensors.items(), segments.values())}
         out.append(write_shards(ckpt_dir, tensors, rank=k, storage=storage, first_part=first_parts.get(k, 0),
                                 segments=segments, chunk_meta=chunk_meta))
     return out

@@ -3,7 +3,7 @@
 
 Every file is built by hand from docs/FORMAT.md with struct and json (never with recsave's writer), so
 the corpus tests the readers against the spec rather than against recsave's own idea of it. One case is
-valid (``valid_basic``, and ``valid_v3``: the same written as format_version 3); every other case breaks
+valid (``valid_basic``; ``valid_v3`` and ``valid_v4``, the same as format_version 3 and 4); every other case breaks
 exactly one rule of the spec, as far as the rule allows.
 
 cases.json maps a case to ``{"error": <class name in recsave.errors or null>, "match": <substring the
@@ -245,6 +245,27 @@ def valid_v3(d: Path) -> List[dict]:
     return specs
 
 
+def valid_v4(d: Path) -> List[dict]:
+    """valid_v3's tensors plus one whose segments are given by the bucket rule, as version 4: int64
+    rows of 8 bytes in buckets of 1, 0 and 2 rows, {"step": 8, "min": 16}. By the rule of section 3
+    the 8 bytes of the first bucket are under the minimum (no cut at 8), the stretch to the chunk's
+    end at 24 is cut every 8 bytes: ends 8, 16, 24."""
+    specs = valid_v3(d)
+    specs.append({"name": "ids_rule", "dtype": "int64", "shape": [3], "data": struct.pack("<3q", -1, 7, 2**40),
+                  "parts": [("sparse-1-0.safetensors", 3, ("ends", [8, 16, 24]))],
+                  "buckets": [{"first": 1, "row_starts": [0, 1, 1, 3]}]})
+    write_checkpoint(d, specs, partition={"scheme": "mix64", "num_buckets": 8})
+    to_version_3(d)
+
+    def name_the_rule(i: dict) -> None:
+        i["format_version"] = 4
+        c = chunk0(i, "ids_rule")
+        del c["segments"]
+        c["bucket_segments"] = {"step": 8, "min": 16}
+    edit_index(d, name_the_rule)
+    return specs
+
+
 def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
     """Builds one case into ``d``; returns (error class name, message substring, extra cases.json fields)."""
     C, V, NF = "CorruptCheckpointError", "FormatVersionError", "CheckpointNotFoundError"
@@ -255,6 +276,21 @@ def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
     if case == "valid_v3":
         ref = {s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": s["data"].hex()} for s in valid_v3(d)}
         return None, "", {"tensors": ref}
+    if case == "valid_v4":
+        ref = {s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": s["data"].hex()} for s in valid_v4(d)}
+        return None, "", {"tensors": ref}
+    if case == "v4_rule_in_version_3":
+        valid_v4(d)
+        edit_index(d, lambda i: i.update(format_version=3))
+        return C, "bucket_segments", {}
+    if case == "v4_rule_without_buckets":
+        valid_v4(d)
+        edit_index(d, lambda i: chunk0(i, "ids_rule").pop("buckets"))
+        return C, "bucket_segments", {}
+    if case == "v4_rule_gives_other_segments":  # step 24: one segment, three CRCs
+        valid_v4(d)
+        edit_index(d, lambda i: chunk0(i, "ids_rule")["bucket_segments"].update(step=24))
+        return C, "crc32c", {}
     if case == "v3_bucket_reference_past_the_list":
         valid_v3(d)
         edit_index(d, lambda i: chunk0(i, "ids").update(buckets=1))
@@ -487,6 +523,7 @@ CASES = [
     "missing_index", "unknown_dtype", "index_not_json", "index_not_utf8", "index_not_object", "index_too_large",
     "index_shape_overflow", "index_ndim_over_32", "index_shape_bool", "index_size_string", "index_offset_float",
     "valid_v3", "v3_bucket_reference_past_the_list", "v3_crc_not_base64", "v3_crc_list",
+    "valid_v4", "v4_rule_in_version_3", "v4_rule_without_buckets", "v4_rule_gives_other_segments",
 ]
 
 
