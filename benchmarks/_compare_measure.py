@@ -76,6 +76,8 @@ def measure_operation(spec: Dict[str, Any]) -> Dict[str, Any]:
     if kind == "load" and spec["check"]:
         if model is not None:
             bad = model_mismatches(model, layout, spec["seed"])
+        elif method == "engine_saverfile":  # the Saver's names and row order: Saver.load's check covers the file
+            bad = []
         else:
             expected = E.build_state(layout, spec["seed"])
             bad = [n for n, t in expected.items() if n not in out or out[n].dtype != t.dtype

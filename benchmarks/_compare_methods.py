@@ -2,6 +2,7 @@
 DCP, safetensors, the recsave engine and Saver) and their operations, run in a fresh worker process."""
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional
 
 import engine as E  # raw, torch, safetensors and engine operations are engine.py's
@@ -37,6 +38,10 @@ LOAD = {
     "engine_noverify": ("recsave engine read_tensors, no verify", "", "engine"),
     "saver": ("recsave Saver.load into a fresh model", "id map rebuilt, CRC verified", "saver"),
     "saver_noverify": ("recsave Saver.load, checksums off", "patched in: not an option", "saver"),
+    # The engine alone on the Saver's own files (row metadata too, segments cut at buckets): what a
+    # restore costs beyond reading them is the table rebuild (id maps, views).
+    "engine_saverfile": ("recsave engine read_tensors of the Saver's checkpoint", "its files, + 3 % row metadata",
+                         "saver"),
 }
 KINDS = {"save": SAVE, "load": LOAD}
 FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
@@ -115,6 +120,9 @@ def run_load(method: str, spec: Dict[str, Any], layout: Layout, dest: Any) -> An
         return dest
     if method in ("saver", "saver_noverify"):
         return spec["saver"].load()
+    if method == "engine_saverfile":
+        from recsave import format as fmt
+        return fmt.read_tensors(os.path.join(spec["path"], "ckpt_1"), concurrency=spec["concurrency"], verify=True)
     raise ValueError(method)
 
 

@@ -33,6 +33,7 @@ RATIOS = [
     ("load: engine (verify) / torch.load", ("load", "engine_verify"), ("load", "torch"), None),
     ("load: engine (verify) / DCP load", ("load", "engine_verify"), ("load", "dcp"), None),
     ("load: Saver / engine (verify)", ("load", "saver"), ("load", "engine_verify"), 0.9),
+    ("load: Saver / engine reading the Saver's files", ("load", "saver"), ("load", "engine_saverfile"), None),
 ]
 # (label, slower, faster, goal %): time(slower) / time(faster) - 1
 OVERHEADS = [
