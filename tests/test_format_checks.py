@@ -13,7 +13,7 @@ from recsave.errors import CorruptCheckpointError
 from recsave.format import checks
 from recsave.format import index as index_mod
 from recsave.format.pycrc32c import crc32c
-from recsave.format.records import BucketRange, pack_crcs
+from recsave.format.records import BucketRange, pack_crcs, unpack_crcs
 from recsave.format.segments import BucketSegments
 
 
@@ -168,3 +168,17 @@ def test_a_rule_checked_once_is_not_taken_for_a_bad_one(tmp_path):
         damaged["tensors"]["z"]["chunks"][0]["bucket_segments"]["step"] = bad
         with pytest.raises(CorruptCheckpointError, match=message):
             index_mod.validate(damaged, "bad")
+
+
+@pytest.mark.parametrize("text", ["AAAA*AAA", "AAAAAAA=", "AAAA AAAA", "AAAA\nAAAA", "AAAAAA==AAAA", "AAA", "é",
+                                  "AAAA=AAA"])
+def test_packed_crcs_are_decoded_strictly(text):
+    """Only padded standard base64 of whole 4-byte values is read: no whitespace, data after the
+    padding or other alphabet (FORMAT.md section 3)."""
+    assert unpack_crcs(text) is None
+
+
+def test_packed_crcs_round_trip():
+    values = [0, 1, 0x12345678, 0xFFFFFFFF]
+    assert pack_crcs(values) == base64.b64encode(struct.pack("<4I", *values)).decode()
+    assert unpack_crcs(pack_crcs(values)) == tuple(values) and unpack_crcs("") == ()

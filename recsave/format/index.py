@@ -266,23 +266,22 @@ class _SharedRanges:
 
     def __init__(self, ranges: List[BucketRange], rules: bool) -> None:
         self.ranges, self.rules = ranges, rules
-        self._counts: Dict[Tuple[int, int, BucketSegments], int] = {}
-        self._rules: Dict[Tuple[Any, ...], BucketSegments] = {}
+        self._counts: Dict[Tuple[int, int, int, int], int] = {}
+        self._rules: Dict[Tuple[int, int], BucketSegments] = {}
 
     def rule(self, raw: Any, path: str, name: str) -> BucketSegments:
         """A chunk's `bucket_segments`, checked once per distinct value (a save uses one per row size)."""
-        key = None
-        if isinstance(raw, dict) and all(type(v) is int for v in raw.values()):  # hashable, and True is not 1
-            key = tuple(raw.items())
-        rule = self._rules.get(key) if key is not None else None
-        if rule is None:
-            rule = _parse_rule(raw, path, name)
-            if key is not None:
-                self._rules[key] = rule
-        return rule
+        if isinstance(raw, dict) and len(raw) == 2:
+            step, least = raw.get("step"), raw.get("min")
+            if type(step) is int and type(least) is int:  # not bool: True would match 1
+                rule = self._rules.get((step, least))
+                if rule is None:
+                    rule = self._rules[(step, least)] = _parse_rule(raw, path, name)
+                return rule
+        return _parse_rule(raw, path, name)  # refuses it, saying why
 
     def segment_count(self, ref: int, row_bytes: int, rule: BucketSegments) -> int:
-        key = (ref, row_bytes, rule)
+        key = (ref, row_bytes, rule.step, rule.min_bytes)  # ints hash in C; the dataclass's hash is Python
         n = self._counts.get(key)
         if n is None:
             n = self._counts[key] = bucket_rule.count(self.ranges[ref].row_starts, row_bytes, rule)
@@ -324,8 +323,9 @@ def _parse_tensor(name: str, entry: Any, files: Dict[str, FileEntry],
     for chunk in raw_chunks:
         if not isinstance(chunk, dict):
             raise checks.corrupt(path, "chunk is not an object", name)
-        fname = checks.as_plain_name(chunk.get("file"), "chunk file", path)
-        if fname not in files:
+        fname = chunk.get("file")
+        if type(fname) is not str or fname not in files:  # the names in 'files' were checked plain
+            fname = checks.as_plain_name(fname, "chunk file", path)
             raise checks.corrupt(path, f"chunk refers to file {fname!r} missing from 'files'", name)
         offset = checks.as_int(chunk.get("offset"), "chunk offset", path, name)
         length = checks.as_int(chunk.get("length"), "chunk length", path, name)

@@ -9,8 +9,10 @@ between ranks, which a `MappingProxyType` would not allow.
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -22,6 +24,14 @@ from recsave.format.dtypes import BY_NAME, DType
 from recsave.format.segments import BucketSegments
 
 MAGIC = "recsave.index"
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+if sys.version_info >= (3, 11):
+    def _strict_b64decode(text: str) -> bytes:
+        return binascii.a2b_base64(text, strict_mode=True)  # the check and the decode in one C pass
+else:  # pragma: no cover (Python 3.9 and 3.10)
+    def _strict_b64decode(text: str) -> bytes:
+        return base64.b64decode(text, validate=True)
 FORMAT_VERSION = 1           # a "full" checkpoint (docs/FORMAT.md section 3)
 DELTA_FORMAT_VERSION = 2     # an index of another kind ("delta", "serving"): older readers refuse it
 BUCKET_RANGES_VERSION = 3    # any kind: bucket ranges listed once in `bucket_ranges`, chunks refer to them; CRCs packed
@@ -77,13 +87,16 @@ def pack_crcs(crcs: Sequence[int]) -> str:
 
 
 def unpack_crcs(text: str) -> Optional[Tuple[int, ...]]:
-    """The CRC values of pack_crcs' text; None when it is not padded base64 of a multiple of 4 bytes."""
+    """The CRC values of pack_crcs' text; None when it is not padded base64 of a multiple of 4 bytes.
+    (Decoded in C, strictly: a 1000-rank index holds 78,000 of these strings.)"""
     try:
-        raw = base64.b64decode(text, validate=True)
-    except (ValueError, TypeError):  # binascii.Error is a ValueError
+        raw = _strict_b64decode(text)
+    except (ValueError, TypeError):  # binascii.Error is a ValueError; non-ASCII text too
         return None
     if len(raw) % 4:
         return None
+    if _LITTLE_ENDIAN:
+        return tuple(memoryview(raw).cast("I"))
     return struct.unpack(f"<{len(raw) // 4}I", raw)
 
 
