@@ -62,6 +62,8 @@ def measure_operation(spec: Dict[str, Any]) -> Dict[str, Any]:
     # row metadata (last_step, count), in an async save's staged copy the metadata. Those count as
     # state (`rss_over_state`); `rss_over_tensors` counts only the benchmark's tensors.
     held = nbytes if kind == "load" or method == "saver_async" else 0
+    if method == "engine_saverfile":  # it also holds the row metadata it read: the Saver's state
+        held = sum(t.nbytes for t in out.values())
     res["table_extra_bytes"] = table_extra_bytes(model, kind, method)
     res["rss_over_tensors"] = res["rss_delta"] - held
     res["rss_over_state"] = res["rss_delta"] - held - res["table_extra_bytes"]

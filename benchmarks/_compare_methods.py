@@ -48,7 +48,8 @@ FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
 SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver",
                  "save:saver_restored",
                  "save:saver_async",
-                 "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver"]
+                 "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver",
+                 "load:engine_saverfile"]
 
 
 def selected(only: Optional[str], default: Optional[List[str]] = None) -> Dict[str, List[str]]:
