@@ -400,8 +400,7 @@ def _parse_segments(chunk: Dict[str, Any], fname: str, offset: int, length: int,
             raise checks.corrupt(path, f"bucket_segments needs format_version {BUCKET_SEGMENTS_VERSION} and "
                                  f"the chunk's 'buckets'", name)
         rule = shared.rule(chunk["bucket_segments"], path, name)
-        nrows = rows[1] - rows[0]
-        expected = shared.segment_count(ref, length // nrows if nrows else 0, rule)
+        expected = shared.segment_count(ref, bucket_rule.row_bytes_of(shared.ranges[ref].row_starts, length), rule)
     if len(crcs) != expected:
         raise checks.corrupt(path, f"{len(crcs)} crc32c values for {expected} segments", name)
     return Chunk(fname, offset, length, tuple(crcs), step, None if ends is None else tuple(ends), rows, ranges,

@@ -184,8 +184,7 @@ class Chunk:
         rule, buckets = self.bucket_segments, self.buckets
         if rule is None or buckets is None:
             return self.segments or ()
-        rows = buckets.row_starts[-1]
-        return segments.ends(buckets.row_starts, self.length // rows if rows else 0, rule)
+        return segments.ends(buckets.row_starts, segments.row_bytes_of(buckets.row_starts, self.length), rule)
 
     def checked_segments(self) -> Iterator[Tuple[int, int, int]]:
         """(begin, end, crc32c) of each segment, relative to the chunk."""

@@ -31,6 +31,13 @@ def rule_for(row_bytes: int, max_bytes: int, min_bytes: int) -> BucketSegments:
     return BucketSegments(step, min_bytes)
 
 
+def row_bytes_of(row_starts: Sequence[int], length: int) -> int:
+    """The rule's row size R of a chunk of `length` bytes whose buckets end at row
+    `row_starts[-1]`: length / rows, 0 for a chunk of no rows (docs/FORMAT.md section 3)."""
+    rows = row_starts[-1]
+    return length // rows if rows else 0
+
+
 @functools.lru_cache(maxsize=256)  # a table's tensors of one row size share the ends
 def ends(row_starts: Tuple[int, ...], row_bytes: int, rule: BucketSegments) -> Tuple[int, ...]:
     """The segment ends (bytes, relative to the chunk) of a chunk whose bucket `i` holds rows

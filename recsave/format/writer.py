@@ -196,7 +196,7 @@ def _segment_layout(name: str, t: Source, segment_bytes: int, spec: Union[None, 
         if buckets is None or buckets.row_starts[-1] != rows:
             raise UsageError(f"{name!r}: bucket segments need the tensor's buckets in chunk_meta, ending at its "
                              f"{rows} rows", key=name)
-        cuts = bucket_rule.ends(buckets.row_starts, nbytes // rows if rows else 0, spec)
+        cuts = bucket_rule.ends(buckets.row_starts, bucket_rule.row_bytes_of(buckets.row_starts, nbytes), spec)
         return list(zip((0,) + cuts[:-1], cuts)) if nbytes else [(0, 0)], {"bucket_segments": spec}
     ends = [int(e) for e in spec]
     increasing = all(b < e for b, e in zip([0] + ends, ends))
