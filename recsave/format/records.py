@@ -26,12 +26,6 @@ from recsave.format.segments import BucketSegments
 MAGIC = "recsave.index"
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-if sys.version_info >= (3, 11):
-    def _strict_b64decode(text: str) -> bytes:
-        return binascii.a2b_base64(text, strict_mode=True)  # the check and the decode in one C pass
-else:  # pragma: no cover (Python 3.9 and 3.10)
-    def _strict_b64decode(text: str) -> bytes:
-        return base64.b64decode(text, validate=True)
 FORMAT_VERSION = 1           # a "full" checkpoint (docs/FORMAT.md section 3)
 DELTA_FORMAT_VERSION = 2     # an index of another kind ("delta", "serving"): older readers refuse it
 BUCKET_RANGES_VERSION = 3    # any kind: bucket ranges listed once in `bucket_ranges`, chunks refer to them; CRCs packed
@@ -78,6 +72,14 @@ def version_for(kind: str, tensors: Mapping[str, "TensorEntry"]) -> int:
     if any(c.buckets is not None for c in chunks):
         return BUCKET_RANGES_VERSION
     return FORMAT_VERSION if kind == KIND_FULL else DELTA_FORMAT_VERSION
+
+
+if sys.version_info >= (3, 11):
+    def _strict_b64decode(text: str) -> bytes:
+        return binascii.a2b_base64(text, strict_mode=True)  # the check and the decode in one C pass
+else:  # pragma: no cover (Python 3.9 and 3.10)
+    def _strict_b64decode(text: str) -> bytes:
+        return base64.b64decode(text, validate=True)
 
 
 def pack_crcs(crcs: Sequence[int]) -> str:
