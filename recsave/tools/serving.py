@@ -157,13 +157,13 @@ def _table_parts(src: Any, name: str, dim: int, dtype: Optional[torch.dtype], sc
             tensors[emb] = torch.empty(0, dim, dtype=dtype)
         else:
             tensors[emb] = RowSource(dtype, (n, dim), _caster(src, emb, c0, dtype))
-        segments: Dict[str, Any] = {t: segment_rule(_row_bytes(v)) for t, v in tensors.items()}
-        chunk_meta = None
+        rules = {t: segment_rule(_row_bytes(v)) for t, v in tensors.items()}
+        segments: Dict[str, Any]
         if chunk.buckets is not None:  # the index names the rule
-            chunk_meta = {t: {"buckets": chunk.buckets} for t in tensors}
-        else:  # no buckets to apply it to: the ends it gives for the chunk as one bucket, listed
-            segments = {t: list(bucket_rule.ends((0, n), _row_bytes(v), rule)) for (t, v), rule
-                        in zip(tensors.items(), segments.values())}
+            segments, chunk_meta = rules, {t: {"buckets": chunk.buckets} for t in tensors}
+        else:  # no buckets to apply it to: the ends it gives the chunk as one bucket, listed
+            segments = {t: list(bucket_rule.ends((0, n), _row_bytes(tensors[t]), rule)) for t, rule in rules.items()}
+            chunk_meta = None
         out.append(write_shards(ckpt_dir, tensors, rank=k, storage=storage, first_part=first_parts.get(k, 0),
                                 segments=segments, chunk_meta=chunk_meta))
     return out
