@@ -251,3 +251,31 @@ def test_large_tensors_at_any_file_offset_read_back_exactly(tmp_path, odd):
     save(tmp_path, tensors, segment_bytes=4096 + odd)
     assert_same(tensors, fmt.read_tensors(str(tmp_path)))
     assert_same(tensors, oracle.read_tensors(str(tmp_path)))
+
+
+def test_a_header_entry_with_an_extra_key_is_corrupt_for_both_readers(tmp_path):
+    """The alignment padding leaves room to edit a header in place without moving the data: an entry
+    key recsave does not write is corruption, not something to ignore."""
+    from recsave.format import header
+    from recsave.format.dtypes import BY_NAME
+
+    def room(r):  # spaces after the JSON of a layout of r rows
+        head = header.build([("t@id", BY_NAME["int64"], (r,)), ("t@embedding", BY_NAME["float32"], (r, 4))], 4)[0]
+        return len(head) - len(head.rstrip(b" "))
+
+    rows = next(r for r in range(1, 200) if room(r) >= 8)  # room for `,"zz":1` in place
+    tensors = {"t@id": torch.arange(rows), "t@embedding": torch.ones(rows, 4)}
+    part = save(tmp_path, tensors)
+    (fname,) = part.files
+    path = tmp_path / fname
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    obj = json.loads(raw[8:8 + n])
+    obj["t@embedding"]["zz"] = 1
+    text = json.dumps(obj, separators=(",", ":")).encode()
+    assert len(text) <= n
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+    with pytest.raises(CorruptCheckpointError, match="unknown key"):
+        fmt.read_tensors(str(tmp_path))
+    with pytest.raises(CorruptCheckpointError, match="keys other than"):
+        oracle.read_tensors(str(tmp_path))

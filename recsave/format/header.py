@@ -10,6 +10,7 @@ from recsave.format import checks
 from recsave.format.dtypes import BY_CODE, BY_NAME, DType
 
 SHARD_FORMAT = "recsave.shard"
+ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})  # a header entry's keys: any other is corrupt
 _DTYPES_KEY = "recsave.dtypes"
 
 
@@ -94,6 +95,9 @@ def parse(raw: bytes, file_size: int, path: str) -> Tuple[int, Dict[str, HeaderE
     for name, spec in obj.items():
         if not isinstance(spec, dict):
             raise checks.corrupt(path, "header entry is not an object", name)
+        unknown = sorted(set(spec) - ENTRY_KEYS)
+        if unknown:  # the padding leaves room to edit a header in place: nothing may slip in
+            raise checks.corrupt(path, f"header entry has unknown key(s) {unknown[:4]!r:.80}", name)
         code = spec.get("dtype")
         if name in foreign:
             if code != "U8":

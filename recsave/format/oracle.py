@@ -315,6 +315,8 @@ def _parse_header(f: Any, size: int, path: str) -> Tuple[dict, int, dict]:
         if name == "__metadata__":
             continue
         e = as_obj(e, "header entry", path, name)
+        if set(e) - {"dtype", "shape", "data_offsets"}:
+            raise corrupt(path, "header entry has keys other than dtype, shape and data_offsets", name)
         code = e.get("dtype")
         if not isinstance(code, str) or code not in CODE_ITEMSIZE:
             raise corrupt(path, f"header has unknown dtype code {code!r:.80}", name)
