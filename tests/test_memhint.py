@@ -66,10 +66,13 @@ class _ReportsMetaDevice(torch.Tensor):
 def test_small_and_device_tensors_are_left_alone():
     """Only CPU tensors of >= 32 MB are advised (VM_HUGEPAGE, "hg" in smaps' VmFlags): one just
     below the threshold and one reporting another device keep their mappings' flags."""
+    import mmap
+
+    # Fresh anonymous mappings: torch.empty of 30 MB may come from malloc's heap (its mmap threshold
+    # rises to 32 MB once a large block is freed), whose memory an earlier test may have advised.
+    maps = [mmap.mmap(-1, n) for n in ((32 << 20) - (2 << 20), 32 << 20, 64 << 20)]
     with knobs.override(hugepages=True):
-        small = torch.empty((32 << 20) - (2 << 20), dtype=torch.uint8)
-        at_threshold = torch.empty(32 << 20, dtype=torch.uint8)
-        elsewhere = torch.empty(64 << 20, dtype=torch.uint8)
+        small, at_threshold, elsewhere = (torch.frombuffer(m, dtype=torch.uint8) for m in maps)
         on_device = elsewhere.as_subclass(_ReportsMetaDevice)
         assert on_device.device.type == "meta" and on_device.data_ptr() == elsewhere.data_ptr()
         middles = [t.data_ptr() + t.nbytes // 2 for t in (small, at_threshold, elsewhere)]
