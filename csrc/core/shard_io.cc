@@ -115,10 +115,10 @@ std::vector<size_t> group_units(size_t num_units, OffsetOf offset_of, BytesOf by
 // The kernel copies a buffered read or write with `rep movsb`, which runs markedly slower when the
 // user buffer and the file offset are not aligned alike modulo a cache line (a 2 GB save written 16
 // bytes off: 360 ms against 290 aligned; benchmarks/README.md, the alignment session). Staging
-// buffers are therefore cache-line aligned with kAlignSlack spare bytes, and each transfer uses the
-// buffer from aligned_like(offset).
+// buffers are therefore allocated kAlignSpare bytes larger, used from a cache-line boundary, and
+// each transfer starts at aligned_like(its file offset) in them.
 constexpr uint64_t kCacheLine = 64;
-constexpr uint64_t kAlignSlack = kCacheLine;
+constexpr uint64_t kAlignSpare = 2 * kCacheLine;  // up to a boundary, then up to aligned_like()
 
 uint8_t* cache_line_aligned(uint8_t* p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -130,7 +130,7 @@ uint64_t aligned_like(uint64_t at) { return at & (kCacheLine - 1); }
 
 // kBouncePiece bytes starting at any aligned_like offset of the result.
 uint8_t* bounce_buffer() {
-  thread_local std::unique_ptr<uint8_t[]> buffer(new uint8_t[kBouncePiece + kCacheLine + kAlignSlack]);
+  thread_local std::unique_ptr<uint8_t[]> buffer(new uint8_t[kBouncePiece + kAlignSpare]);
   return cache_line_aligned(buffer.get());
 }
 
@@ -367,7 +367,7 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
     if (iov.size() < static_cast<size_t>(kMaxIov)) iov.resize(kMaxIov);
     uint64_t capacity = kWritePiece;
     for (size_t u = groups[g]; u < groups[g + 1]; ++u) capacity = std::max(capacity, items[units[u].item].row_bytes);
-    if (buffer.size() < capacity + kCacheLine + kAlignSlack) buffer.resize(capacity + kCacheLine + kAlignSlack);
+    if (buffer.size() < capacity + kAlignSpare) buffer.resize(capacity + kAlignSpare);
     uint8_t* const aligned = cache_line_aligned(buffer.data());
     uint64_t at = unit_offset(groups[g]);
     uint8_t* buf = aligned + aligned_like(at);  // copies land aligned like the file offset they go to

@@ -22,37 +22,6 @@ class HeaderEntry:
     end: int
 
 
-def build(entries: Sequence[Tuple[str, DType, Sequence[int]]], format_version: int) -> Tuple[bytes, List[int]]:
-    """Header bytes (length prefix included, JSON padded to 8 bytes) for tensors stored back to back,
-    and each tensor's absolute byte offset in the file."""
-    header: Dict[str, object] = {}
-    foreign: Dict[str, str] = {}
-    begin = 0
-    for name, dtype, shape in entries:
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        if dtype.st_code is None:
-            foreign[name] = dtype.name
-            st_code, st_shape = "U8", [nbytes]
-        else:
-            st_code, st_shape = dtype.st_code, list(shape)
-        header[name] = {"dtype": st_code, "shape": st_shape, "data_offsets": [begin, begin + nbytes]}
-        begin += nbytes
-    metadata = {"format": SHARD_FORMAT, "format_version": str(format_version)}
-    if foreign:
-        metadata[_DTYPES_KEY] = json.dumps(foreign, sort_keys=True)
-    text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
-    sizes = [(int(e["data_offsets"][0]), int(e["data_offsets"][1]) - int(e["data_offsets"][0]))  # type: ignore[index]
-             for n, e in header.items()]
-    text += b" " * _padding(len(text), sizes)
-    data_start = 8 + len(text)
-    starts = []
-    for name, _dtype, _shape in entries:
-        starts.append(data_start + header[name]["data_offsets"][0])  # type: ignore[index]
-    return struct.pack("<Q", len(text)) + text, starts
-
-
 # Writers pad the header so that most of the data starts on this boundary in the file. The kernel's
 # copy of a buffered write (`rep movsb`) runs slower when source and page cache are not aligned
 # alike: tensors start 64-byte aligned in memory, and a save of 2 GB written at file offsets 16
@@ -73,6 +42,35 @@ def _padding(text_len: int, tensors: Sequence[Tuple[int, int]]) -> int:
         if aligned > best_bytes:
             best, best_bytes = pad, aligned
     return best
+
+
+def build(entries: Sequence[Tuple[str, DType, Sequence[int]]], format_version: int) -> Tuple[bytes, List[int]]:
+    """Header bytes (length prefix included, JSON padded with spaces to a multiple of 8, chosen by
+    _padding to align the data) for tensors stored back to back, and each tensor's absolute byte
+    offset in the file."""
+    header: Dict[str, object] = {}
+    foreign: Dict[str, str] = {}
+    extents: List[Tuple[int, int]] = []  # (offset in the data buffer, nbytes) of each tensor
+    begin = 0
+    for name, dtype, shape in entries:
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if dtype.st_code is None:
+            foreign[name] = dtype.name
+            st_code, st_shape = "U8", [nbytes]
+        else:
+            st_code, st_shape = dtype.st_code, list(shape)
+        header[name] = {"dtype": st_code, "shape": st_shape, "data_offsets": [begin, begin + nbytes]}
+        extents.append((begin, nbytes))
+        begin += nbytes
+    metadata = {"format": SHARD_FORMAT, "format_version": str(format_version)}
+    if foreign:
+        metadata[_DTYPES_KEY] = json.dumps(foreign, sort_keys=True)
+    text = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
+    text += b" " * _padding(len(text), extents)
+    data_start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, [data_start + offset for offset, _ in extents]
 
 
 def parse(raw: bytes, file_size: int, path: str) -> Tuple[int, Dict[str, HeaderEntry]]:
