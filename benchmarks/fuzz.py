@@ -72,9 +72,12 @@ NEEDS: Dict[str, List[str]] = {}
 RESULT = "@@RESULT "
 READY = "@@READY "
 
-# Index keys whose change cannot alter the values loaded (FORMAT.md: informational, free-form, or only
-# used for resharding); a changed `step` is reported separately (the index carries no checksum).
-INDEX_LENIENT_TOP = {"recsave_version", "created_at", "step", "meta", "world_size", "bucket_ranges"}
+# Index keys whose change cannot alter the tensor values loaded (FORMAT.md: informational, free-form,
+# only used for resharding, or the seal: an index without `index_crc32c` is one written before seals,
+# read as it stands); a changed `step` that loads is reported separately. A sealed index refuses
+# every edit of these too, which is always an allowed outcome.
+INDEX_LENIENT_TOP = {"recsave_version", "created_at", "step", "meta", "world_size", "bucket_ranges",
+                     "index_crc32c"}
 INDEX_LENIENT_FILE = {"rank"}
 INDEX_LENIENT_CHUNK = {"buckets", "segment_bytes", "segments"}
 

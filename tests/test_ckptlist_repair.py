@@ -9,7 +9,7 @@ import shutil
 import warnings
 
 import pytest
-from helpers import assert_jobs_equal, job_state, make_job
+from helpers import assert_jobs_equal, job_state, make_job, read_index_json, write_index_json
 
 import recsave
 from recsave.format import ckptlist
@@ -252,12 +252,9 @@ def test_rebuild_orders_by_step_then_created_at_then_id(tmp_path):
 
 def test_rebuild_keeps_newer_format_checkpoints(run):
     out, _ = run
-    path = os.path.join(out, "ckpt_30", "index")
-    with open(path) as f:
-        index = json.load(f)
+    index = read_index_json(os.path.join(out, "ckpt_30"))
     index["format_version"] = 5
-    with open(path, "w") as f:
-        json.dump(index, f)
+    write_index_json(os.path.join(out, "ckpt_30"), index)
     _damage(out, "emptied")
     with pytest.warns(RuntimeWarning, match=REBUILT):
         assert catalog.collect_garbage(out) == ["ckpt_35"]

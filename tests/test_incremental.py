@@ -10,7 +10,18 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import CTR, Reader, assert_obj_equal, assert_states_equal, make_batch, model_state, tables_of, train_step
+from helpers import (
+    CTR,
+    Reader,
+    assert_obj_equal,
+    assert_states_equal,
+    make_batch,
+    model_state,
+    read_index_json,
+    tables_of,
+    train_step,
+    write_index_json,
+)
 
 import recsave
 from recsave import Saver, knobs
@@ -205,7 +216,7 @@ def test_old_checkpoint_without_metadata_loads_zeros(tmp_path):
     job.step()
     job.saver.save("a")
     path = os.path.join(out, "a", "index")
-    raw = json.loads(open(path, "rb").read())
+    raw = read_index_json(os.path.join(out, "a"))  # an older recsave's index: no seal either
     for t in ("user", "item"):
         for m in ("last_step", "count"):
             del raw["tensors"][f"{t}@{m}"]
@@ -267,8 +278,7 @@ def test_damaged_parent(chain_dir, tmp_path, damage):
     if damage == "missing":
         shutil.rmtree(parent)
     elif damage == "rewritten":
-        raw = json.loads(open(os.path.join(parent, "index"), "rb").read())
-        open(os.path.join(parent, "index"), "w").write(json.dumps(raw, indent=1))  # same content, other bytes
+        write_index_json(parent, read_index_json(parent), indent=1)  # same content (unsealed), other bytes
     else:
         shard = next(f for f in sorted(os.listdir(parent)) if f.endswith(".safetensors"))
         with open(os.path.join(parent, shard), "r+b") as f:

@@ -3,12 +3,11 @@ fallback loads stop on it, and no save, rotation or gc deletes or replaces it.""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import warnings
 
 import pytest
-from helpers import assert_jobs_equal, job_state, make_job
+from helpers import assert_jobs_equal, job_state, make_job, read_index_json, write_index_json
 
 from recsave import CheckpointExistsError, CorruptCheckpointError, FormatVersionError, RecsaveError
 from recsave.tools import catalog
@@ -21,12 +20,9 @@ NEWER = (r"written by a newer recsave \(format_version 5\); upgrade recsave, or 
 def make_newer(ckpt_dir) -> None:
     """Rewrites the index of a committed checkpoint as a newer recsave would have written it: the
     same valid file, format_version 5."""
-    path = os.path.join(ckpt_dir, "index")
-    with open(path, "rb") as f:
-        index = json.load(f)
+    index = read_index_json(ckpt_dir)
     index["format_version"] = 5
-    with open(path, "w") as f:
-        json.dump(index, f)
+    write_index_json(ckpt_dir, index)
 
 
 def tree(path) -> dict:
@@ -145,10 +141,9 @@ def test_a_version_no_recsave_writes_is_damage_and_fallback_skips_it(tmp_path):
     out = tmp_path / "out"
     job, state2 = two_steps(out)
     job.manager.close()
-    index_path = out / "ckpt_4" / "index"
-    index = json.loads(index_path.read_text())
+    index = read_index_json(out / "ckpt_4")
     index["format_version"] = 0  # older than any recsave: not "newer", so damage
-    index_path.write_text(json.dumps(index))
+    write_index_json(out / "ckpt_4", index)
     fresh = make_job(str(out), save_interval=2)
     with pytest.warns(RuntimeWarning, match=r"ckpt_4 cannot be loaded \(FormatVersionError"):
         assert fresh.manager.restore() == 2

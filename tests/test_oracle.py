@@ -16,6 +16,7 @@ from typing import Dict
 import google_crc32c
 import pytest
 import torch
+from helpers import read_index_json, write_index_json
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -39,9 +40,15 @@ def copy_valid(tmp_path: Path) -> Path:
 
 
 def edit(d: Path, fn) -> None:
-    idx = json.loads((d / "index").read_text())
+    """Applies fn to the index of d and writes it back sealed (if it was), so the edit itself is
+    what the readers judge."""
+    sealed = b'"index_crc32c":' in (d / "index").read_bytes()
+    idx = read_index_json(d)
     fn(idx)
-    (d / "index").write_text(json.dumps(idx))
+    if sealed:
+        write_index_json(d, idx)
+    else:
+        (d / "index").write_text(json.dumps(idx))
 
 
 def test_crc32c_check_value() -> None:
@@ -390,8 +397,8 @@ def test_reads_a_delta_as_stored_like_the_engine(chain_dir) -> None:
 def test_check_parent_refuses_a_rewritten_or_missing_parent(chain_dir) -> None:
     out, _, _ = chain_dir
     d = str(out / "ckpt_2")
-    with open(out / "ckpt_1" / "index", "ab") as f:
-        f.write(b" ")  # still a valid index, but not the bytes the delta recorded
+    index = read_index_json(out / "ckpt_1")
+    write_index_json(out / "ckpt_1", dict(index, created_at="2000-01-01T00:00:00Z"))  # valid, other bytes
     oracle.read_index(str(out / "ckpt_1"))
     with pytest.raises(E.CorruptCheckpointError, match="rewritten or damaged") as info:
         oracle.check_parent(d)

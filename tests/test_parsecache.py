@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from helpers import read_index_json, write_index_json
 
 import recsave
 from recsave.format import index as index_mod
@@ -68,10 +69,9 @@ def test_index_read_twice_is_one_record_and_a_changed_index_is_read_anew(tmp_pat
     assert len(data) >= parsecache.MIN_BYTES
     first = index_mod.read(str(tmp_path / "ckpt_1"))
     assert index_mod.read(str(tmp_path / "ckpt_1")) is first
-    raw = json.loads(data)
+    raw = read_index_json(tmp_path / "ckpt_1")
     raw["created_at"] = "2001-01-01T00:00:00+00:00"
-    changed = json.dumps(raw, separators=(",", ":")).encode()
-    path.write_bytes(changed)
+    write_index_json(tmp_path / "ckpt_1", raw)
     again = index_mod.read(str(tmp_path / "ckpt_1"))
     assert again is not first and again.created_at == "2001-01-01T00:00:00+00:00"
     assert again.tensors == first.tensors

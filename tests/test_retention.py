@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from helpers import listing, make_job
+from helpers import listing, make_job, read_index_json, write_index_json
 
 from recsave import ArgumentTypeError, CheckpointManager, CorruptCheckpointError, Saver, UsageError
 from recsave.format import read_index
@@ -150,8 +150,7 @@ def test_a_plain_saver_records_no_policy_and_gc_keeps_its_list(tmp_path):
     saver.close()
     index = read_index(os.path.join(out, "s2"))
     assert index.retention is None and index.metrics == {"auc": 2.0}
-    with open(os.path.join(out, "s2", "index")) as f:
-        raw = json.load(f)
+    raw = read_index_json(os.path.join(out, "s2"))  # the seal left out
     assert list(raw)[-2:] == ["meta", "metrics"]  # after "meta"; no "retention" key
     assert [(e["id"], e["kept"]) for e in list_checkpoints(out)] == [("s1", ["latest"]), ("s2", ["latest"])]
     assert clean_output_dir(out)["removed_checkpoints"] == []
@@ -168,12 +167,9 @@ def test_a_checkpoint_without_metrics_has_no_metrics_key(tmp_path):
 def test_bad_metrics_in_an_index_are_corrupt(tmp_path):
     out = str(tmp_path / "run")
     make_job(out).saver.save("a", metrics={"auc": 0.5})
-    path = os.path.join(out, "a", "index")
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_index_json(os.path.join(out, "a"))
     raw["metrics"] = {"auc": "high"}
-    with open(path, "w") as f:
-        json.dump(raw, f)
+    write_index_json(os.path.join(out, "a"), raw)
     with pytest.raises(CorruptCheckpointError, match="metric 'auc' must be a finite number"):
         read_index(os.path.join(out, "a"))
 

@@ -4,7 +4,6 @@ checkpoints (flipped bytes, pickled callables, path traversal, uncommitted lefto
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import shutil
@@ -23,8 +22,10 @@ from helpers import (
     listing,
     make_job,
     model_state,
+    read_index_json,
     tables_of,
     train,
+    write_index_json,
 )
 from safetensors.numpy import load_file
 
@@ -66,13 +67,11 @@ def _trained_job(out, steps=8, **kw):
 
 
 def _index(ckpt_dir):
-    with open(os.path.join(ckpt_dir, "index"), "rb") as f:
-        return json.load(f)
+    return read_index_json(ckpt_dir)
 
 
 def _write_index(ckpt_dir, index):
-    with open(os.path.join(ckpt_dir, "index"), "w") as f:
-        json.dump(index, f)
+    write_index_json(ckpt_dir, index)
 
 
 def _list_file(out):

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import read_index_json, write_index_json
 from safetensors import safe_open
 
 import recsave
@@ -266,12 +267,9 @@ def test_one_rank_export_loads_on_three_ranks(source, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- index rules
 def edit_index(ckpt_dir: str, **changes) -> None:
-    path = os.path.join(ckpt_dir, "index")
-    with open(path) as f:
-        index = json.load(f)
+    index = read_index_json(ckpt_dir)
     index.update(changes)
-    with open(path, "w") as f:
-        json.dump(index, f)
+    write_index_json(ckpt_dir, index)
 
 
 def test_index_kind_rules(source, tmp_path):
@@ -289,16 +287,14 @@ def test_index_kind_rules(source, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="bucket_segments needs format_version 4"):
         index_mod.read(path)
     edit_index(path, format_version=4, kind="serving")
-    raw = json.loads(open(os.path.join(path, "index")).read())
+    raw = read_index_json(path)
     raw["meta"]["tables"]["user"]["quant"] = "int4"
-    with open(os.path.join(path, "index"), "w") as f:
-        json.dump(raw, f)
+    write_index_json(path, raw)
     with pytest.raises(FormatVersionError, match="'int4'"):
         index_mod.read(path)
     raw["meta"]["tables"]["user"]["quant"] = "int8"
     raw["tensors"]["user@scale"]["dtype"] = "bfloat16"
-    with open(os.path.join(path, "index"), "w") as f:
-        json.dump(raw, f)
+    write_index_json(path, raw)
     with pytest.raises(CorruptCheckpointError, match="user@scale must be float16 or float32"):
         index_mod.read(path)
 

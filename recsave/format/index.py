@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from recsave import gcpause, knobs
 from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
-from recsave.format import checks
+from recsave.format import checks, seal
 from recsave.format import segments as bucket_rule
 from recsave.format.dtypes import from_name
 from recsave.format.meta import parse_meta
@@ -451,9 +451,10 @@ def _parse_buckets(buckets: Any, rows: Optional[Tuple[int, int]], path: str, nam
 
 
 def dumps(index: Index) -> bytes:
-    """The index bytes recsave writes: compact JSON, keys in the records' order."""
+    """The index bytes recsave writes: compact JSON, keys in the records' order, sealed with the CRC32C
+    of its bytes (format/seal.py)."""
     with gcpause.paused():  # to_json builds a dict per chunk
-        return json.dumps(index.to_json(), separators=(",", ":"), sort_keys=False).encode()
+        return seal.seal(json.dumps(index.to_json(), separators=(",", ":"), sort_keys=False).encode())
 
 
 def write(directory: str, index: Index, *, durable: Optional[bool] = None,
@@ -485,6 +486,8 @@ def _parse(data: bytes, path: str) -> Index:
             index = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise checks.corrupt(path, f"index is not UTF-8 JSON ({exc})") from None
+        if isinstance(index, dict):  # the seal first: damage reads as damage, not as a newer version
+            seal.check(data, index, path)
         return validate(index, path)
 
 

@@ -24,6 +24,7 @@ import base64
 import binascii
 import errno
 import os
+import re
 import stat
 import struct
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -225,6 +226,25 @@ def _index_bytes(path: str, what: str, missing: str) -> bytes:
     return raw
 
 
+_SEAL_TAIL = re.compile(rb',"index_crc32c":(0|[1-9][0-9]{0,9})}\Z')
+
+
+def _check_seal(raw: bytes, idx: dict, path: str) -> None:
+    """Section 3, "The seal": when the index has `index_crc32c`, it is the last key, written as
+    ``,"index_crc32c":N}`` at the very end, and N is the CRC32C of the bytes before that text."""
+    if "index_crc32c" not in idx:
+        return
+    value = idx["index_crc32c"]
+    if not is_int(value) or not 0 <= value < 1 << 32:
+        raise corrupt(path, f"index_crc32c must be an integer in [0, 2^32), found {value!r:.80}")
+    tail = _SEAL_TAIL.search(raw[-40:])
+    if tail is None or int(tail.group(1)) != value:
+        raise corrupt(path, "index_crc32c is not the last key of the index, written without spaces")
+    body = raw[:len(raw) - (tail.end() - tail.start())]
+    if crc32c(body) != value:
+        raise corrupt(path, f"the index's bytes have CRC32C {crc32c(body)}, but it records {value}")
+
+
 def read_index(ckpt_dir: str) -> dict:
     """Loads ``<ckpt_dir>/index`` and validates it against FORMAT.md section 3; returns the parsed JSON
     (a version 3 or 4 chunk's packed `crc32c` decoded into the list versions 1 and 2 hold, and a
@@ -232,6 +252,7 @@ def read_index(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, "index")
     raw = _index_bytes(path, "the index", f"no index: {ckpt_dir} is not a committed checkpoint")
     idx = as_obj(parse_json(raw, "the index", path), "the index", path)
+    _check_seal(raw, idx, path)
     if idx.get("magic") != INDEX_MAGIC:
         raise corrupt(path, f"magic is {idx.get('magic')!r:.80}, not {INDEX_MAGIC!r}: not a recsave index")
     if "format_version" not in idx:
