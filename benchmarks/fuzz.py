@@ -79,7 +79,8 @@ READY = "@@READY "
 INDEX_LENIENT_TOP = {"recsave_version", "created_at", "step", "meta", "world_size", "bucket_ranges",
                      "index_crc32c"}
 INDEX_LENIENT_FILE = {"rank"}
-INDEX_LENIENT_CHUNK = {"buckets", "segment_bytes", "segments"}
+SEAL_KEY = "index_crc32c"  # docs/FORMAT.md section 3, "The seal"
+INDEX_LENIENT_CHUNK = {"buckets", "segment_bytes", "segments", "bucket_segments"}  # segments: CRCs must still match
 
 
 # =============================================================================== worker (loads)
@@ -377,6 +378,25 @@ def _strict_eq(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _files_read(old: Any, new: Any, *, shards_only: bool) -> Tuple[Any, Any]:
+    """old and new with only the file entries a reader opens: a load opens the shard files and the
+    dense files old lists (never io_state_count: the count is in `meta`), read_tensors only the
+    shard files (those old's chunks name). An entry of another file may change without changing
+    what is read (in an unsealed index; a sealed one refuses any edit)."""
+    if not isinstance(old, dict) or not isinstance(old.get("files"), dict):
+        return old, new
+    keep = set(old["files"]) - {"io_state_count"}
+    if shards_only:
+        keep &= {c.get("file") for t in old.get("tensors", {}).values() if isinstance(t, dict)
+                 for c in t.get("chunks", []) if isinstance(c, dict)}
+
+    def only(index: Any) -> Any:
+        if not isinstance(index, dict) or not isinstance(index.get("files"), dict):
+            return index
+        return dict(index, files={k: v for k, v in index["files"].items() if k in keep})
+    return only(old), only(new)
+
+
 def index_equivalent(old: Any, new: Any) -> bool:
     """Whether a changed index still means the same bytes for the same tensors (lenient keys aside)."""
     if not isinstance(new, dict):
@@ -472,16 +492,19 @@ def classify(m: Mutation, rel: str, old: Optional[bytes], new: Optional[bytes], 
         if symlink:
             return  # FORMAT.md refuses symlinks among the files the index lists; the index is not one
         m.index_touched.add(ckpt)
-        ok = False
+        ok = read_ok = False
         if old is not None and new is not None:
             try:
-                ok = index_equivalent(json.loads(old.decode("utf-8")), json.loads(new.decode("utf-8")))
+                a, b = json.loads(old.decode("utf-8")), json.loads(new.decode("utf-8"))
             except (UnicodeDecodeError, ValueError):
-                ok = False
+                pass
+            else:
+                ok = index_equivalent(*_files_read(a, b, shards_only=False))
+                read_ok = ok or index_equivalent(*_files_read(a, b, shards_only=True))
         if not ok:
             m.damaged.add(ckpt)
             m.rows_damaged.add(ckpt)
-            m.allowed_read &= ckpt != LATEST
+        m.allowed_read &= read_ok or ckpt != LATEST
         return
     if fname.startswith("sparse-"):
         if old is None or new is None or not shard_equivalent(old, new):
@@ -651,7 +674,12 @@ def mutate(rng: random.Random, out: str, kind: str) -> Mutation:
     elif kind == "index_json":
         rel = os.path.join(LATEST if rng.random() < (0.9 if not NEEDS else 0.5) else OLDER, "index")
         obj = json.loads(_read(os.path.join(out, rel)))  # type: ignore[arg-type]
-        what = _mutate_json(rng, obj)
+        # Half the time the seal goes first, as in an index an older recsave wrote: the edit then
+        # reaches the index's own rules instead of stopping at its checksum.
+        unsealed = SEAL_KEY in obj and rng.random() < 0.5
+        if unsealed:
+            del obj[SEAL_KEY]
+        what = _mutate_json(rng, obj) + (" (seal removed)" if unsealed else "")
         change(rel, json.dumps(obj, separators=(",", ":")).encode(), what)
     elif kind == "header_json":
         rel = rng.choice(shards)

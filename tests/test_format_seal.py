@@ -111,3 +111,29 @@ def test_an_edit_resealed_is_read(ckpt):
 def test_seal_needs_a_json_object_with_keys(body):
     with pytest.raises(ValueError, match="non-empty JSON object"):
         seal.seal(body)
+
+
+# Behind the seal (and the only defence of an index written before seals): entries hold only
+# the keys recsave writes, and a dense file must have its CRC32C.
+@pytest.mark.parametrize("where", ["file entry", "chunk"])
+def test_an_unknown_key_in_an_entry_is_corrupt_even_unsealed(ckpt, where):
+    raw = read_index_json(ckpt)
+    if where == "file entry":
+        entry = raw["files"]["model.pt"]
+        entry["cr-32c"] = entry.pop("crc32c")  # renamed: model.pt would be read unchecked
+        match = r"entry of file 'model.pt' has keys \['cr-32c'\]|unknown keys \['cr-32c'\]"
+    else:
+        raw["tensors"]["user@embedding"]["chunks"][0]["zz"] = 1
+        match = r"keys \['zz'\] besides|unknown keys \['zz'\]"
+    write_index_json(ckpt, raw, indent=1)  # unsealed: as an older recsave wrote it
+    _both_refuse(ckpt, match)
+
+
+def test_a_dense_file_listed_without_crc32c_is_refused_when_read(ckpt, tmp_path):
+    raw = read_index_json(ckpt)
+    del raw["files"]["model.pt"]["crc32c"]
+    write_index_json(ckpt, raw)
+    assert recsave.format.read_tensors(ckpt)  # read_tensors does not open model.pt
+    job = make_job(str(tmp_path / "other"))
+    with pytest.raises(CorruptCheckpointError, match="model.pt: the index records no crc32c"):
+        job.saver.load(ckpt)

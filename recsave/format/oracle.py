@@ -174,6 +174,10 @@ def _check_chunks(name: str, t: dict, itemsize: int, files: dict, world: dict, s
     next_row, seen_files = 0, set()
     for i, c in enumerate(chunks):
         c = as_obj(c, f"chunk {i}", path, name)
+        extra = set(c) - {"file", "offset", "length", "rows", "crc32c", "segment_bytes", "segments",
+                          "bucket_segments", "buckets"}
+        if extra:
+            raise corrupt(path, f"chunk {i} has unknown keys {sorted(extra)!r:.120}", name)
         fname = c.get("file")
         if not isinstance(fname, str) or fname not in files:
             raise corrupt(path, f"chunk {i} refers to file {fname!r:.120}, which is not in 'files'", name)
@@ -280,6 +284,9 @@ def read_index(ckpt_dir: str) -> dict:
     for fname, entry in files.items():
         plain_name(fname, path)
         entry = as_obj(entry, f"file entry {fname!r}", path)
+        if set(entry) - {"size", "rank", "crc32c"}:
+            raise corrupt(path, f"file entry {fname!r} has unknown keys "
+                                f"{sorted(set(entry) - {'size', 'rank', 'crc32c'})!r:.120}")
         as_int(entry.get("size"), f"size of file {fname!r}", path)
         as_int(entry.get("rank"), f"rank of file {fname!r}", path, hi=idx["world_size"])
         if "crc32c" in entry:

@@ -44,7 +44,11 @@ def read_bytes(storage: Storage, directory: str, fname: str, index: Index) -> by
     if len(data) != entry.size:
         raise CorruptCheckpointError(f"{path}: read {len(data)} bytes, the index records {entry.size}",
                                      path=path)
-    if entry.crc32c is not None and _C.crc32c(data) != entry.crc32c:
+    if entry.crc32c is None:  # recsave records one for every file that is not a shard file
+        raise CorruptCheckpointError(f"{path}: the index records no crc32c for this file, so its bytes "
+                                     f"cannot be checked; the index is damaged — restore from another "
+                                     f"checkpoint", path=path)
+    if _C.crc32c(data) != entry.crc32c:
         raise CorruptCheckpointError(f"{path}: CRC32C mismatch; the file is damaged — restore from "
                                      f"another checkpoint", path=path)
     return data
