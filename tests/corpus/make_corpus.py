@@ -3,7 +3,8 @@
 
 Every file is built by hand from docs/FORMAT.md with struct and json (never with recsave's writer), so
 the corpus tests the readers against the spec rather than against recsave's own idea of it. One case is
-valid (``valid_basic``; ``valid_v3`` and ``valid_v4``, the same as format_version 3 and 4); every other case breaks
+valid (``valid_basic``; ``valid_v3`` and ``valid_v4``, the same as format_version 3 and 4; ``valid_sealed``,
+version 4 with the index's seal); every other case breaks
 exactly one rule of the spec, as far as the rule allows.
 
 cases.json maps a case to ``{"error": <class name in recsave.errors or null>, "match": <substring the
@@ -266,6 +267,15 @@ def valid_v4(d: Path) -> List[dict]:
     return specs
 
 
+def seal_index(d: Path, after: bytes = b"") -> None:
+    """Section 3, "The seal": the index (pretty-printed: nothing asks for compact JSON) without its
+    closing brace, then ``,"index_crc32c":N}``, N the CRC32C of the bytes before that text."""
+    body = (d / "index").read_bytes().rstrip()
+    assert body.endswith(b"}")
+    head = body[:-1]
+    (d / "index").write_bytes(head + b',"index_crc32c":%d}' % crc(head) + after)
+
+
 def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
     """Builds one case into ``d``; returns (error class name, message substring, extra cases.json fields)."""
     C, V, NF = "CorruptCheckpointError", "FormatVersionError", "CheckpointNotFoundError"
@@ -279,6 +289,29 @@ def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
     if case == "valid_v4":
         ref = {s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": s["data"].hex()} for s in valid_v4(d)}
         return None, "", {"tensors": ref}
+    if case == "valid_sealed":
+        ref = {s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": s["data"].hex()} for s in valid_v4(d)}
+        seal_index(d)
+        return None, "", {"tensors": ref}
+    if case == "seal_mismatch":  # a digit of step changed after sealing: the index still validates
+        valid_v4(d)
+        seal_index(d)
+        sealed = (d / "index").read_bytes()
+        assert sealed.count(b'"step": 7,') == 1
+        (d / "index").write_bytes(sealed.replace(b'"step": 7,', b'"step": 9,'))
+        return C, "index's bytes have CRC32C", {}
+    if case == "seal_not_last":  # a newline after the seal
+        valid_v4(d)
+        seal_index(d, after=b"\n")
+        return C, "index_crc32c", {}
+    if case == "file_entry_unknown_key":  # the key a renamed "crc32c" would leave
+        base(d)
+        edit_index(d, lambda i: i["files"][F].update(zz=1))
+        return C, "['zz']", {}
+    if case == "chunk_unknown_key":
+        base(d)
+        edit_index(d, lambda i: chunk0(i).update(zz=1))
+        return C, "['zz']", {}
     if case == "v4_rule_in_version_3":
         valid_v4(d)
         edit_index(d, lambda i: i.update(format_version=3))
@@ -524,6 +557,7 @@ CASES = [
     "index_shape_overflow", "index_ndim_over_32", "index_shape_bool", "index_size_string", "index_offset_float",
     "valid_v3", "v3_bucket_reference_past_the_list", "v3_crc_not_base64", "v3_crc_list",
     "valid_v4", "v4_rule_in_version_3", "v4_rule_without_buckets", "v4_rule_gives_other_segments",
+    "valid_sealed", "seal_mismatch", "seal_not_last", "file_entry_unknown_key", "chunk_unknown_key",
 ]
 
 
