@@ -281,10 +281,11 @@ def read_index_json(ckpt_dir) -> Dict[str, Any]:
     return raw
 
 
-def write_index_json(ckpt_dir, raw: Dict[str, Any], *, indent: Optional[int] = None) -> None:
-    """Writes an edited index sealed as recsave seals one (docs/FORMAT.md section 3), so that a
-    test's edit reaches the rule it tests instead of failing the index's checksum."""
+def write_index_json(ckpt_dir, raw: Dict[str, Any], *, sealed: bool = True, indent: Optional[int] = None) -> None:
+    """Writes an edited index, sealed as recsave seals one (docs/FORMAT.md section 3) so that a
+    test's edit reaches the rule it tests instead of failing the index's checksum, or with
+    `sealed=False` as a recsave from before seals wrote it."""
     body = {k: v for k, v in raw.items() if k != seal.KEY}
     text = json.dumps(body, indent=indent, separators=None if indent else (",", ":")).encode()
     with open(os.path.join(str(ckpt_dir), "index"), "wb") as f:
-        f.write(seal.seal(text) if indent is None else text)
+        f.write(seal.seal(text) if sealed else text)

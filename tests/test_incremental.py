@@ -278,7 +278,7 @@ def test_damaged_parent(chain_dir, tmp_path, damage):
     if damage == "missing":
         shutil.rmtree(parent)
     elif damage == "rewritten":
-        write_index_json(parent, read_index_json(parent), indent=1)  # same content (unsealed), other bytes
+        write_index_json(parent, read_index_json(parent), sealed=False, indent=1)  # same content, other bytes
     else:
         shard = next(f for f in sorted(os.listdir(parent)) if f.endswith(".safetensors"))
         with open(os.path.join(parent, shard), "r+b") as f:

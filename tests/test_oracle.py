@@ -45,10 +45,7 @@ def edit(d: Path, fn) -> None:
     sealed = b'"index_crc32c":' in (d / "index").read_bytes()
     idx = read_index_json(d)
     fn(idx)
-    if sealed:
-        write_index_json(d, idx)
-    else:
-        (d / "index").write_text(json.dumps(idx))
+    write_index_json(d, idx, sealed=sealed)
 
 
 def test_crc32c_check_value() -> None:

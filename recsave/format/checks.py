@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, List, Optional, Sequence
+from typing import AbstractSet, Any, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -20,6 +20,15 @@ def corrupt(path: Optional[str], message: str, key: Optional[str] = None) -> Cor
     return CorruptCheckpointError(
         f"{where}{what}{message}; the checkpoint is damaged or was not written by recsave — "
         f"restore from another checkpoint", path=path, key=key)
+
+
+def only_keys(obj: Mapping[str, Any], allowed: AbstractSet[str], what: str, path: Optional[str],
+              key: Optional[str] = None) -> None:
+    """Refuses an entry with a key recsave never writes: one misspelt by damage (a renamed
+    "crc32c", say) would otherwise be ignored silently."""
+    if not obj.keys() <= allowed:
+        unknown = sorted(set(obj) - allowed)
+        raise corrupt(path, f"{what} has unknown keys {unknown[:4]!r:.80} (allowed: {sorted(allowed)})", key)
 
 
 def as_int(value: Any, what: str, path: Optional[str], key: Optional[str] = None, *,
