@@ -44,7 +44,7 @@ test-quick: setup
 test-cpp:
 	mkdir -p build
 	g++ -std=c++17 -O2 -Wall -pthread -Icsrc csrc/tests/core_test.cc csrc/core/crc32c.cc \
-	    csrc/core/shard_io.cc csrc/core/thread_pool.cc -o build/core_test && build/core_test
+	    csrc/core/shard_io.cc csrc/core/thread_pool.cc csrc/core/row_copy.cc -o build/core_test && build/core_test
 
 demo: setup
 	$(PY) -m recsave.tools.demo

@@ -108,6 +108,11 @@ _KNOBS: Dict[str, Knob] = {
     # CUDA tables' id maps probe with the kernels of csrc/cuda/ where those are built (off: with
     # torch ops, the same rows, slower).
     "cuda_kernels": Knob("RECSAVE_CUDA_KERNELS", True, bool),
+    # An async full save copies only the rows changed since the previous async save of the same
+    # Saver into the host copy it keeps (change tracking decides which: rows written through
+    # `weight` / `slot()` directly must be marked with mark_changed, as for incremental
+    # checkpoints). Off: every async save copies every row.
+    "stage_changed_rows": Knob("RECSAVE_STAGE_CHANGED_ROWS", False, bool),
     # Take the writer lock of output_dir when saving (one writing Saver per output dir).
     "writer_lock": Knob("RECSAVE_WRITER_LOCK", True, bool),
 }

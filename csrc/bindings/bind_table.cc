@@ -3,6 +3,7 @@
 
 #include "core/counting_sort.h"
 #include "core/errors.h"
+#include "core/row_copy.h"
 #include "core/row_init.h"
 
 namespace py = pybind11;
@@ -58,6 +59,22 @@ void bind_table(py::module_& m) {
       py::arg("order_address"), py::arg("counts_address"), py::arg("sorted_ids_address"), py::arg("threads") = 1,
       "Stable order of int64 ids by mix64(id) % num_buckets - first, and the count of each of the num_keys "
       "keys, and the ids in that order; False when a key lies outside [0, num_keys).");
+  m.def("copy_rows", [](uint64_t dst, uint64_t src, uint64_t num_rows, uint64_t row_bytes, uint64_t rows, int64_t n,
+                        int threads) {
+        if (n < 0 || threads < 1 || row_bytes == 0 || (n > 0 && (dst == 0 || src == 0 || rows == 0))) {
+          throw recsave::Error(recsave::ErrorKind::kInvalid, "",
+                               "n must be >= 0, threads >= 1, row_bytes >= 1 and the addresses set");
+        }
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = recsave::copy_rows(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), num_rows,
+                                  row_bytes, reinterpret_cast<const int64_t*>(rows), n, threads);
+        }
+        if (!ok) throw recsave::Error(recsave::ErrorKind::kInvalid, "", "a row lies outside [0, num_rows)");
+      }, py::arg("dst_address"), py::arg("src_address"), py::arg("num_rows"), py::arg("row_bytes"),
+      py::arg("rows_address"), py::arg("n"), py::arg("threads") = 1,
+      "dst row r = src row r for each of the n int64 rows (row-major buffers of num_rows rows of row_bytes).");
   m.def("mix64", [](int64_t id) { return static_cast<int64_t>(recsave::mix64(static_cast<uint64_t>(id))); },
         py::arg("id"), "splitmix64 finaliser of one id, as a signed int64.");
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Callable, Collection, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -14,7 +14,7 @@ from recsave.errors import RecsaveError
 from recsave.format import chain
 from recsave.format import index as index_mod
 from recsave.format.records import KIND_DELTA, KIND_FULL, Index, Parent, version_for
-from recsave.save.snapshot import Delta, SaveState
+from recsave.save.snapshot import Delta, SaveState, change_epoch
 from recsave.storage import Storage, dist
 from recsave.tables.tablelike import TableLike
 from recsave.tables.tracking import TableChanges
@@ -43,8 +43,8 @@ def tracks_changes(table: TableLike) -> bool:
 
 
 def _epoch(table: TableLike) -> int:
-    epoch = getattr(table, "change_epoch", None)
-    return int(epoch) if isinstance(epoch, int) else -1
+    epoch = change_epoch(table)
+    return -1 if epoch is None else epoch
 
 
 def why_full(tables: Mapping[str, TableLike], baseline: Optional[Baseline], storage: Storage,
@@ -76,23 +76,33 @@ def _parent_problem(storage: Storage, parent_dir: str) -> Optional[str]:
     return None if kind in (KIND_FULL, KIND_DELTA) else f"the parent {parent_dir} is of kind {kind!r}"
 
 
+@dataclass(frozen=True)
+class Taken:
+    """What take() decided: the deltas to write (None: a full save), the next baseline given the id
+    the save commits as, and the changes taken for the tables the caller asked for (`want`)."""
+    deltas: Optional[Dict[str, Delta]]
+    next_baseline: Callable[[str], Baseline]
+    changes: Dict[str, TableChanges]
+
+
 def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremental: bool, storage: Storage,
-         output_dir: str, rank: int, world: int) -> Tuple[Optional[Dict[str, Delta]], Callable[[str], Baseline]]:
+         output_dir: str, rank: int, world: int, want: Collection[str] = ()) -> Taken:
     """Moves every table's change baseline to now (a full save too, so the next delta is relative to
-    it); returns (the deltas to write, or None for a full save; the next baseline, given the id
-    this save commits as). Every rank takes part (one small collective when several): all write a
-    delta or all a full, and a table cleared on one rank is written whole, and marked cleared, by
-    all."""
+    it) and returns what the save writes. Every rank takes part (one small collective when
+    several): all write a delta or all a full, and a table cleared on one rank is written whole, and
+    marked cleared, by all. The changes of the tables in `want` are taken even for a full save (an
+    async save's stager copies only those rows)."""
     reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
     # Every save moves the baselines. A save already known to be full only resets them: listing
     # the changed rows is a pass over every table's mask (50 ms for 4M rows) it would not use.
     taken: Dict[str, TableChanges] = {}
     for n, t in tables.items():
         if tracks_changes(t):
-            if reason is None:
+            if reason is None or n in want:
                 taken[n] = t.take_changes()  # type: ignore[attr-defined]
             else:
                 t.reset_changes()  # type: ignore[attr-defined]
+    wanted = {n: c for n, c in taken.items() if n in want}
     after = Baseline.of("", tables)
 
     def next_baseline(ckpt_id: str) -> Baseline:
@@ -110,7 +120,7 @@ def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremen
     if reason is not None:
         if incremental:
             log.info("recsave: saving a full checkpoint instead of a delta: %s", reason)
-        return None, next_baseline
+        return Taken(None, next_baseline, wanted)
     deltas: Dict[str, Delta] = {}
     for name, changes in taken.items():
         if name in cleared and not changes.cleared:  # cleared on another rank: this one writes all its rows
@@ -118,7 +128,7 @@ def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremen
             deltas[name] = Delta(ids, rows, torch.empty(0, dtype=torch.int64), True)
         else:
             deltas[name] = Delta(changes.ids, changes.rows, changes.tombstones, bool(changes.cleared))
-    return deltas, next_baseline
+    return Taken(deltas, next_baseline, wanted)
 
 
 def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -> Index:

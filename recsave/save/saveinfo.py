@@ -15,7 +15,10 @@ class SaveInfo:
     `bytes` counts the checkpoint's files (on ranks other than 0: only the shard and io-state files
     that rank wrote); `seconds` is the time from the save call (for an
     async save: from the start of its background write) to the commit; `stall_seconds` how long the
-    training thread was blocked (the whole save when synchronous, the snapshot when async)."""
+    training thread was blocked (the whole save when synchronous, the snapshot when async);
+    `staged_rows` how many table rows an async save copied into its host buffers (every row, the
+    changed ones of a delta, or with the knob `stage_changed_rows` those changed since the Saver's
+    previous async save); None for a synchronous save."""
     ckpt_id: str
     path: str
     step: Optional[int]
@@ -24,6 +27,7 @@ class SaveInfo:
     seconds: float
     stall_seconds: float
     metrics: Optional[Mapping[str, float]] = None
+    staged_rows: Optional[int] = None
 
     @property
     def gb_per_s(self) -> float:

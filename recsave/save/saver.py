@@ -24,7 +24,7 @@ from recsave.save import arguments, delta, restore
 from recsave.save.background import BackgroundWrite
 from recsave.save.pipeline import CheckpointWriter, step_of_id
 from recsave.save.saveinfo import SaveInfo, log_commit
-from recsave.save.snapshot import SaveState, Stager, capture
+from recsave.save.snapshot import SaveState, Stager, capture, change_epoch
 from recsave.storage import Storage, dist, get_storage
 from recsave.tables import partition
 
@@ -213,10 +213,11 @@ class Saver:
         return path
 
     def _record_commit(self, ckpt_id: str, path: str, rank: int, seconds: float, stall: float,
-                       metrics: Optional[Dict[str, float]], is_delta: bool = False) -> None:
+                       metrics: Optional[Dict[str, float]], is_delta: bool = False,
+                       staged_rows: Optional[int] = None) -> None:
         """Sets last_save; rank 0 logs the commit."""
         info = SaveInfo(ckpt_id, path, step_of_id(ckpt_id), "delta" if is_delta else "full",
-                        self._checkpoints.last_bytes, seconds, stall, metrics)
+                        self._checkpoints.last_bytes, seconds, stall, metrics, staged_rows)
         self._last_save = info
         if rank == 0:
             log_commit(info)
@@ -249,6 +250,7 @@ class Saver:
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
         state, after = self._capture(rank, world, self._stager, incremental)
+        staged_rows = sum(self._stager.rows_copied.values())
         stage_future: Future = Future()
         stage_future.set_result(None)  # staging is done on this thread, before returning
         write = knobs.carried(self._write)
@@ -258,7 +260,8 @@ class Saver:
         def write_and_record() -> str:
             begin = time.monotonic()
             path = write(ckpt_id, state, rank, world, values, after)
-            self._record_commit(ckpt_id, path, rank, time.monotonic() - begin, stall, values, state.parent is not None)
+            self._record_commit(ckpt_id, path, rank, time.monotonic() - begin, stall, values, state.parent is not None,
+                                staged_rows)
             return path
         write_future = self._background.submit(ckpt_id, write_and_record)
         return stage_future, write_future
@@ -282,12 +285,20 @@ class Saver:
         if world > 1:
             for table in tables.values():
                 table.set_partition(rank, world, self.num_buckets)
-        deltas, after = delta.take(tables, self._baseline, incremental, self.storage, self.output_dir, rank,
-                                   world)
+        # Tables whose host copy from this Saver's last async save is still at their change
+        # baseline: only the rows changed since need copying (knob stage_changed_rows).
+        mirrored: List[str] = []
+        if stager is not None and knobs.get("stage_changed_rows"):
+            mirrored = [n for n, t in tables.items()
+                        if (epoch := stager.mirror_epoch(n)) is not None and epoch == change_epoch(t)]
+        taken = delta.take(tables, self._baseline, incremental, self.storage, self.output_dir, rank, world,
+                           want=mirrored)
+        deltas = taken.deltas
         parent = self._baseline.ckpt_id if deltas is not None and self._baseline is not None else None
         self.last_save_kind = "delta" if deltas is not None else "full"
         try:
-            return capture(tables, dense, self._extras, self._io_states, stager, deltas, parent), after
+            state = capture(tables, dense, self._extras, self._io_states, stager, deltas, parent, taken.changes)
+            return state, taken.next_baseline
         except BaseException:
             self._baseline = None  # the changes were taken: the next save must be full
             raise

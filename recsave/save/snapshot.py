@@ -13,10 +13,13 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from recsave import knobs
 from recsave.format import plainstate
 from recsave.format.writer import RowSource
 from recsave.tables.devcopy import DeviceGather, PinnedPair
+from recsave.tables.rows import copy_rows
 from recsave.tables.tablelike import TableLike
+from recsave.tables.tracking import TableChanges
 
 
 @dataclass
@@ -93,25 +96,106 @@ def meta_columns(table: TableLike) -> Dict[str, torch.Tensor]:
     return dict(columns()) if callable(columns) else {}
 
 
+def change_epoch(table: TableLike) -> Optional[int]:
+    """The table's change epoch (HashTable.change_epoch); None for a TableLike without one."""
+    epoch = getattr(table, "change_epoch", None)
+    return epoch if isinstance(epoch, int) else None
+
+
 def table_step(table: TableLike) -> Optional[int]:
     """The table step (HashTable.step); None for a TableLike without one."""
     step = getattr(table, "step", None)
     return int(step) if isinstance(step, int) else None
 
 
+@dataclass(frozen=True)
+class _Mirror:
+    """A table's host copy as a full async save left it: every row up to `used`, as the table held
+    them at change epoch `epoch`, under the buffer keys `keys`."""
+    epoch: int
+    used: int
+    keys: Tuple[Tuple[str, ...], ...]
+
+
 class Stager:
     """Host buffers an async save copies the state into, reused from one save to the next (a save
     waits for the previous write before staging). With `pinned`, copies of CUDA tensors go to
-    page-locked memory, which the D2H copy fills at full bus speed."""
+    page-locked memory, which the D2H copy fills at full bus speed.
+
+    A CPU table's buffers hold a whole copy of its rows after a full stage (its *mirror*). Given
+    the rows changed since (change tracking, knob `stage_changed_rows`), the next stage of that
+    table copies only those: stage_table()."""
 
     def __init__(self, pinned: bool = False):
         self.pinned = pinned
         self._buffers: Dict[Any, torch.Tensor] = {}
         self._device_copies = False
+        self._mirrors: Dict[str, _Mirror] = {}
+        self.rows_copied: Dict[str, int] = {}  # per table: rows the last capture copied
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
+
+    def mirror_epoch(self, name: str) -> Optional[int]:
+        """The change epoch of table `name`'s mirror (None: no whole copy is kept)."""
+        mirror = self._mirrors.get(name)
+        return mirror.epoch if mirror is not None else None
+
+    def forget(self, name: str) -> None:
+        """Table `name`'s buffers no longer hold its whole copy (a delta staged its changed rows
+        there)."""
+        self._mirrors.pop(name, None)
+
+    def stage_table(self, name: str, columns: Mapping[str, torch.Tensor], meta: Mapping[str, torch.Tensor],
+                    used: int, epoch: Optional[int], changed_rows: Optional[torch.Tensor] = None,
+                    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+        """Host copies of rows [0, used) of a table's columns and row metadata (each a [capacity, ...]
+        storage). With `changed_rows` (CPU int64: every live row written since the mirror's epoch)
+        and a mirror of the same columns in buffers that still fit, only those rows and the rows
+        added since are copied into it; otherwise every row. The result becomes the table's mirror
+        at `epoch` (its change epoch now) when every column is on the CPU."""
+        cols: Dict[Tuple[str, ...], torch.Tensor] = {(name, c): t for c, t in columns.items()}
+        metas: Dict[Tuple[str, ...], torch.Tensor] = {(name, "@meta", c): t for c, t in meta.items()}
+        sources = {**cols, **metas}
+        keys = tuple(sorted(sources, key=repr))
+        mirror = self._mirrors.pop(name, None)  # recorded again only once this stage completes
+        on_cpu = all(t.device.type == "cpu" for t in sources.values())
+        staged = None
+        if changed_rows is not None and mirror is not None and mirror.keys == keys and on_cpu:
+            staged = self._restage(name, sources, mirror.used, used, changed_rows)
+        if staged is None:
+            # Room for the table's capacity: the buffer lasts until the table doubles. meta_columns()
+            # are views up to row_capacity: room for the whole storage behind them.
+            staged = {k: self.stage(k, t[:used], room=t.numel()) for k, t in cols.items()}
+            staged.update({k: self.stage(k, t[:used], room=t.untyped_storage().nbytes() // t.element_size())
+                           for k, t in metas.items()})
+            self.rows_copied[name] = used
+        if on_cpu and epoch is not None:
+            self._mirrors[name] = _Mirror(epoch, used, keys)
+        return {k[1]: staged[k] for k in cols}, {k[2]: staged[k] for k in metas}
+
+    def _restage(self, name: str, sources: Mapping[Any, torch.Tensor], mirrored: int, used: int,
+                 changed_rows: torch.Tensor) -> Optional[Dict[Any, torch.Tensor]]:
+        """The mirror of rows [0, mirrored) brought up to rows [0, used) of `sources`: the changed
+        rows below `mirrored` and every row from there on copied. None, nothing copied, when a
+        buffer no longer fits."""
+        if used < mirrored:
+            return None
+        views: Dict[Any, torch.Tensor] = {}
+        for key, src in sources.items():
+            buf = self._buffers.get(key)
+            need = used * src[:1].numel()
+            if buf is None or buf.dtype != src.dtype or buf.is_pinned() or buf.numel() < need:
+                return None
+            views[key] = buf[:need].view((used,) + tuple(src.shape[1:]))
+        rows = changed_rows[changed_rows < mirrored]
+        for key, src in sources.items():
+            copy_rows(views[key], src, rows, knobs.get("concurrency"))
+            if used > mirrored:
+                views[key][mirrored:used] = src[mirrored:used]
+        self.rows_copied[name] = int(rows.numel()) + used - mirrored
+        return views
 
     def stage(self, key: Any, src: torch.Tensor, room: Optional[int] = None) -> torch.Tensor:
         """A host copy of `src` in the buffer reused under `key`, allocated for `room` elements (at
@@ -140,23 +224,28 @@ class Stager:
 
     def release(self) -> None:
         self._buffers.clear()
+        self._mirrors.clear()
 
 
 def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
             extras: Mapping[str, Any], io_states: Mapping[str, Any],
             stager: Optional[Stager] = None, deltas: Optional[Mapping[str, Delta]] = None,
-            parent: Optional[str] = None) -> SaveState:
+            parent: Optional[str] = None, changed: Optional[Mapping[str, TableChanges]] = None) -> SaveState:
     """The state a save writes. Without a stager it refers to the live tensors and objects; with
     one, tables and dense tensors are copied into its buffers and extras / io states deep-copied.
     Extras and io states are checked first (format/plainstate.py): one the safe loader could not
     restore raises UsageError before anything is staged or written. With `deltas` (a delta save
     against checkpoint `parent`), each table contributes only its changed rows (an async save
-    copies only those) and its tombstones."""
+    copies only those) and its tombstones. `changed` (a full save with a stager): a table's changes
+    since its stager's mirror, taken at this snapshot; only those rows are copied
+    (Stager.stage_table)."""
     extra_state = {n: plainstate.encode(o.state_dict(), "extra", n, "state_dict", "load_state_dict")
                    for n, o in extras.items()}
     io_state = {n: plainstate.encode(o.dump_io_state(), "io state", n, "dump_io_state", "load_io_state")
                 for n, o in io_states.items()}
     states: Dict[str, TableState] = {}
+    if stager is not None:
+        stager.rows_copied.clear()
     for name, table in tables.items():
         columns = table.columns()
         meta = meta_columns(table)
@@ -165,8 +254,10 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
         if delta is not None:
             ids, rows = delta.ids, delta.rows
             if stager is not None:  # only the changed rows are copied
+                stager.forget(name)  # into the buffers that held the table's whole copy
                 at = rows.to(columns["embedding"].device)
                 need = int(rows.numel())
+                stager.rows_copied[name] = need
                 columns = {c: stager.stage((name, c), t.index_select(0, at), room=2 * need * t[:1].numel())
                            for c, t in columns.items()}
                 meta = {c: stager.stage((name, "@meta", c), t.index_select(0, at), room=2 * need * t[:1].numel())
@@ -183,10 +274,9 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
         ids, rows = table.id_rows()
         # row_capacity: rows beyond it hold nothing (a TableLike without `weight`: all its rows)
         used = len(getattr(table, "weight", columns["embedding"]))
-        columns = {c: stager.stage((name, c), t[:used], room=t.numel()) for c, t in columns.items()}
-        # meta_columns() are views up to row_capacity: room for the whole storage behind them
-        meta = {c: stager.stage((name, "@meta", c), t[:used], room=t.untyped_storage().nbytes() // t.element_size())
-                for c, t in meta.items()}
+        since = changed.get(name) if changed is not None else None
+        changed_rows = since.rows if since is not None and since.tracked and not since.cleared else None
+        columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table), changed_rows)
         states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta, step=step,
                                   live_rows=live)
     if stager is None:

