@@ -232,6 +232,23 @@ def main():
         reader.position = -1
         write.result(timeout=60)
         saver.close()
+    elif scenario == "async_save_changed":  # knob stage_changed_rows: the second save copies a few rows
+        fill(model, rank, world)
+        reader.position = 1000 + rank
+        ids = global_ids()
+        some = ids[partition.owner_of(ids, world) == rank][::7]
+        with recsave.knobs.override(stage_changed_rows=True):
+            model.user.load_rows(some, expected_rows(some, 7.0), {"adagrad_acc": expected_rows(some, 7.5)},
+                                 clear=False)
+            _, write = saver.async_save("ckpt_0")  # its host copy holds the wrong rows
+            write.result(timeout=60)
+            model.user.load_rows(some, expected_rows(some, 0.0), {"adagrad_acc": expected_rows(some, 0.5)},
+                                 clear=False)
+            _, write = saver.async_save("ckpt_1")
+            write.result(timeout=60)
+        with open(os.path.join(work_dir, f"staged_{world}_{rank}.json"), "w") as f:
+            json.dump([saver.last_save.staged_rows, int(some.numel())], f)
+        saver.close()
     elif scenario == "delta_save":  # a full, then two deltas
         fill(model, rank, world)
         kinds = []

@@ -32,11 +32,15 @@ def run_ranks(scenario, world, work_dir, env_extra=None, timeout=120):
 
 
 @pytest.mark.parametrize("save_world,scheme,how", [(2, "local", "save"), (4, "file", "save"),
-                                                  (2, "local", "async_save")])
+                                                  (2, "local", "async_save"), (2, "local", "async_save_changed")])
 def test_save_with_n_ranks_load_with_m(tmp_path, save_world, scheme, how, monkeypatch):
     monkeypatch.setenv("OUT_SCHEME", scheme)
     codes, outs = run_ranks(how, save_world, tmp_path)
     assert codes == [0] * save_world, outs
+    if how == "async_save_changed":  # each rank copied only the rows it rewrote since its first save
+        for r in range(save_world):
+            staged, rewritten = json.loads((tmp_path / f"staged_{save_world}_{r}.json").read_text())
+            assert 0 < staged == rewritten
     index = read_index(str(tmp_path / "out" / "ckpt_1"))
     assert index.world_size == save_world
     assert index.tensor("user@id").shape == (len(global_ids()),)
