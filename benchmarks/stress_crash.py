@@ -5,6 +5,8 @@ latest committed checkpoint always restores bit for bit and that the job carries
     python benchmarks/stress_crash.py --full-every 3 [--trials 200] ...   (chain mode: delta saves)
     python benchmarks/stress_crash.py --mode load [--trials 200] [--seed 0]   (faults during loads:
         benchmarks/stress_load.py)
+    python benchmarks/stress_crash.py --async-changed [--full-every K] ...   (async autosaves that copy
+        only the rows changed since the previous one: knob stage_changed_rows)
 
 The job is the small CTR job of tests/helpers.py (two hash tables with Adagrad slots, batch norm,
 MLP, Adam registered as an extra, a reader registered as io state) driven by a CheckpointManager with
@@ -113,20 +115,37 @@ FILTERS: Dict[str, Callable[[tuple, dict], bool]] = {
 # full_every) and the kill targets.
 MANAGER_KW: Dict[str, Any] = {}
 ACTIVE: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = dict(TARGETS)
+ASYNC_MODE = ["disabled"]
 
 
-def configure(full_every: Optional[int]) -> None:
-    """Chain mode (`full_every` K) or the plain mode (None): manager keywords and kill targets."""
+def configure(full_every: Optional[int], async_changed: bool = False) -> None:
+    """Chain mode (`full_every` K) or the plain mode (None): manager keywords and kill targets. With
+    `async_changed`, the manager saves asynchronously with the knob stage_changed_rows (set in the
+    environment, so every forked child has it): every async save after a job's first copies only
+    the rows changed since, and its checkpoints must still restore bit for bit."""
     MANAGER_KW.clear()
     ACTIVE.clear()
     ACTIVE.update(TARGETS)
     if full_every is not None:
         MANAGER_KW.update(full_every=full_every, rebase_ratio=1e9)
         ACTIVE.update(CHAIN_TARGETS)
+    ASYNC_MODE[0] = "async" if async_changed else "disabled"
+    if async_changed:
+        os.environ["RECSAVE_STAGE_CHANGED_ROWS"] = "1"
+    else:
+        os.environ.pop("RECSAVE_STAGE_CHANGED_ROWS", None)
 
 
 def new_job(out: str, interval: Optional[int]):
-    return make_job(out, save_interval=interval, max_keep=MAX_KEEP, manager_kw=dict(MANAGER_KW))
+    return make_job(out, save_interval=interval, max_keep=MAX_KEEP, async_mode=ASYNC_MODE[0],
+                    manager_kw=dict(MANAGER_KW))
+
+
+def train(job, steps: int) -> None:
+    """`steps` training steps, then (async mode) waits for the last autosave's write: a run that
+    ends does not abandon a write in progress."""
+    job.train(steps)
+    job.manager.wait()
 
 
 def state_of(job) -> Dict[str, Any]:
@@ -268,7 +287,7 @@ def job_child(out: str, interval: int, expected_step: int, steps: int, refs: Dic
         if kill:
             os.environ[KILL_ENV] = kill
             install_kill_point(os.environ[KILL_ENV])
-        job.train(steps)
+        train(job, steps)
         return 0
     except BaseException:
         with open(err_path, "w") as f:
@@ -307,7 +326,7 @@ def calibrate(work: str, interval: int, steps: int, refs: Dict[int, Any]) -> Tup
 
     def warm() -> int:  # step 0 -> one save, so the timed run restores like later trials
         job = new_job(out, interval)
-        job.train(interval)
+        train(job, interval)
         return 0
     if _wait(_fork(warm), 300) != "exit 0":
         raise SystemExit("calibration warm-up failed")
@@ -317,7 +336,7 @@ def calibrate(work: str, interval: int, steps: int, refs: Dict[int, Any]) -> Tup
         job = new_job(out, interval)
         job.manager.restore()
         install_kill_point("count", counts)
-        job.train(steps)
+        train(job, steps)
         with open(counts_path, "w") as f:
             json.dump(counts, f)
         return 0
@@ -337,8 +356,9 @@ def calibrate(work: str, interval: int, steps: int, refs: Dict[int, Any]) -> Tup
 
 # --------------------------------------------------------------------------------------- driver
 def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: int = 3,
-        horizon: int = 120, verbose: bool = False, full_every: Optional[int] = None) -> Dict[str, Any]:
-    configure(full_every)
+        horizon: int = 120, verbose: bool = False, full_every: Optional[int] = None,
+        async_changed: bool = False) -> Dict[str, Any]:
+    configure(full_every, async_changed)
     if full_every is not None:  # a trial crosses a rebase and then prunes the previous chain
         saves_per_trial = max(saves_per_trial, full_every + 1)
     rng = random.Random(seed)
@@ -350,7 +370,8 @@ def run(trials: int = 200, seed: int = 0, interval: int = 2, saves_per_trial: in
     summary: Dict[str, Any] = {"trials": 0, "kills": 0, "completed_without_kill": 0, "kill_points": Counter(),
                                "restores_verified": 0, "leftovers_removed": 0, "commits_seen": 0,
                                "epochs": 1, "stray_temp_files": 0, "failures": [], "seconds": 0.0,
-                               "full_every": full_every, "max_listed": 0, "deltas_listed": 0,
+                               "full_every": full_every, "async_changed": async_changed,
+                               "max_listed": 0, "deltas_listed": 0,
                                "trials_with_delta_listed": 0}
     try:
         ref_path = os.path.join(work, "references.pt")
@@ -555,6 +576,7 @@ def _check_dir(out: str, latest_before: int, prev_latest: int, leftovers_before:
 
 def print_summary(s: Dict[str, Any]) -> None:
     chain = f", chain mode full_every={s['full_every']}" if s.get("full_every") else ""
+    chain += ", async saves copying changed rows (stage_changed_rows)" if s.get("async_changed") else ""
     print(f"recsave crash-consistency stress (SIGKILL during autosave, max_keep=2{chain})")
     print(f"  trials                 {s['trials']}")
     print(f"  kills (SIGKILL)        {s['kills']}   runs that finished before the kill: "
@@ -586,6 +608,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--horizon", type=int, default=120, help="steps of the reference run")
     ap.add_argument("--full-every", type=int, metavar="K",
                     help="chain mode: autosave deltas, a full checkpoint every K-th save (K >= 2)")
+    ap.add_argument("--async-changed", action="store_true",
+                    help="async autosaves with the knob stage_changed_rows (each copies only the rows changed since)")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--mode", choices=["save", "load"], default="save",
@@ -600,7 +624,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.full_every is not None and args.full_every < 2:
         ap.error("--full-every must be >= 2 (1 would make every save full)")
     s = run(args.trials, args.seed, args.save_interval, horizon=args.horizon, verbose=args.verbose,
-            full_every=args.full_every)
+            full_every=args.full_every, async_changed=args.async_changed)
     print_summary(s)
     return C.finish(s, args.json)
 

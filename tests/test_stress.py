@@ -80,3 +80,11 @@ def test_damage_to_a_delta_or_its_parent_is_detected(tmp_path):
     detected = sum(n for note, n in s["notes"].items()
                    if note.startswith("chain: only the parent's index / rows damaged -> load error"))
     assert detected >= 5, text  # parent-only damage made the delta refuse to load
+
+
+def test_sigkill_during_async_saves_that_copy_only_changed_rows(tmp_path):
+    s, text = _run("stress_crash.py", ["--async-changed", "--trials", "20", "--seed", "6"], tmp_path)
+    assert s["async_changed"] is True and s["trials"] == 20
+    assert s["failures"] == [], text  # every listed checkpoint restores bit for bit
+    assert s["kills"] >= 10, text
+    assert s["restores_verified"] >= s["trials"], text
