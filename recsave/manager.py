@@ -276,6 +276,8 @@ class CheckpointManager:
             report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); the "
                                 f"checkpoint holds no global_step")
         self.last_report = report
+        if self.async_mode != "disabled":  # the first async save after a restart finds its buffers filled
+            saver.prepare_async(pinned=self.async_mode == "async_pinned")
         return self._global_step
 
     def plan_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadPlan:

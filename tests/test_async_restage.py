@@ -1,16 +1,22 @@
 """Knob stage_changed_rows: an async full save copies only the rows changed since the Saver's
-previous async save into the host copy it keeps, and still writes the same bytes as a synchronous
-save of the same state. Whenever the copy may be out of date (another save moved the change
-baseline, a delta or a load since, a new slot, a cleared table, the knob off) every row is copied."""
+previous async save (or its prepare_async) into the host copy it keeps, and still writes the same
+bytes as a synchronous save of the same state. Whenever the copy may be out of date (another save
+moved the change baseline, a delta or a load since, a new slot, a cleared table, the knob off)
+every row is copied. prepare_async fills that copy ahead of the first async save, also while
+training writes rows."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 from helpers import make_job, tables_of, train
 from test_async_save import _files
 
-from recsave import knobs
+from recsave import HashTable, Saver, knobs
 from recsave.errors import UsageError
+from recsave.storage.lock import LOCK_FILE
+from recsave.tables.optim import SparseAdagrad
 from recsave.tables.rows import copy_rows
 
 
@@ -179,3 +185,84 @@ def test_copy_rows_refuses_a_row_outside_either_tensor():
     assert torch.equal(dst, torch.zeros(8, 4))  # nothing copied
     with pytest.raises(UsageError, match="outside"):
         copy_rows(dst, src, torch.tensor([-1]))
+
+
+def _restored_twins(tmp_path, knob: bool):
+    """A checkpoint ckpt_4 in `src`; `job` restores it through an async CheckpointManager (which
+    calls prepare_async) and `ref` through a synchronous one; both then train two steps."""
+    first = make_job(str(tmp_path / "src"))
+    train(first.model, [first.sparse_opt, first.dense_opt], 4)
+    first.saver.save("ckpt_4")
+    first.saver.close()
+    with knobs.override(stage_changed_rows=knob):
+        job = make_job(str(tmp_path / "src"), save_interval=1000, async_mode="async")
+        assert job.manager.restore() == 4
+    shutil.copytree(tmp_path / "src", tmp_path / "ref", ignore=shutil.ignore_patterns(LOCK_FILE))
+    ref = make_job(str(tmp_path / "ref"), save_interval=1000)
+    assert ref.manager.restore() == 4
+    _both(ref, job, lambda j: train(j.model, [j.sparse_opt, j.dense_opt], 2, start=4))
+    return ref, job
+
+
+@pytest.mark.parametrize("knob", [True, False])
+def test_prepare_async_after_a_restore_gives_the_first_async_save_its_copy(tmp_path, knob):
+    ref, job = _restored_twins(tmp_path, knob)
+    changed = sum(t.pending_changes().rows.numel() for t in tables_of(job.model).values())
+    with knobs.override(stage_changed_rows=knob):
+        path = _async(job, "ckpt_6")
+    _same_bytes(ref.saver.save("ckpt_6"), path)
+    # with the knob only the rows written since the restore; without, every row (into filled buffers)
+    assert job.saver.last_save.staged_rows == (changed if knob else _rows(job))
+    assert 0 < changed < _rows(job)
+    ref.saver.close()
+    job.saver.close()
+
+
+def test_a_load_after_prepare_async_makes_the_copy_whole(tmp_path):
+    ref, job = _restored_twins(tmp_path, True)
+    with knobs.override(stage_changed_rows=True):
+        job.saver.prepare_async()
+        job.saver.load(ckpt_id="ckpt_4")  # waits for the copy, then replaces the rows under it
+        train(job.model, [job.sparse_opt, job.dense_opt], 2, start=4)
+        path = _async(job, "ckpt_6")
+    _same_bytes(ref.saver.save("ckpt_6"), path)
+    assert job.saver.last_save.staged_rows == _rows(job)
+    ref.saver.close()
+    job.saver.close()
+
+
+def test_prepare_async_checks_its_argument(tmp_path):
+    job = make_job(str(tmp_path / "job"))
+    with pytest.raises(TypeError, match="pinned"):
+        job.saver.prepare_async(pinned="yes")
+    job.saver.close()
+
+
+def test_prepare_async_while_training_writes_rows(tmp_path):
+    """Training runs while prepare_async copies a 200 MB table: the rows it writes meanwhile are
+    changed since the copy's epoch, so the async save after copies them again and writes exactly
+    what a synchronous save of the same state writes."""
+    torch.manual_seed(0)
+    table = HashTable(64, name="big", seed=1)
+    model = torch.nn.ModuleDict({"big": table, "head": torch.nn.Linear(64, 1)})
+    opt = SparseAdagrad(model, lr=0.1)
+    rows = 400_000
+    ids = torch.randperm(4 * rows)[:rows] * 7919
+    table.load_rows(ids, torch.randn(rows, 64), {"adagrad_acc": torch.full((rows, 64), 0.1)})
+    table.lookup(torch.tensor([-1]), insert=True)  # the storage doubles now, not during the copy
+    table.reset_changes()  # a baseline, as a restore leaves (a new table's is the empty table)
+    saver = Saver(model, opt, output_dir=str(tmp_path / "a"), max_keep=None)
+    with knobs.override(stage_changed_rows=True):
+        saver.prepare_async()
+        for _ in range(40):  # each step rewrites 256 rows, some of them new
+            batch = torch.cat([ids[torch.randint(0, rows, (224,))], torch.randint(1 << 40, 1 << 41, (32,))])
+            model["head"](table(batch)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        _, write = saver.async_save("ckpt_1")
+        path = write.result(timeout=60)
+    assert 0 < saver.last_save.staged_rows < len(table)
+    sync = Saver(model, opt, output_dir=str(tmp_path / "b"), max_keep=None)
+    _same_bytes(sync.save("ckpt_1"), path)
+    saver.close()
+    sync.close()

@@ -23,6 +23,7 @@ from recsave.load.report import LoadReport
 from recsave.save import arguments, delta, restore
 from recsave.save.background import BackgroundWrite
 from recsave.save.pipeline import CheckpointWriter, step_of_id
+from recsave.save.prefill import Prefill
 from recsave.save.saveinfo import SaveInfo, log_commit
 from recsave.save.snapshot import SaveState, Stager, capture, change_epoch
 from recsave.storage import Storage, dist, get_storage
@@ -59,6 +60,7 @@ class Saver:
         self._extra_data: Dict[str, Any] = {}
         self._stager: Optional[Stager] = None  # host buffers of async saves, reused
         self._background = BackgroundWrite()
+        self._prefill = Prefill()  # prepare_async's head start on the stager
         self._last_save: Optional[SaveInfo] = None
         self._baseline: Optional[delta.Baseline] = None  # what the next delta is relative to
         self.last_save_kind: Optional[str] = None  # "full" or "delta": what the last save wrote
@@ -247,6 +249,7 @@ class Saver:
         self._background.collect(consume=True)
         if dist.collective(world):
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
+        self._prefill.join()
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
         state, after = self._capture(rank, world, self._stager, incremental)
@@ -278,6 +281,21 @@ class Saver:
         close to raise)."""
         return self._background.pending_id
 
+    def prepare_async(self, pinned: bool = False) -> None:
+        """Starts copying the model's CPU tables and dense tensors into the host buffers that the next
+        ``async_save(pinned=pinned)`` copies into, on a background thread while training goes on, so
+        that save does not allocate them (and fault their pages in) while training waits. With the
+        knob `stage_changed_rows` this copy counts as that save's previous one: it then copies only
+        the rows changed since prepare_async began. The next async_save, load or close waits for
+        the copy. CheckpointManager(async_mode="async" / "async_pinned") calls it after a restore.
+        Memory: the host copy async_save keeps anyway."""
+        check(pinned, bool, "pinned", "prepare_async")
+        self._prefill.join()
+        if self._stager is None or self._stager.pinned != pinned:
+            self._stager = Stager(pinned)
+        tables, dense = contents.model_state(self.model)
+        self._prefill.start(self._stager, tables, dense)
+
     def _capture(self, rank: int, world: int, stager: Optional[Stager],
                  incremental: bool) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
         """The snapshot, and the next delta's baseline once it commits (given its id)."""
@@ -308,6 +326,7 @@ class Saver:
         releases the writer lock of output_dir taken by the first save (the lock is also released
         when the Saver is garbage-collected or the interpreter exits). A later save takes it again."""
         try:
+            self._prefill.join()
             self._background.collect(consume=True)
         finally:
             self._background.shutdown()
@@ -338,6 +357,7 @@ class Saver:
         check(shard_id, int, "shard_id", "load", optional=True)
         check(direct_path, bool, "direct_path", "load")
         check(fallback, bool, "fallback", "load")
+        self._prefill.join()  # it reads the tables a load replaces
         self._background.collect(consume=False)
         conf = dict(load_conf or {})
         if ckpt_path is not None:
@@ -384,6 +404,7 @@ class Saver:
         given). A pending async write is waited for first (its error stays pending)."""
         check(plan, LoadPlan, "plan", "execute_plan", expected="a LoadPlan (from plan_model_bank)")
         names = arguments.only_names(only, plan.items)
+        self._prefill.join()
         self._background.collect(consume=False)
         self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
         return execute(self._target(), plan, names)

@@ -175,6 +175,23 @@ class Stager:
             self._mirrors[name] = _Mirror(epoch, used, keys)
         return {k[1]: staged[k] for k in cols}, {k[2]: staged[k] for k in metas}
 
+    def prefill(self, tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor]) -> None:
+        """Allocates and fills the buffers a later capture of these tables and dense tensors copies
+        into, while training may go on (Saver.prepare_async). Each table's copy becomes its mirror at
+        the change epoch it had before the copy began: rows written meanwhile are changed since, so
+        the next stage copies them again. CPU tensors only (device copies belong to the training
+        stream)."""
+        for name, table in tables.items():
+            columns, meta = table.columns(), meta_columns(table)
+            if any(t.device.type != "cpu" for t in [*columns.values(), *meta.values()]):
+                continue
+            epoch = change_epoch(table)  # before any row is copied
+            used = len(getattr(table, "weight", columns["embedding"]))
+            self.stage_table(name, columns, meta, used, epoch)
+        for n, t in dense.items():
+            if t.device.type == "cpu":
+                self.stage(("dense", n), t)
+
     def _restage(self, name: str, sources: Mapping[Any, torch.Tensor], mirrored: int, used: int,
                  changed_rows: torch.Tensor) -> Optional[Dict[Any, torch.Tensor]]:
         """The mirror of rows [0, mirrored) brought up to rows [0, used) of `sources`: the changed
