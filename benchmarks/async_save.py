@@ -151,14 +151,44 @@ def measure_cpu(args, work: str) -> Dict[str, Any]:
             info = saver.last_save
             changed["staged_fraction"].append((info.staged_rows or 0) / sum(len(t) for t in model.tables))
     saver.close()
+    restarts = first_save_after_restore(args, saver.output_dir, steps)
     med = {key: C.median(v) for key, v in out.items()}
     med.update({f"changed_{key}": C.median(v) for key, v in changed.items()})
     out.update({f"changed_{key}": v for key, v in changed.items()})
     return {"state_bytes": state_bytes, "rounds": out, "median": med, "first_block_s": first_block,
+            "restarts": restarts,
             "block_over_sync": med["block_s"] / med["sync_s"],
             "changed_block_over_sync": med["changed_block_s"] / med["sync_s"],
             "step_slowdown": med["busy_step_s"] / med["base_step_s"],
             "snapshot_gbps": state_bytes / med["block_s"] / 1e9}
+
+
+def first_save_after_restore(args, output_dir: str, steps: List[torch.Tensor]) -> Dict[str, float]:
+    """The stall of the first async_save of a restarted job: a fresh model restored from
+    `output_dir`, 30 training steps, then async_save; as a job restarts plain, after
+    Saver.prepare_async (what CheckpointManager.restore does in the async modes), and after it with
+    the knob stage_changed_rows. One fresh model each, freed before the next."""
+    out: Dict[str, float] = {}
+    for label, prepare, knob in (("plain", False, False), ("prepare_async", True, False),
+                                 ("prepare_async_changed", True, True)):
+        model = Model(args.tables, args.dim)
+        sparse = SparseAdagrad(model, lr=0.01)
+        dense = torch.optim.Adagrad(model.mlp.parameters(), lr=0.01)
+        saver = Saver(model, sparse, output_dir=output_dir, max_keep=1)
+        saver.register_for_checkpointing("dense_opt", dense)
+        with knobs.override(stage_changed_rows=knob):
+            saver.load()
+            if prepare:
+                saver.prepare_async()
+            for k in range(30):
+                train_step(model, [sparse, dense], steps[k])
+            t0 = time.perf_counter()
+            _, write = saver.async_save(f"ckpt_restart_{label}")
+            out[label] = time.perf_counter() - t0
+            write.result()
+        saver.close()
+        del model, sparse, dense, saver
+    return out
 
 
 def measure_gpu(args) -> Dict[str, Any]:
@@ -221,6 +251,14 @@ def main() -> None:
          f"{args.rounds} rounds; copied {100 * med['changed_staged_fraction']:.1f} % of the rows"],
         ["first async_save: training blocked", C.fmt_num(cpu["first_block_s"], 3, " s"),
          "allocates the host buffers (later saves reuse them)"],
+        ["first async_save after a restore", C.fmt_num(cpu["restarts"]["plain"], 3, " s"),
+         f"{cpu['restarts']['plain'] / med['sync_s']:.3f} x sync; one run"],
+        ["... after prepare_async (CheckpointManager.restore does it)",
+         C.fmt_num(cpu["restarts"]["prepare_async"], 3, " s"),
+         f"{cpu['restarts']['prepare_async'] / med['sync_s']:.3f} x sync; one run"],
+        ["... after prepare_async, knob stage_changed_rows",
+         C.fmt_num(cpu["restarts"]["prepare_async_changed"], 3, " s"),
+         f"{cpu['restarts']['prepare_async_changed'] / med['sync_s']:.3f} x sync; one run"],
         ["async_save: snapshot speed", C.fmt_num(cpu["snapshot_gbps"], 2, " GB/s"), ""],
         ["async_save: until committed", C.fmt_num(med["write_s"], 3, " s"), ""],
         ["training step, no save", C.fmt_num(med["base_step_s"] * 1e3, 2, " ms"), ""],
