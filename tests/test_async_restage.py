@@ -7,11 +7,12 @@ training writes rows."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
-from helpers import make_job, tables_of, train
-from test_async_save import _files
+from helpers import assert_jobs_equal, job_state, make_job, tables_of, train
+from test_async_save import _files, _Gate
 
 from recsave import HashTable, Saver, knobs
 from recsave.errors import UsageError
@@ -264,5 +265,78 @@ def test_prepare_async_while_training_writes_rows(tmp_path):
     assert 0 < saver.last_save.staged_rows < len(table)
     sync = Saver(model, opt, output_dir=str(tmp_path / "b"), max_keep=None)
     _same_bytes(sync.save("ckpt_1"), path)
+    saver.close()
+    sync.close()
+
+
+def test_prepare_async_waits_for_the_pending_write_whose_buffers_it_fills(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.train(3)
+    at_3 = job_state(job)
+    gate = _Gate(monkeypatch)
+    _, write = job.saver.async_save("ckpt_3")
+    assert gate.started.wait(60)
+    job.train(3)  # the model moves on while the write of ckpt_3 is held
+    prepare = threading.Thread(target=job.saver.prepare_async)
+    prepare.start()
+    prepare.join(0.5)
+    assert prepare.is_alive()  # waiting for the write, not copying over its buffers
+    gate.release.set()
+    prepare.join(60)
+    assert write.result(timeout=60).endswith("ckpt_3")
+    fresh = make_job(str(tmp_path / "fresh"))
+    fresh.saver.load(out, ckpt_id="ckpt_3")
+    assert_jobs_equal(job_state(fresh), at_3)
+    job.saver.close()
+
+
+def test_a_prefill_thread_that_cannot_start_costs_only_the_head_start(tmp_path, monkeypatch, caplog):
+    job = make_job(str(tmp_path / "job"))
+    train(job.model, [job.sparse_opt, job.dense_opt], 3)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", no_thread)
+        job.saver.prepare_async()
+    assert "could not start its thread" in caplog.text
+    path = _async(job, "ckpt_3")  # still saves, copying everything
+    assert job.saver.last_save.staged_rows == _rows(job)
+    job.saver.close()
+    assert path.endswith("ckpt_3")
+
+
+def test_copy_rows_of_zero_width_still_checks_the_rows():
+    dst, src = torch.zeros(4, 0), torch.zeros(4, 0)
+    copy_rows(dst, src, torch.tensor([0, 3]))
+    with pytest.raises(UsageError, match="outside"):
+        copy_rows(dst, src, torch.tensor([4]))
+
+
+class _DenseNamedLikeAColumn(torch.nn.Module):
+    """A table named "dense" next to a dense parameter named "embedding": their host copies must not
+    share a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = HashTable(8, name="dense", seed=1)
+        self.embedding = torch.nn.Parameter(torch.randn(64, 8))
+
+
+def test_a_table_named_dense_and_a_dense_tensor_named_embedding(tmp_path):
+    torch.manual_seed(0)
+    model = _DenseNamedLikeAColumn()
+    model.t.lookup(torch.arange(64), insert=True)  # 64 rows of 8: the parameter's numel exactly
+    saver = Saver(model, output_dir=str(tmp_path / "a"), max_keep=None)
+    sync = Saver(model, output_dir=str(tmp_path / "b"), max_keep=None)
+    with knobs.override(stage_changed_rows=True):
+        for k in range(3):
+            with torch.no_grad():
+                model.embedding.add_(1.0)
+                model.t.weight[:4] += 1.0
+            model.t.mark_changed(torch.arange(4))
+            _, write = saver.async_save(f"ckpt_{k}")
+            _same_bytes(sync.save(f"ckpt_{k}"), write.result(timeout=60))
     saver.close()
     sync.close()

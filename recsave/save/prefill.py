@@ -9,6 +9,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from recsave import knobs
 from recsave.save.snapshot import Stager
 from recsave.tables.tablelike import TableLike
 
@@ -30,9 +31,14 @@ class Prefill:
                 stager.prefill(tables, dense)
             except Exception as exc:  # e.g. out of memory: the next async save copies as usual
                 log.warning("recsave: prepare_async could not fill the host buffers (%s: %s); the next "
-                            "async_save copies every row itself", type(exc).__name__, exc)
-        self._thread = threading.Thread(target=run, name="recsave-prefill", daemon=True)
-        self._thread.start()
+                            "async_save copies the tables it did not reach whole", type(exc).__name__, exc)
+        thread = threading.Thread(target=knobs.carried(run), name="recsave-prefill", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # out of threads: no head start, nothing else changes
+            log.warning("recsave: prepare_async could not start its thread (%s)", exc)
+            return
+        self._thread = thread
 
     def join(self) -> None:
         """Waits for the running prefill, if any."""

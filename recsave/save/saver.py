@@ -198,6 +198,7 @@ class Saver:
         check(incremental, bool, "incremental", "save")
         rank, world = arguments.save_args("save", ckpt_id, shard_id, shard_num)
         values = retention.check_metrics("save", metrics)
+        self._prefill.join()  # the save moves the change baseline a prefill records
         self._background.collect(consume=True)
         state, after = self._capture(rank, world, None, incremental)
         path = self._write(ckpt_id, state, rank, world, values, after)
@@ -286,11 +287,13 @@ class Saver:
         ``async_save(pinned=pinned)`` copies into, on a background thread while training goes on, so
         that save does not allocate them (and fault their pages in) while training waits. With the
         knob `stage_changed_rows` this copy counts as that save's previous one: it then copies only
-        the rows changed since prepare_async began. The next async_save, load or close waits for
-        the copy. CheckpointManager(async_mode="async" / "async_pinned") calls it after a restore.
-        Memory: the host copy async_save keeps anyway."""
+        the rows changed since prepare_async began. It first waits for a pending async write (whose
+        error stays pending), which still reads those buffers; the next save, async_save, load,
+        execute_plan or close waits for the copy. CheckpointManager(async_mode="async" /
+        "async_pinned") calls it after a restore. Memory: the host copy async_save keeps anyway."""
         check(pinned, bool, "pinned", "prepare_async")
         self._prefill.join()
+        self._background.collect(consume=False)  # a pending write still reads the buffers
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
         tables, dense = contents.model_state(self.model)

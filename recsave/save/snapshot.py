@@ -108,6 +108,20 @@ def table_step(table: TableLike) -> Optional[int]:
     return int(step) if isinstance(step, int) else None
 
 
+# Stager buffer keys: a table's columns and row metadata, and dense tensors, in separate namespaces
+# (a table named "dense" and a dense tensor named "embedding" must not share a buffer).
+def column_key(table: str, column: str) -> Tuple[str, ...]:
+    return ("table", table, column)
+
+
+def meta_key(table: str, column: str) -> Tuple[str, ...]:
+    return ("table", table, "@meta", column)
+
+
+def dense_key(name: str) -> Tuple[str, ...]:
+    return ("dense", name)
+
+
 @dataclass(frozen=True)
 class _Mirror:
     """A table's host copy as a full async save left it: every row up to `used`, as the table held
@@ -155,8 +169,8 @@ class Stager:
         and a mirror of the same columns in buffers that still fit, only those rows and the rows
         added since are copied into it; otherwise every row. The result becomes the table's mirror
         at `epoch` (its change epoch now) when every column is on the CPU."""
-        cols: Dict[Tuple[str, ...], torch.Tensor] = {(name, c): t for c, t in columns.items()}
-        metas: Dict[Tuple[str, ...], torch.Tensor] = {(name, "@meta", c): t for c, t in meta.items()}
+        cols: Dict[Tuple[str, ...], torch.Tensor] = {column_key(name, c): t for c, t in columns.items()}
+        metas: Dict[Tuple[str, ...], torch.Tensor] = {meta_key(name, c): t for c, t in meta.items()}
         sources = {**cols, **metas}
         keys = tuple(sorted(sources, key=repr))
         mirror = self._mirrors.pop(name, None)  # recorded again only once this stage completes
@@ -173,7 +187,7 @@ class Stager:
             self.rows_copied[name] = used
         if on_cpu and epoch is not None:
             self._mirrors[name] = _Mirror(epoch, used, keys)
-        return {k[1]: staged[k] for k in cols}, {k[2]: staged[k] for k in metas}
+        return {k[-1]: staged[k] for k in cols}, {k[-1]: staged[k] for k in metas}
 
     def prefill(self, tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor]) -> None:
         """Allocates and fills the buffers a later capture of these tables and dense tensors copies
@@ -182,15 +196,17 @@ class Stager:
         the next stage copies them again. CPU tensors only (device copies belong to the training
         stream)."""
         for name, table in tables.items():
+            # The epoch before anything else: every row written from here on is changed since it.
+            # `used` before the columns: storage taken later holds at least that many rows.
+            epoch = change_epoch(table)
+            used = len(getattr(table, "weight", table.columns()["embedding"]))
             columns, meta = table.columns(), meta_columns(table)
             if any(t.device.type != "cpu" for t in [*columns.values(), *meta.values()]):
                 continue
-            epoch = change_epoch(table)  # before any row is copied
-            used = len(getattr(table, "weight", columns["embedding"]))
             self.stage_table(name, columns, meta, used, epoch)
         for n, t in dense.items():
             if t.device.type == "cpu":
-                self.stage(("dense", n), t)
+                self.stage(dense_key(n), t)
 
     def _restage(self, name: str, sources: Mapping[Any, torch.Tensor], mirrored: int, used: int,
                  changed_rows: torch.Tensor) -> Optional[Dict[Any, torch.Tensor]]:
@@ -275,9 +291,9 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
                 at = rows.to(columns["embedding"].device)
                 need = int(rows.numel())
                 stager.rows_copied[name] = need
-                columns = {c: stager.stage((name, c), t.index_select(0, at), room=2 * need * t[:1].numel())
+                columns = {c: stager.stage(column_key(name, c), t.index_select(0, at), room=2 * need * t[:1].numel())
                            for c, t in columns.items()}
-                meta = {c: stager.stage((name, "@meta", c), t.index_select(0, at), room=2 * need * t[:1].numel())
+                meta = {c: stager.stage(meta_key(name, c), t.index_select(0, at), room=2 * need * t[:1].numel())
                         for c, t in meta.items()}
                 rows = torch.arange(need, dtype=torch.int64)
             states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta,
@@ -299,7 +315,7 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
     if stager is None:
         dense_state = {n: t.detach() for n, t in dense.items()}
     else:
-        dense_state = {n: stager.stage(("dense", n), t) for n, t in dense.items()}
+        dense_state = {n: stager.stage(dense_key(n), t) for n, t in dense.items()}
         extra_state = copy.deepcopy(extra_state)
         io_state = copy.deepcopy(io_state)
         stager.finish()

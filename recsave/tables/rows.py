@@ -7,11 +7,13 @@ only keeps the columns aligned as they grow.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Tuple
 
 import torch
 
 from recsave import _C
+from recsave.errors import UsageError
 from recsave.tables.memhint import advise_hugepages
 
 MIN_CAPACITY = 1024
@@ -150,10 +152,12 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, threads:
     if cpu and dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:] and dst.is_contiguous() \
             and src.is_contiguous() and rows.dtype == torch.int64:
         flat = rows.contiguous()
-        row_bytes = dst[:1].nbytes
+        num_rows = min(len(dst), len(src))
+        row_bytes = dst.element_size() * math.prod(dst.shape[1:])
         if flat.numel() and row_bytes:
-            _C.copy_rows(dst.data_ptr(), src.data_ptr(), min(len(dst), len(src)), row_bytes, flat.data_ptr(),
-                         flat.numel(), threads)
+            _C.copy_rows(dst.data_ptr(), src.data_ptr(), num_rows, row_bytes, flat.data_ptr(), flat.numel(), threads)
+        elif flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < num_rows):
+            raise UsageError(f"copy_rows: a row lies outside [0, {num_rows})")
         return
     dst.index_copy_(0, rows.to(dst.device), src.index_select(0, rows.to(src.device)).to(dst.device))
 
