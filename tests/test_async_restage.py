@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 from helpers import assert_jobs_equal, job_state, make_job, tables_of, train
-from test_async_save import _files, _Gate
+from test_async_save import _files, held_async_save
 
 from recsave import HashTable, Saver, knobs
 from recsave.errors import UsageError
@@ -273,10 +273,7 @@ def test_prepare_async_waits_for_the_pending_write_whose_buffers_it_fills(tmp_pa
     out = str(tmp_path / "run")
     job = make_job(out)
     job.train(3)
-    at_3 = job_state(job)
-    gate = _Gate(monkeypatch)
-    _, write = job.saver.async_save("ckpt_3")
-    assert gate.started.wait(60)
+    gate, write, at_3 = held_async_save(job, monkeypatch, "ckpt_3")
     job.train(3)  # the model moves on while the write of ckpt_3 is held
     prepare = threading.Thread(target=job.saver.prepare_async)
     prepare.start()

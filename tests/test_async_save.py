@@ -66,14 +66,21 @@ class _Gate:
         monkeypatch.setattr(saver_mod, "write_shards", gated)
 
 
+def held_async_save(job, monkeypatch, ckpt_id: str):
+    """async_save(ckpt_id) with its write held at its start until gate.release is set; returns
+    (gate, write future, the job state at the call)."""
+    state = job_state(job)
+    gate = _Gate(monkeypatch)
+    stage, write = job.saver.async_save(ckpt_id)
+    assert stage.done() and gate.started.wait(60) and not write.done()
+    return gate, write, state
+
+
 def test_snapshot_is_exact_while_training_changes_the_model(tmp_path, monkeypatch):
     out = str(tmp_path / "run")
     job = make_job(out)
     job.train(3)
-    at_3 = job_state(job)
-    gate = _Gate(monkeypatch)
-    stage, write = job.saver.async_save("ckpt_3")
-    assert stage.done() and gate.started.wait(60) and not write.done()
+    gate, write, at_3 = held_async_save(job, monkeypatch, "ckpt_3")
     job.train(6)  # new ids (tables grow and reallocate), optimizer and dense updates
     job.model.user.delete(job.model.user.ids()[:10])
     gate.release.set()
