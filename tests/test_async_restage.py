@@ -107,12 +107,25 @@ def test_a_sync_save_in_between_makes_the_next_copy_whole(tmp_path):
     _check_second_copy(tmp_path, _on_job(lambda j: j.saver.save("ckpt_5")))
 
 
-def test_a_delta_in_between_makes_the_next_copy_whole(tmp_path):
-    def delta(j):
-        _, write = j.saver.async_save("ckpt_5", incremental=True)
-        write.result(timeout=60)
-        assert j.saver.last_save.kind == "delta"
-    _check_second_copy(tmp_path, _on_job(delta))
+def _async_delta(j, ckpt_id: str) -> None:
+    _, write = j.saver.async_save(ckpt_id, incremental=True)
+    write.result(timeout=60)
+    assert j.saver.last_save.kind == "delta"
+
+
+def test_an_async_delta_in_between_keeps_the_copy_current(tmp_path):
+    """The delta copies its changed rows into the whole copy and writes them from there: the next
+    full save copies only what changed after the delta."""
+    _check_second_copy(tmp_path, _on_job(lambda j: _async_delta(j, "ckpt_5")), whole=())
+
+
+def test_an_async_delta_without_a_current_copy_drops_it(tmp_path):
+    def sync_then_delta(j):
+        j.saver.save("ckpt_4b")  # moves the baseline: the copy is stale
+        train(j.model, [j.sparse_opt, j.dense_opt], 1, start=50)
+        _async_delta(j, "ckpt_5")  # copies its rows apart, over the stale copy's buffers
+    _check_second_copy(tmp_path, lambda j: (sync_then_delta(j) if j.saver.output_dir.endswith("job")
+                                            else train(j.model, [j.sparse_opt, j.dense_opt], 1, start=50)))
 
 
 def test_a_new_slot_makes_that_tables_copy_whole(tmp_path):
@@ -337,3 +350,25 @@ def test_a_table_named_dense_and_a_dense_tensor_named_embedding(tmp_path):
             _same_bytes(sync.save(f"ckpt_{k}"), write.result(timeout=60))
     saver.close()
     sync.close()
+
+
+def test_an_async_delta_written_from_the_copy_restores_exactly(tmp_path):
+    out = str(tmp_path / "job")
+    job = make_job(out, max_keep=None)
+    with knobs.override(stage_changed_rows=True):
+        train(job.model, [job.sparse_opt, job.dense_opt], 3)
+        _async(job, "ckpt_3")
+        expected = {}
+        for k in (5, 7):
+            train(job.model, [job.sparse_opt, job.dense_opt], 2, start=k - 2)
+            table = tables_of(job.model)["user"]
+            table.delete(table.ids()[:2])  # tombstones, and freed rows a later insert reuses
+            expected[k] = job_state(job)
+            changed = sum(t.pending_changes().rows.numel() for t in tables_of(job.model).values())
+            _async_delta(job, f"ckpt_{k}")
+            assert job.saver.last_save.staged_rows == changed < _rows(job)
+    for k, state in expected.items():
+        fresh = make_job(str(tmp_path / f"fresh{k}"))
+        fresh.saver.load(out, ckpt_id=f"ckpt_{k}")
+        assert_jobs_equal(job_state(fresh), state)
+    job.saver.close()

@@ -260,6 +260,11 @@ class Stager:
         self._mirrors.clear()
 
 
+def _changed_rows(changes: TableChanges) -> Optional[torch.Tensor]:
+    """The rows to copy into a table's mirror, or None when it must be copied whole."""
+    return changes.rows if changes.tracked and not changes.cleared else None
+
+
 def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
             extras: Mapping[str, Any], io_states: Mapping[str, Any],
             stager: Optional[Stager] = None, deltas: Optional[Mapping[str, Delta]] = None,
@@ -269,9 +274,9 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
     Extras and io states are checked first (format/plainstate.py): one the safe loader could not
     restore raises UsageError before anything is staged or written. With `deltas` (a delta save
     against checkpoint `parent`), each table contributes only its changed rows (an async save
-    copies only those) and its tombstones. `changed` (a full save with a stager): a table's changes
-    since its stager's mirror, taken at this snapshot; only those rows are copied
-    (Stager.stage_table)."""
+    copies only those) and its tombstones. `changed` (with a stager): a table's changes since its
+    stager's mirror, taken at this snapshot; only those rows are copied into the mirror
+    (Stager.stage_table), which a delta's rows are then written from."""
     extra_state = {n: plainstate.encode(o.state_dict(), "extra", n, "state_dict", "load_state_dict")
                    for n, o in extras.items()}
     io_state = {n: plainstate.encode(o.dump_io_state(), "io state", n, "dump_io_state", "load_io_state")
@@ -286,7 +291,13 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
         delta = deltas.get(name) if deltas is not None else None
         if delta is not None:
             ids, rows = delta.ids, delta.rows
-            if stager is not None:  # only the changed rows are copied
+            if stager is not None and changed is not None and name in changed:
+                # The table's whole copy is current but for these rows: bring it up to date (it
+                # stays the next save's copy) and write the delta's rows from it.
+                used = len(getattr(table, "weight", columns["embedding"]))
+                columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table),
+                                                   _changed_rows(changed[name]))
+            elif stager is not None:  # only the changed rows are copied
                 stager.forget(name)  # into the buffers that held the table's whole copy
                 at = rows.to(columns["embedding"].device)
                 need = int(rows.numel())
@@ -308,8 +319,8 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
         # row_capacity: rows beyond it hold nothing (a TableLike without `weight`: all its rows)
         used = len(getattr(table, "weight", columns["embedding"]))
         since = changed.get(name) if changed is not None else None
-        changed_rows = since.rows if since is not None and since.tracked and not since.cleared else None
-        columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table), changed_rows)
+        columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table),
+                                           _changed_rows(since) if since is not None else None)
         states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta, step=step,
                                   live_rows=live)
     if stager is None:
