@@ -2,7 +2,7 @@
 holds, in the same vocabulary (loadconf.Contents), so configs resolve against both."""
 from __future__ import annotations
 
-from typing import AbstractSet, Any, Dict, Mapping, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Tuple
 
 import torch
 
@@ -10,6 +10,7 @@ from recsave.errors import UsageError
 from recsave.format import checks
 from recsave.format.records import DenseMeta, Index, Meta, TableMeta
 from recsave.load.config import Contents, TableInfo
+from recsave.tables.rows import RESERVED_COLUMNS
 from recsave.tables.tablelike import TableLike, split_model
 
 
@@ -22,6 +23,39 @@ def model_state(model: torch.nn.Module) -> Tuple[Dict[str, TableLike], Dict[str,
         raise UsageError(f"model state entries {bad[:5]} are neither tensors nor HashTables; register "
                          f"such state with Saver.register_for_checkpointing instead")
     return sparse, dense
+
+
+def check_names(tables: Mapping[str, TableLike], dense: Mapping[str, Any], extras: AbstractSet[str],
+                io_states: AbstractSet[str], where: str) -> None:
+    """UsageError unless every name a save writes and a load resolves stands for one thing: a table,
+    a slot `<table>@<slot>`, a dense state_dict key, an extra or an io state (Contents.categories
+    keys them all by name, and the index lists `<table>@<column>` tensors). Refused: a name in two
+    categories, a table name with '@' (e.g. the module path of an unnamed table), a slot named like
+    a checkpoint column (tables/rows.py RESERVED_COLUMNS), and any other name `<table>@...` of an
+    existing table. Without this, one of two such things would be skipped silently on load."""
+    problems: List[str] = []
+    owner: Dict[str, str] = {}
+    named = [(n, "table") for n in tables] + [(n, "dense state_dict key") for n in dense]
+    named += [(n, "registered extra") for n in sorted(extras)] + [(n, "io state") for n in sorted(io_states)]
+    for name, what in named:
+        if name in owner:
+            problems.append(f"{name!r} is both a {owner[name]} and {'an' if what[0] in 'aeiou' else 'a'} {what}")
+        owner.setdefault(name, what)
+    for name, table in tables.items():
+        if "@" in name:
+            problems.append(f"table name {name!r} contains '@' (a checkpoint names its columns <table>@<column>); "
+                            f"give the table a name (HashTable(name=...)) without '@'")
+        bad = [s for s in table.slot_names() if s in RESERVED_COLUMNS or "@" in s or not s]
+        if bad:
+            problems.append(f"table {name!r} has slot(s) {bad} named like a checkpoint column; reserved: "
+                            f"{list(RESERVED_COLUMNS)}, and no '@'")
+    for name, what in named:
+        if what != "table" and "@" in name and name.split("@", 1)[0] in tables:
+            problems.append(f"{what} {name!r} is named like a column of table {name.split('@', 1)[0]!r}")
+    if problems:
+        raise UsageError(f"{where}: names that would overwrite or shadow each other in a checkpoint: "
+                         + "; ".join(problems[:5]) + ("" if len(problems) <= 5 else f" (+{len(problems) - 5} more)")
+                         + ". Rename one of each pair.")
 
 
 def of_model(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],

@@ -118,9 +118,13 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         # what the restore fast path reads: the columns and the row metadata
         staged.append((table_name, src_table, columns, table, meta, {**columns, **{m: m for m in meta}}))
     # HashTables on the CPU restored from a checkpoint are read in one pass, straight into their storage
-    batch = [(name, src_table, read, table) for name, src_table, columns, table, _, read in staged
-             if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu"
-             and _restores_in_place(table, src, src_table, plan)]
+    # One model table per checkpoint table in the batch: its reads are keyed by the checkpoint's
+    # table, so a second model table loading the same one (oname) takes the one-table path.
+    batch: List[Any] = []
+    for name, src_table, columns, table, _, read in staged:
+        if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu" \
+                and _restores_in_place(table, src, src_table, plan) and all(b[1] != src_table for b in batch):
+            batch.append((name, src_table, read, table))
     in_place = _load_cpu_tables_in_place(target, batch, src, rank, world)
     batched = {name for name, _, _, _ in batch}  # those not in_place repeat an id: the general path
     for table_name, src_table, columns, table, meta, read in staged:

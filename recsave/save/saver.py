@@ -296,13 +296,13 @@ class Saver:
         self._background.collect(consume=False)  # a pending write still reads the buffers
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
-        tables, dense = contents.model_state(self.model)
+        tables, dense = self._model_state("prepare_async")
         self._prefill.start(self._stager, tables, dense)
 
     def _capture(self, rank: int, world: int, stager: Optional[Stager],
                  incremental: bool) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
         """The snapshot, and the next delta's baseline once it commits (given its id)."""
-        tables, dense = contents.model_state(self.model)
+        tables, dense = self._model_state("save")
         if world > 1:
             for table in tables.values():
                 table.set_partition(rank, world, self.num_buckets)
@@ -339,7 +339,15 @@ class Saver:
             self._checkpoints.close()
 
     # -------------------------------------------------------------------------------------- load
+    def _model_state(self, where: str) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+        """The model's tables and dense tensors, refusing names that would overwrite or shadow each
+        other (or a registered extra / io state) in a checkpoint (contents.check_names)."""
+        tables, dense = contents.model_state(self.model)
+        contents.check_names(tables, dense, set(self._extras), set(self._io_states), where)
+        return tables, dense
+
     def _target(self) -> LoadTarget:
+        self._model_state("load")
         return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data,
                           frozenset(self._optional))
 

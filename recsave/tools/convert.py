@@ -119,6 +119,11 @@ def _parts(source: Any, tables: Sequence[str], dense: Sequence[str], concurrency
     for name in tables:
         ids, columns = _read_table(source, name, concurrency)
         part = {f"{name}.ids": ids, f"{name}.weight": columns.pop("embedding")}
+        taken = sorted(set(columns) & {"ids", "weight"})
+        if taken:  # a slot so named (refused by recsave since; older checkpoints) would overwrite them
+            raise UsageError(f"{source.ckpt_dir}: table {name!r} has slot(s) {taken}, which the flat state "
+                             f"would write over {name}.ids / {name}.weight; convert it with tables=[...] "
+                             f"leaving {name!r} out, or load it and rename the slot")
         part.update({f"{name}.{slot}": v for slot, v in sorted(columns.items())})
         yield part
         del ids, columns, part
