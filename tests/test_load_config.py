@@ -76,6 +76,8 @@ ERROR_CONFS = {
     "oname_star_ckpt_side_only": ({"oname": [{"user": "it*"}]}, ConfigError),
     "oname_not_a_mapping": ({"oname": ["user"]}, ConfigError),
     "oname_rename_to_absent": ({"oname": [{"user": "nosuch"}]}, ConfigError),  # strict: user missing
+    # a slot rename matched nothing and loaded the slot under its own name
+    "oname_slot_rename": ({"oname": [{"user@adagrad_acc": "user@adagrad_acc_old"}]}, ConfigError),
 }
 
 

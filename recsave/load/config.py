@@ -97,6 +97,10 @@ def _renames(value: Any, where: str) -> Tuple[Tuple[str, str], ...]:
                                   f"sides (the same number of times) or on neither")
             if any(c in model_pat + ckpt_pat for c in "?["):
                 raise ConfigError(f"{where}: 'oname' patterns support only '*', got {model_pat!r} -> {ckpt_pat!r}")
+            if "@" in model_pat + ckpt_pat:  # it would match no name and load the slot unrenamed
+                raise ConfigError(f"{where}: 'oname' {model_pat!r} -> {ckpt_pat!r}: renames name tables, dense "
+                                  f"tensors and registered objects, not slots (a table's slots follow its "
+                                  f"rename); load the other slot into a table of its own instead")
             pairs.append((model_pat, ckpt_pat))
     return tuple(pairs)
 
