@@ -186,3 +186,22 @@ def test_a_failed_dcp_conversion_leaves_nothing_and_repeated_ids_are_refused(tmp
     with pytest.raises(ConfigError, match="table 't' has repeated ids"):
         recsave.convert(str(tmp_path / "dup.pt"), str(tmp_path / "out"), "recsave")
     assert not (tmp_path / "out" / "converted").exists()
+
+
+class _Dotted:
+    """An extra whose state has a dotted key beside the nested one it spells."""
+
+    def state_dict(self):
+        return {"a.b": 1, "a": {"b": 2}}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_two_extra_values_flattening_to_one_key_are_refused(tmp_path):
+    job = make_job(str(tmp_path / "job"))
+    job.saver.register_for_checkpointing("dotted", _Dotted())
+    job.saver.save("ckpt_1")
+    with pytest.raises(UsageError, match="flatten to the key '_recsave.extra.dotted.a.b'"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "state.pt"), "torch")
+    assert not (tmp_path / "state.pt").exists()

@@ -145,10 +145,13 @@ def _read_table(source: Any, name: str, concurrency: int) -> Tuple[torch.Tensor,
 
 
 def _flatten_plain(obj: Any, prefix: str, out: Dict[str, Any]) -> None:
-    """Tensors and numbers of a nested state under dotted keys; strings, None and the like are left out."""
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, (bool, numbers.Number)):
+    """Tensors and numbers of a nested state under dotted keys; strings, None and the like are left out.
+    Two values reaching one key (`{"a.b": x}` beside `{"a": {"b": y}}`, or a dense key spelled like an
+    extra's) are a UsageError, not one value written over the other."""
+    if isinstance(obj, (torch.Tensor, bool, numbers.Number)):
+        if prefix in out:
+            raise UsageError(f"convert: two values flatten to the key {prefix!r} (a dotted key beside a nested "
+                             f"one, or a dense name spelled like an extra's); rename one", key=prefix)
         out[prefix] = obj
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
