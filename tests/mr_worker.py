@@ -210,6 +210,17 @@ def main():
             with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
             os._exit(3)
+    elif scenario == "save_uneven":  # rank 1 alone has a slot: its rows would be written, never loaded
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        if rank == 1:
+            model.user.add_slot("only_here", 0.5)
+        try:
+            saver.save("ckpt_2")
+        except recsave.RecsaveError as exc:
+            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            os._exit(3)
     elif scenario == "save_as_rank1":  # every rank claims to be rank 1: rank 0 must refuse
         fill(model, rank, world)
         try:

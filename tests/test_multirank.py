@@ -150,6 +150,15 @@ def test_error_on_one_rank_makes_every_rank_raise_at_once(tmp_path):
     assert not (tmp_path / "out" / "ckpt_2").exists()
 
 
+def test_a_slot_only_one_rank_has_is_refused_and_nothing_committed(tmp_path):
+    codes, outs = run_ranks("save_uneven", 2, tmp_path)
+    assert codes == [3, 3], outs
+    assert "hold tables or slots that rank 0 does not" in (tmp_path / "error_0.txt").read_text()
+    assert "user@only_here" in (tmp_path / "error_0.txt").read_text()
+    assert "rank 0" in (tmp_path / "error_1.txt").read_text()
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
+
+
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
     """Rank 1's bytes are damaged; rank 0's are fine, yet rank 0 must not change either: every rank
     reads and verifies before any rank applies (load/transaction.py)."""

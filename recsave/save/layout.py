@@ -15,6 +15,7 @@ from recsave.format.records import BucketRange
 from recsave.format.segments import BucketSegments
 from recsave.save.snapshot import PinnedPair, TableState
 from recsave.tables import partition
+from recsave.tables.rows import TOMBSTONE_COLUMN
 
 
 def segment_rule(row_bytes: int) -> BucketSegments:
@@ -78,7 +79,7 @@ def _add_tombstones(layout: TableLayout, name: str, tombstones: torch.Tensor, fi
     keys = partition.bucket_of(dead, num_buckets).sub_(first)
     order, counts = partition.bucket_order(keys, stop - first)
     starts = [0] + torch.cumsum(counts, 0).tolist()
-    tensor = f"{name}@tombstone"
+    tensor = f"{name}@{TOMBSTONE_COLUMN}"
     layout.tensors[tensor] = dead[order].contiguous()
     layout.tensor_meta[tensor] = {"buckets": BucketRange(first, tuple(starts))}
     layout.segments[tensor] = segment_rule(8)

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import knobs, threads
-from recsave.errors import CheckpointExistsError
+from recsave.errors import CheckpointExistsError, UsageError
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
-from recsave.format.records import IndexPart, Partition, Retention
+from recsave.format.records import IndexPart, Meta, Partition, Retention
 from recsave.format.writer import write_shards
 from recsave.load import contents
 from recsave.save import delta
@@ -26,6 +26,7 @@ from recsave.storage import Storage, dist
 from recsave.storage.lock import WriterLock
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
+from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
 
 MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
 _STEP_ID = re.compile(r"ckpt_(\d+)\Z")
@@ -264,6 +265,7 @@ class CheckpointWriter:
         }
         m = _STEP_ID.match(ckpt_id)
         meta = contents.index_meta(state.tables, state.dense, state.extras, state.io_state, world, rows)
+        _check_tensors_described(parts, meta)
         index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
                                       partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta, metrics=metrics,
@@ -325,3 +327,16 @@ def _cached_parents(storage: Storage, output_dir: str, cache: Dict[str, List[str
     if ckpt_id not in cache:
         cache[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
     return cache[ckpt_id]
+
+
+def _check_tensors_described(parts: Sequence[IndexPart], meta: Meta) -> None:
+    """UsageError unless every tensor a rank wrote belongs to a table and column of the index's meta
+    (rank 0's tables and slots): a load resolves tables through the meta, so a table or slot only
+    another rank has would be written and then never loaded."""
+    known = {f"{n}@{c}" for n, t in meta.tables.items() for c in ("id", "embedding", *t.slots, *META_COLUMNS,
+                                                                   TOMBSTONE_COLUMN)}
+    stray = sorted({(part.rank, name) for part in parts for name in part.tensors if name not in known})
+    if stray:
+        raise UsageError(f"rank(s) {sorted({r for r, _ in stray})} hold tables or slots that rank 0 does not "
+                         f"({[n for _, n in stray][:5]}): every rank must hold the same tables with the same "
+                         f"slots; nothing was committed")

@@ -22,7 +22,8 @@ MIN_CAPACITY = 1024
 META_COLUMNS = ("last_step", "count")
 # Column names a slot may not take: the checkpoint's own per-row tensors (`<table>@id`, `@embedding`,
 # the metadata, a delta's `@tombstone`) and the names convert / plain exports give ids and weights.
-RESERVED_COLUMNS = ("id", "ids", "embedding", "weight", *META_COLUMNS, "tombstone")
+TOMBSTONE_COLUMN = "tombstone"  # a delta's `<table>@tombstone`: ids removed since its parent
+RESERVED_COLUMNS = ("id", "ids", "embedding", "weight", *META_COLUMNS, TOMBSTONE_COLUMN)
 
 
 class RowStorage:
