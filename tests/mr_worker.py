@@ -152,6 +152,16 @@ def tablelike(scenario, rank, world, work_dir):
                    os.path.join(work_dir, f"tt_{world}_{rank}.pt"))
 
 
+def save_or_exit(saver, ckpt_id, rank, work_dir, **kwargs):
+    """saver.save, or on a RecsaveError: its text in error_<rank>.txt and exit code 3."""
+    try:
+        saver.save(ckpt_id, **kwargs)
+    except recsave.RecsaveError as exc:
+        with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        os._exit(3)
+
+
 def main():
     scenario, init_file, work_dir = sys.argv[1], sys.argv[4], sys.argv[5]
     rank, world = int(sys.argv[2]), int(sys.argv[3])
@@ -204,31 +214,16 @@ def main():
             theirs = ids[partition.owner_of(ids, world) == 0][:10]
             model.user.set_partition(0, 1)  # an unsharded table takes any id; the save shards it again
             model.user.load_rows(theirs, expected_rows(theirs, 3.0), clear=False)
-        try:
-            saver.save("ckpt_2")
-        except recsave.RecsaveError as exc:
-            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}")
-            os._exit(3)
+        save_or_exit(saver, "ckpt_2", rank, work_dir)
     elif scenario == "save_uneven":  # rank 1 alone has a slot: its rows would be written, never loaded
         fill(model, rank, world)
         saver.save("ckpt_1")
         if rank == 1:
             model.user.add_slot("only_here", 0.5)
-        try:
-            saver.save("ckpt_2")
-        except recsave.RecsaveError as exc:
-            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}")
-            os._exit(3)
+        save_or_exit(saver, "ckpt_2", rank, work_dir)
     elif scenario == "save_as_rank1":  # every rank claims to be rank 1: rank 0 must refuse
         fill(model, rank, world)
-        try:
-            saver.save("ckpt_1", shard_id=1, shard_num=world)
-        except recsave.RecsaveError as exc:
-            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}")
-            os._exit(3)
+        save_or_exit(saver, "ckpt_1", rank, work_dir, shard_id=1, shard_num=world)
     elif scenario == "async_save":
         fill(model, rank, world)
         reader.position = 1000 + rank
