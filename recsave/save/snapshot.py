@@ -17,7 +17,7 @@ from recsave import knobs
 from recsave.format import plainstate
 from recsave.format.writer import RowSource
 from recsave.tables.devcopy import DeviceGather, PinnedPair
-from recsave.tables.rows import copy_rows
+from recsave.tables.rows import copy_range, copy_rows
 from recsave.tables.tablelike import TableLike
 from recsave.tables.tracking import TableChanges
 
@@ -32,7 +32,7 @@ class TableState:
     dtype: torch.dtype
     columns: Dict[str, torch.Tensor]
     ids: Optional[torch.Tensor] = None
-    rows: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None  # with ids and no table: None when ids[r] is in row r
     table: Optional[TableLike] = None
     meta: Dict[str, torch.Tensor] = field(default_factory=dict)  # row metadata: last_step, count
     step: Optional[int] = None          # the table step
@@ -43,18 +43,16 @@ class TableState:
     def id_rows(self) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.table is not None:
             return self.table.id_rows()
-        assert self.ids is not None and self.rows is not None
-        return self.ids, self.rows
+        assert self.ids is not None
+        return self.ids, self.rows if self.rows is not None else torch.arange(self.ids.numel(), dtype=torch.int64)
 
     def ids_by_row(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """id_rows, or (ids, None) when the id at position r is in row r for every r (a table
         that never freed a row, HashTable.dense_row_ids): no list of rows is made."""
         if self.table is not None:
-            dense_row_ids = getattr(self.table, "dense_row_ids", None)
-            ids = dense_row_ids() if callable(dense_row_ids) else None
-            if ids is not None:
-                return ids, None
-        return self.id_rows()
+            return ids_by_row(self.table)
+        assert self.ids is not None
+        return self.ids, self.rows
 
     def slot_names(self) -> List[str]:
         return sorted(c for c in self.columns if c != "embedding")
@@ -68,6 +66,14 @@ class TableState:
             return RowSource.take(storage, rows)
         return RowSource(storage.dtype, (rows.numel(),) + tuple(storage.shape[1:]),
                          DeviceGather(storage, rows, buffers or PinnedPair()))
+
+
+def ids_by_row(table: TableLike) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The table's (ids, rows) in row order, or (ids, None) when the id at position r is in row r for
+    every r (HashTable.dense_row_ids): no list of rows is made."""
+    dense_row_ids = getattr(table, "dense_row_ids", None)
+    ids = dense_row_ids() if callable(dense_row_ids) else None
+    return (ids, None) if ids is not None else table.id_rows()
 
 
 @dataclass
@@ -226,7 +232,7 @@ class Stager:
         for key, src in sources.items():
             copy_rows(views[key], src, rows, knobs.get("concurrency"))
             if used > mirrored:
-                views[key][mirrored:used] = src[mirrored:used]
+                copy_range(views[key], src, mirrored, used)
         self.rows_copied[name] = int(rows.numel()) + used - mirrored
         return views
 
@@ -315,13 +321,13 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
             states[name] = TableState(table.embedding_dim, table.dtype, columns, table=table, meta=meta, step=step,
                                       live_rows=live)
             continue
-        ids, rows = table.id_rows()
+        ids, dense_rows = ids_by_row(table)
         # row_capacity: rows beyond it hold nothing (a TableLike without `weight`: all its rows)
         used = len(getattr(table, "weight", columns["embedding"]))
         since = changed.get(name) if changed is not None else None
         columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table),
                                            _changed_rows(since) if since is not None else None)
-        states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, rows, meta=meta, step=step,
+        states[name] = TableState(table.embedding_dim, table.dtype, columns, ids, dense_rows, meta=meta, step=step,
                                   live_rows=live)
     if stager is None:
         dense_state = {n: t.detach() for n, t in dense.items()}

@@ -166,6 +166,15 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, threads:
     dst.index_copy_(0, rows.to(dst.device), src.index_select(0, rows.to(src.device)).to(dst.device))
 
 
+def copy_range(dst: torch.Tensor, src: torch.Tensor, start: int, stop: int) -> None:
+    """``dst[start:stop] = src[start:stop]``; CPU tensors through numpy (one memcpy, no wake-up of
+    torch's intra-op threads, which cost milliseconds on a busy machine)."""
+    if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.dtype in _NUMPY_DTYPES:
+        dst.numpy()[start:stop] = src.numpy()[start:stop]
+        return
+    dst[start:stop] = src[start:stop]
+
+
 def _grow(t: torch.Tensor, rows: int, huge_pages: bool = True) -> torch.Tensor:
     # New rows are left uninitialised: a row is written (init_rows, a load) when an id takes it,
     # and nothing reads rows no id has taken — filling them would only add a pass over memory.
