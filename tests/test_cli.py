@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import make_job
+from helpers import make_job, read_index_json, write_index_json
 
 import recsave
 from recsave.storage import LocalStorage
@@ -166,8 +166,9 @@ def test_inspect_json(output_dir, capsys):
     assert main(["inspect", "--json", str(output_dir)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert sorted(doc) == ["base", "bytes", "chain", "created_at", "dense", "extras", "format_version", "io_states",
-                           "kind", "parent", "partition", "path", "recsave_version", "shards", "step", "tables",
-                           "world_size"]
+                           "kind", "parent", "partition", "path", "recsave_version", "sealed", "shards", "step",
+                           "tables", "world_size"]
+    assert doc["sealed"] is True
     assert (doc["kind"], doc["parent"], doc["base"], doc["chain"]) == ("full", None, "ckpt_4", ["ckpt_4"])
     assert doc["path"] == str(output_dir / "ckpt_4") and doc["step"] == 4 and doc["world_size"] == 1
     assert sorted(doc["tables"]) == ["item", "user"]
@@ -311,3 +312,13 @@ def test_cli_progress_bar_only_when_stderr_is_a_terminal(output_dir, capsys, mon
     assert "verify [" in tty.text and "100.0%" in tty.text and tty.text.endswith("\n")
     res = run_cli("verify", ckpt)  # a pipe: no bar
     assert res.returncode == 0 and res.stderr == ""
+
+
+def test_inspect_says_when_an_index_is_not_sealed(output_dir, capsys):
+    ckpt = output_dir / "ckpt_4"
+    write_index_json(str(ckpt), read_index_json(str(ckpt)), sealed=False)  # as recsave wrote before seals
+    assert main(["inspect", "--json", str(ckpt)]) == 0
+    assert json.loads(capsys.readouterr().out)["sealed"] is False
+    assert main(["inspect", str(ckpt)]) == 0
+    assert "index not sealed" in capsys.readouterr().out
+    assert main(["verify", str(ckpt)]) == 0  # an unsealed index is still a valid one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import datetime
 import json
 import math
@@ -495,7 +496,8 @@ def _parse(data: bytes, path: str) -> Index:
             raise checks.corrupt(path, f"index is not UTF-8 JSON ({exc})") from None
         if isinstance(index, dict):  # the seal first: damage reads as damage, not as a newer version
             seal.check(data, index, path)
-        return validate(index, path)
+        result = validate(index, path)
+        return dataclasses.replace(result, sealed=True) if seal.KEY in index else result
 
 
 # How index bytes are fetched: Storage.read_bytes, unless a load installed another reader

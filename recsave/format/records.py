@@ -392,6 +392,9 @@ class Index:
         return self.kind == KIND_DELTA
     metrics: Optional[Mapping[str, float]] = None
     retention: Optional[Retention] = None
+    # Whether the bytes this was parsed from ended with the seal (format/seal.py); False for an index
+    # written before seals, or built in memory. Not part of the index's JSON or of equality.
+    sealed: bool = dataclasses.field(default=False, compare=False)
 
     def tensor(self, name: str) -> TensorEntry:
         """The entry of tensor `name` (KeyError when the index has none)."""

@@ -67,7 +67,7 @@ def describe(ckpt: str) -> Dict[str, Any]:
         "kind": index.kind, "parent": index.parent.to_json() if index.parent is not None else None,
         "base": index.base if index.is_delta else chain_ids[0] if index.kind == KIND_FULL else None,
         "chain": chain_ids,
-        "format_version": index.format_version, "recsave_version": index.recsave_version,
+        "format_version": index.format_version, "sealed": index.sealed, "recsave_version": index.recsave_version,
         "world_size": index.world_size,
         "partition": index.partition.to_json() if index.partition is not None else None, "tables": tables,
         "shards": {"files": len(shards), "bytes": sum(f.size for f in shards.values())},

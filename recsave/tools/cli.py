@@ -224,8 +224,9 @@ def _inspect(args: argparse.Namespace) -> int:
         _print_json(d)
         return EXIT_OK
     kind = "" if d["kind"] == "full" else f" ({d['kind']})"
+    seal = "" if d["sealed"] else " (index not sealed: written before recsave sealed its indexes)"
     print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}{kind}, "
-          f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}")
+          f"written by recsave {d['recsave_version']} at {d['created_at']}, {_human(d['bytes'])}{seal}")
     if d["parent"] is not None:
         print(f"{d['kind']} of {d['parent']['id']}; chain (base first): {' <- '.join(d['chain'])}")
     print(f"tables ({len(d['tables'])}):")
