@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -28,6 +28,8 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     if ex is None:
         raise ConfigError("this LoadPlan was not made by plan_model_bank / plan_entries")
     tables, dense = contents.model_state(target.model)
+    if only is not None:
+        only = _with_slots_of_reloaded_tables(only, ex.won)
     won = [{n: v for n, v in w.items() if only is None or n in only} for w in ex.won]
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
                         missing=list(plan.missing), unexpected=list(plan.unexpected), notes=list(plan.notes))
@@ -87,6 +89,14 @@ def _pt_files_needed(won: Won) -> List[str]:
     return files
 
 
+def _with_slots_of_reloaded_tables(only: Set[str], won: Sequence[Won]) -> Set[str]:
+    """`only` plus the slots of every table in it: a reloaded table is staged afresh (cleared), so
+    its slots must be loaded again too, each from the entry that won it, not left at their init."""
+    reloaded = {n for w in won for n, (category, _) in w.items() if category == "sparse" and n in only}
+    return set(only) | {n for w in won for n, (category, _) in w.items()
+                        if category == "sparse_opt" and n.split("@", 1)[0] in reloaded}
+
+
 def _fit(values: torch.Tensor, table: HashTable, ids: torch.Tensor, column: str) -> torch.Tensor:
     """Applies the entry's dim policy (checked in planning): truncate, or pad with the values new
     rows would get (the table's initialiser for embeddings, the slot's init value for slots)."""
@@ -94,10 +104,12 @@ def _fit(values: torch.Tensor, table: HashTable, ids: torch.Tensor, column: str)
     if values.shape[1] > dim:
         return values[:, :dim]
     if values.shape[1] < dim:
+        # In the table's dtype: with dtype_policy cast the padding must not take the checkpoint's
+        # rounding (a bf16 checkpoint padded into an fp32 table).
         if column == "embedding":
-            out = table.initial_rows(ids).to(values.dtype)
+            out = table.initial_rows(ids).to(table.dtype)
         else:
-            out = torch.full((values.shape[0], dim), table.slot_init(column), dtype=values.dtype)
+            out = torch.full((values.shape[0], dim), table.slot_init(column), dtype=table.dtype)
         out[:, :values.shape[1]] = values
         return out
     return values

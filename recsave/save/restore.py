@@ -74,6 +74,13 @@ def baseline_after_load(model: torch.nn.Module, report: LoadReport, conf: Dict[s
             item = report.loaded.get(column)
             if item is None or item.category not in ("sparse", "sparse_opt") or item.source != column:
                 return None
+    # A table padded, truncated or cast on the way in no longer holds the checkpoint's rows: a delta
+    # of it would mix its rows with the checkpoint's unchanged ones of another shape or dtype.
+    meta = index_mod.read(report.checkpoints[0], storage).meta
+    for name, table in tables.items():
+        saved = meta.tables.get(name) if meta is not None else None
+        if saved is None or saved.dim != table.embedding_dim or saved.dtype != contents.dtype_name(table.dtype):
+            return None
     if not all(delta.tracks_changes(t) for t in tables.values()):
         return None
     for table in tables.values():

@@ -1,0 +1,114 @@
+"""Loads that reshape or partly reload tables, found losing data silently by a search of the load
+side: a padded / truncated / cast restore must not become a delta baseline (a delta of it would mix
+shapes or dtypes with its parent: unloadable, or values the model never held); a bank update that
+reloads a table must reload the slots other entries won too; padding under dtype_policy cast takes
+the table's dtype, not the checkpoint's rounding."""
+from __future__ import annotations
+
+import torch
+from helpers import make_job, tables_of
+
+from recsave import CheckpointManager, HashTable, Saver
+
+
+def test_a_padded_restore_is_no_delta_baseline(tmp_path):
+    out = str(tmp_path / "out")
+    job = make_job(out)
+    job.train(5)
+    job.saver.save("ckpt_5")
+    job.saver.close()
+    wider = make_job(out, item_dim=12)
+    report = wider.saver.load(load_conf={"dim_policy": "pad", "exclude": ["dense", "dense_opt"]})
+    assert "item" in report.loaded
+    wider.train(3)
+    wider.saver.save("ckpt_8", incremental=True)
+    assert wider.saver.last_save_kind == "full"  # not a delta of a checkpoint of another width
+    expect = {n: t.export(torch.sort(t.ids()).values) for n, t in tables_of(wider.model).items()}
+    wider.saver.close()
+    again = make_job(out, item_dim=12)
+    again.saver.load(ckpt_id="ckpt_8")  # the newest checkpoint restores
+    for name, table in tables_of(again.model).items():
+        ids, values, slots = expect[name]
+        _, got, got_slots = table.export(ids)
+        assert torch.equal(got, values) and all(torch.equal(got_slots[s], slots[s]) for s in slots)
+    again.saver.close()
+
+
+def _table_model(dtype: torch.dtype, dim: int, seed: int) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.t = HashTable(dim, name="t", dtype=dtype, seed=seed)
+    model.t.add_slot("acc", 0.25)
+    return model
+
+
+def test_a_cast_restore_is_no_delta_baseline(tmp_path):
+    out = str(tmp_path / "out")
+    src = _table_model(torch.float32, 4, 1)
+    src.t.lookup(torch.arange(50), insert=True)
+    Saver(src, output_dir=out).save("ckpt_1")
+    low = _table_model(torch.bfloat16, 4, 1)
+    saver = Saver(low, output_dir=out)
+    saver.load(load_conf={"dtype_policy": "cast"})
+    with torch.no_grad():
+        low.t.weight[:5] += 1.0
+    low.t.mark_changed(torch.arange(5))
+    saver.save("ckpt_2", incremental=True)
+    assert saver.last_save_kind == "full"
+    saver.close()
+
+
+def test_padding_under_cast_takes_the_tables_dtype(tmp_path):
+    out = str(tmp_path / "out")
+    src = _table_model(torch.bfloat16, 4, 1)
+    ids = torch.arange(40)
+    src.t.lookup(ids, insert=True)
+    Saver(src, output_dir=out).save("ckpt_1")
+    wide = _table_model(torch.float32, 6, 1)
+    Saver(wide, output_dir=out).load(load_conf={"dtype_policy": "cast", "dim_policy": "pad"})
+    values, slots = wide.t.export(ids)[1:]
+    assert torch.equal(values[:, :4], src.t.export(ids)[1].float())
+    assert torch.equal(values[:, 4:], wide.t.initial_rows(ids)[:, 4:])  # exact fp32, not bf16-rounded
+    assert torch.equal(slots["acc"][:, 4:], torch.full((40, 2), 0.25))
+
+
+def test_a_bank_update_reloads_the_slots_of_the_tables_it_reloads(tmp_path):
+    def filled(seed: int) -> torch.nn.Module:
+        model = _table_model(torch.float32, 4, 0)
+        model.t.lookup(torch.arange(10), insert=True)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            model.t.weight[:] = torch.rand(model.t.weight.shape, generator=g)
+            model.t.slot("acc")[:] = torch.rand(model.t.weight.shape, generator=g)
+        return model
+    a, b = filled(1), filled(2)
+    saver_a = Saver(a, output_dir=str(tmp_path / "a"))
+    saver_a.save("ckpt_1")
+    Saver(b, output_dir=str(tmp_path / "b")).save("ckpt_1")
+    model = _table_model(torch.float32, 4, 0)
+    manager = CheckpointManager(Saver(model, output_dir=str(tmp_path / "job")), 0)
+    manager.load_model_bank([{"path": str(tmp_path / "a"), "is_dynamic": True},
+                             {"path": str(tmp_path / "b"), "load": ["t@acc"]}])
+    ids = torch.arange(10)
+    b_acc = b.t.export(ids)[2]["acc"]
+    assert torch.equal(model.t.export(ids)[2]["acc"], b_acc)
+    with torch.no_grad():
+        a.t.weight[:] += 1.0
+    saver_a.save("ckpt_2")  # the dynamic entry has a newer checkpoint
+    report = manager.update_model_bank()
+    assert "t" in report.loaded
+    assert torch.equal(model.t.export(ids)[1], a.t.export(ids)[1])  # the table from the new checkpoint
+    assert torch.equal(model.t.export(ids)[2]["acc"], b_acc)  # its slot still from the static entry
+
+
+def test_execute_plan_only_a_table_keeps_its_slots(tmp_path):
+    src = _table_model(torch.float32, 4, 0)
+    src.t.lookup(torch.arange(10), insert=True)
+    with torch.no_grad():
+        src.t.slot("acc")[:] = 3.0
+    Saver(src, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    model = _table_model(torch.float32, 4, 0)
+    saver = Saver(model, output_dir=str(tmp_path / "job"))
+    plan = saver.plan_model_bank([{"path": str(tmp_path / "src")}])
+    saver.execute_plan(plan)
+    saver.execute_plan(plan, only={"t"})
+    assert torch.equal(model.t.export(torch.arange(10))[2]["acc"], torch.full((10, 4), 3.0))
