@@ -65,6 +65,11 @@ def baseline_after_load(model: torch.nn.Module, report: LoadReport, conf: Dict[s
     baseline moves to now and the Baseline is returned. Otherwise None (the next save is full)."""
     if len(report.checkpoints) != 1 or conf.get("hashtable_clear", True) is not True or conf.get("oname"):
         return None
+    # A table a load may pad, truncate or cast no longer holds the checkpoint's rows: a delta of it
+    # would mix its rows with the checkpoint's unchanged ones of another width or dtype. (Without
+    # these policies a differing dim or dtype is an error, so the tables match the checkpoint.)
+    if conf.get("dim_policy", "error") != "error" or conf.get("dtype_policy", "error") != "error":
+        return None
     out_dir, ckpt_id = storage.split(report.checkpoints[0])
     if storage.join(output_dir, ckpt_id) != storage.join(out_dir, ckpt_id):
         return None
@@ -74,13 +79,7 @@ def baseline_after_load(model: torch.nn.Module, report: LoadReport, conf: Dict[s
             item = report.loaded.get(column)
             if item is None or item.category not in ("sparse", "sparse_opt") or item.source != column:
                 return None
-    # A table padded, truncated or cast on the way in no longer holds the checkpoint's rows: a delta
-    # of it would mix its rows with the checkpoint's unchanged ones of another shape or dtype.
-    meta = index_mod.read(report.checkpoints[0], storage).meta
-    for name, table in tables.items():
-        saved = meta.tables.get(name) if meta is not None else None
-        if saved is None or saved.dim != table.embedding_dim or saved.dtype != contents.dtype_name(table.dtype):
-            return None
+
     if not all(delta.tracks_changes(t) for t in tables.values()):
         return None
     for table in tables.values():
