@@ -108,6 +108,13 @@ def change_epoch(table: TableLike) -> Optional[int]:
     return epoch if isinstance(epoch, int) else None
 
 
+def used_rows(table: TableLike) -> int:
+    """Rows of the table's storage that may hold a row: HashTable's row_capacity (the length of
+    `weight`; rows beyond it hold nothing), or every row of a TableLike without `weight`."""
+    weight = getattr(table, "weight", None)
+    return len(weight) if weight is not None else len(table.columns()["embedding"])
+
+
 def table_step(table: TableLike) -> Optional[int]:
     """The table step (HashTable.step); None for a TableLike without one."""
     step = getattr(table, "step", None)
@@ -205,7 +212,7 @@ class Stager:
             # The epoch before anything else: every row written from here on is changed since it.
             # `used` before the columns: storage taken later holds at least that many rows.
             epoch = change_epoch(table)
-            used = len(getattr(table, "weight", table.columns()["embedding"]))
+            used = used_rows(table)
             columns, meta = table.columns(), meta_columns(table)
             if any(t.device.type != "cpu" for t in [*columns.values(), *meta.values()]):
                 continue
@@ -300,7 +307,7 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
             if stager is not None and changed is not None and name in changed:
                 # The table's whole copy is current but for these rows: bring it up to date (it
                 # stays the next save's copy) and write the delta's rows from it.
-                used = len(getattr(table, "weight", columns["embedding"]))
+                used = used_rows(table)
                 columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table),
                                                    _changed_rows(changed[name]))
             elif stager is not None:  # only the changed rows are copied
@@ -322,8 +329,7 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
                                       live_rows=live)
             continue
         ids, dense_rows = ids_by_row(table)
-        # row_capacity: rows beyond it hold nothing (a TableLike without `weight`: all its rows)
-        used = len(getattr(table, "weight", columns["embedding"]))
+        used = used_rows(table)
         since = changed.get(name) if changed is not None else None
         columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table),
                                            _changed_rows(since) if since is not None else None)

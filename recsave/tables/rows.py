@@ -20,9 +20,9 @@ MIN_CAPACITY = 1024
 # Per-row metadata (int64): the table step of the row's last training lookup, and how many
 # training lookups it had. Saved as [rows, 1] columns next to the embedding.
 META_COLUMNS = ("last_step", "count")
+TOMBSTONE_COLUMN = "tombstone"  # a delta's `<table>@tombstone`: ids removed since its parent
 # Column names a slot may not take: the checkpoint's own per-row tensors (`<table>@id`, `@embedding`,
 # the metadata, a delta's `@tombstone`) and the names convert / plain exports give ids and weights.
-TOMBSTONE_COLUMN = "tombstone"  # a delta's `<table>@tombstone`: ids removed since its parent
 RESERVED_COLUMNS = ("id", "ids", "embedding", "weight", *META_COLUMNS, TOMBSTONE_COLUMN)
 
 
