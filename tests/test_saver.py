@@ -344,6 +344,40 @@ def test_get_extra_data(tmp_path):
         fresh.saver.get_extra_data("nope")
 
 
+def test_get_extra_data_follows_what_each_load_applied(tmp_path):
+    """get_extra_data matches what the registered object last received: a later load that does not
+    take the extra (tables only, the extra excluded, a renamed source) never leaves another
+    checkpoint's state there."""
+    paths = {}
+    for run, n in (("a", 1), ("b", 2)):
+        job = _trained_job(tmp_path / run, steps=2, seed=len(run))
+        job.saver.register_for_checkpointing("counter", Counter(n))
+        job.saver.register_for_checkpointing("other", Counter(10 * n))
+        paths[run] = job.saver.save("ckpt_2")
+    fresh = make_job(str(tmp_path / "fresh"))
+    counter, other = Counter(), Counter()
+    fresh.saver.register_for_checkpointing("counter", counter)
+    fresh.saver.register_for_checkpointing("other", other)
+    fresh.saver.load(paths["a"], direct_path=True)
+    assert (fresh.saver.get_extra_data("counter")["n"], counter.n) == (1, 1)
+
+    fresh.saver.load(paths["b"], direct_path=True, load_conf={"load": ["sparse"]})  # no extra.pt read
+    assert (fresh.saver.get_extra_data("counter")["n"], counter.n) == (1, 1)
+    fresh.saver.load(paths["b"], direct_path=True, load_conf={"exclude": ["counter"]})  # extra.pt read
+    assert (fresh.saver.get_extra_data("counter")["n"], counter.n) == (1, 1)
+    assert (fresh.saver.get_extra_data("other")["n"], other.n) == (20, 20)
+    # a rename: the model's "counter" takes b's "other"; the dict follows the model's name
+    fresh.saver.load(paths["b"], direct_path=True,
+                     load_conf={"load": ["extra"], "oname": [{"counter": "other", "other": "counter"}]})
+    assert (fresh.saver.get_extra_data("counter")["n"], counter.n) == (20, 20)
+    assert (fresh.saver.get_extra_data("other")["n"], other.n) == (2, 2)
+
+    # an extra nothing is registered for is readable once its extra.pt was read
+    bare = make_job(str(tmp_path / "bare"))
+    bare.saver.load(paths["b"], direct_path=True, load_conf={"strict": False})
+    assert bare.saver.get_extra_data("counter")["n"] == 2
+
+
 # --------------------------------------------------------------------------------- LoadReport
 def test_load_report_contents(tmp_path):
     out = tmp_path / "run"

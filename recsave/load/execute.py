@@ -289,13 +289,19 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
 def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, files: Dict[str, Any],
                  rank: int, world: int, load_plan: LoadPlan, report: LoadReport, extra_data: Dict[str, Any]) -> None:
     if "extra.pt" in files:
-        extra_data.update(files["extra.pt"])
+        # What get_extra_data returns: a registered extra's state once this load applies it (under
+        # the model's name, after an 'oname' rename), never one the config kept out; unregistered
+        # extras of a file read anyway are there to look at (nothing else holds them).
+        registered = set(target.extras)
+        taken = {source for name, (cat, source) in won.items() if cat == "extra" or name == SPARSE_OPTIM}
+        extra_data.update({n: v for n, v in files["extra.pt"].items() if n not in registered and n not in taken})
     io_data = None
     for name, (cat, source) in sorted(won.items()):
         if cat == "dense":
             tx.stage_dense(name, files["model.pt"][source])
         elif cat == "extra" or name == SPARSE_OPTIM:
             tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], files["extra.pt"][source]))
+            extra_data[name] = files["extra.pt"][source]
         elif cat == "io_state":
             saved = src.io_state_count
             if io_data is None:

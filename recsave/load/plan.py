@@ -22,7 +22,8 @@ Won = Dict[str, Tuple[str, str]]  # model name -> (category, name in the source)
 class LoadTarget:
     """What a load writes into: the model and the objects registered with its Saver.
 
-    `extra_data` receives the extras read (what Saver.get_extra_data returns). Names in `optional`
+    `extra_data` receives the state of each extra a load applies, and the unregistered extras of
+    the extra.pt files it reads (what Saver.get_extra_data returns). Names in `optional`
     (registered with optional=True) may be absent from a checkpoint: they are skipped with a note,
     never counted as missing."""
     model: torch.nn.Module

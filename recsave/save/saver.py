@@ -170,7 +170,10 @@ class Saver:
         return ckpts[-1] if ckpts else None
 
     def get_extra_data(self, name: str) -> Any:
-        """The state saved under extra `name` in the checkpoint loaded last."""
+        """The state a load last applied to the registered extra `name` (its model name, after an
+        'oname' rename): a load that does not take it (kept out by its config, or a source without
+        it) leaves it as it leaves the object. An extra the Saver has no object for is there once a
+        load has read the extra.pt holding it (docs/API.md, "Saver")."""
         check(name, str, "name", "get_extra_data")
         if name not in self._extra_data:
             raise UsageError(f"no extra data {name!r} was loaded; loaded extras: {sorted(self._extra_data)}",
