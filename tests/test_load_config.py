@@ -404,6 +404,53 @@ def test_hashtable_clear_false_merges(tmp_path, saved):
     assert_table(job_state(job2), "user", expected)
 
 
+def _stepped_table_model(step, ids, steps_ago=0):
+    """A model of one 4-dim table at table step `step`, whose `ids` were last looked up
+    `steps_ago` steps before it (the rest of the ids at `step`)."""
+    model = torch.nn.Module()
+    model.user = HashTable(4, name="user")
+    model.train()
+    model.user.step = step - steps_ago
+    model.user.lookup(torch.tensor(ids[:2], dtype=torch.int64), insert=True)
+    model.user.step = step
+    model.user.lookup(torch.tensor(ids[2:], dtype=torch.int64), insert=True)
+    return model
+
+
+def _ages(table):
+    ids, rows = table.id_rows()
+    last = table.row_meta(rows)["last_step"].reshape(-1)
+    return {int(i): table.step - int(s) for i, s in zip(ids, last)}
+
+
+def test_hashtable_clear_false_keeps_the_live_step_and_row_ages(tmp_path):
+    """A merge keeps the live table's step and moves the merged rows' last_step into it, so their
+    ages (what evict reads) are those of the source; into an empty table a merge restores the step
+    as a restore does."""
+    src = _stepped_table_model(100, [1, 2, 3, 4], steps_ago=30)  # ids 1, 2: age 30; 3, 4: age 0
+    ckpt = Saver(src, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    live = _stepped_table_model(500, [4, 5, 6, 7], steps_ago=20)  # 4, 5: age 20; 6, 7: age 0
+    Saver(live, output_dir=str(tmp_path / "live")).load(ckpt, direct_path=True,
+                                                         load_conf={"hashtable_clear": False})
+    assert live.user.step == 500
+    assert _ages(live.user) == {1: 30, 2: 30, 3: 0, 4: 0, 5: 20, 6: 0, 7: 0}
+    assert live.user.evict(older_than_steps=25) == 2  # the merged ids 1 and 2, as in their source
+
+    early = _stepped_table_model(10, [7, 8])  # a live table at a step below the merged rows' ages:
+    Saver(early, output_dir=str(tmp_path / "early")).load(ckpt, direct_path=True,  # floored at 0
+                                                           load_conf={"hashtable_clear": False})
+    assert early.user.step == 10
+    assert _ages(early.user) == {1: 10, 2: 10, 3: 0, 4: 0, 7: 0, 8: 0}
+
+    for clear in (True, False):  # into an empty table: the checkpoint's step, whatever the mode
+        empty = torch.nn.Module()
+        empty.user = HashTable(4, name="user")
+        empty.user.step = 7
+        Saver(empty, output_dir=str(tmp_path / f"empty{clear}")).load(
+            ckpt, direct_path=True, load_conf={"hashtable_clear": clear})
+        assert empty.user.step == 100 and _ages(empty.user) == {1: 30, 2: 30, 3: 0, 4: 0}
+
+
 # ------------------------------------------------------------------------------- model bank
 @pytest.fixture
 def second(tmp_path):

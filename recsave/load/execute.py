@@ -141,6 +141,9 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
     batched = {name for name, _, _, _ in batch}  # those not in_place repeat an id: the general path
     for table_name, src_table, columns, table, meta, read in staged:
         has_embedding = "embedding" in columns
+        # A load's rows take the source's table step when they replace the table's rows (the fast
+        # paths restore: hashtable_clear) or fill an empty table; merged into rows they do not.
+        adopt_step = has_embedding and plan.conf.hashtable_clear
         if table_name in in_place:
             loaded_rows = len(table)
         elif has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
@@ -156,14 +159,18 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
                     table.add_slot(slot)
             values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
             slot_values = {c: v for c, v in values.items() if c != "embedding"}
+            adopt_step = adopt_step or (has_embedding and len(table) == 0)
             if has_embedding:
-                with_meta = {"meta": {m: data[m] for m in meta}} if meta else {}  # TableLike: no meta argument
+                rows_meta = {m: data[m] for m in meta}
+                if not adopt_step:
+                    rows_meta = _into_live_timeline(rows_meta, table, _table_step(src, src_table))
+                with_meta = {"meta": rows_meta} if meta else {}  # TableLike: no meta argument
                 table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear, **with_meta)
                 loaded_rows = ids.numel()
             else:
                 loaded_rows = table.set_slot_rows(ids, slot_values)
         step = _table_step(src, src_table)
-        if has_embedding and plan.conf.hashtable_clear and step is not None and hasattr(table, "advance_step"):
+        if adopt_step and step is not None and hasattr(table, "advance_step"):
             table.step = step
         for column in columns:
             name = table_name if column == "embedding" else f"{table_name}@{column}"
@@ -179,6 +186,18 @@ def _meta_columns(src: Any, table: str) -> List[str]:
     if index is None:
         return []
     return [m for m in META_COLUMNS if f"{table}@{m}" in index.tensors]
+
+
+def _into_live_timeline(meta: Dict[str, torch.Tensor], table: Any, src_step: Optional[int]
+                        ) -> Dict[str, torch.Tensor]:
+    """Row metadata of rows merged into a table that holds rows (hashtable_clear=False): the table
+    keeps its step, and each merged row's last_step moves by (table step - the source's step),
+    floored at 0, so its age (what evict(older_than_steps=...) reads) is the one it had in its
+    source, not a step of another job's count (docs/API.md)."""
+    if src_step is None or "last_step" not in meta or not hasattr(table, "advance_step"):
+        return meta
+    shift = int(table.step) - src_step
+    return {**meta, "last_step": (meta["last_step"] + shift).clamp_(min=0)}
 
 
 def _table_step(src: Any, table: str) -> Optional[int]:
