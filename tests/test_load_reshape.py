@@ -112,3 +112,36 @@ def test_execute_plan_only_a_table_keeps_its_slots(tmp_path):
     saver.execute_plan(plan)
     saver.execute_plan(plan, only={"t"})
     assert torch.equal(model.t.export(torch.arange(10))[2]["acc"], torch.full((10, 4), 3.0))
+
+
+def test_a_slot_of_another_dtype_needs_dtype_policy_cast(tmp_path):
+    """torch.save and Parquet sources may hold optimizer slots of another dtype than their
+    embedding: the slot's own dtype is checked against the model's (silently rounding a float64
+    slot into a float32 table is what dtype_policy='error' exists to refuse)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pytest
+
+    from recsave import ShapeMismatchError
+
+    ids = torch.tensor([1, 2, 3])
+    emb = torch.randn(3, 4)
+    acc = torch.full((3, 4), 1.0 + 2.0 ** -40, dtype=torch.float64)  # not a float32 value
+    pt = str(tmp_path / "t.pt")
+    torch.save({"t.weight": emb, "t.ids": ids, "t.acc": acc}, pt)
+    pq_dir = tmp_path / "pq" / "t"
+    pq_dir.mkdir(parents=True)
+    pq.write_table(pa.table({"id": pa.array(ids.numpy()),
+                             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1).numpy()), 4),
+                             "acc": pa.FixedSizeListArray.from_arrays(pa.array(acc.reshape(-1).numpy()), 4)}),
+                   str(pq_dir / "part-0.parquet"))
+    for source in (pt, str(pq_dir)):
+        model = _table_model(torch.float32, 4, 1)
+        saver = Saver(model, output_dir=str(tmp_path / "out"))
+        with pytest.raises(ShapeMismatchError, match=r"slot 't@acc' is float64 but the model's 't@acc' is float32"):
+            saver.load(source, load_conf={"load": ["sparse", "sparse_opt"]})
+        assert len(model.t) == 0  # refused before anything loaded
+        saver.load(source, load_conf={"load": ["sparse", "sparse_opt"], "dtype_policy": "cast"})
+        _, values, slots = model.t.export(ids)
+        assert torch.equal(values, emb) and torch.equal(slots["acc"], acc.float())
+        saver.close()

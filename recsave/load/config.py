@@ -108,9 +108,17 @@ def _renames(value: Any, where: str) -> Tuple[Tuple[str, str], ...]:
 @dataclass
 class TableInfo:
     dim: int
-    dtype: str
+    dtype: str  # the embedding's
     slots: Tuple[str, ...]
     rows: int = 0
+    slot_dtypes: Dict[str, str] = field(default_factory=dict)  # a slot not listed has `dtype`
+
+    def __post_init__(self) -> None:  # only the slots of another dtype: equal infos compare equal
+        self.slot_dtypes = {s: d for s, d in self.slot_dtypes.items() if d != self.dtype}
+
+    def dtype_of(self, column: str) -> str:
+        """The dtype of column 'embedding' or of a slot."""
+        return self.dtype if column == "embedding" else self.slot_dtypes.get(column, self.dtype)
 
 
 @dataclass
@@ -242,10 +250,14 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
 def _check_compatible(name: str, src: str, category: str, model: Contents, ckpt: Contents,
                       ckpt_dir: str, conf: LoadConf) -> None:
     if category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM:
-        mt, ct = model.tables[name.partition("@")[0]], ckpt.tables[src.partition("@")[0]]
-        if mt.dtype != ct.dtype and conf.dtype_policy != "cast":
+        (table, _, slot), (src_table, _, src_slot) = name.partition("@"), src.partition("@")
+        mt, ct = model.tables[table], ckpt.tables[src_table]
+        # each slot against its own dtype: a source may hold slots of another dtype than its embedding
+        mdtype, cdtype = mt.dtype_of(slot or "embedding"), ct.dtype_of(src_slot or "embedding")
+        if mdtype != cdtype and conf.dtype_policy != "cast":
+            what = f"slot {src!r}" if src_slot else f"table {src!r}"
             raise ShapeMismatchError(
-                f"{ckpt_dir}: table {src!r} is {ct.dtype} but the model's {name!r} is {mt.dtype}; set "
+                f"{ckpt_dir}: {what} is {cdtype} but the model's {name!r} is {mdtype}; set "
                 f"dtype_policy='cast' to convert, or exclude it", path=ckpt_dir, key=name)
         if mt.dim != ct.dim:
             fits = {"truncate": ct.dim > mt.dim, "pad": ct.dim < mt.dim}.get(conf.dim_policy, False)

@@ -2,7 +2,7 @@
 holds, in the same vocabulary (loadconf.Contents), so configs resolve against both."""
 from __future__ import annotations
 
-from typing import AbstractSet, Any, Dict, List, Mapping, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -89,9 +89,16 @@ def of_index(index: Index, path: str) -> Contents:
     if meta is None:
         raise checks.corrupt(path, "index meta does not describe tables / dense / extras (it is empty)")
     return Contents(
-        tables={n: TableInfo(t.dim, t.dtype, t.slots, t.rows) for n, t in meta.tables.items()},
+        tables={n: TableInfo(t.dim, t.dtype, t.slots, t.rows, _slot_dtypes(index, n, t.slots))
+                for n, t in meta.tables.items()},
         dense={n: (d.shape, d.dtype) for n, d in meta.dense.items()},
         extras=set(meta.extras), io_states=set(meta.io_states))
+
+
+def _slot_dtypes(index: Index, table: str, slots: Sequence[str]) -> Dict[str, str]:
+    """The slots' dtypes as the index records their tensors."""
+    entries = (index.tensors.get(f"{table}@{s}") for s in slots)
+    return {s: e.dtype for s, e in zip(slots, entries) if e is not None}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

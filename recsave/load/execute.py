@@ -238,11 +238,13 @@ def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_tab
 
 def _restores_in_place(table: Any, src: Any, src_table: str, plan: Plan) -> bool:
     """Whether the restore fast path applies: a HashTable (prepare_load is optional in TableLike)
-    cleared by the load, from a checkpoint table of the same dim and dtype."""
+    cleared by the load, from a checkpoint table of the same dim and dtype (its slots' too: the
+    files are read straight into the table's storage)."""
     info = src.contents.tables.get(src_table)
+    dtype = contents.dtype_name(table.dtype)
     return (callable(getattr(table, "prepare_load", None)) and plan.conf.hashtable_clear
             and src.kind == "checkpoint" and info is not None and info.dim == table.embedding_dim
-            and info.dtype == contents.dtype_name(table.dtype))
+            and info.dtype == dtype and all(d == dtype for d in info.slot_dtypes.values()))
 
 
 def _load_cpu_tables_in_place(target: LoadTarget, batch: List[Any], src: Any, rank: int, world: int) -> Set[str]:

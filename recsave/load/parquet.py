@@ -228,7 +228,7 @@ class ParquetSource:
         slots = tuple(k for k in cols if k != "embedding")
         rows = sum(e[1] for e in entries)
         dim = cast(int, emb.dim)  # every column's dim was checked above
-        self._tables = {name: _Table(TableInfo(dim, emb.dtype, slots, rows),
+        self._tables = {name: _Table(TableInfo(dim, emb.dtype, slots, rows, {s: cols[s].dtype for s in slots}),
                                      {k: c.dtype for k, c in cols.items()}, entries)}
         token = hashlib.sha256()
         for rel, _, _ in entries:
@@ -237,7 +237,7 @@ class ParquetSource:
 
     # -------------------------------------------------------------------------------- queries
     def tables(self) -> Dict[str, TableInfo]:
-        return {n: TableInfo(t.info.dim, t.info.dtype, tuple(t.info.slots), t.info.rows)
+        return {n: TableInfo(t.info.dim, t.info.dtype, tuple(t.info.slots), t.info.rows, dict(t.info.slot_dtypes))
                 for n, t in self._tables.items()}
 
     def _table(self, table: str) -> _Table:
@@ -374,7 +374,7 @@ def _manifest_table(t: Dict[str, Any]) -> _Table:
         files.append((rel, f["rows"], f["size"]))
     if sum(f[1] for f in files) != rows:
         raise ValueError(f"file rows do not add up to {rows}")
-    return _Table(TableInfo(dim, str(t["dtype"]), slots, rows), columns, files)
+    return _Table(TableInfo(dim, str(t["dtype"]), slots, rows, {s: columns[s] for s in slots}), columns, files)
 
 
 def _shape_of(cols: Dict[str, _Column]) -> Dict[str, tuple]:

@@ -146,7 +146,8 @@ class TorchStateSource(abc.ABC):
                 aliases[f"{name}@{slot}"] = (k,)
                 aliases[k] = aliases.get(k, ()) + (name, f"{name}@{slot}")
         self.contents = Contents(
-            tables={n: TableInfo(t.dim, dtype_name(t.dtype), tuple(sorted(t.slots)), t.rows)
+            tables={n: TableInfo(t.dim, dtype_name(t.dtype), tuple(sorted(t.slots)), t.rows,
+                                 {s: dtype_name(meta[k][1]) for s, k in t.slots.items()})
                     for n, t in self.tables.items()},
             dense={k: (tuple(s), dtype_name(d)) for k, (s, d) in meta.items()},
             aliases=aliases)
