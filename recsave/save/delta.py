@@ -95,13 +95,21 @@ def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremen
     reason = why_full(tables, baseline, storage, output_dir, rank) if incremental else "incremental=False"
     # Every save moves the baselines. A save already known to be full only resets them: listing
     # the changed rows is a pass over every table's mask (50 ms for 4M rows) it would not use.
+    # A table reachable under two names (a shared table without name=) is taken once, its changes
+    # given to every name: a second take_changes would find none, and its name's delta (or async
+    # copy) would keep the parent's rows.
+    to_take = {id(t) for n, t in tables.items() if reason is None or n in want}
     taken: Dict[str, TableChanges] = {}
+    once: Dict[int, TableChanges] = {}
     for n, t in tables.items():
-        if tracks_changes(t):
-            if reason is None or n in want:
-                taken[n] = t.take_changes()  # type: ignore[attr-defined]
-            else:
-                t.reset_changes()  # type: ignore[attr-defined]
+        if not tracks_changes(t):
+            continue
+        if id(t) in to_take:
+            if id(t) not in once:
+                once[id(t)] = t.take_changes()  # type: ignore[attr-defined]
+            taken[n] = once[id(t)]
+        else:
+            t.reset_changes()  # type: ignore[attr-defined]
     wanted = {n: c for n, c in taken.items() if n in want}
     after = Baseline.of("", tables)
 
