@@ -17,6 +17,7 @@ from recsave.format.records import KIND_FULL
 from recsave.load.sources import ChainSource, CheckpointSource, open_source
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
+from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
 
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
@@ -54,7 +55,7 @@ def describe(ckpt: str) -> Dict[str, Any]:
     tables = {}
     for name, t in (index.meta.tables if index.meta is not None else {}).items():
         quantised = ("scale", "offset") if t.quant is not None else ()  # int8 serving tables
-        stored = [c for c in ("id", "embedding", *t.slots, *quantised, "last_step", "count", "tombstone")
+        stored = [c for c in ("id", "embedding", *t.slots, *quantised, *META_COLUMNS, TOMBSTONE_COLUMN)
                   if f"{name}@{c}" in index.tensors]
         nbytes = sum(index.tensor(f"{name}@{c}").nbytes for c in stored)
         tables[name] = {"rows": t.rows, "dim": t.dim, "dtype": t.dtype, "slots": list(t.slots), "bytes": nbytes,
