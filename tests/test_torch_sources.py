@@ -160,3 +160,32 @@ def test_a_dynamic_entry_reloads_when_the_pytorch_source_is_rewritten(tmp_path, 
     report = mgr.update_model_bank()
     assert report is not None and set(report.loaded) == {"emb"}
     assert torch.equal(_table(model.emb)[1], src.emb.weight.detach())
+
+
+@pytest.mark.parametrize("kind", ["torch", "parquet"])
+@pytest.mark.parametrize("clear", [True, False])
+def test_a_source_listing_an_id_twice_is_refused(tmp_path, kind, clear):
+    """Ids repeated in a torch.save file or across Parquet files: which row would win is
+    arbitrary, so the load raises ConfigError naming the table and leaves the model as it was."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "torch":
+        source = str(tmp_path / "dup.pt")
+        torch.save({"t.weight": torch.arange(12.0).reshape(3, 4), "t.ids": torch.tensor([5, 6, 5])}, source)
+    else:
+        (tmp_path / "pq" / "t").mkdir(parents=True)
+        source = str(tmp_path / "pq" / "t")
+        for name, ids in (("a", [1, 2, 3]), ("b", [3, 4])):
+            emb = pa.array(torch.ones(len(ids) * 4).numpy())
+            pq.write_table(pa.table({"id": pa.array(ids, pa.int64()),
+                                     "embedding": pa.FixedSizeListArray.from_arrays(emb, 4)}),
+                           f"{source}/{name}.parquet")
+    model = torch.nn.Module()
+    model.t = HashTable(4, name="t")
+    model.t.load_rows(torch.tensor([3, 9]), torch.full((2, 4), 7.0))
+    with pytest.raises(ConfigError, match=r"table 't' lists 1 id\(s\) more than once \(e\.g\. \[[35]\]\)"):
+        Saver(model, output_dir=str(tmp_path / "out")).load_model_bank(
+            [{"path": source, "load": ["sparse"], "hashtable_clear": clear}])
+    ids, values, _ = model.t.export()
+    assert sorted(ids.tolist()) == [3, 9] and bool((values == 7.0).all())

@@ -154,6 +154,8 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             loaded_rows = len(table)
         else:
             ids, data = src.read_table(src_table, list(columns.values()) + meta, rank, world, target.concurrency)
+            if src.kind not in ("checkpoint", "chain"):  # a Saver's files hold each id once (its id map)
+                _refuse_repeated_ids(src, src_table, ids)
             for slot in columns:  # a slot of the checkpoint the (scratch) table lacks is created first:
                 if slot != "embedding" and slot not in table.slot_names():  # padding reads its init
                     table.add_slot(slot)
@@ -186,6 +188,17 @@ def _meta_columns(src: Any, table: str) -> List[str]:
     if index is None:
         return []
     return [m for m in META_COLUMNS if f"{table}@{m}" in index.tensors]
+
+
+def _refuse_repeated_ids(src: Any, table: str, ids: torch.Tensor) -> None:
+    """A Parquet or torch.save source may list an id twice (two files, or a hand-made tensor):
+    which row would win is arbitrary, so the load is refused, as convert refuses it."""
+    if ids.numel() and torch.unique(ids).numel() != ids.numel():
+        values, counts = torch.unique(ids, return_counts=True)
+        repeated = values[counts > 1]
+        raise ConfigError(f"{src.ckpt_dir}: table {table!r} lists {repeated.numel()} id(s) more than once "
+                          f"(e.g. {repeated[:5].tolist()}); each id must appear once: drop the repeats "
+                          f"from the source", path=src.ckpt_dir, key=table)
 
 
 def _into_live_timeline(meta: Dict[str, torch.Tensor], table: Any, src_step: Optional[int]
