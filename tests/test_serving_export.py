@@ -397,3 +397,22 @@ def test_a_delta_exports_the_merged_state_of_its_chain(tmp_path):
         a, b = stored(via_delta, table, ("id", "embedding")), stored(via_full, table, ("id", "embedding"))
         assert torch.equal(a["id"], b["id"]) and torch.equal(a["embedding"], b["embedding"])
     assert sorted(stored(via_delta, "user", ("id",))["id"].tolist()) == sorted(uid[:390].tolist())
+
+
+def test_int8_rows_of_a_small_range_keep_the_bound():
+    """Rows spanning less than about 4e-3 get float16 subnormal scales; rounded to nearest, a scale
+    could fall below (max - offset) / 255 and the top codes clamp (errors up to a fifth of the
+    row's range). Rounded up, every value stays within scale / 2 (plus float32 rounding)."""
+    from recsave.format.quant import dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(7)
+    spans = torch.logspace(-7, -2, 2000).unsqueeze(1)
+    rows = torch.rand(2000, 16, generator=g) * spans + torch.randn(2000, 1, generator=g) * 1e-3
+    codes, scale, offset = quantize_rows(rows)
+    s32, o32 = scale.float(), offset.float()
+    hi = rows.amax(1, keepdim=True)
+    assert bool((s32 * 255 >= hi - o32).all())  # no code above 255 steps
+    err = (dequantize_rows(codes, scale, offset) - rows).abs()
+    slack = 2.0 ** -22 * (rows.abs() + o32.abs() + 255 * s32)
+    assert bool((err <= s32 / 2 + slack).all())
+    assert bool((s32 <= (hi - o32) / 255 * (1 + 2.0 ** -10) + 2.0 ** -24).all())  # one step up at most

@@ -1,8 +1,8 @@
 """Per-row int8 quantisation of serving checkpoints (docs/FORMAT.md section 8).
 
 Each row `x` (cast to float32) gets an `offset` (its minimum, rounded down to the scale dtype) and a
-`scale` (``(max - offset) / 255`` rounded to nearest in the scale dtype; when that rounds a
-positive value to 0, 2**-24 for float16, the smallest normal value for float32):
+`scale` (``(max - offset) / 255`` rounded up to the scale dtype, so it is 0 only for a constant
+row and no code clamps at the top):
 
     code = clamp(round_half_even((x - offset) / scale), 0, 255) - 128   (int8; -128 when scale == 0)
     x'   = (code + 128) * scale + offset                               (float32)
@@ -11,7 +11,8 @@ both computed in float32 with `scale` and `offset` widened to float32. With floa
 product ``(code + 128) * scale`` is exact in float32 (8 + 11 significant bits), so a fused or an
 unfused multiply-add gives the same bits. Every value is within ``scale / 2`` of the original,
 plus float32 rounding of the subtraction, division and addition: ``(max - min) / 510`` plus what
-rounding scale and offset to their dtype adds.
+rounding scale and offset to their dtype adds (a relative 2**-10 of the scale for a normal
+float16, at most 2**-24 among its subnormals).
 """
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ def quantize_rows(rows: torch.Tensor, scale_dtype: torch.dtype = torch.float16, 
         offset = torch.where(above, torch.nextafter(offset, torch.full_like(offset, float("-inf"))), offset)
     span = (hi - offset.to(torch.float32)) / 255
     scale = span.to(scale_dtype)
-    tiny = torch.finfo(scale_dtype).smallest_normal if scale_dtype == torch.float32 else 2.0 ** -24
-    scale = torch.where((span > 0) & (scale == 0), torch.full_like(scale, tiny), scale)
+    # Rounded down, (max - offset) / scale would pass 255 and the top codes clamp: among float16's
+    # subnormals (rows spanning less than about 4e-3) by up to half the row's range. Step up once.
+    below = scale.to(torch.float32) < span
+    if bool(below.any()):
+        scale = torch.where(below, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     if not (bool(torch.isfinite(offset).all()) and bool(torch.isfinite(scale).all())):
         raise UsageError(f"{what}: values up to {float(torch.maximum(lo.abs(), hi.abs()).max()):.6g} exceed "
                          f"what a {scale_dtype} scale / offset can hold; pass scale_dtype='float32'")
