@@ -187,6 +187,35 @@ def test_a_failed_dcp_conversion_leaves_nothing_and_repeated_ids_are_refused(tmp
         recsave.convert(str(tmp_path / "dup.pt"), str(tmp_path / "out"), "recsave")
     assert not (tmp_path / "out" / "converted").exists()
 
+    # slots of another dtype than the embedding: refused, not rounded into the embedding's dtype
+    torch.save({"t.weight": torch.rand(3, 4), "t.ids": torch.tensor([1, 2, 3]),
+                "t.acc": torch.rand(3, 4, dtype=torch.float64)}, tmp_path / "f64slot.pt")
+    with pytest.raises(ConfigError, match=r"table 't' is float32 but its slot\(s\) \{'acc': 'float64'\}"):
+        recsave.convert(str(tmp_path / "f64slot.pt"), str(tmp_path / "out"), "recsave")
+    assert not (tmp_path / "out" / "converted").exists()
+
+
+def test_recsave_to_recsave_keeps_row_metadata_and_table_steps(tmp_path):
+    """Converting a recsave checkpoint into a recsave checkpoint (e.g. a delta chain into one full
+    checkpoint) keeps every row's last_step and count and each table's step, as a load would."""
+    job = _trained(tmp_path)
+    for table in tables_of(job.model).values():
+        table.delete(table.ids()[:3])  # a freed row: ids no longer in row order
+    job.train(2)
+    src = job.saver.save("ckpt_6", incremental=True)
+    assert job.saver.last_save_kind == "delta"
+    out = recsave.convert(src, str(tmp_path / "out"), "recsave")
+    for path in (src, out):
+        fresh = make_job(str(tmp_path / "fresh"))
+        fresh.saver.load(path, direct_path=True, load_conf={"load": ["sparse"]})  # convert keeps no extras
+        for name, table in tables_of(job.model).items():
+            got = tables_of(fresh.model)[name]
+            assert got.step == table.step, name
+            ids = torch.sort(table.ids()).values
+            want, have = table.row_meta(table.lookup(ids, insert=False)), got.row_meta(got.lookup(ids, insert=False))
+            assert all(torch.equal(want[m], have[m]) for m in want), name
+        fresh.saver.close()
+
 
 class _Dotted:
     """An extra whose state has a dotted key beside the nested one it spells."""

@@ -17,6 +17,7 @@ from recsave.load import contents, merge
 from recsave.load.config import Contents
 from recsave.storage import Storage, get_storage
 from recsave.tables import partition
+from recsave.tables.rows import META_COLUMNS
 
 
 class CheckpointSource:
@@ -163,6 +164,22 @@ class CheckpointSource:
 
     def pt_size(self, fname: str) -> int:
         return self.index.file(fname).size
+
+
+def meta_columns(src: Any, table: str) -> List[str]:
+    """The row metadata columns (last_step, count) a source holds for `table`: none for Parquet,
+    torch.save, DCP or a checkpoint written before recsave saved them (the rows then get 0s)."""
+    index = getattr(src, "index", None)
+    if index is None:
+        return []
+    return [m for m in META_COLUMNS if f"{table}@{m}" in index.tensors]
+
+
+def table_step(src: Any, table: str) -> Optional[int]:
+    """The table step a checkpoint source records for `table` (None for other sources)."""
+    index = getattr(src, "index", None)
+    info = index.meta.tables.get(table) if index is not None and index.meta is not None else None
+    return info.step if info is not None else None
 
 
 def sub_ranges(ranges: Sequence[Tuple[int, int]], a: int, b: int) -> List[Tuple[int, int]]:

@@ -21,6 +21,7 @@ import torch
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
 from recsave.format import ckptlist
+from recsave.load import sources
 from recsave.load.sources import open_source
 from recsave.load.torch_sources import TorchStateSource
 from recsave.save.pipeline import CheckpointWriter
@@ -138,9 +139,10 @@ def _parts(source: Any, tables: Sequence[str], dense: Sequence[str], concurrency
         yield rest
 
 
-def _read_table(source: Any, name: str, concurrency: int) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+def _read_table(source: Any, name: str, concurrency: int, meta: Sequence[str] = ()
+                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     slots = list(source.contents.tables[name].slots)
-    ids, columns = source.read_table(name, ["embedding"] + slots, 0, 1, concurrency)
+    ids, columns = source.read_table(name, ["embedding"] + slots + list(meta), 0, 1, concurrency)
     return ids, dict(columns)
 
 
@@ -219,12 +221,15 @@ class _Tables:
             k = self.names.index(name)
             for old in [n for n in self.cache if self.names.index(n) < k - 1]:
                 del self.cache[old]
-            ids, columns = _read_table(self.source, name, self.concurrency)
+            meta = sources.meta_columns(self.source, name)
+            ids, columns = _read_table(self.source, name, self.concurrency, meta)
             if torch.unique(ids).numel() != ids.numel():
                 raise ConfigError(f"{self.source.ckpt_dir}: table {name!r} has repeated ids; each id must "
                                   f"appear once", path=self.source.ckpt_dir, key=name)
+            # slots are the embedding's dtype (_to_recsave refused others); row metadata stays int64
             dtype = columns["embedding"].dtype
-            self.cache[name] = (ids.contiguous(), {c: v.to(dtype).contiguous() for c, v in columns.items()})
+            self.cache[name] = (ids.contiguous(), {c: v.contiguous() if c in meta else v.to(dtype).contiguous()
+                                                   for c, v in columns.items()})
         return self.cache[name]
 
 
@@ -262,9 +267,17 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
         info = source.contents.tables[name]
         if "@" in name:
             raise UsageError(f"table name {name!r} cannot be a recsave table name (it has '@')", key=name)
+        if info.slot_dtypes:  # a recsave table's slots share its dtype: a cast would round silently
+            raise ConfigError(f"{source.ckpt_dir}: table {name!r} is {info.dtype} but its slot(s) "
+                              f"{info.slot_dtypes} are not; cast them to {info.dtype} in the source (or "
+                              f"load it into a model with dtype_policy='cast' and save that)",
+                              path=source.ckpt_dir, key=name)
         columns = _LazyColumns(tables, name, ["embedding", *info.slots])
+        # a recsave source's row metadata and table step go along (others have none: 0s on load)
+        meta = _LazyColumns(tables, name, sources.meta_columns(source, name))
         states[name] = TableState(info.dim, getattr(torch, info.dtype), columns,  # type: ignore[arg-type]
-                                  table=_LazyTable(tables, name))  # type: ignore[arg-type]
+                                  table=_LazyTable(tables, name),  # type: ignore[arg-type]
+                                  meta=meta, step=sources.table_step(source, name))  # type: ignore[arg-type]
     model = source.read_pt("model.pt") if dense else {}
     state = SaveState(states, {k: model[k] for k in dense}, {}, {})
     writer = CheckpointWriter(get_storage(dst), dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
