@@ -30,6 +30,8 @@ def _expected_flat(job):
         out[f"{name}.ids"] = ids
         out[f"{name}.weight"] = values
         out.update({f"{name}.{s}": v for s, v in slots.items()})
+        out.update({f"{name}.{m}": v.reshape(-1) for m, v in table.row_meta(table.lookup(ids, insert=False)).items()})
+        out[f"{name}.step"] = torch.tensor(table.step)
     out.update({k: v.detach() for k, v in job.model.state_dict().items() if isinstance(v, torch.Tensor)})
     return out
 
@@ -50,7 +52,7 @@ def _assert_layout_equal(got, expected):
         for k in e:
             assert torch.equal(g[k], e[k]), k
     for k, v in expected.items():
-        if k.partition(".")[0] not in tables:
+        if k.partition(".")[0] not in tables or v.dim() == 0:
             assert torch.equal(got[k], v), k
 
 
@@ -165,11 +167,11 @@ def test_a_failed_dcp_conversion_leaves_nothing_and_repeated_ids_are_refused(tmp
     real = conv._read_table
     calls = []
 
-    def fail_second(source, name, concurrency):
+    def fail_second(source, name, concurrency, meta=()):
         calls.append(name)
         if len(calls) == 2:
             raise OSError(28, "No space left on device (injected)")
-        return real(source, name, concurrency)
+        return real(source, name, concurrency, meta)
 
     monkeypatch.setattr(conv, "_read_table", fail_second)
     with pytest.raises(OSError, match="injected"):
@@ -195,9 +197,10 @@ def test_a_failed_dcp_conversion_leaves_nothing_and_repeated_ids_are_refused(tmp
     assert not (tmp_path / "out" / "converted").exists()
 
 
-def test_recsave_to_recsave_keeps_row_metadata_and_table_steps(tmp_path):
+def test_conversions_keep_row_metadata_and_table_steps(tmp_path):
     """Converting a recsave checkpoint into a recsave checkpoint (e.g. a delta chain into one full
-    checkpoint) keeps every row's last_step and count and each table's step, as a load would."""
+    checkpoint), or through torch.save or DCP and back, keeps every row's last_step and count and
+    each table's step, as a load would."""
     job = _trained(tmp_path)
     for table in tables_of(job.model).values():
         table.delete(table.ids()[:3])  # a freed row: ids no longer in row order
@@ -205,7 +208,9 @@ def test_recsave_to_recsave_keeps_row_metadata_and_table_steps(tmp_path):
     src = job.saver.save("ckpt_6", incremental=True)
     assert job.saver.last_save_kind == "delta"
     out = recsave.convert(src, str(tmp_path / "out"), "recsave")
-    for path in (src, out):
+    via = [recsave.convert(recsave.convert(src, str(tmp_path / f"mid_{to}"), to), str(tmp_path / f"out_{to}"),
+                           "recsave") for to in ("torch", "dcp")]
+    for path in (src, out, *via):
         fresh = make_job(str(tmp_path / "fresh"))
         fresh.saver.load(path, direct_path=True, load_conf={"load": ["sparse"]})  # convert keeps no extras
         for name, table in tables_of(job.model).items():

@@ -203,16 +203,30 @@ def test_weights_only_load_refuses_a_pickled_table(tmp_path):
 def test_plain_state_dict_loads_with_weights_only(tmp_path):
     a, _ = trained()
     plain = recsave.to_dcp_state_dict(a)
-    assert set(plain) == {"emb.user.table.ids", "emb.user.table.embedding", "emb.user.table.slot.adagrad_acc",
-                          "emb.anon.table.ids", "emb.anon.table.embedding", "emb.anon.table.slot.adagrad_acc",
-                          "lin.weight", "lin.bias"}
+    per_table = ("ids", "embedding", "slot.adagrad_acc", "last_step", "count", "step")
+    assert set(plain) == {f"emb.{t}.table.{c}" for t in ("user", "anon") for c in per_table} | {"lin.weight",
+                                                                                                "lin.bias"}
     assert all(type(v) is torch.Tensor for v in plain.values())
     buf = io.BytesIO()
     torch.save(plain, buf)
     buf.seek(0)
     b = Tower(seed=6)
+    b.emb.user.step = 42  # replaced by the saved step, as a load_state_dict of the table does
     recsave.from_dcp_state_dict(b, torch.load(buf, weights_only=True))
     assert_models_equal(a, b)
+    for name in ("user", "anon"):  # row metadata and table steps come back: evict() sees the same ages
+        ta, tb = getattr(a.emb, name), getattr(b.emb, name)
+        ids = torch.sort(ta.ids()).values
+        assert tb.step == ta.step > 0
+        ma, mb = ta.row_meta(ta.lookup(ids, insert=False)), tb.row_meta(tb.lookup(ids, insert=False))
+        assert all(torch.equal(ma[m], mb[m]) for m in ma) and int(ma["count"].sum()) > 0
+
+    # A plain state written before the metadata existed still loads; the table keeps its step.
+    old = {k: v for k, v in plain.items() if not k.endswith((".last_step", ".count", ".step"))}
+    c = Tower(seed=7)
+    c.emb.user.step = 9
+    recsave.from_dcp_state_dict(c, old)
+    assert c.emb.user.step == 9 and bool((c.emb.user.row_meta(torch.arange(len(c.emb.user)))["last_step"] == 9).all())
 
 
 def test_plain_state_dict_missing_table_raises_naming_it():

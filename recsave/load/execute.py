@@ -11,7 +11,7 @@ import torch
 
 from recsave import knobs
 from recsave.errors import ConfigError
-from recsave.load import contents, merge, shared_reads, sources
+from recsave.load import contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport
@@ -127,7 +127,7 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
                          partition=(rank, world, src.num_buckets) if world > 1 else None)
         # row metadata, for tables that keep it (a TableLike need not)
         keeps_meta = has_embedding and callable(getattr(table, "meta_columns", None))
-        meta = sources.meta_columns(src, src_table) if keeps_meta else []
+        meta = src.meta_columns(src_table) if keeps_meta else []
         # what the restore fast path reads: the columns and the row metadata
         staged.append((table_name, src_table, columns, table, meta, {**columns, **{m: m for m in meta}}))
     # HashTables on the CPU restored from a checkpoint are read in one pass, straight into their storage
@@ -166,13 +166,13 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             if has_embedding:
                 rows_meta = {m: data[m] for m in meta}
                 if not adopt_step:
-                    rows_meta = _into_live_timeline(rows_meta, table, sources.table_step(src, src_table))
+                    rows_meta = _into_live_timeline(rows_meta, table, src.table_step(src_table))
                 with_meta = {"meta": rows_meta} if meta else {}  # TableLike: no meta argument
                 table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear, **with_meta)
                 loaded_rows = ids.numel()
             else:
                 loaded_rows = table.set_slot_rows(ids, slot_values)
-        step = sources.table_step(src, src_table)
+        step = src.table_step(src_table)
         if adopt_step and step is not None and hasattr(table, "advance_step"):
             table.step = step
         for column in columns:
@@ -214,7 +214,7 @@ def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_tab
     if not all(callable(getattr(table, m, None)) for m in ("prepare_load", "delete", "meta_columns")):
         return False  # a TableLike: the general path stages the merged rows with load_rows
     base = src.member_source(src.members[0])
-    base_meta = sources.meta_columns(base, src_table)
+    base_meta = base.meta_columns(src_table)
     if not _load_in_place(target, table, base, src_table, {**columns, **{m: m for m in base_meta}},
                           plan, rank, world):
         return False

@@ -57,6 +57,16 @@ class CheckpointSource:
                               f"by several ranks", path=self.ckpt_dir)
         return self.index.partition.num_buckets
 
+    def meta_columns(self, table: str) -> List[str]:
+        """The row metadata columns (last_step, count) the checkpoint holds for `table`: none when
+        written before recsave saved them (the rows then get 0s)."""
+        return [m for m in META_COLUMNS if f"{table}@{m}" in self.index.tensors]
+
+    def table_step(self, table: str) -> Optional[int]:
+        """The table step the index records for `table`, if any."""
+        info = self.index.meta.tables.get(table) if self.index.meta is not None else None
+        return info.step if info is not None else None
+
     def row_ranges(self, table: str, rank: int, world: int) -> Optional[List[Tuple[int, int]]]:
         """Logical rows of the table whose buckets rank `rank` of `world` owns (None: all rows)."""
         if world == 1:
@@ -166,22 +176,6 @@ class CheckpointSource:
         return self.index.file(fname).size
 
 
-def meta_columns(src: Any, table: str) -> List[str]:
-    """The row metadata columns (last_step, count) a source holds for `table`: none for Parquet,
-    torch.save, DCP or a checkpoint written before recsave saved them (the rows then get 0s)."""
-    index = getattr(src, "index", None)
-    if index is None:
-        return []
-    return [m for m in META_COLUMNS if f"{table}@{m}" in index.tensors]
-
-
-def table_step(src: Any, table: str) -> Optional[int]:
-    """The table step a checkpoint source records for `table` (None for other sources)."""
-    index = getattr(src, "index", None)
-    info = index.meta.tables.get(table) if index is not None and index.meta is not None else None
-    return info.step if info is not None else None
-
-
 def sub_ranges(ranges: Sequence[Tuple[int, int]], a: int, b: int) -> List[Tuple[int, int]]:
     """Rows [a, b) of the concatenation of `ranges`, as ranges of the same rows."""
     out, pos = [], 0
@@ -271,6 +265,12 @@ class ParquetBankSource:
     @property
     def step(self) -> Optional[int]:
         return self._pq.step
+
+    def meta_columns(self, table: str) -> List[str]:
+        return []  # an export holds no row metadata
+
+    def table_step(self, table: str) -> Optional[int]:
+        return None
 
     io_state_count = 1
     num_buckets = partition.DEFAULT_NUM_BUCKETS

@@ -10,6 +10,8 @@ load/sources.py's sources answer). The names become tables and dense entries:
   with a ``<name>.bias`` and no ids beside it, it is an nn.Linear's: not a table;
 - to_dcp_state_dict's form (``<key>.ids``, ``<key>.embedding``, ``<key>.slot.<slot>``) is table
   ``<module path of key>`` (``emb.user.table`` -> ``emb.user``);
+- in both forms, int64 ``<base>.last_step`` / ``<base>.count`` of N values are the table's row
+  metadata and a 0-d int64 ``<base>.step`` its table step (``<base>``: ``<name>`` or ``<key>``);
 - any other 2-D floating tensor is also a table named by its key (ids 0..N-1);
 - every tensor is also a dense entry under its key, so an nn.Embedding model loads its weight.
 Nested dicts (``{"model": state_dict}``) are flattened with '.' (use ``oname`` to map the prefix).
@@ -20,7 +22,7 @@ import abc
 import pickle
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,6 +31,7 @@ from recsave.load.config import Contents, TableInfo
 from recsave.load.contents import dtype_name
 from recsave.storage import Storage
 from recsave.tables import partition, tablestate
+from recsave.tables.rows import META_COLUMNS
 
 DCP_METADATA = ".metadata"
 ACCEPTED = ("a recsave checkpoint directory, an output dir, a Parquet export or file, a torch.save "
@@ -48,6 +51,12 @@ class TableKeys:
     dim: int
     dtype: torch.dtype
     slots: Dict[str, str] = field(default_factory=dict)
+    meta: Dict[str, str] = field(default_factory=dict)  # row metadata column (last_step, count) -> key
+    step: Optional[str] = None  # key of the table step (a 0-d int64 tensor)
+
+    def keys(self) -> List[str]:
+        """Every key of the source this table reads."""
+        return [k for k in (self.weight, self.ids, *self.slots.values(), *self.meta.values(), self.step) if k]
 
 
 def _is_table_weight(shape: Tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -86,8 +95,12 @@ def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
                     and tuple(oshape) == tuple(shape) and odtype.is_floating_point):
                 slots[slot] = other
                 used.add(other)
-        tables[name] = TableKeys(key, ids_key if ids_key in meta else None, shape[0], shape[1], dtype, slots)
-        used.add(key)
+        row_meta = {m: k for m in META_COLUMNS if (k := f"{base}.{m}") in meta
+                    and meta[k][1] == torch.int64 and tuple(meta[k][0]) in ((shape[0],), (shape[0], 1))}
+        step = f"{base}.step" if meta.get(f"{base}.step", ((0,), None)) == ((), torch.int64) else None
+        tables[name] = TableKeys(key, ids_key if ids_key in meta else None, shape[0], shape[1], dtype, slots,
+                                 row_meta, step)
+        used.update([key, *row_meta.values(), *([step] if step else [])])
     for key, (shape, dtype) in sorted(meta.items()):  # bare [N, dim] tensors: {"user": weight}
         if key not in used and key not in tables and "@" not in key and _is_table_weight(shape, dtype) \
                 and not key.endswith((".weight", ".embedding")):
@@ -102,7 +115,7 @@ class _LazyDense(Mapping):
 
     def __init__(self, src: "TorchStateSource"):
         self._src = src
-        in_tables = {k for t in src.tables.values() for k in (t.weight, t.ids, *t.slots.values()) if k}
+        in_tables = {k for t in src.tables.values() for k in t.keys()}
         self._small = [k for k in src.meta if k not in in_tables]
         self._cache: Optional[Dict[str, torch.Tensor]] = None
 
@@ -138,7 +151,7 @@ class TorchStateSource(abc.ABC):
         self.tables = tables_of(path, meta)
         aliases: Dict[str, Tuple[str, ...]] = {}
         for name, t in self.tables.items():
-            keys = (t.weight,) + ((t.ids,) if t.ids else ())
+            keys = tuple(k for k in t.keys() if k not in t.slots.values())
             aliases[name] = keys
             for k in keys:
                 aliases[k] = aliases.get(k, ()) + (name,)
@@ -162,7 +175,16 @@ class TorchStateSource(abc.ABC):
 
     def _column_key(self, table: str, column: str) -> str:
         t = self.tables[table]
-        return t.weight if column == "embedding" else t.slots[column]
+        return t.weight if column == "embedding" else t.meta[column] if column in t.meta else t.slots[column]
+
+    def meta_columns(self, table: str) -> List[str]:
+        """The row metadata columns (last_step, count) the source holds for `table`."""
+        return sorted(self.tables[table].meta)
+
+    def table_step(self, table: str) -> Optional[int]:
+        """The table's `<base>.step`, when the source holds one."""
+        key = self.tables[table].step
+        return int(self.read_tensors([key])[key]) if key is not None else None
 
     def table_cost(self, table: str, columns: Sequence[str], rank: int, world: int) -> Tuple[int, Dict[str, int]]:
         """Rows (about 1/world of them with several ranks: the hash spreads ids evenly) and bytes
@@ -170,7 +192,8 @@ class TorchStateSource(abc.ABC):
         t = self.tables[table]
         cost = {"id": t.rows * 8 if t.ids else 0}
         for c in columns:
-            cost[c] = t.rows * t.dim * self.meta[self._column_key(table, c)][1].itemsize
+            shape, dtype = self.meta[self._column_key(table, c)]
+            cost[c] = int(torch.Size(shape).numel()) * dtype.itemsize
         return (t.rows // world if world > 1 else t.rows), cost
 
     def read_table(self, table: str, columns: Sequence[str], rank: int, world: int,
@@ -180,7 +203,7 @@ class TorchStateSource(abc.ABC):
         keys = {c: self._column_key(table, c) for c in columns}
         data = self.read_tensors(list(keys.values()) + ([t.ids] if t.ids else []))
         ids = data[t.ids] if t.ids else torch.arange(t.rows, dtype=torch.int64)
-        values = {c: data[k] for c, k in keys.items()}
+        values = {c: data[k].reshape(-1, 1) if c in t.meta else data[k] for c, k in keys.items()}  # as a checkpoint's
         if world > 1:
             keep = partition.owner_of(ids, world, self.num_buckets) == rank
             ids = ids[keep]

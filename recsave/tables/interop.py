@@ -2,8 +2,9 @@
 ``torch.load(weights_only=True)`` (docs/API.md, "PyTorch interop").
 
 Each table (state_dict key ``<path>.table``) becomes ``<path>.table.ids``,
-``<path>.table.embedding`` and ``<path>.table.slot.<slot>``; every other state_dict entry is kept
-under its key.
+``<path>.table.embedding``, ``<path>.table.slot.<slot>``, its row metadata
+``<path>.table.last_step`` / ``<path>.table.count`` and its table step ``<path>.table.step``; every
+other state_dict entry is kept under its key.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from recsave.argcheck import check
 from recsave.errors import UsageError
 from recsave.tables import tablestate
 from recsave.tables.hashtable import HashTable
+from recsave.tables.rows import META_COLUMNS
 
 
 class IncompatibleKeys(NamedTuple):
@@ -98,10 +100,14 @@ def _stage(table: HashTable, key: str, state: Dict[str, Any], names: List[str]) 
     ids, values = entry(f"{key}.ids"), entry(f"{key}.embedding")
     prefix = f"{key}.slot."
     slots: Dict[str, torch.Tensor] = {n[len(prefix):]: entry(n) for n in names if n.startswith(prefix)}
+    meta = {m: entry(f"{key}.{m}") for m in META_COLUMNS if f"{key}.{m}" in names}
     rows = table.new_like()
     for slot in sorted(slots):
         if slot not in rows.slot_names():
             rows.add_slot(slot)
-    rows.load_rows(ids, values, slots, clear=True)
+    # A state without a step (written before recsave kept one) leaves the table's own: its rows then
+    # get that step as last_step (age 0), never another job's count.
+    rows.step = int(entry(f"{key}.step")) if f"{key}.step" in names else table.step
+    rows.load_rows(ids, values, slots, clear=True, meta=meta)
     return rows
 

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from recsave.errors import RecsaveError, UsageError
+from recsave.tables.rows import META_COLUMNS
 
 # A table's state_dict entry is `<module path>.table` (just `table` for a table that is the root
 # module): torch hands load_state_dict entries to a module only under its own prefix.
@@ -123,13 +124,18 @@ def split(state_dict: Dict[str, Any], table_type: type) -> Tuple[Dict[str, Any],
 
 
 def plain_entries(key: str, table: Any) -> Dict[str, torch.Tensor]:
-    """The table as plain tensors: `<key>.ids`, `<key>.embedding`, `<key>.slot.<slot>`."""
-    ids, values, slots = table.export()
+    """A HashTable as plain tensors: `<key>.ids`, `<key>.embedding`, `<key>.slot.<slot>`, its row
+    metadata `<key>.last_step` / `<key>.count` ([N] int64) and its table step `<key>.step` (0-d)."""
+    ids, rows = table.id_rows()
+    values, slots = table.gather_rows(rows)
     out = {f"{key}.ids": ids, f"{key}.embedding": values}
     out.update({f"{key}.slot.{s}": slots[s] for s in sorted(slots)})
+    out.update({f"{key}.{m}": v.reshape(-1) for m, v in sorted(table.row_meta(rows).items())})
+    out[f"{key}.step"] = torch.tensor(int(table.step), dtype=torch.int64)
     return out
 
 
 def is_plain_entry(key: str, name: str) -> bool:
     """Whether `name` is one of plain_entries(key, ...)'s names."""
-    return name in (f"{key}.ids", f"{key}.embedding") or name.startswith(f"{key}.slot.")
+    return name in (f"{key}.ids", f"{key}.embedding", f"{key}.step", *(f"{key}.{m}" for m in META_COLUMNS)) \
+        or name.startswith(f"{key}.slot.")

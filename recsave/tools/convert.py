@@ -21,13 +21,13 @@ import torch
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
 from recsave.format import ckptlist
-from recsave.load import sources
 from recsave.load.sources import open_source
 from recsave.load.torch_sources import TorchStateSource
 from recsave.save.pipeline import CheckpointWriter
 from recsave.save.snapshot import SaveState, TableState
 from recsave.storage import get_storage
 from recsave.tables import partition
+from recsave.tables.rows import META_COLUMNS
 from recsave.tools.torchzip import StreamingTorchSave
 
 TARGETS = ("recsave", "torch", "dcp")
@@ -109,7 +109,7 @@ def _split(source: Any, tables: Optional[Sequence[str]]) -> Tuple[List[str], Lis
     if unknown:
         raise ConfigError(f"{source.ckpt_dir}: {unknown} are not tables (2-D <name>.weight tensors); tables "
                           f"found: {sorted(found)}", path=source.ckpt_dir)
-    used = {k for n in tables for k in (found[n].weight, found[n].ids, *found[n].slots.values()) if k}
+    used = {k for n in tables for k in found[n].keys()}
     dense = [k for k in sorted(source.meta) if k not in used and not k.startswith(EXTRA_PREFIX)]
     return sorted(tables), dense
 
@@ -118,13 +118,18 @@ def _parts(source: Any, tables: Sequence[str], dense: Sequence[str], concurrency
            ) -> Iterator[Dict[str, Any]]:
     """The flat state, one table per part, then the dense entries and the extras."""
     for name in tables:
-        ids, columns = _read_table(source, name, concurrency)
+        meta = source.meta_columns(name)
+        ids, columns = _read_table(source, name, concurrency, meta)
         part = {f"{name}.ids": ids, f"{name}.weight": columns.pop("embedding")}
-        taken = sorted(set(columns) & {"ids", "weight"})
+        part.update({f"{name}.{m}": columns.pop(m).reshape(-1) for m in meta})  # [N] int64
+        step = source.table_step(name)
+        if step is not None:
+            part[f"{name}.step"] = torch.tensor(step, dtype=torch.int64)
+        taken = sorted(set(columns) & {"ids", "weight", "step", *META_COLUMNS})
         if taken:  # a slot so named (refused by recsave since; older checkpoints) would overwrite them
             raise UsageError(f"{source.ckpt_dir}: table {name!r} has slot(s) {taken}, which the flat state "
-                             f"would write over {name}.ids / {name}.weight; convert it with tables=[...] "
-                             f"leaving {name!r} out, or load it and rename the slot")
+                             f"would write over {name}.ids / .weight / .step / row metadata; convert it with "
+                             f"tables=[...] leaving {name!r} out, or load it and rename the slot")
         part.update({f"{name}.{slot}": v for slot, v in sorted(columns.items())})
         yield part
         del ids, columns, part
@@ -221,7 +226,7 @@ class _Tables:
             k = self.names.index(name)
             for old in [n for n in self.cache if self.names.index(n) < k - 1]:
                 del self.cache[old]
-            meta = sources.meta_columns(self.source, name)
+            meta = self.source.meta_columns(name)
             ids, columns = _read_table(self.source, name, self.concurrency, meta)
             if torch.unique(ids).numel() != ids.numel():
                 raise ConfigError(f"{self.source.ckpt_dir}: table {name!r} has repeated ids; each id must "
@@ -274,10 +279,10 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
                               path=source.ckpt_dir, key=name)
         columns = _LazyColumns(tables, name, ["embedding", *info.slots])
         # a recsave source's row metadata and table step go along (others have none: 0s on load)
-        meta = _LazyColumns(tables, name, sources.meta_columns(source, name))
+        meta = _LazyColumns(tables, name, source.meta_columns(name))
         states[name] = TableState(info.dim, getattr(torch, info.dtype), columns,  # type: ignore[arg-type]
                                   table=_LazyTable(tables, name),  # type: ignore[arg-type]
-                                  meta=meta, step=sources.table_step(source, name))  # type: ignore[arg-type]
+                                  meta=meta, step=source.table_step(name))  # type: ignore[arg-type]
     model = source.read_pt("model.pt") if dense else {}
     state = SaveState(states, {k: model[k] for k in dense}, {}, {})
     writer = CheckpointWriter(get_storage(dst), dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
