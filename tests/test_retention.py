@@ -196,3 +196,52 @@ def test_bad_retention_settings(tmp_path, kwargs, error):
         CheckpointManager(saver, 1, save_on_preemption=False, **kwargs)
     with pytest.raises(error):
         saver.set_retention(**kwargs)
+
+
+@pytest.mark.parametrize("case", ["keep_best", "keep_every_n_steps", "delta_parent"])
+def test_a_failed_index_read_during_rotation_deletes_nothing(tmp_path, monkeypatch, case):
+    """A StorageError while rotation reads an index (a timeout, EIO) is no answer: taken as "no
+    step, no metrics" or "no parent", the best / every-n checkpoint or a kept delta's parent fell
+    out of the selection and the same save deleted it. Now that save keeps every checkpoint (with a
+    warning) and the next one prunes."""
+    from recsave.errors import StorageError
+    from recsave.storage.local import LocalStorage
+
+    out = str(tmp_path / "run")
+    kw = {"keep_best": {"keep_best": 1, "best_metric": "auc"}, "keep_every_n_steps": {"keep_every_n_steps": 100},
+          "delta_parent": {"full_every": 3}}[case]
+    job = make_job(out, save_interval=0, max_keep=1 if case != "delta_parent" else 2, manager_kw=kw)
+    for step, auc in [(2, 0.9), (4, 0.5)] + ([(6, 0.4)] if case != "delta_parent" else []):
+        job.train(1)
+        job.manager.global_step = step
+        job.manager.save(metrics={"auc": auc})
+    first = "ckpt_2" if case != "delta_parent" else "ckpt_4"  # the best / every-n one, or the delta
+    before = listing(out)
+    job.manager.close()
+
+    job = make_job(out, save_interval=0, max_keep=1 if case != "delta_parent" else 2, manager_kw=kw)
+    job.manager.restore()  # a new process: nothing cached
+    real, failed = LocalStorage.read_bytes, []
+
+    def flaky(self, path, limit):  # once, in rotation: after the new checkpoint's commit point
+        if path.endswith(f"{first}/index") and not failed and os.path.exists(os.path.join(out, "ckpt_8", "index")):
+            failed.append(path)
+            raise StorageError(f"{path}: reading failed: Input/output error (injected)", path=path)
+        return real(self, path, limit)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", flaky)
+    job.train(1)
+    job.manager.global_step = 8
+    with pytest.warns(RuntimeWarning, match="every checkpoint is kept this time"):
+        job.manager.save(metrics={"auc": 0.1})
+    assert failed and listing(out) == sorted({*before, "ckpt_8"})
+    monkeypatch.setattr(LocalStorage, "read_bytes", real)
+    job.train(1)
+    job.manager.global_step = 10
+    job.manager.save(metrics={"auc": 0.2})  # reads succeed: rotation prunes as the policy says
+    kept = [n for n in listing(out) if n != "checkpoint"]
+    if case != "delta_parent":  # the latest and the best / every-n one
+        assert kept == ["ckpt_10", "ckpt_2"]
+    for name in kept:  # every listed checkpoint loads: no chain lost a member
+        assert job.manager.restore(global_step=int(name.split("_")[1])) == int(name.split("_")[1])
+    job.manager.close()

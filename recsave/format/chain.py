@@ -116,11 +116,16 @@ def _reachable(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
 
 def _parent_id(storage: Storage, ckpt_dir: str) -> Optional[str]:
     """The `parent.id` of ckpt_dir's index, read as plain JSON (retention errs on keeping: a parent
-    named by an index that does not validate is kept too); None when there is none."""
+    named by an index that does not validate is kept too); None when there is none: no index, or
+    one that is not JSON. A read that fails otherwise (StorageError: a network error, a timeout)
+    is no answer and propagates: taken as "no parent", it would let rotation delete the parent."""
     try:
-        raw = json.loads(storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE),
-                                            knobs.get("max_index_bytes")).decode("utf-8"))
-    except (RecsaveError, OSError, ValueError):
+        data = storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
+    except (CheckpointNotFoundError, CorruptCheckpointError):  # absent, or damaged (kept as such)
+        return None
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
         return None
     parent = raw.get("parent") if isinstance(raw, dict) else None
     pid = parent.get("id") if isinstance(parent, dict) else None

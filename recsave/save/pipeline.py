@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import knobs, threads
-from recsave.errors import CheckpointExistsError, UsageError
+from recsave.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    UsageError,
+)
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
@@ -288,23 +294,35 @@ class CheckpointWriter:
         st, out = self.storage, self.output_dir
         listing = ckptlist.committed(st, out, rewrite=True, warned=self.list_warnings, being_written=ckpt_id)
         ids: List[str] = [i for i in listing.ids if i != ckpt_id] + [ckpt_id]
-        kept = retention.select_by(ids, self.retention, step_of=lambda i: self._fact(i)[0],
-                                   metrics_of=lambda i: self._fact(i)[1], depends_on=self.depends_on)
-        keep = [i for i in ids if i in kept or self._written_by_newer(i)]
+        try:
+            kept = retention.select_by(ids, self.retention, step_of=lambda i: self._fact(i)[0],
+                                       metrics_of=lambda i: self._fact(i)[1], depends_on=self.depends_on)
+            keep = [i for i in ids if i in kept or self._written_by_newer(i)]
+        except OSError as exc:  # StorageError too: what an index says is unknown, not absent
+            warnings.warn(f"{out}: could not read what rotation needs to decide ({exc}); every checkpoint "
+                          f"is kept this time, the next save prunes", RuntimeWarning, stacklevel=2)
+            keep = ids
         for gone in set(self._facts) - set(keep):
             del self._facts[gone]
         ckptlist.write(st, out, keep)
         # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
-        ckptlist.collect_garbage(st, out, keep)
+        # The checkpoint is committed and listed: a failure to prune is the next save's to retry.
+        try:
+            ckptlist.collect_garbage(st, out, keep)
+        except OSError as exc:
+            warnings.warn(f"{out}: pruning old checkpoint directories failed ({exc}); {ckpt_id} is committed "
+                          f"and listed, the next save prunes again", RuntimeWarning, stacklevel=2)
 
     def _fact(self, ckpt_id: str) -> Tuple[Optional[int], Optional[Mapping[str, float]]]:
         """(step, metrics) of a committed checkpoint, from its index (read once: indexes never
-        change); (None, None) when it cannot be read."""
+        change); (None, None) when it is gone, damaged or newer (kept by other rules). A failed
+        read (StorageError) raises: without its step and metrics a best or every-n checkpoint
+        would fall out of the selection and be deleted."""
         if ckpt_id not in self._facts:
             try:
                 index = index_mod.read(self.storage.join(self.output_dir, ckpt_id), self.storage)
                 self._facts[ckpt_id] = (index.step, index.metrics)
-            except Exception:  # damaged or newer: no step, no metrics (kept by other rules)
+            except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
                 return None, None
         return self._facts[ckpt_id]
 
