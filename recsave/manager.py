@@ -101,6 +101,8 @@ class CheckpointManager:
         self.preempted = False
         self._save_interval = save_interval
         self._global_step = 0
+        # (checkpoint dir, global step) of the last restore: saving that step again returns it
+        self._restored: Optional[Tuple[str, int]] = None
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
         self.last_report: Optional[LoadReport] = None
         # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
@@ -183,6 +185,12 @@ class CheckpointManager:
 
     def _preempt(self, metrics: Optional[Dict[str, float]]) -> None:
         self.preempted = True
+        try:  # a failed earlier background write must not cost the state the preemption save keeps
+            self.saver.wait()
+        except Exception as exc:
+            logging.getLogger("recsave").warning(
+                "recsave: the background write before the preemption failed (%s: %s); saving global step %d "
+                "now", type(exc).__name__, exc, self._global_step)
         path = self.save(wait=True, metrics=metrics)
         signum = self._preemption.signum
         why = f"signal {signal.Signals(signum).name}" if signum is not None else "another rank's preemption signal"
@@ -215,6 +223,11 @@ class CheckpointManager:
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
                 and ckpt_id not in saver.damaged_checkpoints:
             return latest
+        if self._restored is not None and self._restored[1] == self._global_step \
+                and self._restored[0].rstrip("/").rsplit("/", 1)[-1] == ckpt_id:
+            # restored from it (past newer checkpoints) and not stepped since: it holds this state;
+            # listed last, a restart resumes from it, not from the branch the restore left
+            return saver.make_latest(ckpt_id)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
             policy.evict_rows(saver.model, self.evict)
         incremental, why = False, "full_every is None"
@@ -276,6 +289,7 @@ class CheckpointManager:
             report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); the "
                                 f"checkpoint holds no global_step")
         self.last_report = report
+        self._restored = (report.checkpoints[-1], self._global_step) if report.checkpoints else None
         if self.async_mode != "disabled":  # the first async save after a restart finds its buffers filled
             saver.prepare_async(pinned=self.async_mode == "async_pinned")
         return self._global_step

@@ -74,6 +74,7 @@ TYPE_CASES = {
     "register_io_state-name": (lambda e: e["saver"].register_io_state(None, Stateful()), "name", "NoneType"),
     "register_io_state-obj": (lambda e: e["saver"].register_io_state("x", Stateful()), "obj", "Stateful"),
     "get_extra_data-name": (lambda e: e["saver"].get_extra_data(3), "name", "int"),
+    "make_latest-ckpt_id": (lambda e: e["saver"].make_latest(3), "ckpt_id", "int"),
     "max_keep-setter": (lambda e: setattr(e["saver"], "max_keep", 2.5), "max_keep", "float"),
     # CheckpointManager
     "Manager-saver": (lambda e: CheckpointManager("saver", 10), "saver", "str"),

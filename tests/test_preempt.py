@@ -82,6 +82,60 @@ def test_check_preemption_saves_and_raises_between_steps(tmp_path, restore_signa
     mgr.close()
 
 
+def test_a_failed_async_write_does_not_stop_the_preemption_save(tmp_path, restore_signals, monkeypatch):
+    """The background write of ckpt_4 fails; a SIGTERM at step 5 still saves and commits ckpt_5
+    (the failure is logged), instead of raising the old error and losing steps 3 to 5."""
+    import recsave.save.pipeline as pipeline
+
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, async_mode="async")
+    job.train(2)
+    job.manager.wait()
+    real, failed = pipeline.index_mod.write, threading.Event()
+
+    def failing(directory, *args, **kwargs):
+        if directory.endswith("ckpt_4"):
+            failed.set()
+            raise OSError(5, "Input/output error (injected)")
+        return real(directory, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline.index_mod, "write", failing)
+    job.train(2)  # step 4: its async write fails in the background
+    assert failed.wait(60)
+    monkeypatch.setattr(pipeline.index_mod, "write", real)
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted) as caught:
+        job.train(1)
+    assert caught.value.path.endswith("ckpt_5") and _list(out) == ["ckpt_2", "ckpt_5"]
+    job.manager.close()
+
+
+@pytest.mark.parametrize("how", ["rewind", "fallback"])
+def test_preempted_right_after_restoring_an_older_checkpoint(tmp_path, restore_signals, how):
+    """Restored to ckpt_6 past ckpt_8 (a rewind, or a fallback past a damaged ckpt_8) and preempted
+    before the next step: nothing to save (ckpt_6 holds the state), exit 143 with ckpt_6 listed
+    last, so the restart resumes from it and not from the branch the restore left."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2)
+    job.train(8)
+    job.manager.close()
+    if how == "fallback":
+        for name in os.listdir(os.path.join(out, "ckpt_8")):
+            if name.startswith("sparse-"):
+                with open(os.path.join(out, "ckpt_8", name), "r+b") as f:
+                    f.truncate(10)
+    again = make_job(out, save_interval=2)
+    assert again.manager.restore(global_step=6 if how == "rewind" else None) == 6
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted) as caught:
+        again.manager.check_preemption()
+    assert caught.value.path.endswith("ckpt_6") and _list(out)[-1] == "ckpt_6"
+    again.manager.close()
+    third = make_job(out, save_interval=2)
+    assert third.manager.restore() == 6
+    third.manager.close()
+
+
 def test_handlers_chain_to_the_previous_one_and_close_restores_it(tmp_path, restore_signals):
     seen = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))

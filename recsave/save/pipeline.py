@@ -123,6 +123,21 @@ class CheckpointWriter:
         self.last_bytes = committed if committed is not None else own
         return ckpt_dir
 
+    def make_latest(self, ckpt_id: str, rank: int, world: int) -> str:
+        """Lists committed checkpoint `ckpt_id` last in `checkpoint` (rank 0, under the writer
+        lock); nothing is written or deleted. Returns its path."""
+        def relist() -> None:
+            self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
+            ids = ckptlist.committed(self.storage, self.output_dir, warned=self.list_warnings).ids
+            if ckpt_id not in ids:
+                raise CheckpointNotFoundError(f"{self.output_dir}: no committed checkpoint {ckpt_id} to list as the "
+                                              f"latest; committed: {ids or 'none'}", path=self.output_dir)
+            if ids[-1] != ckpt_id:
+                ckptlist.write(self.storage, self.output_dir, [i for i in ids if i != ckpt_id] + [ckpt_id])
+
+        dist.run_everywhere(f"listing {ckpt_id} as the latest", relist, world, only_rank0=True, rank=rank)
+        return self.storage.join(self.output_dir, ckpt_id)
+
     def _clean_up_failed(self, ckpt_dir: str, ckpt_id: str, made: "_Made", rank: int, world: int,
                          committing: bool, group_usable: bool) -> None:
         """Best effort, never raising (the save's own error is the one to report): removes what

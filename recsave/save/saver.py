@@ -209,6 +209,17 @@ class Saver:
         self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values, state.parent is not None)
         return path
 
+    def make_latest(self, ckpt_id: str) -> str:
+        """Lists committed checkpoint `ckpt_id` as the latest (last in the `checkpoint` file), so that
+        a restart resumes from it, e.g. a checkpoint restored after rewinding past newer ones when the
+        job must stop before it saves again; nothing is written or deleted, and rotation later prunes
+        from the oldest listed as usual. Waits for a pending async write first (raising its error).
+        CheckpointNotFoundError when `ckpt_id` is not committed. Every rank calls it; rank 0 writes."""
+        rank, world = arguments.save_args("make_latest", ckpt_id, None, None)
+        self._prefill.join()
+        self.wait()
+        return self._checkpoints.make_latest(ckpt_id, rank, world)
+
     def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int, values: Optional[Dict[str, float]],
                after: Callable[[str], delta.Baseline]) -> str:
         """Writes and commits; on success the baseline of the next delta is this checkpoint, on
