@@ -176,7 +176,7 @@ def test_bad_metrics_in_an_index_are_corrupt(tmp_path):
 
 @pytest.mark.parametrize("metrics,error", [
     ("auc", ArgumentTypeError), ({"auc": "x"}, UsageError), ({"auc": float("inf")}, UsageError),
-    ({"auc": True}, UsageError), ({1: 0.5}, UsageError), ({"": 0.5}, UsageError)])
+    ({"auc": True}, UsageError), ({1: 0.5}, UsageError), ({"": 0.5}, UsageError), ({"auc": 10 ** 400}, UsageError)])
 def test_bad_metrics_are_refused_before_anything_is_written(tmp_path, metrics, error):
     out = tmp_path / "run"
     saver = make_job(str(out)).saver

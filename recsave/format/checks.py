@@ -1,6 +1,7 @@
 """Small validators for values read from disk. Each raises CorruptCheckpointError naming the file."""
 from __future__ import annotations
 
+import math
 import re
 from typing import AbstractSet, Any, List, Mapping, Optional, Sequence
 
@@ -90,3 +91,14 @@ def as_plain_name(value: Any, what: str, path: Optional[str]) -> str:
 
 def is_plain_name(value: str) -> bool:
     return bool(_PLAIN_NAME.fullmatch(value)) and value not in (".", "..") and len(value) <= 255
+
+
+def is_finite_number(value: Any) -> bool:
+    """An int or float (not bool) that is finite: a metric's value. An int past float range
+    (10**400, which JSON allows) is not: isfinite and comparisons with floats raise on it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

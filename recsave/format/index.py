@@ -7,7 +7,6 @@ import contextvars
 import dataclasses
 import datetime
 import json
-import math
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import gcpause, knobs
@@ -229,7 +228,7 @@ def _parse_metrics(metrics: Any, path: str) -> Optional[Dict[str, float]]:
     if not isinstance(metrics, dict):
         raise checks.corrupt(path, f"index 'metrics' must be an object of name -> number, found {metrics!r}")
     for name, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not checks.is_finite_number(value):
             raise checks.corrupt(path, f"metric {name!r} must be a finite number, found {value!r}")
     return dict(metrics)
 

@@ -5,12 +5,12 @@ gc` and `recsave ls` agree; `policy_of` reads the policy a writer recorded in it
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from recsave.argcheck import check
 from recsave.errors import RecsaveError, UsageError
 from recsave.format import index as index_mod
+from recsave.format.checks import is_finite_number
 from recsave.format.records import Index, Retention
 from recsave.storage import Storage
 
@@ -57,7 +57,7 @@ def select(listed: Sequence[str], *, max_keep: Optional[int], keep_every_n_steps
         scored = []
         for pos, ckpt in enumerate(listed):
             value = (metrics_of(ckpt) or {}).get(best_metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            if value is not None and is_finite_number(value):
                 scored.append((value if best_mode == "max" else -value, pos))
         for _, pos in sorted(scored, reverse=True)[:keep_best]:
             add(listed[pos], BEST)
@@ -138,8 +138,8 @@ def check_metrics(where: str, metrics: Any) -> Optional[Dict[str, float]]:
     for name, value in metrics.items():
         if not isinstance(name, str) or not name:
             raise UsageError(f"{where}: metric names must be non-empty strings, got {name!r}", key="metrics")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise UsageError(f"{where}: metric {name!r} must be a finite int or float, got {value!r}",
-                             key=name)
+        if not is_finite_number(value):
+            raise UsageError(f"{where}: metric {name!r} must be a finite int or float (an int within "
+                             f"float range), got {value!r}", key=name)
         out[name] = value
     return out
