@@ -233,7 +233,7 @@ class CheckpointManager:
         incremental, why = False, "full_every is None"
         if self.full_every is not None:
             incremental, why = policy.wants_delta(self.full_every, self.rebase_ratio,
-                                                  policy.chain_bytes(saver.storage, latest),
+                                                  policy.chain_bytes(saver.storage, saver.delta_parent),
                                                   policy.estimate_delta_bytes(saver.model))
         logging.getLogger("recsave").debug("recsave: %s is %s (%s)", ckpt_id,
                                            "a delta" if incremental else "full", why)

@@ -66,6 +66,32 @@ def test_restore_continues_the_chain(tmp_path):
     assert_jobs_equal(job_state(job4), live)
 
 
+def test_full_every_counts_the_chain_of_the_restored_checkpoint(tmp_path):
+    """After restoring an older step, the next save is a delta of the restored checkpoint, so
+    full_every counts that checkpoint's chain, not the latest listed one's: with full_every=3 a
+    restore of ckpt_6 (full 2, delta 4, delta 6) makes the next save full, not a third delta."""
+    out = str(tmp_path / "run")
+    kw = {"full_every": 3, "rebase_ratio": 100.0}
+    job = make_job(out, save_interval=2, max_keep=None, manager_kw=kw)
+    job.train(10)  # 2 full, 4 delta, 6 delta, 8 full, 10 delta
+    assert _kinds(out, _ids(out)) == ["full", "delta", "delta", "full", "delta"]
+    job.manager.close()
+    again = make_job(out, save_interval=2, max_keep=None, manager_kw=kw)
+    assert again.manager.restore(global_step=6) == 6
+    assert again.saver.delta_parent == os.path.join(out, "ckpt_6")
+    again.train(1)
+    again.manager.save()
+    assert _kinds(out, ["ckpt_7"]) == ["full"]
+    again.manager.close()
+
+    once = make_job(out, save_interval=2, max_keep=None, manager_kw=kw)  # a chain with room left
+    assert once.manager.restore(global_step=4) == 4
+    once.train(1)
+    once.manager.save()
+    assert _kinds(out, ["ckpt_5"]) == ["delta"] and index_mod.read(os.path.join(out, "ckpt_5")).parent.id == "ckpt_4"
+    once.manager.close()
+
+
 def test_rebase_ratio_forces_full_saves(tmp_path):
     out = str(tmp_path / "run")
     # every step touches a large share of the small tables: deltas are big next to the base

@@ -105,6 +105,13 @@ class Saver:
         return self._checkpoints.retention
 
     @property
+    def delta_parent(self) -> Optional[str]:
+        """Path of the checkpoint the next incremental save would be a delta of (the one this Saver
+        saved or restored last), None when its change baseline is unknown (that save is then full;
+        it may also be full for a reason only the save finds, e.g. the parent gone)."""
+        return None if self._baseline is None else self.storage.join(self.output_dir, self._baseline.ckpt_id)
+
+    @property
     def last_save(self) -> Optional[SaveInfo]:
         """The last save of this Saver that committed (an async one once its write is done)."""
         return self._last_save
