@@ -137,3 +137,43 @@ def test_a_dense_file_listed_without_crc32c_is_refused_when_read(ckpt, tmp_path)
     job = make_job(str(tmp_path / "other"))
     with pytest.raises(CorruptCheckpointError, match="model.pt: the index records no crc32c"):
         job.saver.load(ckpt)
+
+
+def test_intact_tells_from_the_bytes_alone():
+    body = b'{"magic":"recsave.index","format_version":4,"step":3}'
+    sealed = seal.seal(body)
+    assert seal.intact(sealed) is True
+    assert seal.intact(sealed.replace(b'"step":3', b'"step":4')) is False  # an edit under the seal
+    digits = sealed[sealed.rindex(b":") + 1:-1]
+    assert seal.intact(sealed.replace(digits, str(int(digits) ^ 1).encode())) is False
+    assert seal.intact(body) is None  # unsealed: only a parse tells
+    assert seal.intact(sealed[:-1]) is None and seal.intact(b"") is None
+
+
+def test_rotation_decides_without_parsing_the_indexes_it_prunes(tmp_path, monkeypatch):
+    """Rotation and gc read what they need (a seal, a version prefix, a parent id the writer
+    remembers) instead of validating every pruned index: at a thousand ranks one parse costs
+    seconds. A pruned index that fails its seal is still parsed, found damaged and kept."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=2)
+    for step in (1, 2, 3):
+        job.train(1)
+        job.saver.save(f"ckpt_{step}")
+    parsed = []
+    real = index_mod._parse  # counting the validating parses
+    monkeypatch.setattr(index_mod, "_parse", lambda data, path: parsed.append(path) or real(data, path))
+    job.train(1)
+    job.saver.save("ckpt_4")  # prunes ckpt_2
+    assert parsed == [] and sorted(n for n in os.listdir(out) if n.startswith("ckpt")) == ["ckpt_3", "ckpt_4"]
+
+    path = os.path.join(out, "ckpt_3", "index")
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data.count(b'"step":3,') == 1
+    with open(path, "wb") as f:  # damaged after it was written: the seal no longer matches
+        f.write(data.replace(b'"step":3,', b'"step":9,'))
+    job.train(1)
+    job.saver.save("ckpt_5")
+    assert os.path.isdir(os.path.join(out, "ckpt_3"))  # damaged: never deleted
+    assert any(p.endswith(os.path.join("ckpt_3", "index")) for p in parsed)
+    job.saver.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 from recsave import _C, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError
@@ -87,14 +87,17 @@ def members(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
     return [m.ckpt_id for m in resolve(storage, storage.join(output_dir, ckpt_id))]
 
 
-def needed_by(storage: Storage, output_dir: str, ids: Iterable[str]) -> Set[str]:
+def needed_by(storage: Storage, output_dir: str, ids: Iterable[str],
+              parents_of: Optional[Callable[[str], Iterable[str]]] = None) -> Set[str]:
     """The checkpoints that the given ones need (their chain members, themselves included), as far
     as the chains can be followed: a broken chain keeps what it reaches (retention never deletes a
-    checkpoint because another one is damaged)."""
+    checkpoint because another one is damaged). `parents_of` (id -> [its parent] or []; default
+    parent_ids) lets a writer that remembers them skip reading the indexes again."""
+    parents = parents_of or (lambda i: parent_ids(storage, output_dir, i))
     needed: Set[str] = set()
     for ckpt_id in ids:
         needed.add(ckpt_id)
-        needed.update(_reachable(storage, output_dir, ckpt_id))
+        needed.update(_reachable(parents, ckpt_id))
     return needed
 
 
@@ -105,12 +108,12 @@ def parent_ids(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
     return [parent] if parent is not None else []
 
 
-def _reachable(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
+def _reachable(parents_of: Callable[[str], Iterable[str]], ckpt_id: str) -> List[str]:
     out: List[str] = []
     current: Optional[str] = ckpt_id
     while current is not None and current not in out and len(out) <= MAX_CHAIN:
         out.append(current)
-        current = _parent_id(storage, storage.join(output_dir, current))
+        current = next(iter(parents_of(current)), None)
     return out
 
 

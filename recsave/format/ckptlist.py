@@ -5,15 +5,15 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
-from recsave.format import chain
+from recsave.format import chain, seal
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
 from recsave.format.index import INDEX_FILE
-from recsave.format.records import is_newer_index
+from recsave.format.records import is_newer_index, readable_version
 from recsave.storage import Storage
 from recsave.storage.lock import LOCK_FILE
 
@@ -173,9 +173,18 @@ class IndexState(NamedTuple):
     why: str = ""  # for "damaged"
 
 
-def _index_state(storage: Storage, ckpt_dir: str) -> IndexState:
+# An index opens with its magic and format_version (docs/FORMAT.md section 3), a delta's kind next:
+# enough to tell a newer writer's.
+_VERSION_PREFIX = re.compile(
+    rb'\{(?:"magic":"recsave\.index",)?"format_version":([0-9]{1,9})(?:,"kind":"([a-z_]{1,32})")?[,}]')
+
+
+def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False) -> IndexState:
     """The IndexState of ckpt_dir. An index is renamed into place whole, so one that exists but
-    does not validate is damage, never a crash leftover."""
+    does not validate is damage, never a crash leftover. With `intact_is_valid` (what rotation asks:
+    may this go?) an index whose seal matches its bytes, of a version this recsave reads, is
+    "valid" without being parsed (step and created_at then unknown): the seal proves the bytes
+    are the ones written, and parsing a large index costs seconds."""
     path = storage.join(ckpt_dir, INDEX_FILE)
     if not storage.exists(path):
         return IndexState("none")
@@ -183,6 +192,10 @@ def _index_state(storage: Storage, ckpt_dir: str) -> IndexState:
         return IndexState("damaged", why=f"{path} is a directory")
     try:
         data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+        if intact_is_valid and seal.intact(data):
+            head = _VERSION_PREFIX.match(data)
+            if head is not None and readable_version(int(head.group(1)), (head.group(2) or b"full").decode()):
+                return IndexState("valid")
         index = index_mod.parse(data, path)
         return IndexState("valid", index.step, index.created_at)
     except FormatVersionError as exc:
@@ -239,28 +252,34 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
     try:
         if not storage.exists(path):
             return None
-        index = json.loads(storage.read_bytes(path, knobs.get("max_index_bytes")).decode("utf-8"))
+        data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+        head = _VERSION_PREFIX.match(data)  # the usual answer, without decoding a large index
+        if head is not None and readable_version(int(head.group(1)), (head.group(2) or b"full").decode()):
+            return None
+        index = json.loads(data.decode("utf-8"))
     except (RecsaveError, OSError, ValueError):  # unreadable: not newer
         return None
     return index["format_version"] if is_newer_index(index) else None
 
 
-def collect_garbage(storage: Storage, output_dir: str, keep: List[str]) -> List[str]:
+def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
+                    parents_of: Optional[Callable[[str], Iterable[str]]] = None) -> List[str]:
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
     crashed saves); returns their names. Other files and directories, checkpoints written by a
     newer recsave (newer_format_version) and directories holding a damaged index (damaged: the
     user decides what to do with them, e.g. after `recsave repair` named them) are never touched,
-    nor are the chain members a kept delta checkpoint needs (format/chain.py)."""
+    nor are the chain members a kept delta checkpoint needs (format/chain.py; `parents_of` as in
+    chain.needed_by)."""
     candidates = [n for n in storage.listdir(output_dir)
                   if n not in keep and looks_like_checkpoint(storage, output_dir, n)]
     if not candidates:
         return []
-    needed = chain.needed_by(storage, output_dir, keep)
+    needed = chain.needed_by(storage, output_dir, keep, parents_of)
     removed = []
     for name in candidates:
         # One read of the index decides: only a leftover without one, or an unkept valid one, goes.
-        if name not in needed \
-                and _index_state(storage, storage.join(output_dir, name)).kind in ("none", "valid"):
+        if name not in needed and _index_state(storage, storage.join(output_dir, name),
+                                               intact_is_valid=True).kind in ("none", "valid"):
             storage.remove_tree(storage.join(output_dir, name))
             removed.append(name)
     return removed

@@ -9,7 +9,7 @@ re-serialising anything, and readers that do not know it ignore it (an optional 
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from recsave import _C
 from recsave.format import checks
@@ -25,6 +25,19 @@ def seal(body: bytes) -> bytes:
         raise ValueError("seal() needs a non-empty JSON object")
     head = memoryview(body)[:-1]
     return b"".join((head, _OPEN, str(int(_C.crc32c(head))).encode(), b"}"))
+
+
+def intact(data: bytes) -> Optional[bool]:
+    """From the bytes alone, without decoding them: True when `data` ends with a seal matching the
+    CRC32C of the bytes before it, False when it ends with a seal that does not match, None when
+    it ends with no seal (an index written before seals, or not an index: parse it to tell)."""
+    at = data.rfind(_OPEN)
+    if at < 0 or not data.endswith(b"}"):
+        return None
+    digits = data[at + len(_OPEN):-1]
+    if not digits.isdigit() or len(digits) > 10:
+        return None
+    return int(_C.crc32c(memoryview(data)[:at])) == int(digits)
 
 
 def check(data: bytes, index: Dict[str, Any], path: str) -> None:

@@ -323,7 +323,7 @@ class CheckpointWriter:
         # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
         # The checkpoint is committed and listed: a failure to prune is the next save's to retry.
         try:
-            ckptlist.collect_garbage(st, out, keep)
+            ckptlist.collect_garbage(st, out, keep, self.depends_on)
         except OSError as exc:
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({exc}); {ckpt_id} is committed "
                           f"and listed, the next save prunes again", RuntimeWarning, stacklevel=2)
