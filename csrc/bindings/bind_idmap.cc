@@ -188,9 +188,14 @@ run concurrently, mutations one at a time.)doc")
       .def("clear", [](PyIdMap& self) {
         writing(self, [](recsave::IdMap& map) { map.clear(); });
       }, "Removes every id; row_capacity goes back to 0.")
-      .def("reserve", [](PyIdMap& self, int64_t n) {
-        writing(self, [n](recsave::IdMap& map) { map.reserve(n); });
-      }, py::arg("n"), "Makes room for `n` ids without rehashing.")
+      .def("reserve", [](PyIdMap& self, int64_t n, bool huge_pages) {
+        writing(self, [n, huge_pages](recsave::IdMap& map) { map.reserve(n, huge_pages); });
+      }, py::arg("n"), py::arg("huge_pages") = true,
+      "Makes room for `n` ids without rehashing; a new slot array is advised for huge pages only "
+      "with `huge_pages` (else call advise_huge_pages() later).")
+      .def("advise_huge_pages", [](PyIdMap& self) {
+        writing(self, [](recsave::IdMap& map) { map.advise_huge_pages(); });
+      }, "Asks the kernel for huge pages for the slot array (a hint).")
       .def("lookup_ptr", [](const PyIdMap& self, uint64_t ids_ptr, int64_t n, uint64_t rows_ptr,
                             int threads) {
         const int64_t* in = from_address<const int64_t>(ids_ptr, "lookup_ptr", "ids_ptr");

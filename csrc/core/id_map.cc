@@ -213,14 +213,14 @@ void IdMap::SlotFree::operator()(Slot* p) const { std::free(p); }
 namespace {
 // Slot arrays are cache-line aligned; big ones are 2 MiB aligned and asked to use huge pages
 // (random probes into a multi-GiB table otherwise miss the TLB on nearly every id).
-void* allocate_slots(uint64_t capacity, size_t* bytes_out) {
+void* allocate_slots(uint64_t capacity, size_t* bytes_out, bool huge_pages) {
   size_t bytes = static_cast<size_t>(capacity) * 16;
   const size_t align = bytes >= kHugePage ? kHugePage : 64;
   bytes = (bytes + align - 1) / align * align;
   void* p = std::aligned_alloc(align, bytes);
   if (p == nullptr) throw std::bad_alloc();
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (align == kHugePage) madvise(p, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
+  if (align == kHugePage && huge_pages) madvise(p, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
 #endif
   *bytes_out = bytes;
   return p;
@@ -235,13 +235,20 @@ IdMap::IdMap(int64_t initial_capacity) {
   rehash(capacity_for(initial_capacity));
 }
 
+void IdMap::advise_huge_pages() {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = static_cast<size_t>(mask_ + 1) * sizeof(Slot);
+  if (bytes >= kHugePage) madvise(slots_.get(), bytes / kHugePage * kHugePage, MADV_HUGEPAGE);
+#endif
+}
+
 IdMap::~IdMap() = default;
 IdMap::IdMap(IdMap&&) noexcept = default;
 IdMap& IdMap::operator=(IdMap&&) noexcept = default;
 
-void IdMap::rehash(uint64_t new_capacity) {
+void IdMap::rehash(uint64_t new_capacity, bool huge_pages) {
   size_t bytes = 0;
-  std::unique_ptr<Slot, SlotFree> fresh(static_cast<Slot*>(allocate_slots(new_capacity, &bytes)));
+  std::unique_ptr<Slot, SlotFree> fresh(static_cast<Slot*>(allocate_slots(new_capacity, &bytes, huge_pages)));
   std::memset(fresh.get(), 0xFF, bytes);  // row = -1 everywhere
   const uint64_t new_mask = new_capacity - 1;
   const int new_shift = 64 - log2_pow2(new_capacity);
@@ -263,10 +270,10 @@ void IdMap::rehash(uint64_t new_capacity) {
   grow_at_ = grow_threshold(new_capacity);
 }
 
-void IdMap::reserve(int64_t n) {
+void IdMap::reserve(int64_t n, bool huge_pages) {
   if (n < 0) throw std::invalid_argument("IdMap.reserve: n must be >= 0, got " + std::to_string(n));
   const uint64_t cap = capacity_for(n);
-  if (cap > mask_ + 1) rehash(cap);
+  if (cap > mask_ + 1) rehash(cap, huge_pages);
 }
 
 void IdMap::clear() {

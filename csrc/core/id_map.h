@@ -110,8 +110,12 @@ class IdMap {
   // Drops every id; row_capacity -> 0, free list empty. Keeps the slot array allocated.
   void clear();
 
-  // Room for n ids without rehashing.
-  void reserve(int64_t n);
+  // Room for n ids without rehashing. Without `huge_pages` a new slot array is not advised for
+  // huge pages (faulting 2 MiB pages may compact memory first: a restore calls
+  // advise_huge_pages() once the map is filled).
+  void reserve(int64_t n, bool huge_pages = true);
+  // Asks for huge pages for the slot array (a hint, taken up in the background).
+  void advise_huge_pages();
 
   struct Stats {
     int64_t capacity;    // slots
@@ -131,7 +135,7 @@ class IdMap {
     void operator()(Slot* p) const;
   };
 
-  void rehash(uint64_t new_capacity);
+  void rehash(uint64_t new_capacity, bool huge_pages = true);
   uint64_t home(uint64_t hash) const { return hash >> shift_; }
   // Probe for `key`; returns the row or -1.
   int64_t find(int64_t key, uint64_t hash) const;

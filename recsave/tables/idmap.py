@@ -77,9 +77,15 @@ class CpuIdMap:
     def clear(self) -> None:
         self._map.clear()
 
-    def reserve(self, n: int) -> None:
-        """Room for `n` ids without growing (a restore knows its count up front)."""
-        self._map.reserve(n)
+    def reserve(self, n: int, huge_pages: bool = True) -> None:
+        """Room for `n` ids without growing (a restore knows its count up front). Without
+        `huge_pages` a new slot array stays on 4 KB pages until advise_huge_pages(): faulting in
+        2 MB pages can stall on memory compaction, which a restore's serial start would wait on."""
+        self._map.reserve(n, huge_pages)
+
+    def advise_huge_pages(self) -> None:
+        """Asks for huge pages for the slot array (taken up in the background by khugepaged)."""
+        self._map.advise_huge_pages()
 
 
 class TensorIdMap:

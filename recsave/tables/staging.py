@@ -17,7 +17,7 @@ from recsave import knobs
 from recsave.argcheck import check
 from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables.grads import RowGrads
-from recsave.tables.idmap import check_ids, flat_ids
+from recsave.tables.idmap import CpuIdMap, check_ids, flat_ids
 from recsave.tables.rows import META_COLUMNS, RowStorage, put_rows
 from recsave.tables.tracking import ChangeTracker
 
@@ -133,6 +133,8 @@ class TableStaging:
         for table, ids, table_views, ok in zip(tables, map_ids, views, distinct):
             if ok:  # ids[i] -> row i
                 table._store.advise_hugepages()  # noqa: SLF001 (same class)
+                if isinstance(table._map, CpuIdMap):  # noqa: SLF001 (same class)
+                    table._map.advise_huge_pages()  # noqa: SLF001 (same class)
                 table._tracker.mark_first(ids.numel())  # noqa: SLF001 (same class)
             else:  # a repeated id: rows cannot be 0..n-1
                 table.clear()
@@ -151,8 +153,11 @@ class TableStaging:
         self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
         # The map's slots are allocated before the fill starts (a few ms alone; ten times that
         # while the fill's threads fault in the table's pages); the ids are checked and hashed
-        # while it reads.
-        self._map.reserve(n)
+        # while it reads. On 4 KB pages, as the table's rows: huge pages are asked for once filled.
+        if isinstance(self._map, CpuIdMap):
+            self._map.reserve(n, huge_pages=False)
+        else:
+            self._map.reserve(n)
         return views
 
     def _rebuild_map(self, ids: torch.Tensor) -> bool:
