@@ -219,15 +219,15 @@ class CheckpointManager:
             return ckpt_dir
         if saver.pending_checkpoint is not None:  # async_save would wait for it too; the policy needs its chain
             saver.wait()
+        if self._holds_restored_state(ckpt_id):
+            # Restored from it and neither stepped, saved nor loaded since: it holds this state.
+            # Listed last, a restart resumes from it, not from a branch the restore left. (Before
+            # the `latest` check: every rank takes this path together, make_latest is collective.)
+            return saver.make_latest(ckpt_id)
         latest = saver.latest_checkpoint()
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
                 and ckpt_id not in saver.damaged_checkpoints:
             return latest
-        if self._restored is not None and self._restored[1] == self._global_step \
-                and self._restored[0].rstrip("/").rsplit("/", 1)[-1] == ckpt_id:
-            # restored from it (past newer checkpoints) and not stepped since: it holds this state;
-            # listed last, a restart resumes from it, not from the branch the restore left
-            return saver.make_latest(ckpt_id)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
             policy.evict_rows(saver.model, self.evict)
         incremental, why = False, "full_every is None"
@@ -243,6 +243,17 @@ class CheckpointManager:
         if wait:
             saver.wait()
         return ckpt_dir
+
+    def _holds_restored_state(self, ckpt_id: str) -> bool:
+        """Whether checkpoint `ckpt_id` is the one restore() loaded, at the same global step, and
+        the Saver's change baseline is still that checkpoint (no save or load since: a model-bank
+        load or a save moves it)."""
+        if self._restored is None:
+            return False
+        path, step = self._restored
+        return step == self._global_step and path.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
+            and self.saver.delta_parent is not None \
+            and self.saver.delta_parent.rstrip("/") == path.rstrip("/")
 
     def wait(self) -> Optional[str]:
         """Waits for the background write of an async save; returns its path (None if none was

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -276,6 +277,18 @@ def main():
         saver.save("ckpt_2", incremental=True)
         with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
             json.dump([saver.last_save_kind], f)
+    elif scenario == "rewind_save":  # restore an older step, then save it at once: rank 1 arrives late
+        fill(model, rank, world)
+        mgr = recsave.CheckpointManager(saver, 0, save_on_preemption=False)
+        for step in (2, 4):
+            mgr.global_step = step
+            mgr.save()
+        assert mgr.restore(global_step=2) == 2
+        if rank == 1:
+            time.sleep(1.5)  # rank 0 has listed ckpt_2 last by then: rank 1 must still join
+        with open(os.path.join(work_dir, f"rewind_{rank}.json"), "w") as f:
+            json.dump({"path": mgr.save()}, f)
+        mgr.close()
     elif scenario == "delta_continue":  # restore the latest with this world size, change, save a delta
         saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None)
         delta_step(model, rank, world, 3)

@@ -147,6 +147,8 @@ def test_intact_tells_from_the_bytes_alone():
     digits = sealed[sealed.rindex(b":") + 1:-1]
     assert seal.intact(sealed.replace(digits, str(int(digits) ^ 1).encode())) is False
     assert seal.intact(body) is None  # unsealed: only a parse tells
+    padded = sealed[:-1 - len(digits)] + b"0" + digits + b"}"  # a byte inserted: not as seal() writes
+    assert seal.intact(padded) is None
     assert seal.intact(sealed[:-1]) is None and seal.intact(b"") is None
 
 

@@ -425,8 +425,8 @@ def _ages(table):
 
 def test_hashtable_clear_false_keeps_the_live_step_and_row_ages(tmp_path):
     """A merge keeps the live table's step and moves the merged rows' last_step into it, so their
-    ages (what evict reads) are those of the source; into an empty table a merge restores the step
-    as a restore does."""
+    ages (what evict reads) are those of the source (floored at 0); into a table never stepped a
+    merge takes the source's step as a restore does."""
     src = _stepped_table_model(100, [1, 2, 3, 4], steps_ago=30)  # ids 1, 2: age 30; 3, 4: age 0
     ckpt = Saver(src, output_dir=str(tmp_path / "src")).save("ckpt_1")
     live = _stepped_table_model(500, [4, 5, 6, 7], steps_ago=20)  # 4, 5: age 20; 6, 7: age 0
@@ -442,13 +442,18 @@ def test_hashtable_clear_false_keeps_the_live_step_and_row_ages(tmp_path):
     assert early.user.step == 10
     assert _ages(early.user) == {1: 10, 2: 10, 3: 0, 4: 0, 7: 0, 8: 0}
 
-    for clear in (True, False):  # into an empty table: the checkpoint's step, whatever the mode
+    for clear in (True, False):  # into a table never stepped: the checkpoint's step, whatever the mode
         empty = torch.nn.Module()
         empty.user = HashTable(4, name="user")
-        empty.user.step = 7
         Saver(empty, output_dir=str(tmp_path / f"empty{clear}")).load(
             ckpt, direct_path=True, load_conf={"hashtable_clear": clear})
         assert empty.user.step == 100 and _ages(empty.user) == {1: 30, 2: 30, 3: 0, 4: 0}
+    stepped = torch.nn.Module()  # empty but stepped (a rank whose shard holds no rows yet): its step
+    stepped.user = HashTable(4, name="user")
+    stepped.user.step = 7
+    Saver(stepped, output_dir=str(tmp_path / "stepped")).load(ckpt, direct_path=True,
+                                                              load_conf={"hashtable_clear": False})
+    assert stepped.user.step == 7 and _ages(stepped.user) == {1: 7, 2: 7, 3: 0, 4: 0}
 
 
 # ------------------------------------------------------------------------------- model bank

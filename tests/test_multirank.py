@@ -323,3 +323,15 @@ def test_delta_of_a_table_cleared_on_one_rank(tmp_path):
         assert torch.equal(row, mr_rows(i, want[int(i)])) and torch.equal(acc, mr_rows(i, want[int(i)] + 0.5))
     item = torch.load(tmp_path / "item_1_0.pt", weights_only=True)
     assert sorted(item["ids"].tolist()) == sorted(ids.tolist())
+
+
+def test_a_rewound_restore_saved_at_once_is_relisted_by_every_rank(tmp_path):
+    """restore(global_step=2) past ckpt_4, then save() at step 2 on both ranks with rank 1 late:
+    ckpt_2 holds the state, rank 0 lists it last (Saver.make_latest, a collective), and rank 1,
+    which then finds ckpt_2 already listed last, still joins instead of leaving rank 0 waiting."""
+    codes, outs = run_ranks("rewind_save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    paths = [json.loads((tmp_path / f"rewind_{r}.json").read_text())["path"] for r in range(2)]
+    assert all(p.endswith("ckpt_2") for p in paths)
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_4", "ckpt_2"]
+

@@ -150,3 +150,36 @@ def test_a_version_no_recsave_writes_is_damage_and_fallback_skips_it(tmp_path):
     assert_jobs_equal(job_state(fresh), state2)
     assert fresh.saver.damaged_checkpoints == frozenset({"ckpt_4"})
     fresh.manager.close()
+
+
+@pytest.mark.parametrize("how", ["unknown_kind", "kind_not_first", "kind_with_other_chars"])
+def test_rotation_keeps_a_sealed_newer_index_it_does_not_parse(tmp_path, how):
+    """Rotation tells a checkpoint it may delete from the seal and the leading format_version /
+    kind alone (it does not parse a pruned index): an intact index of a version this recsave reads
+    only for other kinds, or whose kind is not where recsave writes it, still goes to the parser
+    and is kept as a newer writer's."""
+    import json
+
+    from recsave.format import seal
+
+    out = tmp_path / "out"
+    job = make_job(str(out), save_interval=2, max_keep=2)
+    job.train(4)  # ckpt_2, ckpt_4
+    job.manager.wait()
+    index = read_index_json(os.path.join(out, "ckpt_2"))
+    index.pop(seal.KEY, None)
+    body = {"unknown_kind": {"format_version": 4, "kind": "sharded"},
+            "kind_not_first": {"format_version": 4},
+            "kind_with_other_chars": {"format_version": 4, "kind": "Delta-2"}}[how]
+    rest = {k: v for k, v in index.items() if k not in ("magic", "format_version", "kind")}
+    if how == "kind_not_first":
+        rest["kind"] = "sharded"
+    doc = {"magic": index["magic"], **body, **rest}
+    with open(os.path.join(out, "ckpt_2", "index"), "wb") as f:
+        f.write(seal.seal(json.dumps(doc, separators=(",", ":")).encode()))
+    before = tree(out / "ckpt_2")
+    with pytest.warns(RuntimeWarning, match=r"ckpt_2.*written by a newer recsave"):
+        job.train(2)  # ckpt_6: ckpt_2 falls out of max_keep=2
+        job.manager.wait()
+    assert tree(out / "ckpt_2") == before and "ckpt_2" in listed(out)
+    job.manager.close()

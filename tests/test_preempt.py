@@ -418,3 +418,24 @@ def test_time_interval_saves_follow_rank0s_clock_on_every_rank(tmp_path):
     saved = [json.loads(p.read_text()) for p in results]
     assert saved[0] == saved[1] == [5, 10, 15, 20]  # rank 0: 1 s per step, interval 4.5 s
     assert _list(out) == ["ckpt_5", "ckpt_10", "ckpt_15", "ckpt_20"]
+
+
+def test_a_load_after_restore_is_saved_not_taken_for_the_restored_state(tmp_path):
+    """After restore(global_step=2) past ckpt_4 the manager may return ckpt_2 for a save at step
+    2 only while ckpt_2 still holds the state: a model-bank load since changed it, so the save
+    refuses to overwrite the committed ckpt_2 (CheckpointExistsError) instead of answering with a
+    checkpoint that lacks the loaded rows."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2)
+    job.train(4)
+    job.manager.close()
+    bank = make_job(str(tmp_path / "bank"), save_interval=2, seed=9)
+    bank.train(2)
+    bank.manager.close()
+    again = make_job(out, save_interval=2)
+    assert again.manager.restore(global_step=2) == 2
+    again.manager.load_model_bank([{"path": str(tmp_path / "bank"), "load": ["sparse"]}])
+    with pytest.raises(recsave.CheckpointExistsError):
+        again.manager.save()
+    assert _list(out) == ["ckpt_2", "ckpt_4"]
+    again.manager.close()

@@ -245,3 +245,34 @@ def test_a_failed_index_read_during_rotation_deletes_nothing(tmp_path, monkeypat
     for name in kept:  # every listed checkpoint loads: no chain lost a member
         assert job.manager.restore(global_step=int(name.split("_")[1])) == int(name.split("_")[1])
     job.manager.close()
+
+
+def test_gc_stops_on_a_failed_index_read_and_deletes_nothing(tmp_path, monkeypatch):
+    """`recsave gc` applies the recorded policy; a StorageError while it reads the keep_best
+    checkpoint's index is raised, not taken as "no metrics" (which dropped that checkpoint from
+    the selection and deleted it)."""
+    from recsave.errors import StorageError
+    from recsave.storage.local import LocalStorage
+
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=0, max_keep=1, manager_kw={"keep_best": 1, "best_metric": "auc"})
+    for step, auc in [(2, 0.9), (4, 0.5), (6, 0.4)]:
+        job.train(1)
+        job.manager.global_step = step
+        job.manager.save(metrics={"auc": auc})
+    job.manager.close()
+    before = listing(out)
+    real, failed = LocalStorage.read_bytes, []
+
+    def flaky(self, path, limit):
+        if path.endswith(os.path.join("ckpt_2", "index")) and not failed:
+            failed.append(path)
+            raise StorageError(f"{path}: Input/output error (injected)", path=path)
+        return real(self, path, limit)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", flaky)
+    with pytest.raises(StorageError, match="injected"):
+        clean_output_dir(out)
+    assert failed and listing(out) == before
+    assert clean_output_dir(out)["removed_checkpoints"] == []  # read fine now: the best one stays
+    assert "ckpt_2" in listing(out)

@@ -176,7 +176,20 @@ class IndexState(NamedTuple):
 # An index opens with its magic and format_version (docs/FORMAT.md section 3), a delta's kind next:
 # enough to tell a newer writer's.
 _VERSION_PREFIX = re.compile(
-    rb'\{(?:"magic":"recsave\.index",)?"format_version":([0-9]{1,9})(?:,"kind":"([a-z_]{1,32})")?[,}]')
+    rb'\{(?:"magic":"recsave\.index",)?"format_version":([0-9]{1,9})(?:,"kind":"([a-z_]{1,32})"(?=[,}]))?[,}]')
+
+
+def _reads_as_valid(data: bytes) -> bool:
+    """Whether the leading format_version (and kind) of index bytes are ones this recsave reads,
+    told without decoding them. A kind not right after the version (no recsave writes that, a
+    newer one might) or not matched whole leaves the answer to a parse: False."""
+    head = _VERSION_PREFIX.match(data)
+    if head is None:
+        return False
+    kind = head.group(2)
+    if kind is None and b'"kind"' in data:  # a kind elsewhere: let the parser judge it
+        return False
+    return readable_version(int(head.group(1)), (kind or b"full").decode())
 
 
 def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False) -> IndexState:
@@ -192,10 +205,8 @@ def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False)
         return IndexState("damaged", why=f"{path} is a directory")
     try:
         data = storage.read_bytes(path, knobs.get("max_index_bytes"))
-        if intact_is_valid and seal.intact(data):
-            head = _VERSION_PREFIX.match(data)
-            if head is not None and readable_version(int(head.group(1)), (head.group(2) or b"full").decode()):
-                return IndexState("valid")
+        if intact_is_valid and seal.intact(data) and _reads_as_valid(data):
+            return IndexState("valid")
         index = index_mod.parse(data, path)
         return IndexState("valid", index.step, index.created_at)
     except FormatVersionError as exc:
@@ -253,8 +264,7 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
         if not storage.exists(path):
             return None
         data = storage.read_bytes(path, knobs.get("max_index_bytes"))
-        head = _VERSION_PREFIX.match(data)  # the usual answer, without decoding a large index
-        if head is not None and readable_version(int(head.group(1)), (head.group(2) or b"full").decode()):
+        if _reads_as_valid(data):  # the usual answer, without decoding a large index
             return None
         index = json.loads(data.decode("utf-8"))
     except (RecsaveError, OSError, ValueError):  # unreadable: not newer

@@ -35,8 +35,8 @@ def intact(data: bytes) -> Optional[bool]:
     if at < 0 or not data.endswith(b"}"):
         return None
     digits = data[at + len(_OPEN):-1]
-    if not digits.isdigit() or len(digits) > 10:
-        return None
+    if not digits.isdigit() or len(digits) > 10 or str(int(digits)).encode() != digits:
+        return None  # not as seal() writes it: check() would refuse it, a parse tells
     return int(_C.crc32c(memoryview(data)[:at])) == int(digits)
 
 

@@ -143,7 +143,9 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
     for table_name, src_table, columns, table, meta, read in staged:
         has_embedding = "embedding" in columns
         # A load's rows take the source's table step when they replace the table's rows (the fast
-        # paths restore: hashtable_clear) or fill an empty table; merged into rows they do not.
+        # paths restore: hashtable_clear) or go into a table never stepped (step 0: the same on
+        # every rank, where emptiness of a rank's shard is not); merged into a stepped table they
+        # move into its timeline.
         adopt_step = has_embedding and plan.conf.hashtable_clear
         if table_name in in_place:
             loaded_rows = len(table)
@@ -162,7 +164,7 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
                     table.add_slot(slot)
             values = {c: _fit(data[s], table, ids, c) for c, s in columns.items()}
             slot_values = {c: v for c, v in values.items() if c != "embedding"}
-            adopt_step = adopt_step or (has_embedding and len(table) == 0)
+            adopt_step = adopt_step or (has_embedding and getattr(table, "step", 0) == 0)
             if has_embedding:
                 rows_meta = {m: data[m] for m in meta}
                 if not adopt_step:
@@ -195,7 +197,7 @@ def _refuse_repeated_ids(src: Any, table: str, ids: torch.Tensor) -> None:
 
 def _into_live_timeline(meta: Dict[str, torch.Tensor], table: Any, src_step: Optional[int]
                         ) -> Dict[str, torch.Tensor]:
-    """Row metadata of rows merged into a table that holds rows (hashtable_clear=False): the table
+    """Row metadata of rows merged into a stepped table (hashtable_clear=False, step > 0): the table
     keeps its step, and each merged row's last_step moves by (table step - the source's step),
     floored at 0, so its age (what evict(older_than_steps=...) reads) is the one it had in its
     source, not a step of another job's count (docs/API.md)."""

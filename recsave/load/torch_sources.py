@@ -10,8 +10,9 @@ load/sources.py's sources answer). The names become tables and dense entries:
   with a ``<name>.bias`` and no ids beside it, it is an nn.Linear's: not a table;
 - to_dcp_state_dict's form (``<key>.ids``, ``<key>.embedding``, ``<key>.slot.<slot>``) is table
   ``<module path of key>`` (``emb.user.table`` -> ``emb.user``);
-- in both forms, int64 ``<base>.last_step`` / ``<base>.count`` of N values are the table's row
-  metadata and a 0-d int64 ``<base>.step`` its table step (``<base>``: ``<name>`` or ``<key>``);
+- in both forms, beside ``<base>.ids``, int64 ``<base>.last_step`` / ``<base>.count`` of N values
+  are the table's row metadata and a 0-d int64 ``<base>.step`` its table step (``<base>``:
+  ``<name>`` or ``<key>``);
 - any other 2-D floating tensor is also a table named by its key (ids 0..N-1);
 - every tensor is also a dense entry under its key, so an nn.Embedding model loads its weight.
 Nested dicts (``{"model": state_dict}``) are flattened with '.' (use ``oname`` to map the prefix).
@@ -95,9 +96,12 @@ def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
                     and tuple(oshape) == tuple(shape) and odtype.is_floating_point):
                 slots[slot] = other
                 used.add(other)
-        row_meta = {m: k for m in META_COLUMNS if (k := f"{base}.{m}") in meta
+        # Row metadata and the step only beside ids (what recsave writes): a plain nn.Embedding's
+        # own buffer named `step` or `count` stays a dense entry.
+        row_meta = {m: k for m in META_COLUMNS if ids_key in meta and (k := f"{base}.{m}") in meta
                     and meta[k][1] == torch.int64 and tuple(meta[k][0]) in ((shape[0],), (shape[0], 1))}
-        step = f"{base}.step" if meta.get(f"{base}.step", ((0,), None)) == ((), torch.int64) else None
+        step = f"{base}.step" if ids_key in meta and meta.get(f"{base}.step", ((0,), None)) == ((), torch.int64) \
+            else None
         tables[name] = TableKeys(key, ids_key if ids_key in meta else None, shape[0], shape[1], dtype, slots,
                                  row_meta, step)
         used.update([key, *row_meta.values(), *([step] if step else [])])

@@ -131,10 +131,10 @@ class TableStaging:
             raise
         out: List[Optional[Dict[str, torch.Tensor]]] = []
         for table, ids, table_views, ok in zip(tables, map_ids, views, distinct):
+            if isinstance(table._map, CpuIdMap):  # noqa: SLF001 (same class)
+                table._map.advise_huge_pages()  # noqa: SLF001 (reserved on 4 KB pages in _begin_load)
             if ok:  # ids[i] -> row i
                 table._store.advise_hugepages()  # noqa: SLF001 (same class)
-                if isinstance(table._map, CpuIdMap):  # noqa: SLF001 (same class)
-                    table._map.advise_huge_pages()  # noqa: SLF001 (same class)
                 table._tracker.mark_first(ids.numel())  # noqa: SLF001 (same class)
             else:  # a repeated id: rows cannot be 0..n-1
                 table.clear()
