@@ -176,6 +176,32 @@ def test_a_saver_whose_lock_was_taken_over_stops_saving(tmp_path):
     assert os.path.exists(os.path.join(out, LOCK_FILE))  # not ours: left alone
 
 
+def test_a_lock_lost_during_a_save_stops_it_before_its_commit_point(tmp_path, monkeypatch):
+    """A save that outlives writer_lease_s may find its lock taken over by another Saver while its
+    shards are written: it checks the lock again right before writing the index, so it commits
+    nothing (its rotation would otherwise run against the other writer's save in progress)."""
+    from recsave.load import contents
+
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.saver.save("ckpt_0")
+    real = contents.index_meta
+
+    def taken_over_meanwhile(*args, **kwargs):  # runs in the commit, after every shard is written
+        with open(os.path.join(out, LOCK_FILE), "w") as f:
+            json.dump({"host": "other-host", "pid": 1, "token": "t", "acquired_at": 0,
+                       "renewed_at": time.time()}, f)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(contents, "index_meta", taken_over_meanwhile)
+    with pytest.raises(WriterLockedError, match="lost the writer lock"):
+        job.saver.save("ckpt_1")
+    assert not os.path.exists(os.path.join(out, "ckpt_1", "index"))
+    with open(os.path.join(out, "checkpoint")) as f:
+        assert f.read().split() == ["ckpt_0"]
+    job.saver.close()
+
+
 def test_lock_file_is_invisible_to_listing_and_rotation(tmp_path):
     out = str(tmp_path / "run")
     job = make_job(out, max_keep=2)

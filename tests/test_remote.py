@@ -349,6 +349,49 @@ def test_a_files_ukey_is_the_same_from_a_listing_and_from_a_stat(remote):
     assert get_storage(remote).ukey(path) != fresh
 
 
+def test_a_reader_sees_a_file_rewritten_by_another_process(remote):
+    """A polling reader (an evaluator watching `checkpoint`) whose fsspec listing cache holds a
+    file must see it rewritten elsewhere: sizes and existence are asked afresh on object stores,
+    or it read the old size of the new bytes (a cut-off id) and never saw new checkpoints."""
+    import s3fs  # noqa: F401 (the s3 case writes through an instance of its own)
+
+    storage = get_storage(remote)
+    path = storage.join(remote, "checkpoint")
+    storage.write_atomic(path, b"ckpt_10\nckpt_11\n")
+    storage.listdir(remote)  # fills the process's listing cache
+    assert storage.read_bytes(path, 1 << 20) == b"ckpt_10\nckpt_11\n"
+    other = fsspec.filesystem(remote.split("://")[0], skip_instance_cache=True) \
+        if remote.startswith("s3") else _fs(remote)  # another process's view of the store
+    other.pipe_file(path, b"ckpt_11\nckpt_12\nckpt_13\n")
+    assert storage.read_bytes(path, 1 << 20) == b"ckpt_11\nckpt_12\nckpt_13\n"
+    assert storage.exists(storage.join(remote, "checkpoint"))
+
+
+def test_file_urls_write_small_files_atomically(tmp_path, monkeypatch):
+    """A file:// output dir writes the index, the list and the lock like a local path: to a
+    temporary name, then renamed (never truncated in place, where a reader or a crash meets an
+    empty or cut-off file), and the lock created with O_EXCL."""
+    url = "file://" + str(tmp_path / "run")
+    storage = get_storage(url)
+    path = storage.join(url, "checkpoint")
+    storage.makedirs(url)
+    opened = []
+    real_open = open
+
+    def spy(file, mode="r", *args, **kwargs):
+        if "w" in str(mode):
+            opened.append(os.path.basename(str(file)))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spy)
+    storage.write_atomic(path, b"ckpt_1\n")
+    monkeypatch.setattr("builtins.open", real_open)
+    assert opened and all(name.startswith("checkpoint.tmp-") for name in opened)
+    assert storage.read_bytes(path, 100) == b"ckpt_1\n"
+    assert storage.create_exclusive(storage.join(url, "lock"), b"a")
+    assert not storage.create_exclusive(storage.join(url, "lock"), b"b")
+
+
 @pytest.mark.s3
 @pytest.mark.multirank
 def test_two_ranks_restore_from_s3_with_one_read_of_the_index(moto_server, tmp_path, monkeypatch):

@@ -295,6 +295,9 @@ class CheckpointWriter:
         if state.parent is not None:
             index = delta.as_delta(st, self.output_dir, index, state.parent)
         index = index.with_files(files)
+        # The lock once more right before the commit point: a save longer than writer_lease_s may
+        # have lost it to another Saver, whose rotation may be deleting this directory.
+        self._lock = hold_writer_lock(self._lock, st, self.output_dir)
         index_mod.write(ckpt_dir, index, storage=st)
         self._facts[ckpt_id] = (index.step, index.metrics)
         # What rotation asks of the new checkpoint is known: reading its index back costs a parse.

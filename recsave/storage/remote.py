@@ -11,6 +11,7 @@ from recsave import knobs, threads
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
 from recsave.storage import retry
 from recsave.storage.base import Commits, ShardContent, ShardReader, Storage
+from recsave.storage.local import LocalStorage
 from recsave.storage.ranged import RangedFile, RangedShardReader
 
 T = TypeVar("T")
@@ -31,6 +32,10 @@ class FsspecStorage(Storage):
 
         self.fs, _ = fsspec.core.url_to_fs(url)
         self.protocol = url.split("://", 1)[0]
+        # file:// URLs are local files: their small files (index, list, lock) are written like
+        # LocalStorage's, temp + fsync + rename and O_EXCL, not truncated in place by pipe_file
+        # (a reader or a crash could meet an empty lock file or a cut-off index).
+        self._local = LocalStorage() if self.protocol in ("file", "local") else None
 
     # ----------------------------------------------------------------------------- names, metadata
     def join(self, *parts: str) -> str:
@@ -52,9 +57,15 @@ class FsspecStorage(Storage):
 
     def _info_or_none(self, path: str, what: str) -> Optional[dict]:
         try:
-            return retry.call(what, path, lambda: self.fs.info(path))
+            return retry.call(what, path, lambda: self._fresh_info(path))
         except FileNotFoundError:
             return None
+
+    def _fresh_info(self, path: str) -> dict:
+        """fs.info asked afresh where the filesystem caches listings (s3fs, gcsfs): a cached
+        answer, shared by the process and never expired, hid new checkpoints from a polling reader
+        and gave it the old size of a rewritten `checkpoint` list (a cut-off id)."""
+        return self.fs.info(path, refresh=True) if _accepts_refresh(self.fs) else self.fs.info(path)
 
     def listdir(self, path: str) -> List[str]:
         refresh = _accepts_refresh(self.fs)
@@ -69,10 +80,10 @@ class FsspecStorage(Storage):
         self._call(lambda p: self.fs.makedirs(p, exist_ok=True), path, "creating the directory")
 
     def size(self, path: str) -> int:
-        return int(self._call(self.fs.info, path, "stat")["size"])
+        return int(self._call(self._fresh_info, path, "stat")["size"])
 
     def regular_file_size(self, path: str) -> Optional[int]:
-        info = self._call(self.fs.info, path, "stat")
+        info = self._call(self._fresh_info, path, "stat")
         return None if info.get("type") == "directory" else int(info["size"])
 
     def ukey(self, path: str) -> str:
@@ -80,8 +91,7 @@ class FsspecStorage(Storage):
         # store's HEAD and a listing (s3fs: "Key"/"Size" only in the latter), so two processes
         # could get two tokens for one file. The entity tag and size name the content wherever
         # the info came from. Asked afresh: a cached answer could not tell that the file changed.
-        fresh = _accepts_refresh(self.fs)
-        info = self._call(lambda p: self.fs.info(p, refresh=True) if fresh else self.fs.info(p), path, "stat")
+        info = self._call(self._fresh_info, path, "stat")
         etag = info.get("ETag", info.get("etag"))
         if etag is None:
             return str(self._call(self.fs.ukey, path, "stat"))
@@ -97,6 +107,11 @@ class FsspecStorage(Storage):
             retry.call("removing", path, lambda: self.fs.rm_file(path))
 
     # --------------------------------------------------------------------------------------- reads
+    def read_bytes(self, path: str, limit: int) -> bytes:
+        if self._local is not None:  # one open, sized by fstat: no stat-then-read race with a rename
+            return self._local.read_bytes(self._local_path(path), limit)
+        return super().read_bytes(path, limit)
+
     def _read_raw(self, path: str, offset: int, length: int) -> bytes:
         return retry.call("reading", path, lambda: self.fs.cat_file(path, start=offset, end=offset + length))
 
@@ -110,7 +125,13 @@ class FsspecStorage(Storage):
 
     # -------------------------------------------------------------------------------------- writes
     def write_atomic(self, path: str, data: bytes) -> None:
+        if self._local is not None:
+            self._local.write_atomic(self._local_path(path), data)
+            return
         self._call(lambda p: self.fs.pipe_file(p, data), path, "writing")
+
+    def _local_path(self, path: str) -> str:
+        return str(self.fs._strip_protocol(path))  # noqa: SLF001 (fsspec's public-by-convention helper)
 
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
@@ -146,6 +167,8 @@ class FsspecStorage(Storage):
         self.write_stream(path, content.write_stream)  # an upload is durable once it completes
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
+        if self._local is not None:
+            return self._local.create_exclusive(self._local_path(path), data)
         if self.exists(path):
             return False
         self.write_atomic(path, data)
@@ -155,6 +178,8 @@ class FsspecStorage(Storage):
             return False
 
     def being_created(self, path: str) -> bool:
+        if self._local is not None:
+            return self._local.being_created(self._local_path(path))
         return False  # a put publishes the whole file at once
 
     # ------------------------------------------------------------------------------------- helpers
