@@ -276,3 +276,31 @@ def test_gc_stops_on_a_failed_index_read_and_deletes_nothing(tmp_path, monkeypat
     assert failed and listing(out) == before
     assert clean_output_dir(out)["removed_checkpoints"] == []  # read fine now: the best one stays
     assert "ckpt_2" in listing(out)
+
+
+def test_rotation_keeps_a_chains_base_past_a_member_it_cannot_read(tmp_path):
+    """Chain ckpt_1 <- ckpt_2 <- ckpt_3 <- ckpt_4 with ckpt_2's index damaged: following parents
+    stops at ckpt_2, but each delta also names its base, so rotation (max_keep=2, keeping ckpt_4)
+    never deletes ckpt_1, which ckpt_4 needs once ckpt_2's index is restored from a backup."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=2)
+    for step in range(1, 5):
+        job.train(1)
+        job.saver.save(f"ckpt_{step}", incremental=step > 1)
+    assert read_index(os.path.join(out, "ckpt_4")).base == "ckpt_1"
+    job.saver.close()
+    index = os.path.join(out, "ckpt_2", "index")
+    with open(index, "rb") as f:
+        good = f.read()
+    with open(index, "wb") as f:
+        f.write(good[: len(good) // 2])  # torn
+    again = make_job(out, max_keep=2)
+    again.train(1)
+    again.saver.save("ckpt_5")
+    again.saver.close()
+    assert os.path.isdir(os.path.join(out, "ckpt_1"))
+    with open(index, "wb") as f:
+        f.write(good)
+    fresh = make_job(out)
+    fresh.saver.load(os.path.join(out, "ckpt_4"), direct_path=True)  # the whole chain is there
+    fresh.saver.close()

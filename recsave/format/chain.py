@@ -91,8 +91,9 @@ def needed_by(storage: Storage, output_dir: str, ids: Iterable[str],
               parents_of: Optional[Callable[[str], Iterable[str]]] = None) -> Set[str]:
     """The checkpoints that the given ones need (their chain members, themselves included), as far
     as the chains can be followed: a broken chain keeps what it reaches (retention never deletes a
-    checkpoint because another one is damaged). `parents_of` (id -> [its parent] or []; default
-    parent_ids) lets a writer that remembers them skip reading the indexes again."""
+    checkpoint because another one is damaged; each delta also names its chain's base, kept even
+    when a member between them cannot be read). `parents_of` (id -> what it needs directly;
+    default parent_ids) lets a writer that remembers them skip reading the indexes again."""
     parents = parents_of or (lambda i: parent_ids(storage, output_dir, i))
     needed: Set[str] = set()
     for ckpt_id in ids:
@@ -102,37 +103,47 @@ def needed_by(storage: Storage, output_dir: str, ids: Iterable[str],
 
 
 def parent_ids(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
-    """The checkpoints `ckpt_id` depends on directly: [its parent] for a delta, [] otherwise (the
-    `depends_on` hook of format/retention.py, which follows it transitively)."""
-    parent = _parent_id(storage, storage.join(output_dir, ckpt_id))
-    return [parent] if parent is not None else []
+    """The checkpoints `ckpt_id` depends on directly: for a delta its parent and its chain's base
+    (the base too, so that a member between them whose index cannot be read does not cut the base
+    loose), [] otherwise (the `depends_on` hook of format/retention.py, which follows it
+    transitively)."""
+    return _needs(storage, storage.join(output_dir, ckpt_id))
 
 
 def _reachable(parents_of: Callable[[str], Iterable[str]], ckpt_id: str) -> List[str]:
     out: List[str] = []
-    current: Optional[str] = ckpt_id
-    while current is not None and current not in out and len(out) <= MAX_CHAIN:
+    todo = [ckpt_id]
+    while todo and len(out) <= MAX_CHAIN:
+        current = todo.pop()
+        if current in out:
+            continue
         out.append(current)
-        current = next(iter(parents_of(current)), None)
+        todo.extend(parents_of(current))
     return out
 
 
-def _parent_id(storage: Storage, ckpt_dir: str) -> Optional[str]:
-    """The `parent.id` of ckpt_dir's index, read as plain JSON (retention errs on keeping: a parent
-    named by an index that does not validate is kept too); None when there is none: no index, or
-    one that is not JSON. A read that fails otherwise (StorageError: a network error, a timeout)
-    is no answer and propagates: taken as "no parent", it would let rotation delete the parent."""
+def _needs(storage: Storage, ckpt_dir: str) -> List[str]:
+    """The `parent.id` and `base` of ckpt_dir's index, read as plain JSON (retention errs on
+    keeping: what an index that does not validate names is kept too); [] when there is none: no
+    index, or one that is not JSON. A read that fails otherwise (StorageError: a network error, a
+    timeout) is no answer and propagates: taken as "no parent", it would let rotation delete it."""
     try:
         data = storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
     except (CheckpointNotFoundError, CorruptCheckpointError):  # absent, or damaged (kept as such)
-        return None
+        return []
     try:
         raw = json.loads(data.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError included
-        return None
-    parent = raw.get("parent") if isinstance(raw, dict) else None
-    pid = parent.get("id") if isinstance(parent, dict) else None
-    return pid if isinstance(pid, str) and is_plain_name(pid) else None
+        return []
+    if not isinstance(raw, dict):
+        return []
+    parent = raw.get("parent")
+    named = [parent.get("id") if isinstance(parent, dict) else None, raw.get("base")]
+    out: List[str] = []
+    for ckpt in named:
+        if isinstance(ckpt, str) and is_plain_name(ckpt) and ckpt not in out:
+            out.append(ckpt)
+    return out
 
 
 def describe(storage: Storage, ckpt_dir: str, index: Index) -> Tuple[List[str], Optional[str]]:
