@@ -322,3 +322,16 @@ def test_inspect_says_when_an_index_is_not_sealed(output_dir, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     assert "index not sealed" in capsys.readouterr().out
     assert main(["verify", str(ckpt)]) == 0  # an unsealed index is still a valid one
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify"])
+@pytest.mark.parametrize("content", [b"hi\n", b"PK\x03\x04garbage"])
+def test_a_file_that_is_no_source_is_a_usage_error_without_traceback(tmp_path, capsys, cmd, content):
+    """A text file or a broken zip given as a checkpoint: exit 2 with one line naming it and what
+    is accepted (torch's unpickler raises KeyError on such files: once a traceback and exit 1,
+    and `verify` reported it as damage)."""
+    path = tmp_path / "afile.txt"
+    path.write_bytes(content)
+    assert main([cmd, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recsave: error:") and "not a loadable source" in err and "Traceback" not in err

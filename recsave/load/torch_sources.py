@@ -20,7 +20,6 @@ Nested dicts (``{"model": state_dict}``) are flattened with '.' (use ``oname`` t
 from __future__ import annotations
 
 import abc
-import pickle
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -292,7 +291,9 @@ def load_torch_file(path: str) -> Tuple[Any, bool]:
             if "mmap" not in str(exc):  # a legacy (non-zip) file cannot be mapped: read it
                 raise
             return torch.load(path, map_location="cpu", weights_only=True), False
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as exc:
+    except OSError:  # the file could not be read: an I/O error, not its content
+        raise
+    except Exception as exc:  # torch's unpickler also raises KeyError / IndexError on other files
         raise ConfigError(f"{path}: not a loadable source ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
                           f"accepted: {ACCEPTED}", path=path) from exc
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from recsave import _C, argcheck, knobs
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError, UsageError
+from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RecsaveError, UsageError
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_listed_file
@@ -92,7 +92,7 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
     storage = get_storage(ckpt)
     try:
         src = open_source(ckpt)
-    except CheckpointNotFoundError as exc:
+    except (CheckpointNotFoundError, ConfigError) as exc:  # nothing of recsave there: a usage error
         if not _recsave_files_at(storage, ckpt):
             raise
         return [str(exc)]
