@@ -335,3 +335,22 @@ def test_a_file_that_is_no_source_is_a_usage_error_without_traceback(tmp_path, c
     assert main([cmd, str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("recsave: error:") and "not a loadable source" in err and "Traceback" not in err
+
+
+def test_verify_checks_each_shards_own_header(tmp_path, capsys):
+    """A shard whose safetensors header is damaged while every data checksum still matches: a load
+    refuses it, so verify must too (it checked only the data's CRC32Cs)."""
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.train(2)
+    path = job.saver.save("ckpt_2")
+    shard = os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0])
+    with open(shard, "r+b") as f:
+        head = f.read(200)
+        at = head.index(b'"dtype"')
+        f.seek(at + 1)
+        f.write(b"D")  # "Dtype": an unknown key, same length, data untouched
+    assert main(["verify", path]) == 1
+    assert "unknown keys" in capsys.readouterr().out
+    with pytest.raises(recsave.CorruptCheckpointError):
+        make_job(str(tmp_path / "other")).saver.load(path, direct_path=True)

@@ -232,6 +232,20 @@ class CheckedHeader:
     entries: Dict[str, header.HeaderEntry]
 
 
+def check_shard_header(ckpt_dir: str, fname: str, index: Index, storage: Storage) -> None:
+    """Parses shard file `fname`'s own header and checks it against the index for every tensor the
+    index places in it, as a read does (CorruptCheckpointError otherwise): what `verify` checks
+    beyond the data's checksums."""
+    path = check_listed_file(ckpt_dir, fname, index, storage)
+    shard = storage.open_shard(path, index.files[fname].size)
+    try:
+        known = CheckedHeader(*header.parse(shard.read_header(knobs.get("max_header_bytes")), shard.size, path))
+    finally:
+        shard.close()
+    inside = [n for n, e in index.tensors.items() if any(c.file == fname for c in e.chunks)]
+    _check_header(known, path, fname, index, inside)
+
+
 def _check_header(known: CheckedHeader, path: str, fname: str, index: Index, wanted: List[str]) -> None:
     """The shard's own header must agree with the index for every chunk we read from it."""
     data_start, entries = known.data_start, known.entries
