@@ -419,3 +419,16 @@ def test_two_ranks_restore_from_s3_with_one_read_of_the_index(moto_server, tmp_p
         got = torch.load(tmp_path / f"user_2_{r}.pt", weights_only=True)
         assert sorted(got["ids"].tolist()) == sorted(ids_all[partition.owner_of(ids_all, 2) == r].tolist())
         assert torch.equal(got["values"], expected_rows(got["ids"], 0.0))
+
+
+def test_create_exclusive_lets_only_the_first_of_two_writers_in(remote, monkeypatch):
+    """Two writers that both found no lock file (their existence checks ran first) and then put
+    theirs: the conditional put (If-None-Match on S3) refuses the second, where a plain put let
+    each read back its own record and both hold the lock."""
+    a, b = get_storage(remote), get_storage(remote)
+    path = a.join(remote, "run", ".lock")
+    monkeypatch.setattr(type(a), "exists", lambda self, p: False)  # both checked before either put
+    assert a.create_exclusive(path, b'{"token":"a"}')
+    assert not b.create_exclusive(path, b'{"token":"b"}')
+    monkeypatch.undo()
+    assert a.read_bytes(path, 100) == b'{"token":"a"}'

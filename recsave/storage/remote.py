@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 from recsave import knobs, threads
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from recsave.storage import retry
 from recsave.storage.base import Commits, ShardContent, ShardReader, Storage
 from recsave.storage.local import LocalStorage
@@ -171,7 +171,17 @@ class FsspecStorage(Storage):
             return self._local.create_exclusive(self._local_path(path), data)
         if self.exists(path):
             return False
-        self.write_atomic(path, data)
+        if _creates_exclusively(self.fs):
+            # A conditional put (S3 If-None-Match: *): of two writers racing, the second is refused
+            # instead of both reading back their own record. A refusal after a retried put whose
+            # first try did land is told apart by the read-back below.
+            try:
+                retry.call("creating", path, lambda: self.fs.pipe_file(path, data, mode="create"))
+            except StorageError as exc:
+                if not isinstance(exc.__cause__, FileExistsError):
+                    raise
+        else:
+            self.write_atomic(path, data)
         try:
             return self.read_bytes(path, len(data)) == data
         except (CheckpointNotFoundError, CorruptCheckpointError):  # removed, or another's bigger one
@@ -257,6 +267,16 @@ class _Pieces:
     def write_to(self, f: IO[bytes]) -> None:
         for view in self._views:
             f.write(view)
+
+
+def _creates_exclusively(fs: Any) -> bool:
+    """Whether fs.pipe_file takes mode="create" (fsspec >= 2024.12: s3fs sends If-None-Match)."""
+    import inspect
+
+    try:
+        return "mode" in inspect.signature(fs.pipe_file).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _accepts_refresh(fs: Any) -> bool:
