@@ -165,3 +165,20 @@ def test_bucket_order_counts_and_refuses_keys_out_of_range():
             bucket_order(torch.tensor(bad), 5)
     with pytest.raises(UsageError, match="num_keys must be >= 1"):
         bucket_order(keys, 0)
+
+
+def test_a_delta_tombstone_of_another_ranks_id_is_refused_by_owner():
+    """Rank 1 of 2 removed ids of rank 0's buckets (it looked them up unrouted, then deleted
+    them): its delta is refused naming the routing fix, as its live rows would be, not with the
+    counting sort's internal "a key lies outside" message."""
+    from recsave.save.layout import bucket_layout
+    from recsave.save.snapshot import TableState
+
+    ids = torch.arange(2000, dtype=torch.int64)
+    owner = partition.owner_of(ids, 2)
+    mine, theirs = ids[owner == 1][:10], ids[owner == 0][:3]
+    table = TableState(4, torch.float32, {"embedding": torch.zeros(10, 4)}, ids=mine, tombstones=theirs)
+    with pytest.raises(UsageError, match=r"table 'user' removed ids owned by other ranks.*owner_of"):
+        bucket_layout("user", table, 1, 2, partition.DEFAULT_NUM_BUCKETS)
+    ok = TableState(4, torch.float32, {"embedding": torch.zeros(10, 4)}, ids=mine, tombstones=ids[owner == 1][10:12])
+    assert bucket_layout("user", ok, 1, 2, partition.DEFAULT_NUM_BUCKETS).tombstones == 2

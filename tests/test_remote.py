@@ -432,3 +432,16 @@ def test_create_exclusive_lets_only_the_first_of_two_writers_in(remote, monkeypa
     assert not b.create_exclusive(path, b'{"token":"b"}')
     monkeypatch.undo()
     assert a.read_bytes(path, 100) == b'{"token":"a"}'
+
+
+def test_an_output_dir_at_a_stores_root_keeps_its_scheme():
+    """memory:// as the output dir: joined paths keep "://" (they became memory:/ckpt_2, which
+    get_storage then took for a local path)."""
+    from recsave.storage.remote import FsspecStorage
+
+    storage = get_storage("memory://")
+    assert storage.join("memory://", "ckpt_2") == "memory://ckpt_2"
+    assert storage.join("memory://", "ckpt_2", "index") == "memory://ckpt_2/index"
+    assert storage.split("memory://ckpt_2") == ("memory://", "ckpt_2")
+    assert isinstance(get_storage(storage.join("memory://", "ckpt_2")), FsspecStorage)
+

@@ -77,6 +77,11 @@ def _add_tombstones(layout: TableLayout, name: str, tombstones: torch.Tensor, fi
     `@id`, so that a reader with another world size reads only the buckets it owns."""
     dead = tombstones.reshape(-1).to(torch.int64).cpu()
     keys = partition.bucket_of(dead, num_buckets).sub_(first)
+    if dead.numel() and bool(((keys < 0) | (keys >= stop - first)).any()):
+        raise UsageError(f"table {name!r} removed ids owned by other ranks since its last save (its "
+                         f"buckets are [{first}, {stop}) of {num_buckets}); route ids with "
+                         f"recsave.partition.owner_of before the lookup, so a rank only holds its own",
+                         key=name)
     order, counts = partition.bucket_order(keys, stop - first)
     starts = [0] + torch.cumsum(counts, 0).tolist()
     tensor = f"{name}@{TOMBSTONE_COLUMN}"

@@ -40,7 +40,10 @@ class FsspecStorage(Storage):
     # ----------------------------------------------------------------------------- names, metadata
     def join(self, *parts: str) -> str:
         head, *rest = parts
-        return "/".join([head.rstrip("/")] + [p.strip("/") for p in rest])
+        tail = [p.strip("/") for p in rest]
+        if head.endswith("://"):  # a store's root ("memory://"): keep the scheme's slashes
+            return head + "/".join(tail)
+        return "/".join([head.rstrip("/")] + tail)
 
     def split(self, path: str) -> Tuple[str, str]:
         head, _, leaf = path.rstrip("/").rpartition("/")
