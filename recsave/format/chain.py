@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
 from recsave import _C, knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError
@@ -110,6 +110,11 @@ def parent_ids(storage: Storage, output_dir: str, ckpt_id: str) -> List[str]:
     return _needs(storage, storage.join(output_dir, ckpt_id))
 
 
+def needs_of(index: Index) -> List[str]:
+    """parent_ids of a checkpoint whose parsed index is at hand (a writer's just committed one)."""
+    return _dependencies(index.parent.id if index.parent is not None else None, index.base)
+
+
 def _reachable(parents_of: Callable[[str], Iterable[str]], ckpt_id: str) -> List[str]:
     out: List[str] = []
     todo = [ckpt_id]
@@ -138,9 +143,14 @@ def _needs(storage: Storage, ckpt_dir: str) -> List[str]:
     if not isinstance(raw, dict):
         return []
     parent = raw.get("parent")
-    named = [parent.get("id") if isinstance(parent, dict) else None, raw.get("base")]
+    return _dependencies(parent.get("id") if isinstance(parent, dict) else None, raw.get("base"))
+
+
+def _dependencies(parent: Any, base: Any) -> List[str]:
+    """[parent, base] as far as they are checkpoint ids, each once (a delta of the base names it
+    twice)."""
     out: List[str] = []
-    for ckpt in named:
+    for ckpt in (parent, base):
         if isinstance(ckpt, str) and is_plain_name(ckpt) and ckpt not in out:
             out.append(ckpt)
     return out

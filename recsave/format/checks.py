@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import AbstractSet, Any, List, Mapping, Optional, Sequence
+from typing import AbstractSet, Any, List, Mapping, Optional, Sequence, TypeGuard
 
 import numpy as np
 
@@ -93,7 +93,7 @@ def is_plain_name(value: str) -> bool:
     return bool(_PLAIN_NAME.fullmatch(value)) and value not in (".", "..") and len(value) <= 255
 
 
-def is_finite_number(value: Any) -> bool:
+def is_finite_number(value: Any) -> TypeGuard[float]:
     """An int or float (not bool) that is finite: a metric's value. An int past float range
     (10**400, which JSON allows) is not: isfinite and comparisons with floats raise on it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

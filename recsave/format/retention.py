@@ -57,7 +57,7 @@ def select(listed: Sequence[str], *, max_keep: Optional[int], keep_every_n_steps
         scored = []
         for pos, ckpt in enumerate(listed):
             value = (metrics_of(ckpt) or {}).get(best_metric)
-            if value is not None and is_finite_number(value):
+            if is_finite_number(value):
                 scored.append((value if best_mode == "max" else -value, pos))
         for _, pos in sorted(scored, reverse=True)[:keep_best]:
             add(listed[pos], BEST)

@@ -187,8 +187,8 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
 def _refuse_repeated_ids(src: Any, table: str, ids: torch.Tensor) -> None:
     """A Parquet or torch.save source may list an id twice (two files, or a hand-made tensor):
     which row would win is arbitrary, so the load is refused, as convert refuses it."""
-    if ids.numel() and torch.unique(ids).numel() != ids.numel():
-        values, counts = torch.unique(ids, return_counts=True)
+    values, counts = torch.unique(ids, return_counts=True)
+    if values.numel() != ids.numel():
         repeated = values[counts > 1]
         raise ConfigError(f"{src.ckpt_dir}: table {table!r} lists {repeated.numel()} id(s) more than once "
                           f"(e.g. {repeated[:5].tolist()}); each id must appear once: drop the repeats "

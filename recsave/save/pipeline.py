@@ -301,9 +301,7 @@ class CheckpointWriter:
         index_mod.write(ckpt_dir, index, storage=st)
         self._facts[ckpt_id] = (index.step, index.metrics)
         # What rotation asks of the new checkpoint is known: reading its index back costs a parse.
-        # as chain.parent_ids: a delta needs its parent and its chain's base
-        self._parents_of[ckpt_id] = [] if index.parent is None else \
-            [index.parent.id] + ([index.base] if index.base not in (None, index.parent.id) else [])
+        self._parents_of[ckpt_id] = chain.needs_of(index)
         self._publish(ckpt_id)
         return index.total_bytes
 
