@@ -232,10 +232,10 @@ class CheckedHeader:
     entries: Dict[str, header.HeaderEntry]
 
 
-def check_shard_header(ckpt_dir: str, fname: str, index: Index, storage: Storage) -> None:
+def check_shard_header(ckpt_dir: str, fname: str, index: Index, storage: Storage) -> str:
     """Parses shard file `fname`'s own header and checks it against the index for every tensor the
     index places in it, as a read does (CorruptCheckpointError otherwise): what `verify` checks
-    beyond the data's checksums."""
+    beyond the data's checksums. Returns the file's path (its listing checked)."""
     path = check_listed_file(ckpt_dir, fname, index, storage)
     shard = storage.open_shard(path, index.files[fname].size)
     try:
@@ -244,6 +244,7 @@ def check_shard_header(ckpt_dir: str, fname: str, index: Index, storage: Storage
         shard.close()
     inside = [n for n, e in index.tensors.items() if any(c.file == fname for c in e.chunks)]
     _check_header(known, path, fname, index, inside)
+    return path
 
 
 def _check_header(known: CheckedHeader, path: str, fname: str, index: Index, wanted: List[str]) -> None:

@@ -12,7 +12,7 @@ from recsave import _C, argcheck, knobs
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RecsaveError, UsageError
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
-from recsave.format.reader import check_listed_file, check_shard_header
+from recsave.format.reader import check_shard_header
 from recsave.format.records import KIND_FULL
 from recsave.load.sources import ChainSource, CheckpointSource, open_source
 from recsave.storage import Storage, get_storage
@@ -121,8 +121,7 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
 
 
 def _verify_shard(src: CheckpointSource, fname: str) -> None:
-    check_shard_header(src.ckpt_dir, fname, src.index, src.storage)  # as a load checks it
-    path = check_listed_file(src.ckpt_dir, fname, src.index, src.storage)
+    path = check_shard_header(src.ckpt_dir, fname, src.index, src.storage)  # as a load checks it
     limit = knobs.get("io_chunk_bytes")
     for name, entry in src.index.tensors.items():
         for chunk in entry.chunks:
