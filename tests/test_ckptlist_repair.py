@@ -236,7 +236,7 @@ def test_writers_drop_stale_entries_before_rotation(run):
     assert _dirs(out) == ["ckpt_20", "ckpt_30", "ckpt_40", "notes"]
 
 
-def test_rebuild_orders_by_step_then_created_at_then_id(tmp_path):
+def test_rebuild_orders_bycommit_time_then_step_then_id(tmp_path):
     out = str(tmp_path / "run")
     job = make_job(out, max_keep=None)
     for ckpt_id in ("zeta", "alpha", "ckpt_5", "ckpt_3"):
@@ -244,10 +244,38 @@ def test_rebuild_orders_by_step_then_created_at_then_id(tmp_path):
         job.saver.save(ckpt_id)
     job.saver.close()
     shutil.copytree(os.path.join(out, "ckpt_5"), os.path.join(out, "ckpt_5b"))  # same step and time
+    index = read_index_json(os.path.join(out, "alpha"))
+    index["created_at"] = "yesterday"  # not a UTC time: first
+    write_index_json(os.path.join(out, "alpha"), index)
     os.remove(_list_path(out))
-    with pytest.warns(RuntimeWarning, match="from their indexes: zeta, alpha, ckpt_3, ckpt_5, ckpt_5b;"):
+    with pytest.warns(RuntimeWarning, match="from their indexes: alpha, zeta, ckpt_5, ckpt_5b, ckpt_3;"):
         names = [os.path.basename(p) for p in make_job(out, max_keep=None).saver.checkpoints()]
-    assert names == ["zeta", "alpha", "ckpt_3", "ckpt_5", "ckpt_5b"]
+    assert names == ["alpha", "zeta", "ckpt_5", "ckpt_5b", "ckpt_3"]
+
+
+def testcommit_time_without_a_fraction_sorts_by_time_not_by_string():
+    early, late = "2026-11-26T10:00:05Z", "2026-11-26T10:00:05.5Z"
+    assert early > late  # as strings
+    assert ckptlist.commit_time(early) < ckptlist.commit_time(late)
+    assert ckptlist.commit_time("2026-11-26T10:00:05+01:00") == float("-inf")
+
+
+def test_a_rebuild_after_a_rewind_resumes_the_new_branch_not_the_abandoned_one(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=None)
+    for step in (10, 20, 30):
+        job.train(1)
+        job.saver.save(f"ckpt_{step}")
+    job.saver.load(os.path.join(out, "ckpt_10"))  # rewind: 20 and 30 are abandoned
+    job.train(2)
+    job.saver.save("ckpt_15")
+    expected = job_state(job)
+    job.saver.close()
+    os.remove(_list_path(out))
+    fresh = make_job(out, max_keep=None)
+    with pytest.warns(RuntimeWarning, match="from their indexes: ckpt_10, ckpt_20, ckpt_30, ckpt_15;"):
+        assert fresh.saver.load(out).step == 15
+    assert_jobs_equal(job_state(fresh), expected)
 
 
 def test_rebuild_keeps_newer_format_checkpoints(run):

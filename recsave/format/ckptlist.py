@@ -1,6 +1,7 @@
 """The `checkpoint` file of an output directory: committed checkpoint ids, oldest first."""
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import warnings
@@ -146,10 +147,13 @@ def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tu
     checkpoint a save is committing: its index was just written, parsing it back is wasted).
 
     A directory is committed when its `index` validates (section 3), or was written by a newer
-    recsave (newer_format_version). Order: `step` of the index (none before any), then
-    `created_at`, then the id. Directories without an index (leftovers of crashed saves) and
-    anything that is not a plain-named directory are skipped."""
-    found: List[Tuple[Tuple[int, str, str], str]] = []
+    recsave (newer_format_version). Order: the commit time (`created_at`; one that does not read as
+    a UTC time before any), then `step` (none before any), then the id. Commit order, not step
+    order: after a rewind (a restore of an older step, then saves) the abandoned branch's
+    checkpoints have higher steps but committed earlier, and must not come back as the latest.
+    Directories without an index (leftovers of crashed saves) and anything that is not a
+    plain-named directory are skipped."""
+    found: List[Tuple[Tuple[float, int, str], str]] = []
     left_out: Dict[str, str] = {}
     if not storage.isdir(output_dir, follow_links=True):
         return [], left_out
@@ -160,8 +164,19 @@ def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tu
         if state.kind == "damaged":
             left_out[name] = state.why
         elif state.kind != "none":  # valid, or written by a newer recsave
-            found.append(((-1 if state.step is None else state.step, state.created_at, name), name))
+            found.append(((commit_time(state.created_at), -1 if state.step is None else state.step, name), name))
     return [name for _, name in sorted(found)], left_out
+
+
+def commit_time(created_at: str) -> float:
+    """Seconds since the epoch of an index's `created_at` (ISO-8601 UTC ending in Z, with or
+    without a fraction), -inf when it is not one: parsed, because `...:05Z` and `...:05.1Z` do not
+    sort as strings."""
+    try:
+        when = datetime.datetime.fromisoformat(created_at[:-1] if created_at.endswith("Z") else "-")
+    except ValueError:
+        return float("-inf")
+    return when.replace(tzinfo=datetime.timezone.utc).timestamp() if when.tzinfo is None else float("-inf")
 
 
 class IndexState(NamedTuple):
