@@ -208,6 +208,26 @@ def test_missing_path_exits_2_and_creates_nothing(tmp_path, capsys, cmd):
                              "exit_code": 2}} and str(missing) in doc["error"]["message"]
 
 
+@pytest.mark.parametrize("cmd", ["ls", "gc", "repair"])
+def test_a_file_given_as_output_dir_exits_2_and_is_left_alone(tmp_path, capsys, cmd):
+    not_a_dir = tmp_path / "notes.txt"
+    not_a_dir.write_bytes(b"hello\n")
+    assert main([cmd, str(not_a_dir)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"recsave: error: {not_a_dir} is not a directory; give a Saver's output_dir\n"
+    assert not_a_dir.read_bytes() == b"hello\n" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_ls_and_inspect_bytes_count_every_file_of_the_checkpoint(output_dir, capsys):
+    ckpt = output_dir / "ckpt_4"
+    on_disk = sum(p.stat().st_size for p in ckpt.iterdir())
+    assert main(["ls", "--json", str(output_dir)]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoints"][-1]["bytes"] == on_disk
+    assert main(["inspect", "--json", str(ckpt)]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes"] == on_disk
+
+
 def test_exit_codes_from_a_subprocess(output_dir, tmp_path):
     """0 ok, 1 damage found, 2 usage error / not found: the same for every command."""
     missing = str(tmp_path / "missing")

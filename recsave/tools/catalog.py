@@ -27,7 +27,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
     argcheck.path(output_dir, "output_dir", "list_checkpoints")
     storage = get_storage(output_dir)
-    _require(storage, output_dir)
+    _require_dir(storage, output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
     ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
@@ -38,7 +38,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
         created = datetime.datetime.strptime(index.created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
             tzinfo=datetime.timezone.utc)
         out.append({"id": ckpt_id, "path": path, "step": index.step, "created_at": index.created_at,
-                    "age_s": (now - created).total_seconds(), "bytes": index.total_bytes,
+                    "age_s": (now - created).total_seconds(), "bytes": _own_bytes(storage, path, index),
                     "metrics": None if index.metrics is None else dict(index.metrics),
                     "kept": reasons.get(ckpt_id, [])})
     return out
@@ -75,8 +75,14 @@ def describe(ckpt: str) -> Dict[str, Any]:
         "dense": sorted(index.meta.dense) if index.meta is not None else [],
         "extras": list(index.meta.extras) if index.meta is not None else [],
         "io_states": list(index.meta.io_states) if index.meta is not None else [],
-        "bytes": index.total_bytes,
+        "bytes": _own_bytes(src.storage, src.ckpt_dir, index),
     }
+
+
+def _own_bytes(storage: Storage, ckpt_dir: str, index: index_mod.Index) -> int:
+    """Bytes of a checkpoint's own files: those its index lists, and the index itself (tens of MB
+    with many ranks, so `du` and this agree)."""
+    return index.total_bytes + storage.size(storage.join(ckpt_dir, index_mod.INDEX_FILE))
 
 
 def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
@@ -156,7 +162,7 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     paths relative to output_dir). Raises CheckpointNotFoundError when output_dir does not exist,
     WriterLockedError (removing nothing) while a Saver holds it."""
     storage = get_storage(output_dir)
-    _require(storage, output_dir)  # before the lock, which would create the directory
+    _require_dir(storage, output_dir)  # before the lock, which would create the directory
     lock = hold_writer_lock(None, storage, output_dir)
     try:
         # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
@@ -184,9 +190,12 @@ def _parents(storage: Storage, output_dir: str) -> Callable[[str], List[str]]:
     return lambda ckpt_id: chain.parent_ids(storage, output_dir, ckpt_id)
 
 
-def _require(storage: Storage, path: str) -> None:
+def _require_dir(storage: Storage, path: str) -> None:
+    """An output dir must be a directory: a file there is a wrong argument, not an empty run."""
     if not storage.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist; check the path", path=path)
+    if not storage.isdir(path, follow_links=True):
+        raise CheckpointNotFoundError(f"{path} is not a directory; give a Saver's output_dir", path=path)
 
 
 def _recsave_files_at(storage: Storage, path: str) -> bool:
@@ -210,9 +219,7 @@ def repair(output_dir: str) -> Dict[str, Any]:
     CheckpointNotFoundError when output_dir holds neither a `checkpoint` file nor a committed
     checkpoint."""
     storage = get_storage(output_dir)
-    if not storage.isdir(output_dir, follow_links=True):
-        raise CheckpointNotFoundError(f"{output_dir} is not a directory; give a Saver's output_dir",
-                                      path=output_dir)
+    _require_dir(storage, output_dir)
     lock = hold_writer_lock(None, storage, output_dir)
     try:
         listing = ckptlist.committed(storage, output_dir, rewrite=True, warn=False)
