@@ -183,6 +183,21 @@ def test_state_dict_is_plain_python() -> None:
     assert opt.steps == {"t": 0}
 
 
+def test_hparams_set_between_steps_are_saved_as_plain_numbers_that_load() -> None:
+    opt = SparseAdam(HashTable(DIM, name="t"), lr=0.1)
+    opt.hparams["lr"] = torch.tensor(0.5)  # what an lr schedule computing in tensors leaves
+    opt.hparams["betas"] = [0.8, 0.9]
+    sd = opt.state_dict()
+    assert sd["hparams"] == {"lr": 0.5, "betas": (0.8, 0.9), "eps": 1e-8}
+    assert type(sd["hparams"]["lr"]) is float
+    other = SparseAdam(HashTable(DIM, name="t"), lr=0.1)
+    other.load_state_dict(sd)
+    assert other.hparams == sd["hparams"]
+    opt.hparams["lr"] = -1.0
+    with pytest.raises(UsageError, match=r"SparseAdam: invalid learning rate \(must be >= 0\): -1.0"):
+        opt.state_dict()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_zero_grad_and_accumulation(case: str) -> None:
     make, make_torch, _slots = CASES[case]

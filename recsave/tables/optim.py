@@ -149,7 +149,12 @@ class SparseOptimizer(abc.ABC):
 
     def state_dict(self) -> Dict[str, Any]:
         """Scalar state only (per-row state is in the tables' slots): plain ints/floats/tuples/dicts."""
-        return {"optimizer": type(self).__name__, "hparams": dict(self.hparams), "steps": dict(self.steps)}
+        # hparams may have been set between steps to what step() takes but a strict load refuses (a
+        # 0-dim tensor lr from a schedule, a list of betas): saved as plain numbers, or refused now
+        # rather than in a restore that cannot be fixed any more.
+        hparams = {k: _plain(v) for k, v in self.hparams.items()}
+        self._validate(hparams, UsageError)
+        return {"optimizer": type(self).__name__, "hparams": hparams, "steps": dict(self.steps)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores hyper-parameters and step counts. Tables absent from ``state_dict`` restart at
@@ -184,6 +189,15 @@ class SparseOptimizer(abc.ABC):
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={v!r}" for k, v in self.hparams.items())
         return f"{type(self).__name__}(tables={sorted(self.tables)}, {hp})"
+
+
+def _plain(value: Any) -> Any:
+    """A hyper-parameter as plain Python: one-element tensors as numbers, sequences as tuples."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 def _describe(x: Any) -> str:
