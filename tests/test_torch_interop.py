@@ -245,6 +245,25 @@ def test_plain_state_dict_missing_table_raises_naming_it():
     assert_tables_equal(a.emb.user, b.emb.user)
 
 
+@pytest.mark.parametrize("column", ["embedding", "slot.acc"])
+def test_from_dcp_state_dict_refuses_another_dtype_and_loads_nothing(column):
+    src = HashTable(4, name="user", dtype=torch.float64)
+    src(torch.arange(5))
+    src.add_slot("acc", 0.5)
+    state = {f"t.{k}": v for k, v in recsave.to_dcp_state_dict(src).items()}  # t.table.ids, ...
+    if column == "slot.acc":  # the embedding already matches; only a slot differs
+        state = {k: v.float() if k.endswith(".embedding") else v for k, v in state.items()}
+    dst = torch.nn.Module()
+    dst.t = HashTable(4, name="user", dtype=torch.float32)
+    dst.t(torch.arange(2))
+    before = dst.t.export()
+    with pytest.raises(recsave.UsageError, match=rf"from_dcp_state_dict: t\.table\.{column} is float64; "
+                                                 rf"table t\.table is float32; convert the state's tensors"):
+        recsave.from_dcp_state_dict(dst, state)
+    after = dst.t.export()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
 # ---------------------------------------------------------------------------------------- DCP
 def test_dcp_save_load_round_trip(tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")

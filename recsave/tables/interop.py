@@ -100,6 +100,13 @@ def _stage(table: HashTable, key: str, state: Dict[str, Any], names: List[str]) 
     ids, values = entry(f"{key}.ids"), entry(f"{key}.embedding")
     prefix = f"{key}.slot."
     slots: Dict[str, torch.Tensor] = {n[len(prefix):]: entry(n) for n in names if n.startswith(prefix)}
+    # As load_state_dict and a Saver's dtype_policy="error": a cast would silently round (float64
+    # 1e300 -> inf in float32), so another dtype is the caller's decision, made before this call.
+    for name, column in [(f"{key}.embedding", values)] + [(prefix + s, v) for s, v in sorted(slots.items())]:
+        if column.dtype != table.dtype:
+            raise UsageError(f"from_dcp_state_dict: {name} is {str(column.dtype).replace('torch.', '')}; "
+                             f"table {key} is {str(table.dtype).replace('torch.', '')}; convert the state's "
+                             f"tensors (.to(dtype)) or construct the table with that dtype", key=name)
     meta = {m: entry(f"{key}.{m}") for m in META_COLUMNS if f"{key}.{m}" in names}
     rows = table.new_like()
     for slot in sorted(slots):
