@@ -1,6 +1,7 @@
 """recsave.tables.optim against torch's own sparse optimizers on nn.Embedding(sparse=True)."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, List, Tuple
 
 import pytest
@@ -365,3 +366,78 @@ def test_slots_follow_new_rows_and_growth() -> None:
     table(new)
     torch.testing.assert_close(table.slot("adagrad_acc")[_rows(table, old)], acc_old, atol=0, rtol=0)
     assert bool((table.slot("adagrad_acc")[_rows(table, new)] == 0.25).all())
+
+
+# ----------------------------------------------------- gradients the usual torch idioms leave
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = HashTable(DIM, name="user", seed=1)
+        self.lin = torch.nn.Linear(DIM, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.user(ids)).sum()
+
+
+def test_a_step_that_reapplies_uncleared_gradients_warns_naming_the_fix() -> None:
+    model = _Model()
+    opt = SparseSGD(model, lr=1.0)
+    ids = torch.tensor([7])
+    model.zero_grad()
+    model(ids).backward()
+    opt.step()  # first application: no warning
+    model.zero_grad()  # the torch idiom: does not reach the table
+    model(ids).backward()
+    with pytest.warns(RuntimeWarning, match=r"HashTable 'user': its gradients were applied by an earlier step\(\) "
+                                            r"and not cleared since.*call the sparse optimizer's zero_grad\(\)") as rec:
+        opt.step()
+    assert rec[0].filename == __file__  # points at the caller's step()
+    opt.zero_grad()
+    model(ids).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # cleared in between: fine
+
+
+def test_accumulating_several_backwards_before_one_step_does_not_warn() -> None:
+    model = _Model()
+    opt = SparseSGD(model, lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            model(torch.tensor([1, 2])).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_frozen_table_records_no_gradient_and_keeps_its_rows() -> None:
+    model = _Model()
+    opt = SparseSGD(model, lr=1.0)
+    ids = torch.tensor([3, 4])
+    assert model.user.requires_grad_(False) is model.user and model.user.requires_grad is False
+    model(ids).backward()  # the dense layer still gets its gradient
+    assert model.lin.weight.grad is not None and model.user.coalesced_grad() is None
+    before = model.user.export(ids)[1].clone()
+    opt.step()
+    assert torch.equal(model.user.export(ids)[1], before) and opt.steps == {"user": 0}
+    model.user.requires_grad_(True)
+    model(ids).backward()
+    opt.step()
+    assert not torch.equal(model.user.export(ids)[1], before) and opt.steps == {"user": 1}
+    with pytest.raises(ArgumentTypeError):
+        model.user.requires_grad_("no")  # type: ignore[arg-type]
+
+
+def test_gradients_no_optimizer_takes_are_summed_not_kept_per_backward() -> None:
+    table = HashTable(DIM, name="t", seed=2)
+    ids = torch.arange(5)
+    expected = torch.zeros(5, DIM)
+    for k in range(600):
+        weights = torch.full((5, DIM), float(k % 7))
+        (table(ids) * weights).sum().backward()
+        expected += weights
+    rows, summed = table.coalesced_grad()
+    assert len(table._grads._parts) <= table._grads.MAX_PARTS  # the bound under test
+    assert rows.tolist() == table.lookup(ids, insert=False).sort().values.tolist()
+    order = torch.argsort(table.lookup(ids, insert=False))
+    assert torch.equal(summed, expected[order])

@@ -288,3 +288,45 @@ def test_cuda_table_pickles_and_deep_copies():
     for other in (pickle.loads(pickle.dumps(t)), copy.deepcopy(t)):
         assert other.device.type == "cuda"
         assert_tables_equal(t, other)
+
+
+# ----------------------------------------------------------------- under torch.inference_mode()
+def _train_once(model: Tower, opt: SparseAdagrad) -> None:
+    model(torch.arange(3, dtype=torch.int64)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _storage_is_normal(table: HashTable) -> bool:
+    return not any(t.is_inference() for t in [table.weight, *table.columns().values()])
+
+
+@pytest.mark.parametrize("id_map", ["cpu", "tensor"])
+@pytest.mark.parametrize("how", ["training_lookup", "load_state_dict", "saver_load", "from_dcp_state_dict",
+                                 "deepcopy"])
+def test_a_table_grown_or_loaded_under_inference_mode_still_trains(tmp_path, id_map, how):
+    """Tensors allocated in inference mode can never be updated in place outside it: a table that
+    allocated storage there would fail every later optimizer step."""
+    source, _ = trained(id_map=id_map)
+    saver = recsave.Saver(source, output_dir=str(tmp_path))
+    saver.save("ckpt_1")
+    model = Tower(id_map=id_map, seed=5)
+    opt = SparseAdagrad(model, lr=0.1)
+    with torch.inference_mode():
+        if how == "training_lookup":  # e.g. a validation pass before model.eval()
+            model(torch.arange(1000, 3000, dtype=torch.int64))
+        elif how == "load_state_dict":
+            model.load_state_dict(source.state_dict())
+        elif how == "saver_load":
+            recsave.Saver(model, output_dir=str(tmp_path)).load()
+        elif how == "from_dcp_state_dict":
+            recsave.from_dcp_state_dict(model, recsave.to_dcp_state_dict(source))
+        else:
+            model.emb.user = copy.deepcopy(source.emb.user)
+            opt = SparseAdagrad(model, lr=0.1)
+        assert not torch.is_grad_enabled()  # the caller's grad mode is kept inside the calls
+    assert _storage_is_normal(model.emb.user) and _storage_is_normal(model.emb.anon)
+    _train_once(model, opt)  # raised "Inplace update to inference tensor outside InferenceMode"
+    ids = torch.arange(3, dtype=torch.int64)
+    _, rows, _ = model.emb.user.export(ids)
+    assert not torch.equal(rows, model.emb.user.initial_rows(ids)) or how != "training_lookup"

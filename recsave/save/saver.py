@@ -28,6 +28,7 @@ from recsave.save.saveinfo import SaveInfo, log_commit
 from recsave.save.snapshot import SaveState, Stager, capture, change_epoch
 from recsave.storage import Storage, dist, get_storage
 from recsave.tables import partition
+from recsave.tables.modes import outside_inference_mode
 
 
 class Saver:
@@ -372,6 +373,7 @@ class Saver:
         return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data,
                           frozenset(self._optional))
 
+    @outside_inference_mode
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
              load_conf: Optional[Dict[str, Any]] = None, shard_id: Optional[int] = None,
              direct_path: bool = False, fallback: bool = False) -> LoadReport:
@@ -405,6 +407,7 @@ class Saver:
         self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
         return report
 
+    @outside_inference_mode
     def load_by_config(self, ckpt_path: str, load_conf: Optional[Dict[str, Any]] = None,
                        shard_id: Optional[int] = None) -> LoadReport:
         """Loads `ckpt_path` (checkpoint dir or output dir) as selected by `load_conf`."""
@@ -413,6 +416,7 @@ class Saver:
             raise CheckpointNotFoundError(f"ckpt_path must name a checkpoint, got {ckpt_path!r}")
         return self.load(ckpt_path, load_conf=load_conf, shard_id=shard_id)
 
+    @outside_inference_mode
     def load_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadReport:
         """Applies bank entries in order; for a name given by several entries the last one wins."""
         return self.execute_plan(self.plan_model_bank(entries, shard_id=shard_id, collective=True))
@@ -431,6 +435,7 @@ class Saver:
         return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True,
                             share_reads=collective)
 
+    @outside_inference_mode
     def execute_plan(self, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
         """Carries out a plan made by plan_model_bank (only for the model names in `only`, when
         given). A pending async write is waited for first (its error stays pending)."""

@@ -10,9 +10,15 @@ import torch
 class RowGrads:
     """Pending gradients of a table of width `dim`."""
 
+    # Parts kept before they are summed into one: a table whose gradients no optimizer takes (a
+    # dense-only loop that never calls the table's zero_grad) then holds at most its touched rows,
+    # not every backward's gradients.
+    MAX_PARTS = 256
+
     def __init__(self, dim: int):
         self.dim = dim
         self._parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.applied = 0  # optimizer steps that applied these gradients (0 after clear)
 
     def __bool__(self) -> bool:
         return bool(self._parts)
@@ -24,6 +30,10 @@ class RowGrads:
         if not bool(keep.all()):
             rows, grad = rows[keep], grad[keep]
         self._parts.append((rows, grad))
+        if len(self._parts) > self.MAX_PARTS:
+            summed = self.coalesced()
+            assert summed is not None
+            self._parts = [summed]
 
     def forget_rows(self, freed: torch.Tensor) -> None:
         """Drops the gradients of freed rows: the next new id reuses a freed row, and pending
@@ -45,3 +55,4 @@ class RowGrads:
 
     def clear(self) -> None:
         self._parts.clear()
+        self.applied = 0

@@ -7,6 +7,7 @@ table as (rows, values) pairs collected in backward, never as a dense [capacity,
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -18,6 +19,7 @@ from recsave.tables import partition, tablestate
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
 from recsave.tables.lifecycle import TableLifecycle
+from recsave.tables.modes import outside_inference_mode
 from recsave.tables.rows import RESERVED_COLUMNS, RowStorage
 from recsave.tables.staging import TableStaging
 from recsave.tables.tracking import ChangeTracker
@@ -86,6 +88,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         self._step = 0  # the table step: sparse optimizers advance it (row metadata last_step)
         self._partition: Optional[Tuple[int, int, int]] = None  # (rank, world_size, num_buckets)
         # A leaf that requires grad, so autograd calls _Lookup.backward; it never receives a gradient.
+        # requires_grad_(False) clears it: the table is frozen (lookups record no gradient).
         self._anchor = torch.zeros((), requires_grad=True)
 
     # ----------------------------------------------------------------------------------- basics
@@ -120,12 +123,14 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         """All ids, in row order (int64, CPU)."""
         return self._map.export()[0].cpu()
 
+    @outside_inference_mode
     def clear(self) -> None:
         """Removes every id (storage is kept for reuse)."""
         self._map.clear()
         self._grads.clear()
         self._tracker.clear()
 
+    @outside_inference_mode
     def delete(self, ids: torch.Tensor) -> int:
         """Removes the given ids; returns how many were present (they become tombstones of the
         next incremental checkpoint)."""
@@ -158,6 +163,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
     def slot_names(self) -> List[str]:
         return self._store.slot_names()
 
+    @outside_inference_mode
     def add_slot(self, slot: str, init: float = 0.0) -> None:
         """Creates a row-aligned [rows, dim] slot (e.g. an optimizer accumulator) filled with `init`;
         rows inserted later start at `init` too. A slot that exists already keeps its values and takes
@@ -183,6 +189,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         return self._weight[: self._map.row_capacity]
 
     # ---------------------------------------------------------------------------------- lookups
+    @outside_inference_mode
     def lookup(self, ids: torch.Tensor, insert: bool) -> torch.Tensor:
         """Rows of flat int64 ids (int64, on the id map's device: the CPU for CPU tables); -1 for
         absent ids unless `insert`."""
@@ -208,7 +215,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         if self.training:  # row metadata, and the rows an optimizer may update next
             self._store.touch(rows, self._step)
             self._tracker.mark(rows)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._anchor.requires_grad:
             out = _Lookup.apply(self._anchor, self, rows)
         else:
             out = self._gather(rows)
@@ -228,6 +235,37 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.clear()
+
+    def grad_for_step(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """coalesced_grad() for an optimizer step, which it counts: when these gradients were
+        already applied by a step and not cleared since, a RuntimeWarning says they are applied
+        again (model.zero_grad() and a dense optimizer's zero_grad() do not reach a HashTable: it
+        has no parameters)."""
+        grad = self._grads.coalesced()
+        if grad is not None and self._grads.applied:
+            warnings.warn(f"HashTable {self.table_name!r}: its gradients were applied by an earlier step() "
+                          f"and not cleared since, so this step applies them again; call the sparse "
+                          f"optimizer's zero_grad() after each step (model.zero_grad() and a dense "
+                          f"optimizer's zero_grad() do not reach HashTables, which have no parameters)",
+                          RuntimeWarning, stacklevel=4)  # the caller of step(), past its no_grad wrapper
+        if grad is not None:
+            self._grads.applied += 1
+        return grad
+
+    @property
+    def requires_grad(self) -> bool:
+        """False once requires_grad_(False) froze the table."""
+        return bool(self._anchor.requires_grad)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "HashTable":
+        """Freezes (False) or unfreezes the table: a frozen table's lookups record no gradient, so
+        no optimizer changes its rows. Called on a parent module this does not reach the table (it
+        has no parameters): call it on the table."""
+        check(requires_grad, bool, "requires_grad", "HashTable.requires_grad_")
+        self._anchor.requires_grad_(requires_grad)
+        if not requires_grad:
+            self._grads.clear()
+        return self
 
     # ------------------------------------------------------------------------- initial values
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -249,6 +287,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         # lies under the module's prefix, where load_state_dict looks for it.
         destination[tablestate.state_key(prefix)] = self
 
+    @outside_inference_mode
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
         tablestate.load_entry(self, HashTable, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
@@ -261,6 +300,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         state["_packed_rows"] = tablestate.pack(self)
         return state
 
+    @outside_inference_mode
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state = dict(state)
         packed = state.pop("_packed_rows")
@@ -320,6 +360,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         return ids, values, slots
 
     # ------------------------- staging (all-or-nothing loads; the rest is in tables/staging.py)
+    @outside_inference_mode
     def new_like(self, copy_rows: bool = False) -> "HashTable":
         """A table with this one's configuration (dim, dtype, device, initialiser, id map kind,
         slots and their init values, partition) and no rows; with `copy_rows`, holding a copy of

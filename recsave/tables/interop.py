@@ -16,6 +16,7 @@ from recsave.argcheck import check
 from recsave.errors import UsageError
 from recsave.tables import tablestate
 from recsave.tables.hashtable import HashTable
+from recsave.tables.modes import outside_inference_mode
 from recsave.tables.rows import META_COLUMNS
 
 
@@ -52,6 +53,7 @@ def to_dcp_state_dict(model: torch.nn.Module, metadata: Any = None) -> Dict[str,
     return out
 
 
+@outside_inference_mode
 def from_dcp_state_dict(model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> IncompatibleKeys:
     """Loads to_dcp_state_dict()'s form back into the model: ids, rows and slots of every table
     (all or nothing per table, like load_state_dict), dense entries with load_state_dict.

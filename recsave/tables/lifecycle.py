@@ -13,6 +13,7 @@ import torch
 from recsave.argcheck import check
 from recsave.errors import UsageError
 from recsave.tables.idmap import check_ids
+from recsave.tables.modes import outside_inference_mode
 from recsave.tables.rows import RowStorage
 from recsave.tables.tracking import ChangeTracker, TableChanges
 
@@ -94,6 +95,7 @@ class TableLifecycle:
         whether anything but itself moved it."""
         return self._tracker.epoch
 
+    @outside_inference_mode
     def evict(self, older_than_steps: Optional[int] = None, min_count: Optional[int] = None) -> int:
         """Removes the rows not looked up in training in the last `older_than_steps` table steps
         (``last_step < step - older_than_steps``) or looked up fewer than `min_count` times; either

@@ -131,7 +131,7 @@ class SparseOptimizer(abc.ABC):
             with torch.enable_grad():
                 loss = closure()
         for name, table in self.tables.items():
-            coalesced = table.coalesced_grad()
+            coalesced = table.grad_for_step()
             if coalesced is None:  # like torch: a param whose .grad is None keeps its step count
                 continue
             self.steps[name] += 1

@@ -18,6 +18,7 @@ from recsave.argcheck import check
 from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import CpuIdMap, check_ids, flat_ids
+from recsave.tables.modes import outside_inference_mode
 from recsave.tables.rows import META_COLUMNS, RowStorage, put_rows
 from recsave.tables.tracking import ChangeTracker
 
@@ -51,6 +52,7 @@ class TableStaging:
         def initial_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
         def _check_owned(self, ids: torch.Tensor) -> None: ...
 
+    @outside_inference_mode
     def swap_contents(self, other: "TableStaging") -> None:
         """Exchanges ids, rows, slots, row metadata, the table step, change tracking and pending
         gradients with `other` (same dim, dtype and device): commits a staged load, and swapping
@@ -69,6 +71,7 @@ class TableStaging:
     def _set_contents(self, contents: Tuple[Any, RowStorage, RowGrads, ChangeTracker, int]) -> None:
         self._map, self._store, self._grads, self._tracker, self._step = contents
 
+    @outside_inference_mode
     def prepare_load(self, ids: torch.Tensor, columns: List[str],
                      fill: Optional[Callable[[Dict[str, torch.Tensor]], None]] = None,
                      ) -> Optional[Dict[str, torch.Tensor]]:
@@ -86,6 +89,7 @@ class TableStaging:
         return TableStaging.prepare_loads([(self, ids, columns)], whole)[0]
 
     @staticmethod
+    @outside_inference_mode
     def prepare_loads(requests: Sequence[Tuple["TableStaging", Union[torch.Tensor, Callable[[], torch.Tensor]],
                                                List[str]]],
                       fill: Optional[Callable[[List[Dict[str, torch.Tensor]]], None]] = None,
@@ -181,6 +185,7 @@ class TableStaging:
                              key=self.table_name)
         return slots
 
+    @outside_inference_mode
     def set_slot_rows(self, ids: torch.Tensor, slots: Dict[str, torch.Tensor]) -> int:
         """Sets slot values of the `ids` already in the table (others are ignored); returns how many
         ids were updated. Used to warm-start optimizer state without touching embeddings. Every slot
@@ -204,6 +209,7 @@ class TableStaging:
         self._tracker.mark(rows_d)
         return int(keep.sum())
 
+    @outside_inference_mode
     def load_rows(self, ids: torch.Tensor, values: torch.Tensor, slots: Optional[Dict[str, torch.Tensor]] = None,
                   *, clear: bool = True, meta: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """Sets the rows of `ids` to `values` (and the given slots and row metadata); clears the

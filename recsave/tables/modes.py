@@ -1,0 +1,25 @@
+"""Table storage stays made of normal tensors when a caller runs under ``torch.inference_mode()``.
+
+A tensor allocated in inference mode is an inference tensor, which can never again be updated in
+place outside it: a table that grew (a training-mode lookup of new ids) or was loaded inside such a
+block could not be trained afterwards (every optimizer step raised). The table methods that
+allocate storage run with inference mode switched off; grad mode stays as the caller had it."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar, cast
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def outside_inference_mode(fn: F) -> F:
+    """Runs `fn` with inference mode off (and grad mode as it was: off) when called inside it."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) enables grad
+            return fn(*args, **kwargs)
+    return cast(F, wrapper)
