@@ -330,3 +330,57 @@ def test_a_table_grown_or_loaded_under_inference_mode_still_trains(tmp_path, id_
     ids = torch.arange(3, dtype=torch.int64)
     _, rows, _ = model.emb.user.export(ids)
     assert not torch.equal(rows, model.emb.user.initial_rows(ids)) or how != "training_lookup"
+
+
+# ----------------------------------------------------------- Module.to / .double() / .half()
+@pytest.mark.parametrize("convert", ["double", "half", "to_bfloat16"])
+def test_module_dtype_conversion_converts_the_tables_rows_and_slots(convert):
+    model, opt = trained()
+    before = {name: table_contents(t) for name, t in (("user", model.emb.user), ("anon", model.emb.anon))}
+    meta_before = model.emb.user.row_meta(model.emb.user.lookup(model.emb.user.ids(), insert=False))
+    dtype = {"double": torch.float64, "half": torch.float16, "to_bfloat16": torch.bfloat16}[convert]
+    out = model.double() if convert == "double" else model.half() if convert == "half" else model.to(dtype)
+    assert out is model and model.lin.weight.dtype == dtype
+    for name, table in (("user", model.emb.user), ("anon", model.emb.anon)):
+        assert table.dtype == dtype and table.weight.dtype == dtype
+        assert all(t.dtype == dtype for t in table.columns().values())
+        after = table_contents(table)
+        assert torch.equal(after["ids"], before[name]["ids"])
+        for key in before[name]:
+            if key != "ids":
+                assert torch.equal(after[key], before[name][key].to(dtype)), key
+    meta_after = model.emb.user.row_meta(model.emb.user.lookup(model.emb.user.ids(), insert=False))
+    assert all(torch.equal(meta_after[m], meta_before[m]) for m in meta_before)
+    model(torch.arange(4, dtype=torch.int64)).backward()  # forward and a step in the new dtype
+    opt.step()
+
+
+def test_a_save_after_a_dtype_conversion_is_full_and_restores_in_that_dtype(tmp_path):
+    model, _ = trained()
+    saver = recsave.Saver(model, output_dir=str(tmp_path), max_keep=None)
+    saver.save("ckpt_1")
+    model.double()
+    saver.save("ckpt_2", incremental=True)
+    assert saver.last_save.kind == "full"  # every row changed bytes: no delta of the float32 base
+    restored = Tower(seed=4).double()
+    SparseAdagrad(restored, lr=0.1)  # its slot
+    recsave.Saver(restored, output_dir=str(tmp_path)).load()
+    for a, b in ((model.emb.user, restored.emb.user), (model.emb.anon, restored.emb.anon)):
+        ids = torch.sort(a.ids()).values  # a restore puts rows in bucket order
+        assert torch.equal(torch.sort(b.ids()).values, ids)
+        (_, va, sa), (_, vb, sb) = a.export(ids), b.export(ids)
+        assert vb.dtype == torch.float64 and torch.equal(va, vb) and sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(model.lin.weight, restored.lin.weight)
+
+
+def test_a_device_move_leaves_the_table_on_its_device():
+    """CPU tables beside dense layers that model.cuda() moved: the table stays (its id map lives
+    on its device); a dtype in the same call still converts it."""
+    model = Tower()
+    model(torch.arange(3, dtype=torch.int64))
+    out = model.to("meta", torch.float64)
+    assert out is model and model.lin.weight.device.type == "meta"
+    assert model.emb.user.device.type == "cpu" and model.emb.user.weight.device.type == "cpu"
+    assert model.emb.user.dtype == torch.float64 and len(model.emb.user) == 3
+    assert model.emb.user.cpu() is model.emb.user

@@ -281,6 +281,26 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         """The value a slot takes for newly inserted rows."""
         return self._store.slot_init[slot]
 
+    # ----------------------------------------------------------- Module.to / .double() / .cuda()
+    @outside_inference_mode
+    def _apply(self, fn: Any, recurse: bool = True) -> "HashTable":
+        """Module.to(dtype), .double(), .half(), ... convert the rows and slots (a table has no
+        parameters, so torch would skip it and leave it in its old dtype beside converted dense
+        layers). A device move leaves the table where it is: its id map lives on its device, and
+        CPU tables beside dense layers moved by model.cuda() is a layout of its own."""
+        probe = fn(torch.empty(0, dtype=self._dtype, device=self._device))
+        if isinstance(probe, torch.Tensor) and probe.dtype != self._dtype:
+            if not probe.dtype.is_floating_point:
+                raise UsageError(f"HashTable {self.table_name!r}: rows must stay a floating dtype, not "
+                                 f"{probe.dtype}")
+            self._store.convert(probe.dtype)
+            self._dtype = probe.dtype
+            # Every row's bytes changed: a new baseline (a Saver sees its epoch moved), so the next
+            # incremental save is full.
+            self._tracker = ChangeTracker(self._device, knobs.get("track_changes"))
+            self._tracker.reserve(self._map.row_capacity)
+        return super()._apply(fn, recurse)
+
     # ----------------------------------------------------- PyTorch interop (tables/tablestate.py)
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         # The table itself is the entry, so split_sparse_dense_state_dict can separate it; the key

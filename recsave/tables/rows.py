@@ -130,6 +130,12 @@ class RowStorage:
         for storage in [self.weight, *self.slots.values()]:
             advise_hugepages(storage)
 
+    def convert(self, dtype: torch.dtype) -> None:
+        """The embedding and every slot as `dtype` (copies; metadata and ids stay int64)."""
+        self.weight = self.weight.to(dtype)
+        self.slots = {slot: storage.to(dtype) for slot, storage in self.slots.items()}
+        self.advise_hugepages()
+
 
 # dtypes numpy shares memory with (bfloat16 has no numpy dtype)
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool)
