@@ -222,6 +222,16 @@ def main():
         if rank == 1:
             model.user.add_slot("only_here", 0.5)
         save_or_exit(saver, "ckpt_2", rank, work_dir)
+    elif scenario == "save_uneven_rank0":  # rank 0 alone has a slot: committed, it would be short of rows
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        if rank == 0:
+            model.user.add_slot("only_rank0", 0.5)
+        save_or_exit(saver, "ckpt_2", rank, work_dir)
+    elif scenario == "save_other_ids":  # the ranks' global steps differ: each names another checkpoint
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        save_or_exit(saver, f"ckpt_{2 + rank}", rank, work_dir)
     elif scenario == "save_as_rank1":  # every rank claims to be rank 1: rank 0 must refuse
         fill(model, rank, world)
         save_or_exit(saver, "ckpt_1", rank, work_dir, shard_id=1, shard_num=world)

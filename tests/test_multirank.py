@@ -159,6 +159,33 @@ def test_a_slot_only_one_rank_has_is_refused_and_nothing_committed(tmp_path):
     assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
 
 
+def test_a_slot_only_rank0_has_is_refused_and_nothing_committed(tmp_path):
+    """Committed, the slot would hold rank 0's rows only, fewer than the table's ids: no load could
+    take the checkpoint, and verify would pass it."""
+    codes, outs = run_ranks("save_uneven_rank0", 2, tmp_path)
+    assert codes == [3, 3], outs
+    text = (tmp_path / "error_0.txt").read_text()
+    assert "rank(s) [1] lack tables or slots that rank 0 holds (['user@only_rank0'])" in text
+    assert "nothing was committed" in text and "rank 0" in (tmp_path / "error_1.txt").read_text()
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
+    assert not (tmp_path / "out" / "ckpt_2").exists()
+
+
+def test_ranks_naming_different_checkpoints_are_refused_before_writing(tmp_path):
+    """Each rank would write into its own directory and rank 0 commit an index naming files that
+    are elsewhere (then pruned): a listed checkpoint no load could read."""
+    codes, outs = run_ranks("save_other_ids", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [3, 3], outs
+    for r in (0, 1):
+        text = (tmp_path / f"error_{r}.txt").read_text()
+        assert text.startswith("UsageError: preparing ") and "the ranks disagree on the checkpoint id: rank 0 " \
+            "has 'ckpt_2', rank 1 'ckpt_3'" in text, text
+    out = tmp_path / "out"
+    assert (out / "checkpoint").read_text().split() == ["ckpt_1"]
+    assert not (out / "ckpt_3").exists()
+    assert not (out / "ckpt_2").exists() or not any((out / "ckpt_2").iterdir())  # rank 0's prepared dir at most
+
+
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
     """Rank 1's bytes are damaged; rank 0's are fine, yet rank 0 must not change either: every rank
     reads and verifies before any rank applies (load/transaction.py)."""

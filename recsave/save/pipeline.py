@@ -102,8 +102,11 @@ class CheckpointWriter:
         made = _Made()
         stage = "prepare"
         try:
+            # Ranks that name different checkpoints (their global steps differ) would each write
+            # into their own directory and rank 0 commit an index listing files it has not got: the
+            # id is agreed in this step's exchange, before anything is written.
             dist.run_everywhere(f"preparing {ckpt_dir}", lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
-                                only_rank0=True, rank=rank)
+                                only_rank0=True, rank=rank, agree=("the checkpoint id", ckpt_id))
             stage = "write"
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
                                        lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
@@ -375,4 +378,15 @@ def _check_tensors_described(parts: Sequence[IndexPart], meta: Meta) -> None:
     if stray:
         raise UsageError(f"rank(s) {sorted({r for r, _ in stray})} hold tables or slots that rank 0 does not "
                          f"({[n for _, n in stray][:5]}): every rank must hold the same tables with the same "
+                         f"slots; nothing was committed")
+    # The other way round: a column rank 0 has and another rank lacks would be committed with rank
+    # 0's rows only, shorter than the table's ids, and no load could take it. (Tombstones are per
+    # rank: only a rank that deleted ids writes them.)
+    def columns(part: IndexPart) -> Set[str]:
+        return {n for n in part.tensors if not n.endswith(f"@{TOMBSTONE_COLUMN}")}
+    reference = columns(min(parts, key=lambda p: p.rank)) if parts else set()
+    lacking = sorted((part.rank, name) for part in parts for name in reference - columns(part))
+    if lacking:
+        raise UsageError(f"rank(s) {sorted({r for r, _ in lacking})} lack tables or slots that rank 0 holds "
+                         f"({[n for _, n in lacking][:5]}): every rank must hold the same tables with the same "
                          f"slots; nothing was committed")

@@ -187,10 +187,13 @@ def broadcast_from_rank0(obj: Any, world_size: int) -> Any:
 
 
 def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank0: bool = False,
-                   rank: int = 0) -> Optional[T]:
+                   rank: int = 0, agree: Optional[Tuple[str, Any]] = None) -> Optional[T]:
     """Runs `fn` (on every rank, or on rank 0 only), then lets every rank know whether it succeeded
     on all of them: a failure anywhere raises on every rank (the failing rank re-raises its own
-    error, the others RankFailedError naming it). Returns fn's result on this rank."""
+    error, the others RankFailedError naming it). Returns fn's result on this rank.
+
+    `agree`: (what it is, value) that every rank must pass equal, checked in the same exchange (no
+    extra collective round); when they differ every rank raises UsageError naming the values."""
     result: Optional[T] = None
     error: Optional[BaseException] = None
     if not only_rank0 or rank == 0:
@@ -200,7 +203,16 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
             error = exc
     if world_size > 1 and collective(world_size):
         summary = None if error is None else f"{type(error).__name__}: {error}"
-        outcomes = gather_objects(summary, world_size)
+        gathered = gather_objects((summary, None if agree is None else agree[1]), world_size)
+        if agree is not None:
+            values = [value for _, value in gathered]
+            differ = [(r, v) for r, v in enumerate(values) if v != values[0]]
+            if differ:
+                r, v = differ[0]
+                raise UsageError(f"{what}: the ranks disagree on {agree[0]}: rank 0 has {values[0]!r}, rank {r} "
+                                 f"{v!r} ({len(differ)} rank(s) differ from rank 0); every rank must pass the "
+                                 f"same; nothing was committed")
+        outcomes = [msg for msg, _ in gathered]
         failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
         if failed and error is None:
             r, msg = failed[0]
