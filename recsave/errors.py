@@ -99,7 +99,9 @@ class RankFailedError(RecsaveError, RuntimeError):
     """Another rank failed (raised an error, died, or timed out) during a collective save or load.
 
     ``collective_failed`` is True when a collective itself failed (a peer died or timed out), so
-    that the group cannot be used any more, False when every rank learnt of the failure."""
+    that the group cannot be used any more, False when every rank learnt of the failure; then this
+    error (and the failing rank's own) has ``rank_failures``: rank -> the class names (its MRO) of
+    that rank's error, the same on every rank."""
 
     collective_failed: bool = False
 

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -305,6 +306,30 @@ def main():
         saver.save("ckpt_4", incremental=True)
         with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
             json.dump([saver.last_save_kind], f)
+    elif scenario == "save_two":  # ckpt_1 with rows of offset 0, ckpt_2 of offset 20
+        fill(model, rank, world)
+        reader.position = 1
+        saver.save("ckpt_1")
+        fill(model, rank, world, offset=20.0)
+        reader.position = 2
+        saver.save("ckpt_2")
+    elif scenario == "load_fallback":  # the latest is damaged in one rank's share
+        fill(model, rank, world, offset=50.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                report = saver.load(fallback=True)
+            except recsave.RecsaveError as exc:
+                with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}")
+                os._exit(3)
+        for name in ("user", "item"):
+            ids, values, slots = getattr(model, name).export()
+            torch.save({"ids": ids, "values": values, "acc": slots["adagrad_acc"]},
+                       os.path.join(work_dir, f"{name}_{world}_{rank}.pt"))
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump({"position": reader.position, "checkpoints": report.checkpoints,
+                       "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}, f)
     elif scenario == "load_damaged":
         # The live model holds other rows (offset 50); rank 1's part of the checkpoint is damaged.
         fill(model, rank, world, offset=50.0)

@@ -186,6 +186,36 @@ def test_ranks_naming_different_checkpoints_are_refused_before_writing(tmp_path)
     assert not (out / "ckpt_2").exists() or not any((out / "ckpt_2").iterdir())  # rank 0's prepared dir at most
 
 
+@pytest.mark.parametrize("damaged_rank", [0, 1])
+def test_a_fallback_load_skips_a_checkpoint_damaged_in_one_ranks_share_on_every_rank(tmp_path, damaged_rank):
+    """The rank that reads the damage raises CorruptCheckpointError, the others RankFailedError:
+    every rank must still take the same decision (fall back), not one fall back while another
+    raises and leaves it waiting in a collective."""
+    codes, outs = run_ranks("save_two", 2, tmp_path)
+    assert codes == [0, 0], outs
+    ckpt = tmp_path / "out" / "ckpt_2"
+    index = json.loads((ckpt / "index").read_text())
+    chunk = next(c for c in index["tensors"]["user@embedding"]["chunks"]
+                 if c["file"].startswith(f"sparse-{damaged_rank}-"))
+    with open(ckpt / chunk["file"], "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    codes, outs = run_ranks("load_fallback", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    ids_all = global_ids()
+    for r in range(2):
+        report = json.loads((tmp_path / f"report_2_{r}.json").read_text())
+        assert report["position"] == 1 and report["checkpoints"] == [str(tmp_path / "out" / "ckpt_1")]
+        assert any("ckpt_2 cannot be loaded" in w and "falling back" in w for w in report["warnings"])
+        for salt, name in ((0.0, "user"), (100.0, "item")):
+            got = torch.load(tmp_path / f"{name}_2_{r}.pt", weights_only=True)
+            owned = ids_all[partition.owner_of(ids_all, 2) == r]
+            assert sorted(got["ids"].tolist()) == sorted(owned.tolist())
+            assert torch.equal(got["values"], expected_rows(got["ids"], salt)), (r, name)
+
+
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
     """Rank 1's bytes are damaged; rank 0's are fine, yet rank 0 must not change either: every rank
     reads and verifies before any rank applies (load/transaction.py)."""

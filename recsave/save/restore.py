@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Set
 
 import torch
 
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RankFailedError
 from recsave.format import ckptlist
 from recsave.format import index as index_mod
 from recsave.load import contents
@@ -20,7 +20,9 @@ from recsave.load.execute import load_entries
 from recsave.load.plan import LoadTarget
 from recsave.load.report import LoadReport
 from recsave.save import delta
-from recsave.storage import Storage, get_storage
+from recsave.storage import Storage, dist, get_storage
+
+_DAMAGE = (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError)
 
 
 def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optional[int],
@@ -40,7 +42,12 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
     for n, ckpt_id in enumerate(reversed(ids)):
         try:
             return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
-        except (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError) as exc:
+        except (*_DAMAGE, RankFailedError) as exc:
+            # With several ranks one rank may find damage in its share while the others learn of it
+            # as RankFailedError: every rank skips, or every rank raises, on the same facts (all
+            # ranks' failures, which each of them knows), else they would load different checkpoints.
+            if not dist.failed_only_with(exc, _DAMAGE):
+                raise
             version = ckptlist.newer_format_version(st, path, ckpt_id)
             if version is not None:  # intact, written by a newer recsave: not damage, never skipped
                 raise FormatVersionError(

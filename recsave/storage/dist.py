@@ -7,6 +7,7 @@ raise instead of waiting forever; filesystem polling is never used for coordinat
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import weakref
@@ -203,20 +204,36 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
             error = exc
     if world_size > 1 and collective(world_size):
         summary = None if error is None else f"{type(error).__name__}: {error}"
-        gathered = gather_objects((summary, None if agree is None else agree[1]), world_size)
+        kinds = None if error is None else [c.__name__ for c in type(error).__mro__]
+        gathered = gather_objects((summary, kinds, None if agree is None else agree[1]), world_size)
         if agree is not None:
-            values = [value for _, value in gathered]
+            values = [value for _, _, value in gathered]
             differ = [(r, v) for r, v in enumerate(values) if v != values[0]]
             if differ:
                 r, v = differ[0]
                 raise UsageError(f"{what}: the ranks disagree on {agree[0]}: rank 0 has {values[0]!r}, rank {r} "
                                  f"{v!r} ({len(differ)} rank(s) differ from rank 0); every rank must pass the "
                                  f"same; nothing was committed")
-        outcomes = [msg for msg, _ in gathered]
-        failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
-        if failed and error is None:
-            r, msg = failed[0]
-            raise RankFailedError(f"{what} failed on rank {r}: {msg}")
+        failed = [(r, msg) for r, (msg, _, _) in enumerate(gathered) if msg is not None]
+        if failed:
+            # Every rank learns every rank's failure, so that a decision taken on it (a fallback
+            # load skipping a damaged checkpoint) is the same on all of them.
+            failures = {r: tuple(k or ()) for r, (msg, k, _) in enumerate(gathered) if msg is not None}
+            if error is None:
+                r, msg = failed[0]
+                error = RankFailedError(f"{what} failed on rank {r}: {msg}")
+            with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
+                error.rank_failures = failures  # type: ignore[attr-defined]
     if error is not None:
         raise error
     return result
+
+
+def failed_only_with(exc: BaseException, kinds: Tuple[type, ...]) -> bool:
+    """Whether `exc`, as raised by run_everywhere, and the failures of every other rank it records
+    (`rank_failures`: rank -> the class names of its error) are all of `kinds`."""
+    names = {k.__name__ for k in kinds}
+    recorded = getattr(exc, "rank_failures", None)
+    if not recorded:
+        return isinstance(exc, kinds)
+    return all(names.intersection(mro) for mro in recorded.values())
