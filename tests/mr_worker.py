@@ -306,6 +306,21 @@ def main():
         saver.save("ckpt_4", incremental=True)
         with open(os.path.join(work_dir, f"kinds_{world}_{rank}.json"), "w") as f:
             json.dump([saver.last_save_kind], f)
+    elif scenario in ("save_bad_io_state", "async_bad_io_state"):  # rank 1's snapshot refuses its io state
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        if rank == 1:
+            reader.dump_io_state = lambda: {"position": datetime.datetime(2026, 1, 1)}  # not weights_only-safe
+        try:
+            if scenario == "save_bad_io_state":
+                saver.save("ckpt_2")
+            else:
+                saver.async_save("ckpt_2")
+                saver.wait()
+        except recsave.RecsaveError as exc:
+            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            os._exit(3)
     elif scenario == "save_two":  # ckpt_1 with rows of offset 0, ckpt_2 of offset 20
         fill(model, rank, world)
         reader.position = 1

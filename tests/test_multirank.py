@@ -150,6 +150,22 @@ def test_error_on_one_rank_makes_every_rank_raise_at_once(tmp_path):
     assert not (tmp_path / "out" / "ckpt_2").exists()
 
 
+@pytest.mark.parametrize("scenario", ["save_bad_io_state", "async_bad_io_state"])
+def test_a_snapshot_failing_on_one_rank_makes_every_rank_raise_at_once(tmp_path, scenario):
+    """Rank 1's snapshot refuses its io state before any shard is written; rank 0 must learn of it
+    at the write's first exchange, not wait out the collective timeout."""
+    started = time.monotonic()
+    codes, outs = run_ranks(scenario, 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [3, 3], outs
+    own = (tmp_path / "error_1.txt").read_text()
+    assert own.startswith("UsageError: ") and "datetime" in own, own
+    text = (tmp_path / "error_0.txt").read_text()
+    assert text.startswith("RankFailedError: preparing ") and "failed on rank 1: UsageError: " in text, text
+    assert time.monotonic() - started < 100  # not the 300 s collective timeout
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
+    assert not (tmp_path / "out" / "ckpt_2").exists()
+
+
 def test_a_slot_only_one_rank_has_is_refused_and_nothing_committed(tmp_path):
     codes, outs = run_ranks("save_uneven", 2, tmp_path)
     assert codes == [3, 3], outs

@@ -105,7 +105,7 @@ class CheckpointWriter:
             # Ranks that name different checkpoints (their global steps differ) would each write
             # into their own directory and rank 0 commit an index listing files it has not got: the
             # id is agreed in this step's exchange, before anything is written.
-            dist.run_everywhere(f"preparing {ckpt_dir}", lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
+            dist.run_everywhere(self._preparing(ckpt_dir), lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
                                 only_rank0=True, rank=rank, agree=("the checkpoint id", ckpt_id))
             stage = "write"
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
@@ -125,6 +125,22 @@ class CheckpointWriter:
         own = sum(f.size for f in mine[0].files.values()) if mine is not None else 0
         self.last_bytes = committed if committed is not None else own
         return ckpt_dir
+
+    @staticmethod
+    def _preparing(ckpt_dir: str) -> str:
+        return f"preparing {ckpt_dir}"
+
+    def fail_before_writing(self, ckpt_id: str, error: BaseException, rank: int, world: int) -> None:
+        """A rank whose snapshot failed takes part in the exchange the others' write() starts with
+        (its prepare step), reporting `error`: they raise RankFailedError naming it at once. It
+        returns quietly when that exchange fails (the caller raises `error` itself)."""
+        if world <= 1 or not dist.collective(world):
+            return
+        def fail() -> None:
+            raise error
+        with contextlib.suppress(BaseException):
+            dist.run_everywhere(self._preparing(self.storage.join(self.output_dir, ckpt_id)), fail, world,
+                                rank=rank, agree=("the checkpoint id", ckpt_id))
 
     def make_latest(self, ckpt_id: str, rank: int, world: int) -> str:
         """Lists committed checkpoint `ckpt_id` last in `checkpoint` (rank 0, under the writer

@@ -211,7 +211,7 @@ class Saver:
         values = retention.check_metrics("save", metrics)
         self._prefill.join()  # the save moves the change baseline a prefill records
         self._background.collect(consume=True)
-        state, after = self._capture(rank, world, None, incremental)
+        state, after = self._capture(ckpt_id, rank, world, None, incremental)
         path = self._write(ckpt_id, state, rank, world, values, after)
         elapsed = time.monotonic() - start
         self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values, state.parent is not None)
@@ -275,7 +275,7 @@ class Saver:
         self._prefill.join()
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
-        state, after = self._capture(rank, world, self._stager, incremental)
+        state, after = self._capture(ckpt_id, rank, world, self._stager, incremental)
         staged_rows = sum(self._stager.rows_copied.values())
         stage_future: Future = Future()
         stage_future.set_result(None)  # staging is done on this thread, before returning
@@ -321,7 +321,7 @@ class Saver:
         tables, dense = self._model_state("prepare_async")
         self._prefill.start(self._stager, tables, dense)
 
-    def _capture(self, rank: int, world: int, stager: Optional[Stager],
+    def _capture(self, ckpt_id: str, rank: int, world: int, stager: Optional[Stager],
                  incremental: bool) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
         """The snapshot, and the next delta's baseline once it commits (given its id)."""
         tables, dense = self._model_state("save")
@@ -342,8 +342,12 @@ class Saver:
         try:
             state = capture(tables, dense, self._extras, self._io_states, stager, deltas, parent, taken.changes)
             return state, taken.next_baseline
-        except BaseException:
+        except BaseException as exc:
             self._baseline = None  # the changes were taken: the next save must be full
+            # The other ranks go on to the write's first exchange: meet them there with this
+            # error, so that they raise RankFailedError naming it now, not after the collective
+            # timeout (the snapshot checks an io state or extra that only this rank refuses).
+            self._checkpoints.fail_before_writing(ckpt_id, exc, rank, world)
             raise
 
     def close(self) -> None:
