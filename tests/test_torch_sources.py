@@ -59,6 +59,21 @@ def test_nn_embedding_state_warm_starts_a_hashtable_model_exactly(tmp_path, kind
 
 
 @pytest.mark.parametrize("kind", ["torch", "dcp"])
+def test_a_bare_2d_tensor_named_like_the_table_loads_as_that_table(tmp_path, kind):
+    """{"emb": [N, dim]}: the key is both a dense name and the table's name; the model's table
+    takes it as a table (ids 0..N-1), reported once."""
+    weight = torch.randn(6, 32, generator=torch.Generator().manual_seed(1))
+    path = _write(kind, {"emb": weight}, tmp_path / "src")
+    model = HashModel()
+    report = Saver(model, output_dir=str(tmp_path / "out")).load_model_bank(
+        [{"path": path, "exclude": ["mlp.*"]}])
+    assert sorted(report.loaded) == ["emb"] and report.loaded["emb"].category == "sparse"
+    assert report.missing == [] and report.unexpected == []
+    ids, values, _ = _table(model.emb)
+    assert torch.equal(ids, torch.arange(6)) and torch.equal(values, weight)
+
+
+@pytest.mark.parametrize("kind", ["torch", "dcp"])
 def test_ids_and_slots_beside_the_weight_are_used(tmp_path, kind):
     src = DenseModel(n=500, dim=8)
     state = dict(src.state_dict())

@@ -147,6 +147,21 @@ class Contents:
             out[n] = "io_state"
         return out
 
+    def holds(self, name: str, category: str) -> bool:
+        """Whether `name` is there as `category`. Unlike categories(), a name may be there as two:
+        a torch source's bare 2-D tensor `user` is both dense `user` and table `user`."""
+        if category == "sparse":
+            return name in self.tables
+        if category == "sparse_opt":
+            table, _, slot = name.partition("@")
+            return name in self.extras if name == SPARSE_OPTIM else table in self.tables and \
+                slot in self.tables[table].slots
+        if category == "dense":
+            return name in self.dense
+        if category == "extra":
+            return name in self.extras and name != SPARSE_OPTIM
+        return category == "io_state" and name in self.io_states
+
 
 @dataclass
 class Plan:
@@ -219,7 +234,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
             result.skipped.append(name)
             continue
         src = source_name(name, category, conf)
-        if ckpt_names.get(src) != category:
+        if not ckpt.holds(src, category):
             if name in model.optional:  # e.g. the manager's global_step in a plain Saver's checkpoint
                 result.skipped.append(name)
                 result.notes.append(f"{ckpt_dir}: {name!r} is not in the checkpoint; it is registered as "
