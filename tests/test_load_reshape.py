@@ -100,6 +100,37 @@ def test_a_bank_update_reloads_the_slots_of_the_tables_it_reloads(tmp_path):
     assert torch.equal(model.t.export(ids)[2]["acc"], b_acc)  # its slot still from the static entry
 
 
+def test_a_bank_update_that_merges_a_table_keeps_its_trained_slots(tmp_path):
+    """A merge (hashtable_clear=False) keeps the live rows and their slots: reloading the static
+    entry's slot too would revert optimizer state trained since the warm start."""
+    def filled(seed: int, ids: torch.Tensor) -> torch.nn.Module:
+        model = _table_model(torch.float32, 4, 0)
+        model.t.lookup(ids, insert=True)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            model.t.weight[:] = torch.rand(model.t.weight.shape, generator=g)
+            model.t.slot("acc")[:] = torch.rand(model.t.weight.shape, generator=g)
+        return model
+    ids = torch.arange(10)
+    a, b = filled(1, ids), filled(2, ids)
+    saver_a = Saver(a, output_dir=str(tmp_path / "a"), max_keep=None)
+    saver_a.save("ckpt_1")
+    Saver(b, output_dir=str(tmp_path / "b")).save("ckpt_1")
+    model = _table_model(torch.float32, 4, 0)
+    manager = CheckpointManager(Saver(model, output_dir=str(tmp_path / "job")), 0)
+    manager.load_model_bank([{"path": str(tmp_path / "b"), "load": ["t@acc"]},
+                             {"path": str(tmp_path / "a"), "load": ["t"], "is_dynamic": True,
+                              "hashtable_clear": False}])
+    with torch.no_grad():  # training changes the optimizer state
+        model.t.slot("acc")[model.t.lookup(ids, insert=False)] = 99.0
+    a.t.lookup(torch.tensor([100]), insert=True)
+    saver_a.save("ckpt_2")  # the dynamic entry has a newer checkpoint
+    report = manager.update_model_bank()
+    assert sorted(report.loaded) == ["t"]
+    assert torch.equal(model.t.export(ids)[1], a.t.export(ids)[1])  # rows merged from the new checkpoint
+    assert torch.equal(model.t.export(ids)[2]["acc"], torch.full((10, 4), 99.0))  # trained slots kept
+
+
 def test_execute_plan_only_a_table_keeps_its_slots(tmp_path):
     src = _table_model(torch.float32, 4, 0)
     src.t.lookup(torch.arange(10), insert=True)

@@ -29,7 +29,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
         raise ConfigError("this LoadPlan was not made by plan_model_bank / plan_entries")
     tables, dense = contents.model_state(target.model)
     if only is not None:
-        only = _with_slots_of_reloaded_tables(only, ex.won)
+        only = _with_slots_of_reloaded_tables(only, ex.won, [p.conf.hashtable_clear for p in ex.plans])
     won = [{n: v for n, v in w.items() if only is None or n in only} for w in ex.won]
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
                         missing=list(plan.missing), unexpected=list(plan.unexpected), notes=list(plan.notes))
@@ -89,10 +89,13 @@ def _pt_files_needed(won: Won) -> List[str]:
     return files
 
 
-def _with_slots_of_reloaded_tables(only: Set[str], won: Sequence[Won]) -> Set[str]:
-    """`only` plus the slots of every table in it: a reloaded table is staged afresh (cleared), so
-    its slots must be loaded again too, each from the entry that won it, not left at their init."""
-    reloaded = {n for w in won for n, (category, _) in w.items() if category == "sparse" and n in only}
+def _with_slots_of_reloaded_tables(only: Set[str], won: Sequence[Won], clears: Sequence[bool]) -> Set[str]:
+    """`only` plus the slots of every table in it that its entry clears (`clears`, per entry): such
+    a table is staged afresh, so its slots must be loaded again too, each from the entry that won
+    it, not left at their init. A merge (hashtable_clear=False) keeps the live rows and their
+    slots, which training has changed since: reloading another entry's slot would revert them."""
+    reloaded = {n for w, clear in zip(won, clears) for n, (category, _) in w.items()
+                if category == "sparse" and n in only and clear}
     return set(only) | {n for w in won for n, (category, _) in w.items()
                         if category == "sparse_opt" and n.split("@", 1)[0] in reloaded}
 
