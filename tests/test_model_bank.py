@@ -3,7 +3,7 @@ import pytest
 import torch
 from helpers import make_job, model_state, table_state
 
-from recsave import HashTable, Saver
+from recsave import CheckpointManager, HashTable, Saver
 from recsave.errors import ConfigError, ShapeMismatchError
 from recsave.tables.optim import SparseAdagrad
 
@@ -161,3 +161,57 @@ def test_bank_entry_from_a_parquet_export_warm_starts_tables(tmp_path, world, mo
         assert torch.equal(got[k], want[k]), k
     # `item` loaded without its slot: the slot holds its initial value for the loaded ids.
     assert bool((table_state(target.model.item)["@adagrad_acc"] == 0.1).all())
+
+
+def _two_tables(user_ids, item_ids=None):
+    model = torch.nn.Module()
+    model.user = HashTable(4, name="user", seed=1)
+    model.user.lookup(torch.tensor(user_ids, dtype=torch.int64), insert=True)
+    if item_ids is not None:
+        model.item = HashTable(4, name="item", seed=2)
+        model.item.lookup(torch.tensor(item_ids, dtype=torch.int64), insert=True)
+    return model
+
+
+def test_a_name_one_entry_lacks_and_another_loads_is_not_reported_missing(tmp_path):
+    Saver(_two_tables([1, 2, 3]), output_dir=str(tmp_path / "a")).save("ckpt_1")
+    Saver(_two_tables([1, 2], [7, 8]), output_dir=str(tmp_path / "b")).save("ckpt_1")
+    model = _two_tables([], [])
+    saver = Saver(model, output_dir=str(tmp_path / "job"))
+    entries = [{"path": str(tmp_path / "a"), "strict": False}, {"path": str(tmp_path / "b"), "load": ["item"]}]
+    plan = saver.plan_model_bank(entries)
+    assert plan.missing == [] and plan.left_initialised == []
+    report = saver.load_model_bank(entries)
+    assert sorted(report.loaded) == ["item", "user"] and report.missing == []
+    assert sorted(model.item.ids().tolist()) == [7, 8] and sorted(model.user.ids().tolist()) == [1, 2, 3]
+
+
+def test_an_optional_name_a_later_entry_loads_gets_no_kept_note(tmp_path):
+    Saver(_two_tables([1]), output_dir=str(tmp_path / "plain")).save("ckpt_1")  # no global_step
+    source = CheckpointManager(Saver(_two_tables([2]), output_dir=str(tmp_path / "job_a")), 0)
+    source.global_step = 77
+    source.save()
+    manager = CheckpointManager(Saver(_two_tables([]), output_dir=str(tmp_path / "job")), 0)
+    report = manager.load_model_bank([{"path": str(tmp_path / "plain")},
+                                      {"path": str(tmp_path / "job_a"), "load": ["global_step"]}])
+    assert manager.global_step == 77 and report.loaded["global_step"].checkpoint.endswith("ckpt_77")
+    assert report.notes == [] and report.skipped == []
+
+
+def test_rows_count_each_read_when_a_tables_columns_come_from_two_entries(tmp_path):
+    def source(path, ids):
+        model = _two_tables(ids)
+        model.user.add_slot("acc", 0.5)
+        Saver(model, output_dir=str(path)).save("ckpt_1")
+    source(tmp_path / "a", list(range(100)))
+    source(tmp_path / "b", list(range(90, 95)))
+    model = _two_tables([])
+    model.user.add_slot("acc", 0.0)
+    saver = Saver(model, output_dir=str(tmp_path / "job"))
+    entries = [{"path": str(tmp_path / "a"), "load": ["user"]}, {"path": str(tmp_path / "b"), "load": ["user@acc"]}]
+    plan = saver.plan_model_bank(entries)
+    assert (plan.items["user"].rows, plan.items["user@acc"].rows, plan.rows) == (100, 5, 105)
+    report = saver.load_model_bank(entries)
+    assert report.rows_read == 105 and len(model.user) == 100
+    one = saver.load_model_bank([{"path": str(tmp_path / "a")}])  # embedding and slot: one read
+    assert one.rows_read == 100

@@ -174,6 +174,7 @@ class Plan:
     missing: List[str] = field(default_factory=list)
     unexpected: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    note_names: List[str] = field(default_factory=list)  # the model name each note is about
 
 
 def _matches(item: str, name: str, category: str) -> bool:
@@ -239,6 +240,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
                 result.skipped.append(name)
                 result.notes.append(f"{ckpt_dir}: {name!r} is not in the checkpoint; it is registered as "
                                     f"optional and keeps its current state")
+                result.note_names.append(name)
             else:
                 result.missing.append(name)
             continue

@@ -14,7 +14,7 @@ from recsave.errors import ConfigError
 from recsave.load import contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
-from recsave.load.report import LoadedItem, LoadReport
+from recsave.load.report import LoadedItem, LoadReport, table_rows_read
 from recsave.load.transaction import LoadTransaction, io_state_change, state_dict_change
 from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
@@ -64,11 +64,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     finally:
         tx.done()  # the staged (or, after a success, the replaced) tables are dropped
     target.extra_data.update(extra_data)
-    rows_per_table: Dict[str, int] = {}
-    for name, item in report.loaded.items():
-        if item.category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM:
-            rows_per_table[name.partition("@")[0]] = item.rows
-    report.rows_read = sum(rows_per_table.values())
+    report.rows_read = table_rows_read(report.loaded)
     report.bytes_read = sum(it.nbytes for it in report.loaded.values())
     return report
 

@@ -11,6 +11,7 @@ import torch
 from recsave.errors import ConfigError
 from recsave.load import config, contents
 from recsave.load.config import SPARSE_OPTIM, Plan
+from recsave.load.report import table_rows_read
 from recsave.load.shared_reads import open_sources
 from recsave.load.sources import open_source
 from recsave.storage import dist
@@ -113,19 +114,22 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
     result.checkpoints = [opened[i].ckpt_dir if i in opened else "" for i in range(len(confs))]
     _check_io_states(plans, sources, world, target)
     won = config.winners(plans)
+    notes: List[Tuple[str, str]] = []  # (model name, note)
     for k, (src, p, w) in enumerate(zip(sources, plans, won)):
         for name in p.skipped:
             if name not in result.skipped:
                 result.skipped.append(name)
         result.missing += [n for n in p.missing if n not in result.missing]
         result.unexpected += [n for n in p.unexpected if n not in result.unexpected]
-        result.notes += [n for n in p.notes if n not in result.notes]
+        notes += [(name, n) for name, n in zip(p.note_names, p.notes) if (name, n) not in notes]
         _plan_items(result, src, w, entry_of[k], rank, world)
     result.left_initialised = sorted(set(model.categories()) - set(result.items))
+    # What one entry lacks (or skips) another may load: only names no entry loads stay missing,
+    # skipped or noted as kept.
     result.skipped = sorted(n for n in result.skipped if n not in result.items)
-    rows_per_table = {n.partition("@")[0]: it.rows for n, it in result.items.items()
-                      if it.category in ("sparse", "sparse_opt") and n != SPARSE_OPTIM}
-    result.rows = sum(rows_per_table.values())
+    result.missing = [n for n in result.missing if n not in result.items]
+    result.notes = [n for name, n in notes if name not in result.items]
+    result.rows = table_rows_read(result.items)
     result.nbytes = sum(it.nbytes for it in result.items.values())
     result.resolved = ResolvedEntries(rank, world, plans, sources, won, entry_of)
     return result

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional, Protocol, Tuple
 
 
 @dataclass
@@ -12,6 +12,25 @@ class LoadedItem:
     source: str              # name in the source checkpoint
     rows: int = 0            # table rows loaded (sparse / sparse_opt)
     nbytes: int = 0          # bytes of this item read from storage
+
+
+class _TableItem(Protocol):
+    category: str
+    checkpoint: str
+    source: str
+    rows: int
+
+
+def table_rows_read(items: Mapping[str, _TableItem]) -> int:
+    """Table rows a load reads (LoadedItem or PlannedItem values): a table's columns that come from
+    one source table are one read of its rows; columns from another entry or source table (a slot
+    from another checkpoint) are another."""
+    reads: Dict[Tuple[str, str, str], int] = {}
+    for name, item in items.items():
+        column = item.category == "sparse" or (item.category == "sparse_opt" and "@" in item.source)
+        if column:  # not the sparse optimizer's own state (category sparse_opt, no "@")
+            reads[(name.partition("@")[0], item.checkpoint, item.source.partition("@")[0])] = item.rows
+    return sum(reads.values())
 
 
 @dataclass
