@@ -5,7 +5,7 @@ from helpers import make_job, model_state, table_state
 
 from recsave import CheckpointManager, HashTable, Saver
 from recsave.errors import ConfigError, ShapeMismatchError
-from recsave.tables.optim import SparseAdagrad
+from recsave.tables.optim import SparseAdagrad, SparseAdam
 
 
 def trained_job(path, steps=6, seed=0, **kw):
@@ -215,3 +215,31 @@ def test_rows_count_each_read_when_a_tables_columns_come_from_two_entries(tmp_pa
     assert report.rows_read == 105 and len(model.user) == 100
     one = saver.load_model_bank([{"path": str(tmp_path / "a")}])  # embedding and slot: one read
     assert one.rows_read == 100
+
+
+def _adam_job(names):
+    model = torch.nn.Module()
+    for n in names:
+        setattr(model, n, HashTable(4, name=n, seed=len(n)))
+    return model, SparseAdam(model, lr=0.1)
+
+
+def test_oname_carries_the_sparse_optimizers_step_counts_with_the_slots(tmp_path):
+    src, opt = _adam_job(["user", "item"])
+    for step in range(10):  # user: 10 steps, item: 2
+        loss = src.user(torch.tensor([1, 2])).sum()
+        if step < 2:
+            loss = loss + src.item(torch.tensor([3])).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    Saver(src, sparse_optim=opt, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    swapped, swapped_opt = _adam_job(["user", "item"])
+    Saver(swapped, sparse_optim=swapped_opt, output_dir=str(tmp_path / "a")).load(
+        str(tmp_path / "src"), load_conf={"oname": [{"user": "item"}, {"item": "user"}]})
+    assert swapped_opt.steps == {"user": 2, "item": 10}  # as the adam_m / adam_v each table now holds
+    renamed, renamed_opt = _adam_job(["u2", "item"])
+    saver = Saver(renamed, sparse_optim=renamed_opt, output_dir=str(tmp_path / "b"))
+    plan = saver.plan_model_bank([{"path": str(tmp_path / "src"), "oname": [{"u2": "user"}]}])
+    saver.execute_plan(plan)  # raised ConfigError at apply: "the state has tables ['user'] ..."
+    assert renamed_opt.steps == {"u2": 10, "item": 2} and len(renamed.u2) == 2

@@ -85,6 +85,23 @@ def _pt_files_needed(won: Won) -> List[str]:
     return files
 
 
+def _optimizer_steps_renamed(state: Any, won: Won) -> Any:
+    """The sparse optimizer's state with its per-table step counts under the model's table names
+    where `oname` renamed tables: the counts go with the slots they belong to (Adam's bias
+    correction reads them), and a source name the model lacks does not fail the apply after the
+    plan passed. Names no rename involves are left as they are."""
+    tables = {name.partition("@")[0]: source.partition("@")[0] for name, (category, source) in won.items()
+              if category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM}
+    moved = {model: source for model, source in tables.items() if model != source}
+    steps = state.get("steps") if isinstance(state, dict) else None
+    if not moved or not isinstance(steps, dict):
+        return state
+    involved = set(moved) | set(moved.values())
+    renamed = {k: v for k, v in steps.items() if k not in involved}
+    renamed.update({model: steps[source] for model, source in moved.items() if source in steps})
+    return {**state, "steps": renamed}
+
+
 def _with_slots_of_reloaded_tables(only: Set[str], won: Sequence[Won], clears: Sequence[bool]) -> Set[str]:
     """`only` plus the slots of every table in it that its entry clears (`clears`, per entry): such
     a table is staged afresh, so its slots must be loaded again too, each from the entry that won
@@ -321,8 +338,11 @@ def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, fi
         if cat == "dense":
             tx.stage_dense(name, files["model.pt"][source])
         elif cat == "extra" or name == SPARSE_OPTIM:
-            tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], files["extra.pt"][source]))
-            extra_data[name] = files["extra.pt"][source]
+            state = files["extra.pt"][source]
+            if name == SPARSE_OPTIM:
+                state = _optimizer_steps_renamed(state, won)
+            tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], state))
+            extra_data[name] = state
         elif cat == "io_state":
             saved = src.io_state_count
             if io_data is None:
