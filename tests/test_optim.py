@@ -441,3 +441,32 @@ def test_gradients_no_optimizer_takes_are_summed_not_kept_per_backward() -> None
     assert rows.tolist() == table.lookup(ids, insert=False).sort().values.tolist()
     order = torch.argsort(table.lookup(ids, insert=False))
     assert torch.equal(summed, expected[order])
+
+
+def test_a_backward_after_a_delete_reused_the_row_updates_no_other_id() -> None:
+    table = HashTable(DIM, name="t", seed=4)
+    opt = SparseSGD(table, lr=1.0)
+    table(torch.tensor([1, 2]))  # rows 0 and 1
+    out = table(torch.tensor([1]))
+    table.delete(torch.tensor([1]))
+    table(torch.tensor([3]))  # takes the freed row of id 1
+    before = table.export(torch.tensor([2, 3]))[1].clone()
+    out.sum().backward()  # id 1's gradient: id 1 is gone
+    assert table.coalesced_grad() is None or table.coalesced_grad()[0].numel() == 0
+    opt.step()
+    assert torch.equal(table.export(torch.tensor([2, 3]))[1], before)
+
+
+def test_a_backward_after_a_load_updates_the_looked_up_id_where_it_is_now() -> None:
+    table = HashTable(DIM, name="t", seed=4)
+    opt = SparseSGD(table, lr=1.0)
+    table(torch.tensor([10, 20]))  # id 10 at row 0, id 20 at row 1
+    out = table(torch.tensor([10]))
+    other = HashTable(DIM, name="t", seed=5)
+    other(torch.tensor([20, 10]))  # id 20 at row 0, id 10 at row 1
+    table.load_state_dict(other.state_dict())
+    before = table.export(torch.tensor([10, 20]))[1].clone()
+    out.sum().backward()
+    opt.step()
+    after = table.export(torch.tensor([10, 20]))[1]
+    assert torch.equal(after[0], before[0] - 1.0) and torch.equal(after[1], before[1])

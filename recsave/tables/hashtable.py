@@ -29,16 +29,24 @@ class _Lookup(torch.autograd.Function):
     """Gathers rows; backward hands the row gradients to the table instead of returning them."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, table: "HashTable", rows: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, anchor: torch.Tensor, table: "HashTable", rows: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
         ctx.table = table
-        ctx.save_for_backward(rows)
-        return table._gather(rows)  # noqa: SLF001 (the table's own autograd Function, same module)
+        ctx.layout = table._layout  # noqa: SLF001 (the table's own autograd Function, same module)
+        ctx.save_for_backward(rows, ids)
+        return table._gather(rows)  # noqa: SLF001 (as above)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None]:
-        (rows,) = ctx.saved_tensors
-        ctx.table._grads.add(rows, grad)  # noqa: SLF001 (as above)
-        return None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None, None]:
+        rows, ids = ctx.saved_tensors
+        table = ctx.table
+        if table._layout != ctx.layout:  # noqa: SLF001 (as above)
+            # Ids were deleted (their rows reused by new ids) or the table was loaded between the
+            # forward and this backward: the gradient belongs to the ids, wherever they are now
+            # (a deleted id's is dropped), never to whatever id holds the old row.
+            rows = table.lookup(ids, insert=False).to(rows.device)
+        table._grads.add(rows, grad)  # noqa: SLF001 (as above)
+        return None, None, None, None
 
 
 class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
@@ -87,6 +95,9 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         self._tracker = ChangeTracker(self._device, knobs.get("track_changes"))
         self._step = 0  # the table step: sparse optimizers advance it (row metadata last_step)
         self._partition: Optional[Tuple[int, int, int]] = None  # (rank, world_size, num_buckets)
+        # Counts changes of which row holds which id (deletes, clears, swapped-in loads): a
+        # lookup's backward after one finds its ids' rows again (_Lookup).
+        self._layout = 0
         # A leaf that requires grad, so autograd calls _Lookup.backward; it never receives a gradient.
         # requires_grad_(False) clears it: the table is frozen (lookups record no gradient).
         self._anchor = torch.zeros((), requires_grad=True)
@@ -126,6 +137,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
     @outside_inference_mode
     def clear(self) -> None:
         """Removes every id (storage is kept for reuse)."""
+        self._layout += 1
         self._map.clear()
         self._grads.clear()
         self._tracker.clear()
@@ -139,6 +151,8 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         freed = self._map.erase(flat)
         present = freed >= 0
         freed = freed[present]
+        if freed.numel():
+            self._layout += 1
         self._grads.forget_rows(freed)
         self._tracker.removed(flat.to(present.device)[present], freed)
         return int(freed.numel())
@@ -216,7 +230,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
             self._store.touch(rows, self._step)
             self._tracker.mark(rows)
         if torch.is_grad_enabled() and self._anchor.requires_grad:
-            out = _Lookup.apply(self._anchor, self, rows)
+            out = _Lookup.apply(self._anchor, self, rows, ids.reshape(-1))
         else:
             out = self._gather(rows)
         return out.view(*ids.shape, self.embedding_dim)
@@ -326,6 +340,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         packed = state.pop("_packed_rows")
         part = state.pop("_partition")
         super().__setstate__(state)
+        self.__dict__.setdefault("_layout", 0)  # pickled before it existed
         self._partition = None  # set after the rows: it restricts later inserts, not these
         self._map = make_id_map(self._device, self._id_map_kind)
         self._store = RowStorage(self.embedding_dim, self._dtype, self._device)

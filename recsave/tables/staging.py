@@ -37,6 +37,7 @@ class TableStaging:
     _dtype: torch.dtype
     _device: torch.device
     _partition: Optional[Tuple[int, int, int]]
+    _layout: int
 
     if TYPE_CHECKING:  # HashTable's own members, which these use
         @property
@@ -70,6 +71,7 @@ class TableStaging:
 
     def _set_contents(self, contents: Tuple[Any, RowStorage, RowGrads, ChangeTracker, int]) -> None:
         self._map, self._store, self._grads, self._tracker, self._step = contents
+        self._layout += 1  # other rows hold the ids now
 
     @outside_inference_mode
     def prepare_load(self, ids: torch.Tensor, columns: List[str],
