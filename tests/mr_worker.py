@@ -360,6 +360,15 @@ def main():
                        os.path.join(work_dir, f"{name}_{world}_{rank}.pt"))
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump({"position": reader.position}, f)
+    elif scenario == "load_other_ids":  # rank r loads ckpt_<r + 1>: a mix of two checkpoints
+        fill(model, rank, world, offset=50.0)
+        try:
+            saver.load(ckpt_id=f"ckpt_{rank + 1}")
+        except recsave.RecsaveError as exc:
+            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+        ids, values, _ = model.user.export()
+        torch.save({"ids": ids, "values": values}, os.path.join(work_dir, f"user_{world}_{rank}.pt"))
     elif scenario == "load":
         whole_reads = count_whole_file_reads()
         report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None,

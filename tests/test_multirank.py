@@ -232,6 +232,19 @@ def test_a_fallback_load_skips_a_checkpoint_damaged_in_one_ranks_share_on_every_
             assert torch.equal(got["values"], expected_rows(got["ids"], salt)), (r, name)
 
 
+def test_ranks_loading_different_checkpoints_are_refused_and_change_nothing(tmp_path):
+    codes, outs = run_ranks("save_two", 2, tmp_path)
+    assert codes == [0, 0], outs
+    codes, outs = run_ranks("load_other_ids", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    for r in range(2):
+        text = (tmp_path / f"error_{r}.txt").read_text()
+        assert text.startswith("UsageError: reading ") and "the ranks disagree on the checkpoints loaded: " \
+            "rank 0 has [('ckpt_1', 1)], rank 1 [('ckpt_2', 2)]" in text, text
+        got = torch.load(tmp_path / f"user_2_{r}.pt", weights_only=True)
+        assert torch.equal(got["values"], expected_rows(got["ids"], 50.0))  # the live rows, untouched
+
+
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
     """Rank 1's bytes are damaged; rank 0's are fine, yet rank 0 must not change either: every rank
     reads and verifies before any rank applies (load/transaction.py)."""

@@ -50,7 +50,10 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     # Every rank has read and verified what it needs before any rank changes its model.
     where = ", ".join(report.checkpoints) or "the model bank"
     try:
-        dist.run_everywhere(f"reading {where}", stage, ex.world)
+        # Every rank must load the same checkpoints (by id: per-rank output dirs differ in path),
+        # else each would apply its share of another one; agreed in this exchange, no extra round.
+        ids = [(src.ckpt_dir.rstrip("/").rsplit("/", 1)[-1], src.step) for src in ex.sources]
+        dist.run_everywhere(f"reading {where}", stage, ex.world, agree=("the checkpoints loaded", ids))
         try:
             dist.run_everywhere(f"applying the load of {where}", tx.apply, ex.world)
         except BaseException:
