@@ -3,6 +3,7 @@ call, byte-identical to a synchronous save; background failures surface; the man
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import threading
@@ -126,6 +127,25 @@ def test_staging_buffers_are_reused_between_saves(tmp_path):
 
 def _enospc():
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_failed_background_write_is_logged_when_it_fails(faulty, caplog):
+    """A job may exit before its next save / wait() / close(): the failure is logged at once."""
+    job = make_job(f"{faulty}/run")
+    job.train(1)
+    inject("open", _enospc, times=100, path_contains="sparse-")
+    with caplog.at_level(logging.ERROR, logger="recsave"):
+        _, write = job.saver.async_save("ckpt_3")
+        with pytest.raises(StorageError):
+            write.result(timeout=60)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("recsave: the background write of async_save('ckpt_3') "
+                                                     "failed (StorageError: ")
+    assert "the error is raised by the next save, wait() or close()" in errors[0]
+    from test_faults import FaultyFS
+    FaultyFS.rules = []
+    with pytest.raises(StorageError):
+        job.saver.wait()
 
 
 @pytest.mark.parametrize("surface", ["next_save", "wait", "close"])

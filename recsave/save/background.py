@@ -1,8 +1,11 @@
 """The background write of an async save: one at a time, its error kept until someone collects it."""
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Tuple
+
+log = logging.getLogger("recsave")
 
 
 class BackgroundWrite:
@@ -21,7 +24,17 @@ class BackgroundWrite:
         """Starts `write` (callers collect the previous write first)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="recsave-async-save")
-        future = self._executor.submit(write)
+        def logged() -> str:
+            try:
+                return write()
+            except BaseException as exc:
+                # Logged when it happens: a job that exits before its next save / wait() / close()
+                # would otherwise never hear of it.
+                log.error("recsave: the background write of async_save(%r) failed (%s: %s); the previous "
+                          "committed checkpoint is still the latest; the error is raised by the next save, "
+                          "wait() or close()", ckpt_id, type(exc).__name__, exc)
+                raise
+        future = self._executor.submit(logged)
         self._pending = (ckpt_id, future)
         return future
 
