@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import _common as C
 import engine as E
 from _compare_methods import FAMILIES, LOAD, PRELOAD, SAVE, patch_saver_no_verify, run_load, run_save
-from _compare_state import Layout, build_model, model_mismatches
+from _compare_state import Layout, build_model, gathered_state, model_mismatches
 
 Samples = Dict[Tuple[str, str], List[Dict[str, Any]]]  # (kind, method) -> one result per round
 
@@ -30,6 +30,8 @@ def measure_operation(spec: Dict[str, Any]) -> Dict[str, Any]:
     patched = None
     if kind == "save" and method.startswith("saver"):
         model = build_model(layout, spec["seed"], fill=True, bucket_order=method == "saver_restored")
+    elif kind == "save" and method == "engine_gather":
+        state = gathered_state(E.build_state(layout, spec["seed"]))
     elif kind == "save" and method != "dd":
         state = E.build_state(layout, spec["seed"])
     elif kind == "load" and method.startswith("saver"):

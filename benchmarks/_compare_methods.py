@@ -21,6 +21,10 @@ SAVE = {
     "safetensors": ("safetensors save_file", "no fsync", "safetensors", False, "state.safetensors"),
     "engine": ("recsave engine write_shards, fsync off", "CRC32C computed", "engine", False, "engine"),
     "engine_fsync": ("recsave engine write_shards, fsync on", "durable", "engine", True, "engine_fsync"),
+    # The engine doing the Saver's data movement: every table's columns gathered in bucket order
+    # (RowSource.take of the ids' bucket permutation), as the Saver writes a freshly filled table.
+    "engine_gather": ("recsave engine write_shards, rows gathered in bucket order", "the Saver's gather",
+                      "engine", False, "engine_gather"),
     "saver": ("recsave Saver.save, fsync off", "HashTable model, whole API", "saver", False, "saver"),
     "saver_fsync": ("recsave Saver.save (default: fsync on)", "durable", "saver", True, "saver_fsync"),
     "saver_restored": ("recsave Saver.save of a restored model, fsync off",
@@ -46,6 +50,7 @@ LOAD = {
 KINDS = {"save": SAVE, "load": LOAD}
 FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
 SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver",
+                 "save:engine_gather",
                  "save:saver_restored",
                  "save:saver_async",
                  "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver",
@@ -76,6 +81,12 @@ def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> Optio
         E._save(method, spec, state)
     elif method in ("engine", "engine_fsync"):
         E._save(method.replace("engine", "recsave"), spec, state)
+    elif method == "engine_gather":
+        from recsave import format as fmt
+        from recsave import knobs
+        with knobs.override(fsync=False):
+            part = fmt.write_shards(path, state, concurrency=spec["concurrency"])
+            fmt.write_index(path, fmt.merge_parts([part]))
     elif method == "dd":
         import subprocess
         subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={spec['dd_count']}",

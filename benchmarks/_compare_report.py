@@ -24,6 +24,7 @@ RATIOS = [
     ("save: engine (fsync off) / DCP save (no sync)", ("save", "engine"), ("save", "dcp"), None),
     ("save: Saver / engine (fsync off)", ("save", "saver"), ("save", "engine"), 0.9),
     ("save: Saver of a restored model / engine (fsync off)", ("save", "saver_restored"), ("save", "engine"), None),
+    ("save: Saver / engine gathering the same rows (fsync off)", ("save", "saver"), ("save", "engine_gather"), None),
     ("save: Saver of a restored model / raw write", ("save", "saver_restored"), ("save", "raw"), None),
     ("save: Saver async_save until committed / Saver.save", ("save", "saver_async"), ("save", "saver"), None),
     ("load: Saver / raw read", ("load", "saver"), ("load", "raw"), 0.9),

@@ -3,7 +3,7 @@ recsave HashTables holding the same ids and values as engine.build_state, and th
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import engine as E  # the dict-of-tensors form of the state is engine.build_state
 
@@ -59,6 +59,25 @@ def build_model(layout: Layout, seed: int, fill: bool, bucket_order: bool = Fals
         elif fill:
             views["embedding" if col == "weight" else col].uniform_(-0.05, 0.05, generator=g)
     return model
+
+
+def gathered_state(state: Dict[str, Any]) -> Dict[str, Any]:
+    """engine.build_state's tensors as the Saver writes a freshly filled model's tables: each
+    table's columns taken in the bucket order of its ids (format.RowSource.take: the engine gathers
+    the rows on its writer threads, no copy made here). The permutation is computed now, before
+    the timed write, as the Saver's is part of its save (a fair share of the Saver's cost)."""
+    from recsave import format as fmt
+    from recsave import partition
+
+    order: Dict[str, Any] = {}
+    out: Dict[str, Any] = {}
+    for name, tensor in state.items():
+        table, col = name.split(".", 1)
+        if col == "ids":
+            import torch
+            order[table] = torch.argsort(partition.bucket_of(tensor), stable=True)
+        out[name] = fmt.RowSource.take(tensor, order[table])
+    return out
 
 
 def model_mismatches(model: Any, layout: Layout, seed: int) -> List[str]:
