@@ -292,6 +292,41 @@ def test_resharding_load_reads_only_owned_buckets(remote, monkeypatch):
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("pending", ["nothing", "async_save"])
+def test_exit_releases_the_s3_lock_and_commits_a_pending_async_save(tmp_path, pending):
+    """A script that ends without close(): the exit releases the writer lock (a restart on another
+    host must not wait writer_lease_s) and lets a running async_save commit (on S3 its shards are
+    streamed, gathering blocks on a thread of their own)."""
+    with _running_moto(tmp_path) as (url, _server):
+        env = dict(os.environ, **S3_ENV, AWS_ENDPOINT_URL=url, RECSAVE_WRITER_LOCK="1",
+                   PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+        bucket = f"recsave-{uuid.uuid4().hex[:16]}"
+        script = textwrap.dedent(f"""
+            import s3fs
+            from helpers import make_job
+            s3fs.S3FileSystem().mkdir("{bucket}")
+            job = make_job("s3://{bucket}/run", max_keep=None)
+            job.train(1)
+            job.saver.save("ckpt_1")
+            if {pending == "async_save"!r}:
+                job.train(1)
+                job.saver.async_save("ckpt_2")
+            """)
+        child = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
+        assert child.returncode == 0, child.stderr
+        assert "failed" not in child.stderr, child.stderr
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key=S3_ENV["AWS_ACCESS_KEY_ID"], secret=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                               client_kwargs={"endpoint_url": url, "region_name": "us-east-1"},
+                               skip_instance_cache=True)
+        assert not fs.exists(f"{bucket}/run/{LOCK_FILE}")
+        listed = fs.cat(f"{bucket}/run/checkpoint").decode().split()
+        assert listed == (["ckpt_1", "ckpt_2"] if pending == "async_save" else ["ckpt_1"])
+
+
+@pytest.mark.s3
 def test_exit_is_not_held_up_by_a_hung_endpoint(tmp_path):
     """An unclosed Saver's S3 writer lock is released at interpreter exit. With the server hung
     (stopped: connections are accepted by the kernel and never answered), the exit gives up after

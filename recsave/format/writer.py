@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import torch
 
-from recsave import _C, knobs
+from recsave import _C, knobs, threads
 from recsave.errors import UsageError
 from recsave.format import header
 from recsave.format import segments as bucket_rule
@@ -334,13 +334,17 @@ def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]
         return block
 
     fetch = knobs.carried(fetch)  # knob overrides are per thread: the gather thread sees this one's
-    with ThreadPoolExecutor(1, thread_name_prefix="recsave-gather") as pool:
-        pending = pool.submit(fetch, plan[0])
+    # A thread per block (threads.start), not an executor: an async save still writing when the
+    # script ends must go on, and executors refuse work once the interpreter shuts down.
+    pending = threads.start(fetch, plan[0], name="recsave-gather")
+    try:
         for k, segs in enumerate(plan):
             block = pending.result()
             if k + 1 < len(plan):
-                pending = pool.submit(fetch, plan[k + 1])
+                pending = threads.start(fetch, plan[k + 1], name="recsave-gather")
             yield block, segs
+    finally:
+        futures_wait([pending])  # an abandoned write: the gather under way ends before this returns
 
 
 def _describe(part: _PartBuilder, item: Tuple[str, Source, DType], fname: str, start: int,

@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 import uuid
 import weakref
@@ -200,8 +202,17 @@ def _release(storage: Storage, path: str, token: str) -> None:
     if release.done():  # local storage: released already
         return
     _releasing[path] = release
-    if getattr(weakref.finalize, "_shutdown", False):  # running from the interpreter's exit
+    if _interpreter_exiting():
         futures_wait([release], timeout=_release_timeout_s())
+
+
+def _interpreter_exiting() -> bool:
+    """Whether the interpreter is shutting down. weakref.finalize sets its flag only after it ran
+    the exit finalizers (this one among them); threading's is set when the main thread ends,
+    before them. Without a wait here the daemon release thread dies with the interpreter, and the
+    lock stays for writer_lease_s."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False) or getattr(weakref.finalize, "_shutdown", False)
+                or sys.is_finalizing())
 
 
 def _wait_for_release(path: str) -> None:
