@@ -158,3 +158,23 @@ def test_taken_rows_refuse_bad_sources_and_leave_nothing(tmp_path):
         with pytest.raises(recsave.errors.UsageError, match="outside the 10 rows"):
             fmt.write_shards(str(tmp_path), {"x": RowSource.take(storage, torch.tensor([0, bad, 2]))})
         assert list(tmp_path.iterdir()) == []
+
+
+def test_file_url_shards_are_committed_by_the_engine_like_plain_paths(tmp_path):
+    """file:// is local disk: a durable shard goes through the engine's temp file, fsync and rename,
+    committed with the save's other files, never streamed into its final name."""
+    import os
+
+    from recsave.format.commits import DeferredCommits
+
+    url = f"file://{tmp_path}/ck"
+    storage = get_storage(url)
+    storage.makedirs(url)
+    commits = DeferredCommits()
+    part = fmt.write_shards(url, {"x": torch.arange(1000.0)}, storage=storage, durable=True, commits=commits)
+    names = os.listdir(tmp_path / "ck")
+    assert names and not set(names) & set(part.files) and all(".tmp-" in n for n in names)
+    commits.wait()
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(part.files)
+    fmt.write_index(url, fmt.merge_parts([part]), storage=storage)
+    assert torch.equal(fmt.read_tensors(url, storage=storage)["x"], torch.arange(1000.0))

@@ -167,6 +167,9 @@ class FsspecStorage(Storage):
 
     def write_shard(self, path: str, content: ShardContent, *, durable: bool,
                     commits: Optional[Commits] = None) -> None:
+        if self._local is not None:  # file://: the engine's temp file, fsync and rename, as on a plain path
+            self._local.write_shard(self._local_path(path), content, durable=durable, commits=commits)
+            return
         self.write_stream(path, content.write_stream)  # an upload is durable once it completes
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
