@@ -201,6 +201,16 @@ def test_transient_and_permanent_errors_are_told_apart():
     except OSError as translated:
         assert is_transient(translated)
     assert is_transient(OSError(errno.EIO, "remote error"))
+    # A code s3fs does not map comes as OSError(EIO); the server's 4xx answer under it decides.
+    for code, status, transient in (("XAmzContentSHA256Mismatch", 400, False), ("KMS.DisabledException", 400, False),
+                                    ("SlowDown", 503, True)):
+        try:
+            try:
+                raise client_error(code, status)
+            except ClientError as e:
+                raise OSError(errno.EIO, code) from e
+        except OSError as translated:
+            assert is_transient(translated) is transient, code
     assert not is_transient(PermissionError(errno.EACCES, "denied"))
     assert not is_transient(FileNotFoundError(errno.ENOENT, "gone"))
     assert not is_transient(OSError(errno.ENOSPC, "full"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno as errno_mod
 import random
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Callable, List, Optional, TypeVar
 
 from recsave import knobs
 from recsave.errors import RecsaveError, StorageError
@@ -121,12 +121,18 @@ def _judge_one(exc: BaseException) -> Optional[bool]:
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying the failed remote operation may succeed. Looks at the exception and its
     causes (s3fs translates a botocore ClientError into an OSError whose cause is the original)."""
-    seen = 0
+    chain: List[BaseException] = []
     cur: Optional[BaseException] = exc
-    while cur is not None and seen < 8:
-        verdict = _judge_one(cur)
+    while cur is not None and len(chain) < 8:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    # The server's own answer first: s3fs wraps error codes it does not map (a 400
+    # XAmzContentSHA256Mismatch, a KMS refusal) as OSError(EIO), which alone reads as transient.
+    for link in chain:
+        if isinstance(getattr(link, "response", None), dict) or _http_status(link) is not None:
+            return bool(_judge_one(link))
+    for link in chain:
+        verdict = _judge_one(link)
         if verdict is not None:
             return verdict
-        cur = cur.__cause__ or cur.__context__
-        seen += 1
     return False
