@@ -771,3 +771,29 @@ def test_a_table_with_freed_rows_saves_by_its_row_list(tmp_path):
     Saver(fresh, output_dir=str(tmp_path / "out")).load()
     got_ids, got_values, _ = fresh["t"].export(want_ids)
     assert torch.equal(got_ids, want_ids) and torch.equal(got_values, want_values)
+
+
+@pytest.mark.parametrize("ckpt_id", ["checkpoint", ".recsave-writer.lock", "checkpoint.tmp-1",
+                                     ".recsave-writer.lock.tmp-12-3", "..", "a/b"])
+def test_ids_that_name_the_output_dirs_own_files_are_refused(tmp_path, ckpt_id):
+    job = make_job(str(tmp_path / "run"))
+    job.train(1)
+    job.saver.save("ckpt_1")
+    before = sorted(os.listdir(tmp_path / "run"))
+    with pytest.raises(UsageError, match=r"checkpoint id .* is not usable: .*'<name>\.tmp-<digits>'"):
+        job.saver.save(ckpt_id)
+    assert sorted(os.listdir(tmp_path / "run")) == before
+
+
+def test_gc_leaves_a_directory_named_like_a_temp_file(tmp_path):
+    """A directory is never an interrupted write of the `checkpoint` file, whatever its name."""
+    from recsave.tools import catalog
+
+    job = make_job(str(tmp_path / "run"))
+    job.train(1)
+    job.saver.save("ckpt_1")
+    job.saver.close()
+    (tmp_path / "run" / "checkpoint.tmp-1").mkdir()
+    (tmp_path / "run" / "checkpoint.tmp-2").write_bytes(b"ckpt_1\n")  # an interrupted write: removed
+    assert catalog.clean_output_dir(str(tmp_path / "run"))["removed_temp_files"] == ["checkpoint.tmp-2"]
+    assert (tmp_path / "run" / "checkpoint.tmp-1").is_dir()

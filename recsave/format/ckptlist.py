@@ -24,9 +24,11 @@ MAX_LIST_BYTES = 16 << 20
 
 def validate_id(ckpt_id: object) -> str:
     """A checkpoint id is a plain directory name (docs/FORMAT.md section 1)."""
-    if not isinstance(ckpt_id, str) or not is_plain_name(ckpt_id) or ckpt_id == LIST_FILE:
+    if not isinstance(ckpt_id, str) or not is_plain_name(ckpt_id) or ckpt_id in (LIST_FILE, LOCK_FILE) \
+            or _OUTPUT_DIR_TEMP.match(ckpt_id):
         raise UsageError(f"checkpoint id {ckpt_id!r} is not usable: use letters, digits, '_', '.', '-' "
-                         f"(no path separators, not '.', '..' or {LIST_FILE!r}), e.g. 'ckpt_1000'")
+                         f"(no path separators, not '.', '..', {LIST_FILE!r}, {LOCK_FILE!r} or a temporary "
+                         f"name of those, '<name>.tmp-<digits>'), e.g. 'ckpt_1000'")
     return ckpt_id
 
 
@@ -324,7 +326,7 @@ def remove_temp_files(storage: Storage, output_dir: str) -> List[str]:
     touched. The caller must hold the writer lock: a save in progress has such files too."""
     removed = []
     for name in storage.listdir(output_dir):
-        if _OUTPUT_DIR_TEMP.match(name):
+        if _OUTPUT_DIR_TEMP.match(name) and not storage.isdir(storage.join(output_dir, name)):
             storage.remove_file(storage.join(output_dir, name))
             removed.append(name)
         elif looks_like_checkpoint(storage, output_dir, name) \
