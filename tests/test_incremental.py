@@ -16,6 +16,7 @@ from helpers import (
     assert_obj_equal,
     assert_states_equal,
     make_batch,
+    make_job,
     model_state,
     read_index_json,
     tables_of,
@@ -486,3 +487,17 @@ def test_tablelike_tables_save_full(tmp_path):
     m2 = M()
     Saver(m2, output_dir=str(tmp_path / "out")).load()
     assert_states_equal(m.t.state(), m2.t.state(), "TableLike")
+
+
+@pytest.mark.parametrize("out", ["run", "./run", "run/"])
+def test_a_restore_from_a_relative_output_dir_is_the_next_deltas_baseline(tmp_path, monkeypatch, out):
+    monkeypatch.chdir(tmp_path)
+    job = make_job(out, max_keep=None)
+    job.train(2)
+    job.saver.save("ckpt_2")
+    job.saver.close()
+    again = make_job(out, max_keep=None)
+    again.saver.load()
+    again.train(1)
+    again.saver.save("ckpt_3", incremental=True)
+    assert again.saver.last_save_kind == "delta"

@@ -77,8 +77,10 @@ def baseline_after_load(model: torch.nn.Module, report: LoadReport, conf: Dict[s
     # these policies a differing dim or dtype is an error, so the tables match the checkpoint.)
     if conf.get("dim_policy", "error") != "error" or conf.get("dtype_policy", "error") != "error":
         return None
+    # Both through split: it normalises a local path (a relative output_dir, "./run", a trailing
+    # slash) as the report's path already is.
     out_dir, ckpt_id = storage.split(report.checkpoints[0])
-    if storage.join(output_dir, ckpt_id) != storage.join(out_dir, ckpt_id):
+    if storage.split(storage.join(output_dir, ckpt_id))[0] != out_dir:
         return None
     tables, _ = contents.model_state(model)
     for name, table in tables.items():
