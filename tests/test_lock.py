@@ -303,3 +303,31 @@ def test_a_new_writer_waits_for_a_collected_savers_remote_release(monkeypatch):
     assert json.loads(storage.read_bytes(second.path, 1 << 16))["token"] == second.token
     second.release()
     assert not storage.exists(second.path)
+
+
+class _ChangingLock(LocalStorage):
+    """Reads of the lock file fail `times` times as a lock replaced between its size and its
+    read does on an object store (CorruptCheckpointError: size changed)."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+
+    def read_bytes(self, path, limit=None):
+        if path.endswith(LOCK_FILE) and self.times:
+            self.times -= 1
+            from recsave.errors import CorruptCheckpointError
+            raise CorruptCheckpointError(f"{path}: size changed while reading", path=path)
+        return super().read_bytes(path, limit)
+
+
+@pytest.mark.parametrize("times", [1, 99])
+def test_a_lock_changing_under_a_read_is_a_writer_lock_error(tmp_path, times):
+    out = str(tmp_path / "run")
+    holder = WriterLock(LocalStorage(), out)
+    holder.acquire()
+    contender = WriterLock(_ChangingLock(times), out)
+    match = "is being written by another Saver" if times == 1 else "it kept changing"
+    with pytest.raises(WriterLockedError, match=match):  # never CorruptCheckpointError
+        contender.acquire()
+    holder.release()

@@ -26,7 +26,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, Optional
 
 from recsave import knobs
-from recsave.errors import CheckpointNotFoundError, WriterLockedError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterLockedError
 from recsave.storage.base import Storage
 
 log = logging.getLogger("recsave")
@@ -130,10 +130,17 @@ class WriterLock:
 
     def _read(self):
         """(raw bytes, parsed holder or None if unparseable); (None, None) when there is no lock."""
-        try:
-            raw = self.storage.read_bytes(self.path, MAX_LOCK_BYTES)
-        except (CheckpointNotFoundError, FileNotFoundError):
-            return None, None
+        for attempt in range(3):
+            try:
+                raw = self.storage.read_bytes(self.path, MAX_LOCK_BYTES)
+                break
+            except (CheckpointNotFoundError, FileNotFoundError):
+                return None, None
+            except CorruptCheckpointError:  # replaced between its size and its read: another taker
+                time.sleep(0.05 * (attempt + 1))
+        else:
+            raise WriterLockedError(f"{self.path}: could not read the writer lock (it kept changing); "
+                                    f"another Saver is competing for {self.output_dir}", path=self.path)
         try:
             holder = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
