@@ -238,6 +238,10 @@ def test_oname_carries_the_sparse_optimizers_step_counts_with_the_slots(tmp_path
     Saver(swapped, sparse_optim=swapped_opt, output_dir=str(tmp_path / "a")).load(
         str(tmp_path / "src"), load_conf={"oname": [{"user": "item"}, {"item": "user"}]})
     assert swapped_opt.steps == {"user": 2, "item": 10}  # as the adam_m / adam_v each table now holds
+    both, both_opt = _adam_job(["user", "item"])  # item loads item, and user loads item too
+    Saver(both, sparse_optim=both_opt, output_dir=str(tmp_path / "c")).load(
+        str(tmp_path / "src"), load_conf={"oname": [{"user": "item"}]})
+    assert both_opt.steps == {"user": 2, "item": 2}
     renamed, renamed_opt = _adam_job(["u2", "item"])
     saver = Saver(renamed, sparse_optim=renamed_opt, output_dir=str(tmp_path / "b"))
     plan = saver.plan_model_bank([{"path": str(tmp_path / "src"), "oname": [{"u2": "user"}]}])

@@ -470,3 +470,14 @@ def test_a_backward_after_a_load_updates_the_looked_up_id_where_it_is_now() -> N
     opt.step()
     after = table.export(torch.tensor([10, 20]))[1]
     assert torch.equal(after[0], before[0] - 1.0) and torch.equal(after[1], before[1])
+
+
+def test_refilling_the_id_buffer_before_backward_is_fine() -> None:
+    """A data loader may reuse its id tensor for the next batch before this one's backward."""
+    table = HashTable(DIM, name="t", seed=4)
+    buf = torch.arange(5)
+    out = table(buf)
+    buf.copy_(torch.arange(100, 105))
+    out.sum().backward()
+    rows, _ = table.coalesced_grad()
+    assert rows.tolist() == table.lookup(torch.arange(5), insert=False).sort().values.tolist()

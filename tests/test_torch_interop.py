@@ -384,3 +384,11 @@ def test_a_device_move_leaves_the_table_on_its_device():
     assert model.emb.user.device.type == "cpu" and model.emb.user.weight.device.type == "cpu"
     assert model.emb.user.dtype == torch.float64 and len(model.emb.user) == 3
     assert model.emb.user.cpu() is model.emb.user
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only build")
+def test_a_device_move_torch_cannot_make_leaves_a_tables_only_module_as_it_was():
+    module = torch.nn.Module()
+    module.user = HashTable(4, name="user")
+    module.user(torch.arange(3))
+    assert module.to("cuda") is module and module.user.device.type == "cpu" and len(module.user) == 3

@@ -88,19 +88,19 @@ def _pt_files_needed(won: Won) -> List[str]:
     return files
 
 
-def _optimizer_steps_renamed(state: Any, won: Won) -> Any:
+def _optimizer_steps_renamed(state: Any, won: Won, known: Set[str]) -> Any:
     """The sparse optimizer's state with its per-table step counts under the model's table names
     where `oname` renamed tables: the counts go with the slots they belong to (Adam's bias
-    correction reads them), and a source name the model lacks does not fail the apply after the
-    plan passed. Names no rename involves are left as they are."""
+    correction reads them). A source name used only as a rename's source, neither loaded under
+    its own name nor a table of the optimizer (`known`), is dropped, so that the apply does not
+    fail after the plan passed; every other count stays as it is."""
     tables = {name.partition("@")[0]: source.partition("@")[0] for name, (category, source) in won.items()
               if category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM}
     moved = {model: source for model, source in tables.items() if model != source}
     steps = state.get("steps") if isinstance(state, dict) else None
     if not moved or not isinstance(steps, dict):
         return state
-    involved = set(moved) | set(moved.values())
-    renamed = {k: v for k, v in steps.items() if k not in involved}
+    renamed = {k: v for k, v in steps.items() if k not in set(moved.values()) - set(tables) - known}
     renamed.update({model: steps[source] for model, source in moved.items() if source in steps})
     return {**state, "steps": renamed}
 
@@ -343,7 +343,7 @@ def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, fi
         elif cat == "extra" or name == SPARSE_OPTIM:
             state = files["extra.pt"][source]
             if name == SPARSE_OPTIM:
-                state = _optimizer_steps_renamed(state, won)
+                state = _optimizer_steps_renamed(state, won, set(getattr(target.extras[name], "tables", ())))
             tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], state))
             extra_data[name] = state
         elif cat == "io_state":

@@ -230,7 +230,9 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
             self._store.touch(rows, self._step)
             self._tracker.mark(rows)
         if torch.is_grad_enabled() and self._anchor.requires_grad:
-            out = _Lookup.apply(self._anchor, self, rows, ids.reshape(-1))
+            # A copy: the caller may refill its id buffer before backward (autograd checks saved
+            # tensors for in-place changes); only a layout change reads it.
+            out = _Lookup.apply(self._anchor, self, rows, ids.reshape(-1).clone())
         else:
             out = self._gather(rows)
         return out.view(*ids.shape, self.embedding_dim)
@@ -302,7 +304,10 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         parameters, so torch would skip it and leave it in its old dtype beside converted dense
         layers). A device move leaves the table where it is: its id map lives on its device, and
         CPU tables beside dense layers moved by model.cuda() is a layout of its own."""
-        probe = fn(torch.empty(0, dtype=self._dtype, device=self._device))
+        try:
+            probe = fn(torch.empty(0, dtype=self._dtype, device=self._device))
+        except Exception:  # e.g. .to("cuda") on a CPU-only build: the table stays as it is
+            return super()._apply(fn, recurse)
         if isinstance(probe, torch.Tensor) and probe.dtype != self._dtype:
             if not probe.dtype.is_floating_point:
                 raise UsageError(f"HashTable {self.table_name!r}: rows must stay a floating dtype, not "
