@@ -258,6 +258,9 @@ def testcommit_time_without_a_fraction_sorts_by_time_not_by_string():
     assert early > late  # as strings
     assert ckptlist.commit_time(early) < ckptlist.commit_time(late)
     assert ckptlist.commit_time("2026-11-26T10:00:05+01:00") == float("-inf")
+    # any number of fraction digits (datetime.fromisoformat takes only 3 or 6 before Python 3.11)
+    assert ckptlist.commit_time("2026-11-26T10:00:05.123456789Z") > ckptlist.commit_time("2026-11-26T10:00:05.1Z")
+    assert ckptlist.commit_time("2026-13-26T10:00:05Z") == float("-inf")
 
 
 def test_a_rebuild_after_a_rewind_resumes_the_new_branch_not_the_abandoned_one(tmp_path):

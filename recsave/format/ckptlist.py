@@ -172,13 +172,21 @@ def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tu
 
 def commit_time(created_at: str) -> float:
     """Seconds since the epoch of an index's `created_at` (ISO-8601 UTC ending in Z, with or
-    without a fraction), -inf when it is not one: parsed, because `...:05Z` and `...:05.1Z` do not
-    sort as strings."""
-    try:
-        when = datetime.datetime.fromisoformat(created_at[:-1] if created_at.endswith("Z") else "-")
-    except ValueError:
+    without a fraction of any length), -inf when it is not one: parsed, because `...:05Z` and
+    `...:05.1Z` do not sort as strings (and datetime.fromisoformat takes only 3 or 6 fraction
+    digits before Python 3.11)."""
+    match = _UTC_TIME.fullmatch(created_at)
+    if match is None:
         return float("-inf")
-    return when.replace(tzinfo=datetime.timezone.utc).timestamp() if when.tzinfo is None else float("-inf")
+    try:
+        year, month, day, hour, minute, second = (int(g) for g in match.groups()[:6])
+        when = datetime.datetime(year, month, day, hour, minute, second, tzinfo=datetime.timezone.utc)
+    except ValueError:  # e.g. month 13
+        return float("-inf")
+    return when.timestamp() + float(f"0.{match.group(7) or 0}")
+
+
+_UTC_TIME = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d+))?Z")
 
 
 class IndexState(NamedTuple):
