@@ -1,6 +1,7 @@
 """Multi-rank save and N -> M resharding load with real gloo processes on the CPU."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -243,6 +244,24 @@ def test_ranks_loading_different_checkpoints_are_refused_and_change_nothing(tmp_
             "rank 0 has [('ckpt_1', 1)], rank 1 [('ckpt_2', 2)]" in text, text
         got = torch.load(tmp_path / f"user_2_{r}.pt", weights_only=True)
         assert torch.equal(got["values"], expected_rows(got["ids"], 50.0))  # the live rows, untouched
+
+
+def test_a_fallback_past_an_index_damaged_in_one_ranks_own_copy_is_taken_by_every_rank(tmp_path):
+    """Per-rank output dirs (each a copy of the checkpoints): rank 1's copy of the latest index is
+    damaged, so rank 1 fails while planning, where no exchange follows at once; every rank must
+    still fall back alike, not rank 1 alone while rank 0 goes on."""
+    codes, outs = run_ranks("save_two", 2, tmp_path)
+    assert codes == [0, 0], outs
+    for r in (0, 1):
+        shutil.copytree(tmp_path / "out", tmp_path / f"out_{r}")
+    (tmp_path / "out_1" / "ckpt_2" / "index").write_bytes(b'{"magic": "recsave.index", garbled')
+    codes, outs = run_ranks("load_fallback", 2, tmp_path, {"PER_RANK_OUT": "1", "RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    for r in range(2):
+        report = json.loads((tmp_path / f"report_2_{r}.json").read_text())
+        assert report["position"] == 1 and report["checkpoints"] == [str(tmp_path / f"out_{r}" / "ckpt_1")], report
+        got = torch.load(tmp_path / f"user_2_{r}.pt", weights_only=True)
+        assert torch.equal(got["values"], expected_rows(got["ids"], 0.0))
 
 
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):

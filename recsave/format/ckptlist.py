@@ -28,7 +28,7 @@ def validate_id(ckpt_id: object) -> str:
             or _OUTPUT_DIR_TEMP.match(ckpt_id):
         raise UsageError(f"checkpoint id {ckpt_id!r} is not usable: use letters, digits, '_', '.', '-' "
                          f"(no path separators, not '.', '..', {LIST_FILE!r}, {LOCK_FILE!r} or a temporary "
-                         f"name of those, '<name>.tmp-<digits>'), e.g. 'ckpt_1000'")
+                         f"name of those, '<name>.tmp-<digits and ->'), e.g. 'ckpt_1000'")
     return ckpt_id
 
 

@@ -191,10 +191,12 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
                    rank: int = 0, agree: Optional[Tuple[str, Any]] = None) -> Optional[T]:
     """Runs `fn` (on every rank, or on rank 0 only), then lets every rank know whether it succeeded
     on all of them: a failure anywhere raises on every rank (the failing rank re-raises its own
-    error, the others RankFailedError naming it). Returns fn's result on this rank.
+    error, the others RankFailedError naming it; both carry `rank_failures`, rank -> the class
+    names of its error, the same on every rank). Returns fn's result on this rank.
 
     `agree`: (what it is, value) that every rank must pass equal, checked in the same exchange (no
-    extra collective round); when they differ every rank raises UsageError naming the values."""
+    extra collective round); when no rank failed and they differ, every rank raises UsageError
+    naming the values."""
     result: Optional[T] = None
     error: Optional[BaseException] = None
     if not only_rank0 or rank == 0:
@@ -206,14 +208,6 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
         summary = None if error is None else f"{type(error).__name__}: {error}"
         kinds = None if error is None else [c.__name__ for c in type(error).__mro__]
         gathered = gather_objects((summary, kinds, None if agree is None else agree[1]), world_size)
-        if agree is not None:
-            values = [value for _, _, value in gathered]
-            differ = [(r, v) for r, v in enumerate(values) if v != values[0]]
-            if differ:
-                r, v = differ[0]
-                raise UsageError(f"{what}: the ranks disagree on {agree[0]}: rank 0 has {values[0]!r}, rank {r} "
-                                 f"{v!r} ({len(differ)} rank(s) differ from rank 0); every rank must pass the "
-                                 f"same; nothing was committed")
         failed = [(r, msg) for r, (msg, _, _) in enumerate(gathered) if msg is not None]
         if failed:
             # Every rank learns every rank's failure, so that a decision taken on it (a fallback
@@ -224,6 +218,14 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
                 error = RankFailedError(f"{what} failed on rank {r}: {msg}")
             with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
                 error.rank_failures = failures  # type: ignore[attr-defined]
+        elif agree is not None:  # a failing rank's value means nothing: failures first
+            values = [value for _, _, value in gathered]
+            differ = [(r, v) for r, v in enumerate(values) if v != values[0]]
+            if differ:
+                r, v = differ[0]
+                raise UsageError(f"{what}: the ranks disagree on {agree[0]}: rank 0 has {values[0]!r}, rank {r} "
+                                 f"{v!r} ({len(differ)} rank(s) differ from rank 0); every rank must pass the "
+                                 f"same")
     if error is not None:
         raise error
     return result
