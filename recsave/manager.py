@@ -156,6 +156,7 @@ class CheckpointManager:
         and the preemption flags (none when only save_interval is used and save_on_preemption is off)."""
         values = retention.check_metrics("CheckpointManager.step", metrics)
         self._global_step += 1
+        self._restored = None  # trained since: the restored checkpoint no longer holds the state
         by_steps = bool(self._save_interval) and self._global_step % self._save_interval == 0
         by_time, preempt = self._agree()
         if preempt:

@@ -439,3 +439,21 @@ def test_a_load_after_restore_is_saved_not_taken_for_the_restored_state(tmp_path
         again.manager.save()
     assert _list(out) == ["ckpt_2", "ckpt_4"]
     again.manager.close()
+
+
+def test_steps_after_restore_then_the_step_set_back_are_not_taken_for_the_restored_state(tmp_path):
+    """restore(global_step=2), three steps of training, global_step set back to 2: ckpt_2 no
+    longer holds the state, so save() refuses to overwrite it instead of listing it last (a
+    restart would then lose the three steps)."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2)
+    job.train(4)
+    job.manager.close()
+    again = make_job(out, save_interval=0)
+    assert again.manager.restore(global_step=2) == 2
+    again.train(3)
+    again.manager.global_step = 2
+    with pytest.raises(recsave.CheckpointExistsError):
+        again.manager.save()
+    assert _list(out) == ["ckpt_2", "ckpt_4"]
+    again.manager.close()
