@@ -166,6 +166,31 @@ def test_a_manager_dropped_without_close_restores_the_handlers_when_collected(tm
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("order", ["first_closed_first", "first_collected"])
+def test_managers_closed_in_any_order_leave_the_original_handlers(tmp_path, restore_signals, order):
+    """Not LIFO: closing the first manager while a second one's handler is installed over it used
+    to leave the first's dead handler as the second's 'previous', which close() then reinstalled:
+    SIGTERM only set a flag nobody read, and the process could no longer be terminated."""
+    import gc
+
+    seen = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    original, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    first_job = make_job(str(tmp_path / "a"), save_interval=None)
+    first = CheckpointManager(first_job.saver, 0)
+    second = CheckpointManager(make_job(str(tmp_path / "b"), save_interval=None).saver, 0)
+    if order == "first_closed_first":
+        first.close()
+    else:
+        del first, first_job  # collected without close()
+        gc.collect()
+    second.close()
+    assert signal.getsignal(signal.SIGTERM) is before_term
+    assert signal.getsignal(signal.SIGUSR1) is original
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert seen == [signal.SIGUSR1]
+
+
 def test_without_save_on_preemption_no_handler_is_installed(tmp_path, restore_signals):
     before = signal.getsignal(signal.SIGTERM)
     job = make_job(str(tmp_path / "run"), save_interval=None)

@@ -6,12 +6,17 @@ a Python callable. Handlers can only be installed from the main thread; close() 
 ones back."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+# Flags whose handlers are installed, oldest first: each may be the "previous" handler of a later one.
+_installed: List["PreemptionFlag"] = []
 
 
 class PreemptionFlag:
@@ -20,6 +25,7 @@ class PreemptionFlag:
     def __init__(self) -> None:
         self.signum: Optional[int] = None
         self._previous: Dict[int, Any] = {}
+        self._retired = False  # uninstalled (or its manager collected): acts as the handler before it
 
     @property
     def is_set(self) -> bool:
@@ -35,19 +41,38 @@ class PreemptionFlag:
             return False
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _installed.append(self)
         return True
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        self.set(signum)
         previous = self._previous.get(signum)
+        if self._retired:
+            # Still reachable (a later handler's "previous", or a collected manager's handler
+            # uninstalled off the main thread): behave as if it were not there.
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:  # the default: end the process as the signal would
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        self.set(signum)
         if callable(previous):  # SIG_DFL / SIG_IGN are ints: the default would end the process now
             previous(signum, frame)
 
     def uninstall(self) -> None:
-        """Puts the previous handlers back (where ours is still the one installed)."""
+        """Puts the previous handlers back where ours is the one installed; where a later flag's
+        handler was installed over ours, that flag's "previous" becomes ours (closing managers in
+        any order, or a manager collected without close(), leaves no dead handler behind). Off the
+        main thread nothing can be changed: the handler then only passes signals on."""
+        self._retired = True
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            for later in _installed:
+                if later is not self and later._previous.get(sig) == self._handle:  # noqa: SLF001 (same class)
+                    later._previous[sig] = previous  # noqa: SLF001 (same class)
+        if self in _installed:
+            _installed.remove(self)
         self._previous = {}
