@@ -83,7 +83,10 @@ class Module(pl.LightningModule):
         if self.fail_at is not None and len(self.seen) == self.fail_at:
             raise RuntimeError(f"killed at batch {self.fail_at}")
         if self.kill_at is not None and len(self.seen) == self.kill_at:
-            _die(self.progress, (self.global_step, self.current_epoch, batch_idx))
+            if self.progress == "SIGTERM":  # a preemption notice: the callback saves and exits 143
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                _die(self.progress, (self.global_step, self.current_epoch, batch_idx))
         self.seen.append((self.global_step, self.current_epoch, batch_idx, index.tolist()))
         dense = self.optimizers()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(uid, iid), label)
@@ -141,7 +144,7 @@ if __name__ == "__main__":
 
     warnings.filterwarnings("ignore")  # Lightning's tips and "not resumable" warnings
     command, out, kill_at, progress = sys.argv[1:]
-    if command != "kill":
+    if command not in ("kill", "term"):
         sys.exit(f"unknown command {command!r}")
-    fit(out, kill_at=int(kill_at), progress=progress)
+    fit(out, kill_at=int(kill_at), progress="SIGTERM" if command == "term" else progress)
     sys.exit("the fit ended without being killed")

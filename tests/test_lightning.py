@@ -80,6 +80,21 @@ def test_fit_sigkilled_mid_epoch_in_a_child_resumes_and_ends_equal(tmp_path, ref
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_fit_sent_sigterm_saves_exits_143_and_resumes_equal(tmp_path, reference):
+    """The callback runs the manager's step(): a preemption notice saves the next step, waits for
+    the commit and exits 143, and a restart resumes right after it."""
+    out = tmp_path / "run"
+    env = dict(os.environ, RECSAVE_FSYNC="0", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.run([sys.executable, os.path.join(HERE, "lightning_job.py"), "term", str(out), str(KILL_AT),
+                            "-"], env=env, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 143, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
+    saved = KILL_AT + 1  # the signal arrives during batch KILL_AT; the step that ends it saves
+    assert (out / "checkpoint").read_text().split()[-1] == f"ckpt_{saved}"
+    resumed, trainer, callback = fit(str(out))
+    assert_resumed_equal(reference, resumed, trainer, callback, saved)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fresh_fit_saves_every_interval_and_at_the_end(tmp_path):
     module, trainer, callback = fit(str(tmp_path / "run"), save_interval=60)
     assert callback.restored_step is None

@@ -82,8 +82,10 @@ class RecsaveCallback(pl.Callback):
       and Lightning's loop counters, so fit continues at the next batch. Nothing to restore: a fresh
       start. With ``restore=False``, or when ``Trainer.fit`` was given a ``ckpt_path`` (Lightning
       restores that file), it does not restore.
-    - ``on_train_batch_end``: saves ``ckpt_<trainer.global_step>`` each time the global step reaches a
-      multiple of the manager's save_interval (the manager's async_mode applies).
+    - ``on_train_batch_end``: at each new global step, the manager's ``step()``: saves
+      ``ckpt_<trainer.global_step>`` at multiples of save_interval or after save_interval_seconds
+      (the manager's async_mode applies), and after a preemption signal saves, waits and raises
+      ``recsave.Preempted`` (exit 143).
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
 
     The Trainer's optimizers and schedulers are saved by the callback (extra `name`); a sparse
@@ -128,12 +130,15 @@ class RecsaveCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step, interval = trainer.global_step, self.manager.save_interval
+        step = trainer.global_step
         if step == self.manager.global_step:
             return  # no optimizer step in this batch (gradient accumulation), or saved already
-        self.manager.global_step = step
-        if interval and step % interval == 0:
-            self.saved.append(self.manager.save(wait=False))
+        # The manager's own step() decides, as in a plain loop: save_interval, save_interval_seconds
+        # and a preemption signal (save ckpt_<step>, wait, raise Preempted: exit 143).
+        self.manager.global_step = step - 1
+        path = self.manager.step()
+        if path is not None:
+            self.saved.append(path)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.manager.global_step = trainer.global_step
