@@ -210,10 +210,17 @@ class CheckpointManager:
         training; with wait=False it returns once the snapshot is taken."""
         check(wait, bool, "wait", "CheckpointManager.save")
         values = retention.check_metrics("CheckpointManager.save", metrics)
+        try:
+            return self._save(wait, values)
+        finally:
+            # The interval runs from the end of this save (its snapshot, in an async mode): from
+            # its start, a save longer than save_interval_seconds would make every step save.
+            self._last_save_at = self.clock()
+
+    def _save(self, wait: bool, values: Optional[Dict[str, float]]) -> str:
         saver = self.saver
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
-        self._last_save_at = self.clock()
         if saver.pending_checkpoint == ckpt_id:  # written in the background already
             if wait:
                 saver.wait()

@@ -233,6 +233,30 @@ def test_time_interval_saves_by_the_clock(tmp_path):
     mgr.close()
 
 
+def test_the_time_interval_runs_from_the_end_of_a_slow_save(tmp_path):
+    """1 s per step, saves taking 15 s against an interval of 10 s: measured from a save's start,
+    every step after the first save would save."""
+    now = [0.0]
+    job = make_job(str(tmp_path / "run"), save_interval=None, max_keep=2)
+    mgr = CheckpointManager(job.saver, 0, save_interval_seconds=10, clock=lambda: now[0],
+                            save_on_preemption=False)
+    real = job.saver.save
+
+    def slow(*args, **kwargs):
+        path = real(*args, **kwargs)
+        now[0] += 15.0
+        return path
+    job.saver.save = slow
+    saved = []
+    for step in range(1, 25):
+        job.train(1)
+        now[0] += 1.0
+        if mgr.step() is not None:
+            saved.append(step)
+    assert saved == [10, 20]
+    mgr.close()
+
+
 def test_last_save_and_one_log_line_per_commit(tmp_path, caplog):
     out = str(tmp_path / "run")
     job = make_job(out, save_interval=None)
