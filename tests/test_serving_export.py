@@ -416,3 +416,22 @@ def test_int8_rows_of_a_small_range_keep_the_bound():
     slack = 2.0 ** -22 * (rows.abs() + o32.abs() + 255 * s32)
     assert bool((err <= s32 / 2 + slack).all())
     assert bool((s32 <= (hi - o32) / 255 * (1 + 2.0 ** -10) + 2.0 ** -24).all())  # one step up at most
+
+
+def test_a_parquet_export_of_an_int8_serving_checkpoint_holds_the_decoded_rows(source, tmp_path):
+    """Not the int8 codes: the rows a load of the serving checkpoint gives (float32)."""
+    from recsave.tools.export import ParquetSource, to_parquet
+
+    ckpt, _ = source
+    serving = recsave.export_serving(ckpt, str(tmp_path / "serve"), "int8")
+    to_parquet(serving, str(tmp_path / "pq"))
+    out = str(tmp_path / "pq")
+    manifest = json.loads((tmp_path / "pq" / "recsave_export.json").read_text())
+    assert manifest["tables"]["user"]["columns"] == {"id": "int64", "embedding": "float32"}
+    ids, cols = ParquetSource(out).read_table("user", ["embedding"])
+    raw = stored(serving, "user", ["id", "embedding", "scale", "offset"])
+    order = torch.argsort(raw["id"])
+    expected = reference_dequant(raw["embedding"], raw["scale"], raw["offset"])[order]
+    assert torch.equal(ids[torch.argsort(ids)], raw["id"][order])
+    assert cols["embedding"].dtype == torch.float32
+    assert torch.equal(cols["embedding"][torch.argsort(ids)], expected)

@@ -123,8 +123,13 @@ def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_di
     n = id_shape[0] if id_shape else -1
     dtypes = {c: index.tensor(f"{name}@{c}").dtype for c in columns}
     chained = getattr(src, "kind", "checkpoint") == "chain"
+    meta = index.meta
+    quantised = meta is not None and name in meta.tables and meta.tables[name].quant is not None
     if chained:  # a delta: its chain's merged rows (as its compacted checkpoint holds them), read once
         fetch, n = _merged_reader(src, name, columns, names)
+    elif quantised:  # an int8 serving table: its codes decoded with their scales, as a load does
+        fetch = _decoding_reader(src, name, columns, names)
+        dtypes["embedding"] = "float32"
     else:
         fetch = _reader(src, names)
     for t in ([] if chained else names):
@@ -163,6 +168,16 @@ def _reader(src: Any, names: List[str]) -> Callable[[int, int], Dict[str, Any]]:
     def fetch(a: int, b: int) -> Dict[str, Any]:
         return read_tensors(src.ckpt_dir, names, index=src.index, storage=src.storage,
                             rows={t: [(a, b)] for t in names})
+    return fetch
+
+
+def _decoding_reader(src: Any, table: str, columns: List[str], names: List[str]
+                     ) -> Callable[[int, int], Dict[str, Any]]:
+    """Rows [a, b) of a table whose embedding is int8 codes, decoded to float32
+    (CheckpointSource.read_table: docs/FORMAT.md section 8)."""
+    def fetch(a: int, b: int) -> Dict[str, Any]:
+        ids, data = src.read_table(table, columns, 0, 1, knobs.get("concurrency"), part=(a, b))
+        return {names[0]: ids, **{f"{table}@{c}": data[c] for c in columns}}
     return fetch
 
 
