@@ -435,3 +435,18 @@ def test_a_parquet_export_of_an_int8_serving_checkpoint_holds_the_decoded_rows(s
     assert torch.equal(ids[torch.argsort(ids)], raw["id"][order])
     assert cols["embedding"].dtype == torch.float32
     assert torch.equal(cols["embedding"][torch.argsort(ids)], expected)
+
+
+@pytest.mark.parametrize("spelling", ["relative", "dot", "file_url", "symlink"])
+def test_the_source_output_dir_is_refused_however_it_is_spelt(source, tmp_path, monkeypatch, spelling):
+    ckpt, _ = source
+    job_dir = os.path.dirname(ckpt)
+    before = sorted(os.listdir(job_dir))
+    monkeypatch.chdir(os.path.dirname(job_dir))
+    if spelling == "symlink":
+        os.symlink(job_dir, tmp_path / "link")
+    out = {"relative": os.path.basename(job_dir), "dot": job_dir + "/.", "file_url": "file://" + job_dir,
+           "symlink": str(tmp_path / "link")}[spelling]
+    with pytest.raises(UsageError, match="is the output dir of"):
+        recsave.export_serving(ckpt, out, "int8", ckpt_id="serving")
+    assert sorted(os.listdir(job_dir)) == before

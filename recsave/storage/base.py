@@ -69,6 +69,12 @@ class Storage(abc.ABC):
     def split(self, path: str) -> Tuple[str, str]:
         """(parent, last component) of `path`."""
 
+    def canonical(self, path: str) -> str:
+        """One spelling per place, to tell whether two paths (of any storages) name the same
+        directory: local paths absolute and symlinks resolved (also given as file://), others
+        with their scheme and no trailing slash."""
+        return path.rstrip("/")
+
     @abc.abstractmethod
     def exists(self, path: str) -> bool: ...
 

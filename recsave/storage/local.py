@@ -30,6 +30,9 @@ class LocalStorage(Storage):
     def split(self, path: str) -> Tuple[str, str]:
         return os.path.split(os.path.abspath(path))
 
+    def canonical(self, path: str) -> str:
+        return os.path.realpath(path)
+
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 

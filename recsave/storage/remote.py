@@ -49,6 +49,11 @@ class FsspecStorage(Storage):
         head, _, leaf = path.rstrip("/").rpartition("/")
         return (head + "/" if head.endswith(":/") else head), leaf
 
+    def canonical(self, path: str) -> str:
+        if self._local is not None:
+            return self._local.canonical(self._local_path(path))
+        return f"{self.protocol}://{self._local_path(path).rstrip('/')}"
+
     def exists(self, path: str) -> bool:
         # fsspec's exists() / isdir() answer False on any error; info() lets a transient failure be
         # retried instead of read as "missing" (which would make a restore start from scratch).

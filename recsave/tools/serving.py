@@ -77,7 +77,7 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
 
     src = open_source(ckpt)
     storage = get_storage(out_dir)
-    if storage.split(src.ckpt_dir)[0].rstrip("/") == out_dir.rstrip("/"):
+    if src.storage.canonical(src.storage.split(src.ckpt_dir)[0]) == storage.canonical(out_dir):
         raise UsageError(f"{out_dir} is the output dir of {src.ckpt_dir}; export to another directory (a "
                          f"serving checkpoint there would become the training job's latest)", path=out_dir)
     if getattr(src, "kind", "checkpoint") == "chain":  # a delta: export the merged state of its chain
