@@ -374,3 +374,18 @@ def test_verify_checks_each_shards_own_header(tmp_path, capsys):
     assert "unknown keys" in capsys.readouterr().out
     with pytest.raises(recsave.CorruptCheckpointError):
         make_job(str(tmp_path / "other")).saver.load(path, direct_path=True)
+
+
+@pytest.mark.parametrize("created_at,age", [("2024-05-01T12:00:00Z", True), ("2024-05-01T12:00:00.5Z", True),
+                                            ("yesterday", False)])
+def test_ls_takes_any_utc_created_at_and_says_so_when_it_is_not_one(output_dir, capsys, created_at, age):
+    from helpers import read_index_json, write_index_json
+
+    index = read_index_json(str(output_dir / "ckpt_4"))
+    index["created_at"] = created_at
+    write_index_json(str(output_dir / "ckpt_4"), index)
+    assert main(["ls", "--json", str(output_dir)]) == 0
+    entry = json.loads(capsys.readouterr().out)["checkpoints"][-1]
+    assert entry["created_at"] == created_at and (entry["age_s"] > 0 if age else entry["age_s"] is None)
+    assert main(["ls", str(output_dir)]) == 0
+    assert created_at in capsys.readouterr().out

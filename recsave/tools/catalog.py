@@ -35,10 +35,10 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         index = index_mod.read(path, storage)
-        created = datetime.datetime.strptime(index.created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-            tzinfo=datetime.timezone.utc)
+        created = ckptlist.commit_time(index.created_at)  # any ISO-8601 UTC form (-inf: not one)
+        age = now.timestamp() - created if created != float("-inf") else None
         out.append({"id": ckpt_id, "path": path, "step": index.step, "created_at": index.created_at,
-                    "age_s": (now - created).total_seconds(), "bytes": _own_bytes(storage, path, index),
+                    "age_s": age, "bytes": _own_bytes(storage, path, index),
                     "metrics": None if index.metrics is None else dict(index.metrics),
                     "kept": reasons.get(ckpt_id, [])})
     return out

@@ -189,7 +189,9 @@ def _print_json(doc: Dict[str, Any]) -> None:
     print(json.dumps(doc, indent=1, sort_keys=True))
 
 
-def _age(seconds: float) -> str:
+def _age(seconds: Optional[float]) -> str:
+    if seconds is None:  # created_at is not a UTC time
+        return "?"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
