@@ -71,10 +71,16 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
         def produce(f: IO[bytes]) -> None:  # may run again (a retried remote upload): parts are re-read
             writer = StreamingTorchSave(f)
             state: Dict[str, Any] = {}
-            for part in _parts(source, names, dense, concurrency):
-                _add(state, {k: writer.add(v) if isinstance(v, torch.Tensor) else v for k, v in part.items()}, dst)
-                del part  # before the next table is read
-            writer.finish(state)
+            try:
+                for part in _parts(source, names, dense, concurrency):
+                    _add(state, {k: writer.add(v) if isinstance(v, torch.Tensor) else v for k, v in part.items()},
+                         dst)
+                    del part  # before the next table is read
+                writer.finish(state)
+            except BaseException:  # the upload is dropped; close the zip now, not in its __del__
+                with contextlib.suppress(Exception):
+                    writer.abort()
+                raise
 
         storage.write_stream(dst, produce)
     else:

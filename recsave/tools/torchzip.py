@@ -28,7 +28,8 @@ _PAD_ID = 0x4246  # the extra-field id torch's writer pads with ("FB")
 _STORAGE_TYPES = {torch.float32: "FloatStorage", torch.float64: "DoubleStorage", torch.float16: "HalfStorage",
                   torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
                   torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
-                  torch.bool: "BoolStorage"}
+                  torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage",
+                  torch.complex128: "ComplexDoubleStorage"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class _Tensor:
     def __reduce__(self) -> Any:
         shape = self.spec.shape
         stride = _contiguous_stride(shape)
+        if self.spec.dtype not in _STORAGE_TYPES:  # no typed storage (uint16, float8, ...): torch's v3 form
+            return (torch._utils._rebuild_tensor_v3,  # noqa: SLF001 (torch's own pickle form)
+                    (_Storage(self.spec), 0, shape, stride, False, collections.OrderedDict(), self.spec.dtype))
         return (torch._utils._rebuild_tensor_v2,  # noqa: SLF001 (torch's own pickle form)
                 (_Storage(self.spec), 0, shape, stride, False, collections.OrderedDict()))
 
@@ -74,6 +78,8 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
             s = obj.spec
+            if s.dtype not in _STORAGE_TYPES:  # an untyped storage of bytes, as torch.save writes one
+                return ("storage", torch.UntypedStorage, s.key, "cpu", s.nbytes)
             numel = s.nbytes // s.dtype.itemsize
             return ("storage", getattr(torch, _STORAGE_TYPES[s.dtype]), s.key, "cpu", numel)
         return None
@@ -108,8 +114,6 @@ class StreamingTorchSave:
 
     def add(self, tensor: torch.Tensor) -> Any:
         """Writes the tensor's bytes (as a contiguous CPU copy when it is not one); returns its placeholder."""
-        if tensor.dtype not in _STORAGE_TYPES:
-            raise TypeError(f"tensor dtype {tensor.dtype} cannot be written by the streaming torch.save writer")
         spec = TensorSpec(str(self._count), tuple(tensor.shape), tensor.dtype)
         self._count += 1
         flat = tensor.detach().cpu().contiguous().reshape(-1)
