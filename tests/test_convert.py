@@ -1,5 +1,6 @@
 """recsave.convert / `recsave convert`: recsave <-> torch.save <-> DCP, exact round trips."""
 import pickle
+import uuid
 
 import pytest
 import torch
@@ -150,7 +151,8 @@ def test_streaming_torch_save_is_read_by_torch_load_exactly(tmp_path, mmap):
                "c64": torch.randn(3, dtype=torch.complex64), "c128": torch.randn(2, dtype=torch.complex128),
                "u16": torch.tensor([0, 65535], dtype=torch.uint16), "u32": torch.tensor([7], dtype=torch.uint32),
                "u64": torch.tensor([2 ** 63], dtype=torch.uint64),
-               "f8": torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn), "f8b": torch.tensor([1.0]).to(torch.float8_e5m2)}
+               "f8": torch.tensor([0.5, -2.0]).to(torch.float8_e4m3fn),
+               "f8b": torch.tensor([1.0]).to(torch.float8_e5m2)}
     path = tmp_path / "s.pt"
     with open(path, "wb") as f:
         writer = StreamingTorchSave(f)
@@ -243,3 +245,22 @@ def test_two_extra_values_flattening_to_one_key_are_refused(tmp_path):
     with pytest.raises(UsageError, match="flatten to the key '_recsave.extra.dotted.a.b'"):
         recsave.convert(str(tmp_path / "job"), str(tmp_path / "state.pt"), "torch")
     assert not (tmp_path / "state.pt").exists()
+
+
+def test_dcp_to_and_from_a_file_url_is_local_disk(tmp_path):
+    job = _trained(tmp_path)
+    url = f"file://{tmp_path}/dcp"
+    assert recsave.convert(str(tmp_path / "job"), url, "dcp") == url
+    assert (tmp_path / "dcp" / ".metadata").is_file()
+    assert not any(p.name.startswith("file:") for p in tmp_path.rglob("*"))  # nothing under ./file:/...
+    back = recsave.convert(url, str(tmp_path / "back.pt"), "torch")
+    _assert_layout_equal(torch.load(back, weights_only=True), _expected_flat(job))
+
+
+def test_dcp_to_an_object_store_is_refused_before_writing(tmp_path):
+    _trained(tmp_path)
+    url = f"memory://dcp-{uuid.uuid4().hex}/out"
+    with pytest.raises(recsave.UsageError, match="a DCP checkpoint is written to local disk"):
+        recsave.convert(str(tmp_path / "job"), url, "dcp")
+    from recsave.storage import get_storage
+    assert not get_storage(url).exists(url)

@@ -262,8 +262,13 @@ class DcpSource(TorchStateSource):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        local = storage.local_path(path)
+        if local is None:  # DCP's FileSystemReader reads local files only
+            raise ConfigError(f"{path}: a DCP checkpoint is read from local disk (a path or file://); copy it "
+                              f"to a local directory first", path=path)
+        self.local_dir = local
         try:
-            md = FileSystemReader(path).read_metadata()
+            md = FileSystemReader(local).read_metadata()
         except Exception as exc:  # a damaged .metadata: say what it is
             raise ConfigError(f"{path}: {DCP_METADATA} cannot be read as DCP metadata ({type(exc).__name__}: "
                               f"{exc}); accepted sources: {ACCEPTED}", path=path) from exc
@@ -277,7 +282,7 @@ class DcpSource(TorchStateSource):
         out = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in dict.fromkeys(keys)}
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load(out, storage_reader=dcp.FileSystemReader(self.ckpt_dir), no_dist=True)
+            dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), no_dist=True)
         return out
 
 

@@ -69,6 +69,12 @@ class Storage(abc.ABC):
     def split(self, path: str) -> Tuple[str, str]:
         """(parent, last component) of `path`."""
 
+    def local_path(self, path: str) -> Optional[str]:
+        """`path` as a path of this machine's file system (a local path, a file:// URL's path), for
+        tools that only take one (torch.distributed.checkpoint's FileSystemReader / Writer); None
+        on other storage."""
+        return None
+
     def canonical(self, path: str) -> str:
         """One spelling per place, to tell whether two paths (of any storages) name the same
         directory: local paths absolute and symlinks resolved (also given as file://), others

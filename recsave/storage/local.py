@@ -33,6 +33,9 @@ class LocalStorage(Storage):
     def canonical(self, path: str) -> str:
         return os.path.realpath(path)
 
+    def local_path(self, path: str) -> Optional[str]:
+        return path
+
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
 

@@ -49,6 +49,9 @@ class FsspecStorage(Storage):
         head, _, leaf = path.rstrip("/").rpartition("/")
         return (head + "/" if head.endswith(":/") else head), leaf
 
+    def local_path(self, path: str) -> Optional[str]:
+        return self._local_path(path) if self._local is not None else None
+
     def canonical(self, path: str) -> str:
         if self._local is not None:
             return self._local.canonical(self._local_path(path))

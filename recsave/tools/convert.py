@@ -189,6 +189,11 @@ def write_dcp(dst: str, parts: Iterator[Dict[str, Any]]) -> None:
     import torch.distributed.checkpoint as dcp
 
     storage = get_storage(dst)
+    local = storage.local_path(dst)
+    if local is None:  # DCP's FileSystemWriter writes local files only
+        raise UsageError(f"convert: {dst}: a DCP checkpoint is written to local disk (a path or file://); "
+                         f"convert to a local directory and copy it (nothing was written)", path=dst)
+    dst, storage = local, get_storage(local)
     storage.makedirs(dst)
     merged: Any = None
     keys: Dict[str, Any] = {}
