@@ -264,3 +264,15 @@ def test_dcp_to_an_object_store_is_refused_before_writing(tmp_path):
         recsave.convert(str(tmp_path / "job"), url, "dcp")
     from recsave.storage import get_storage
     assert not get_storage(url).exists(url)
+
+
+def test_a_dcp_source_missing_a_data_file_is_a_one_line_error(tmp_path, capsys):
+    _trained(tmp_path)
+    out = recsave.convert(str(tmp_path / "job"), str(tmp_path / "dcp"), "dcp")
+    next(p for p in (tmp_path / "dcp").rglob("*.distcp")).unlink()
+    with pytest.raises(recsave.CorruptCheckpointError, match="reading the DCP checkpoint failed"):
+        recsave.convert(out, str(tmp_path / "back.pt"), "torch")
+    assert cli.main(["convert", out, str(tmp_path / "back2.pt"), "--to", "torch"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("recsave: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "back.pt").exists() and not (tmp_path / "back2.pt").exists()

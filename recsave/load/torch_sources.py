@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from recsave.errors import ConfigError
+from recsave.errors import ConfigError, CorruptCheckpointError
 from recsave.load.config import Contents, TableInfo
 from recsave.load.contents import dtype_name
 from recsave.storage import Storage
@@ -278,11 +278,17 @@ class DcpSource(TorchStateSource):
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         out = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in dict.fromkeys(keys)}
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), no_dist=True)
+            try:
+                dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), no_dist=True)
+            except (Exception, CheckpointException) as exc:  # (a BaseException) wraps e.g. a data file gone
+                raise CorruptCheckpointError(f"{self.ckpt_dir}: reading the DCP checkpoint failed "
+                                             f"({' '.join(str(exc).split())[:300]}); it is incomplete or "
+                                             f"damaged", path=self.ckpt_dir) from exc
         return out
 
 
