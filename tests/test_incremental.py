@@ -453,6 +453,29 @@ def test_compact_refuses_an_existing_checkpoint(chain_dir, tmp_path, capsys):
     assert "exists already" in capsys.readouterr().err
 
 
+def test_a_failed_compaction_leaves_nothing_and_its_retry_works(chain_dir, tmp_path, monkeypatch):
+    import recsave.tools.compact as compact_mod
+
+    out, _ = chain_dir
+    target = tmp_path / "c"
+    real = compact_mod._write
+
+    def fail(*args, **kwargs):
+        real(*args, **kwargs)  # every file written, then the failure before the index
+        raise OSError(28, "No space left on device (injected)")
+    monkeypatch.setattr(compact_mod, "_write", fail)
+    with pytest.raises(OSError, match="injected"):
+        recsave.compact(os.path.join(out, "ckpt_2"), str(target))
+    assert not (target / "ckpt_2").exists()
+    monkeypatch.setattr(compact_mod, "_write", real)
+    (target / "ckpt_2").mkdir()  # a crash's leftover (no index) does not block a compaction either
+    (target / "ckpt_2" / "sparse-0-0.safetensors").write_bytes(b"partial")
+    path = recsave.compact(os.path.join(out, "ckpt_2"), str(target))
+    assert (target / "checkpoint").read_text().split() == ["ckpt_2"]
+    assert "sparse-0-0.safetensors" not in os.listdir(path) or os.path.getsize(
+        os.path.join(path, "sparse-0-0.safetensors")) > len(b"partial")
+
+
 def test_parquet_delta_feed_between_chain_members(chain_dir, tmp_path):
     """The Parquet delta feed (recsave export --since) takes delta checkpoints like full ones."""
     from recsave.tools.deltafeed import export_delta

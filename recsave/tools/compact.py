@@ -2,6 +2,7 @@
 written as one full checkpoint, with the same id, into another output dir (``recsave compact``)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Dict, List
 
@@ -40,17 +41,26 @@ def compact(ckpt: str, out_dir: str) -> str:
     ckpt_id = src.storage.split(src.ckpt_dir)[1]
     storage = get_storage(out_dir)
     target = storage.join(out_dir, ckpt_id)
-    if storage.exists(target):
+    if storage.exists(storage.join(target, index_mod.INDEX_FILE)):
         raise CheckpointExistsError(f"{target} exists already; compact into another output dir or remove it",
                                     path=target)
     storage.makedirs(out_dir)
     lock = hold_writer_lock(None, storage, out_dir)
+    committed = False
     try:
+        if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
+            storage.remove_tree(target)
         storage.makedirs(target)
         index = _write(src, storage, target)
         index_mod.write(target, index, storage=storage)
+        committed = True  # the index is the commit point (docs/FORMAT.md section 5)
         ids = [i for i in ckptlist.committed(storage, out_dir, rewrite=True, being_written=ckpt_id).ids if i != ckpt_id]
         ckptlist.write(storage, out_dir, ids + [ckpt_id])
+    except BaseException:
+        if not committed:  # nothing of a failed compaction stays behind to block its retry
+            with contextlib.suppress(Exception):
+                storage.remove_tree(target)
+        raise
     finally:
         if lock is not None:
             lock.release()
