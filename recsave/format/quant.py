@@ -1,8 +1,9 @@
 """Per-row int8 quantisation of serving checkpoints (docs/FORMAT.md section 8).
 
 Each row `x` (cast to float32) gets an `offset` (its minimum, rounded down to the scale dtype) and a
-`scale` (``(max - offset) / 255`` rounded up to the scale dtype, so it is 0 only for a constant
-row and no code clamps at the top):
+`scale` (``(max - offset) / 255`` rounded up to the scale dtype, so no code clamps at the top; it
+is 0 only for a constant row whose value the scale dtype holds exactly, and such a row decodes
+exactly):
 
     code = clamp(round_half_even((x - offset) / scale), 0, 255) - 128   (int8; -128 when scale == 0)
     x'   = (code + 128) * scale + offset                               (float32)
@@ -55,7 +56,8 @@ def quantize_rows(rows: torch.Tensor, scale_dtype: torch.dtype = torch.float16, 
         raise UsageError(f"{what}: values up to {float(torch.maximum(lo.abs(), hi.abs()).max()):.6g} exceed "
                          f"what a {scale_dtype} scale / offset can hold; pass scale_dtype='float32'")
     s32, o32 = scale.to(torch.float32), offset.to(torch.float32)
-    # scale is 0 only when every value equals offset: (x - offset) is then 0, and 0 / 1 gives code -128.
+    # scale is 0 only when every value equals offset (a constant row the scale dtype holds exactly):
+    # (x - offset) is then 0, and 0 / 1 gives code -128.
     steps = (x - o32).div_(torch.where(s32 > 0, s32, torch.ones_like(s32)))
     codes = steps.round_().clamp_(0, 255).sub_(128).to(torch.int8)
     return codes, scale, offset
