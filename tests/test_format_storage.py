@@ -114,8 +114,8 @@ def _runs_of_rows(g: torch.Generator, num_rows: int, total: int) -> torch.Tensor
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
-@pytest.mark.parametrize("dtype,width", [(torch.float32, 6), (torch.int8, 3), (torch.bfloat16, 64),
-                                         (torch.float32, 1024)])
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 6), (torch.int8, 3), (torch.int64, 1), (torch.int64, 2),
+                                         (torch.bfloat16, 64), (torch.float32, 1024)])
 @pytest.mark.parametrize("order", ["random", "runs"])
 def test_taken_rows_are_the_bytes_of_the_permuted_tensor(tmp_path, where, dtype, width, order):
     """RowSource.take(storage, rows): the engine gathers the rows on its threads (locally; runs of
@@ -178,3 +178,20 @@ def test_file_url_shards_are_committed_by_the_engine_like_plain_paths(tmp_path):
     assert sorted(os.listdir(tmp_path / "ck")) == sorted(part.files)
     fmt.write_index(url, fmt.merge_parts([part]), storage=storage)
     assert torch.equal(fmt.read_tensors(url, storage=storage)["x"], torch.arange(1000.0))
+
+
+def test_many_small_taken_rows_span_write_pieces_and_segments(tmp_path):
+    """8-byte rows (ids, row metadata) in random order, many write pieces' worth: the batched copy
+    of small rows gives the bytes and CRCs of storage[rows]."""
+    from recsave.format import RowSource
+
+    g = torch.Generator().manual_seed(3)
+    storage = torch.randint(-(2 ** 62), 2 ** 62, (1_000_000, 1), generator=g)
+    rows = torch.randperm(1_000_000, generator=g)[:400_000]
+    ends = [8 * r for r in (1, 131_071, 131_072, 250_001, 400_000)]
+    written = {}
+    for kind, src in (("taken", RowSource.take(storage, rows)), ("plain", storage[rows])):
+        (tmp_path / kind).mkdir()
+        part = fmt.write_shards(str(tmp_path / kind), {"x": src}, segments={"x": ends}, concurrency=3)
+        written[kind] = (part, (tmp_path / kind / fmt.shard_file_name("sparse", 0, 0)).read_bytes())
+    assert written["taken"] == written["plain"]

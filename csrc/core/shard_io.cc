@@ -392,6 +392,8 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
     };
     // Rows are random reads from memory: prefetching a few ahead keeps several misses in flight.
     constexpr uint64_t kAhead = 8;
+    constexpr uint64_t kSmallRow = 16;    // bytes: rows this small take the batched copy below
+    constexpr uint64_t kSmallAhead = 32;  // rows: enough misses in flight to cover memory latency
     for (size_t u = groups[g]; u < groups[g + 1]; ++u) {
       const Unit& unit = units[u];  // begin, length: rows
       const GatherItem& it = items[unit.item];
@@ -401,6 +403,28 @@ void ShardWriter::write_gathered(const GatherItem* items, size_t n, uint32_t* cr
       const uint64_t direct_rows = std::max<uint64_t>(2, (kDirectRun + rb - 1) / rb);
       const uint64_t max_run = std::max<uint64_t>(direct_rows, kWritePiece / rb);
       uint32_t crc = 0;
+      if (rb <= kSmallRow) {
+        // Small rows (ids, row metadata): each is a cache miss of its own when the order is random,
+        // so the generic loop's per-row run detection and short prefetch distance dominate. Copy
+        // them in batches, prefetching far ahead; a run of them copies at memory speed anyway.
+        for (uint64_t j = 0; j < unit.length;) {
+          if (pending >= kWritePiece || count >= kMaxIov - 1 || used + rb > capacity) flush(crc);
+          const uint64_t fit = std::min<uint64_t>(unit.length - j, (capacity - used) / rb);
+          uint8_t* out = buf + used;
+          for (uint64_t r = 0; r < fit; ++r) {
+            if (j + r + kSmallAhead < unit.length) {
+              __builtin_prefetch(base + static_cast<uint64_t>(rows[j + r + kSmallAhead]) * rb);
+            }
+            std::memcpy(out + r * rb, base + static_cast<uint64_t>(rows[j + r]) * rb, rb);
+          }
+          used += fit * rb;
+          pending += fit * rb;
+          j += fit;
+        }
+        checksum_copied(crc);
+        crcs[u] = crc;
+        continue;
+      }
       for (uint64_t j = 0; j < unit.length;) {
         if (pending >= kWritePiece || count >= kMaxIov - 1) flush(crc);
         const int64_t first_row = rows[j];
