@@ -506,3 +506,38 @@ def test_steps_after_restore_then_the_step_set_back_are_not_taken_for_the_restor
         again.manager.save()
     assert _list(out) == ["ckpt_2", "ckpt_4"]
     again.manager.close()
+
+
+_CLOSE_UNDER_A_LIVE_MANAGER = """
+import os, signal, sys, threading
+import recsave
+from helpers import make_job
+out, how = sys.argv[1], sys.argv[2]
+a = make_job(os.path.join(out, "a"), save_interval=0)
+if how == "user_handler":  # a framework's handler that chains to the one before it (as Lightning's)
+    prev = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: prev(signum, frame))
+b = make_job(os.path.join(out, "b"), save_interval=0)
+b.train(1)
+if how == "closed_off_main_thread":
+    t = threading.Thread(target=a.manager.close)
+    t.start()
+    t.join()
+else:
+    a.manager.close()
+os.kill(os.getpid(), signal.SIGTERM)
+b.manager.step()
+print("no preemption save")
+"""
+
+
+@pytest.mark.parametrize("how", ["closed_off_main_thread", "user_handler"])
+def test_a_closed_managers_handler_never_ends_the_process_under_a_live_one(tmp_path, how):
+    """A closed manager's handler still reachable (its uninstall ran off the main thread, or a
+    user's handler chains to it) passes the signal on; it must not end the process while a live
+    manager's handler is in front: the live one saves and exits 143."""
+    child = subprocess.run([sys.executable, "-c", _CLOSE_UNDER_A_LIVE_MANAGER, str(tmp_path), how], env=_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 143, (child.returncode, child.stdout, child.stderr)
+    assert "preempted (signal SIGTERM): saved and committed" in child.stderr
+    assert _list(str(tmp_path / "b")) == ["ckpt_2"]

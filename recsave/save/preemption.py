@@ -47,11 +47,14 @@ class PreemptionFlag:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         previous = self._previous.get(signum)
         if self._retired:
-            # Still reachable (a later handler's "previous", or a collected manager's handler
-            # uninstalled off the main thread): behave as if it were not there.
+            # Still reachable: behave as if it were not there. Called through another handler
+            # (a user's, or Lightning's, that chains to it), only pass the signal on to a Python
+            # handler; the live handler in front decides the rest. Still the installed handler
+            # (uninstalled off the main thread): do what the one before it would, the default
+            # (ending the process) included.
             if callable(previous):
                 previous(signum, frame)
-            elif previous != signal.SIG_IGN:  # the default: end the process as the signal would
+            elif previous != signal.SIG_IGN and signal.getsignal(signum) == self._handle:
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             return
