@@ -476,6 +476,37 @@ def test_a_failed_compaction_leaves_nothing_and_its_retry_works(chain_dir, tmp_p
         os.path.join(path, "sparse-0-0.safetensors")) > len(b"partial")
 
 
+def test_a_compaction_racing_another_never_removes_its_committed_checkpoint(chain_dir, tmp_path, monkeypatch):
+    """Both pass the first check before the writer lock; the second finds, under the lock, the
+    first one's committed checkpoint: refused, and nothing of the first's is touched."""
+    import recsave.tools.compact as compact_mod
+
+    out, _ = chain_dir
+    src, target = os.path.join(out, "ckpt_2"), str(tmp_path / "c")
+    real_hold = compact_mod.hold_writer_lock
+    first: list = []
+
+    def hold(current, storage, out_dir):
+        if not first:  # the other compaction runs to its end while this one waits for the lock
+            first.append("running")
+            first.append(recsave.compact(src, target))
+        return real_hold(current, storage, out_dir)
+    monkeypatch.setattr(compact_mod, "hold_writer_lock", hold)
+    with pytest.raises(recsave.CheckpointExistsError, match="exists already"):
+        recsave.compact(src, target)
+    assert (tmp_path / "c" / "checkpoint").read_text().split() == ["ckpt_2"]
+    assert (tmp_path / "c" / "ckpt_2" / "index").is_file()
+
+
+def test_compact_refuses_a_source_named_like_the_output_dirs_files(chain_dir, tmp_path):
+    out, _ = chain_dir
+    named = tmp_path / "keep" / "checkpoint"
+    shutil.copytree(os.path.join(out, "ckpt_0"), named)
+    with pytest.raises(recsave.UsageError, match="checkpoint id 'checkpoint' is not usable"):
+        recsave.compact(str(named), str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()
+
+
 def test_parquet_delta_feed_between_chain_members(chain_dir, tmp_path):
     """The Parquet delta feed (recsave export --since) takes delta checkpoints like full ones."""
     from recsave.tools.deltafeed import export_delta

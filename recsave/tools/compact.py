@@ -38,26 +38,31 @@ def compact(ckpt: str, out_dir: str) -> str:
     if src.index.kind not in (KIND_FULL, KIND_DELTA):
         raise UsageError(f"{src.ckpt_dir} is a {src.index.kind!r} checkpoint; compact takes full and delta "
                          f"checkpoints", path=src.ckpt_dir)
-    ckpt_id = src.storage.split(src.ckpt_dir)[1]
+    ckpt_id = ckptlist.validate_id(src.storage.split(src.ckpt_dir)[1])  # not `checkpoint`, the lock, ...
     storage = get_storage(out_dir)
     target = storage.join(out_dir, ckpt_id)
-    if storage.exists(storage.join(target, index_mod.INDEX_FILE)):
-        raise CheckpointExistsError(f"{target} exists already; compact into another output dir or remove it",
-                                    path=target)
+
+    def refuse_committed() -> None:
+        if storage.exists(storage.join(target, index_mod.INDEX_FILE)):
+            raise CheckpointExistsError(f"{target} exists already; compact into another output dir or remove it",
+                                        path=target)
+    refuse_committed()
     storage.makedirs(out_dir)
     lock = hold_writer_lock(None, storage, out_dir)
-    committed = False
+    created = committed = False
     try:
+        refuse_committed()  # again under the lock: another compaction may have committed it meanwhile
         if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
             storage.remove_tree(target)
         storage.makedirs(target)
+        created = True
         index = _write(src, storage, target)
         index_mod.write(target, index, storage=storage)
         committed = True  # the index is the commit point (docs/FORMAT.md section 5)
         ids = [i for i in ckptlist.committed(storage, out_dir, rewrite=True, being_written=ckpt_id).ids if i != ckpt_id]
         ckptlist.write(storage, out_dir, ids + [ckpt_id])
     except BaseException:
-        if not committed:  # nothing of a failed compaction stays behind to block its retry
+        if created and not committed:  # nothing of a failed compaction stays behind to block its retry
             with contextlib.suppress(Exception):
                 storage.remove_tree(target)
         raise
