@@ -189,6 +189,7 @@ def test_transient_and_permanent_errors_are_told_apart():
     assert is_transient(client_error("ThrottlingException", 400))
     assert not is_transient(client_error("AccessDenied", 403))
     assert not is_transient(client_error("NoSuchKey", 404))
+    assert is_transient(client_error("OperationAborted", 409))  # S3: "try again"
     assert is_transient(EndpointConnectionError(endpoint_url="http://x"))
     assert is_transient(ReadTimeoutError(endpoint_url="http://x"))
     assert is_transient(asyncio.TimeoutError()) and is_transient(ConnectionResetError())
@@ -203,7 +204,7 @@ def test_transient_and_permanent_errors_are_told_apart():
     assert is_transient(OSError(errno.EIO, "remote error"))
     # A code s3fs does not map comes as OSError(EIO); the server's 4xx answer under it decides.
     for code, status, transient in (("XAmzContentSHA256Mismatch", 400, False), ("KMS.DisabledException", 400, False),
-                                    ("SlowDown", 503, True)):
+                                    ("SlowDown", 503, True), ("OperationAborted", 409, True)):
         try:
             try:
                 raise client_error(code, status)

@@ -136,11 +136,13 @@ class WriterLock:
                 break
             except (CheckpointNotFoundError, FileNotFoundError):
                 return None, None
-            except CorruptCheckpointError:  # replaced between its size and its read: another taker
+            except CorruptCheckpointError as exc:  # replaced between its size and its read: another taker?
+                last = exc
                 time.sleep(0.05 * (attempt + 1))
         else:
-            raise WriterLockedError(f"{self.path}: could not read the writer lock (it kept changing); "
-                                    f"another Saver is competing for {self.output_dir}", path=self.path)
+            # The same error three times is the file itself (too big, not a file), not a race.
+            raise WriterLockedError(f"{self.path}: the writer lock cannot be read ({last}); if no Saver is "
+                                    f"writing {self.output_dir}, delete the lock file", path=self.path) from last
         try:
             holder = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):

@@ -66,9 +66,12 @@ _TRANSIENT_ERRNOS = {errno_mod.EIO, getattr(errno_mod, "EREMOTEIO", errno_mod.EI
                      errno_mod.EBUSY, errno_mod.ETIMEDOUT, errno_mod.ECONNRESET, errno_mod.ECONNREFUSED,
                      errno_mod.ECONNABORTED, errno_mod.EPIPE, errno_mod.ENETUNREACH, errno_mod.EHOSTUNREACH,
                      errno_mod.ENETDOWN}
+# Error codes the store documents as "try again" (whatever their HTTP status: OperationAborted is a
+# 409, a conflicting operation in progress on the same key).
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestLimitExceeded",
                    "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException",
-                   "ServiceUnavailable", "InternalError", "503", "500"}
+                   "ServiceUnavailable", "InternalError", "503", "500", "OperationAborted",
+                   "PriorRequestNotComplete"}
 _TRANSIENT_NAMES = {
     # botocore
     "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
