@@ -345,6 +345,17 @@ def main():
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump({"position": reader.position, "checkpoints": report.checkpoints,
                        "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}, f)
+    elif scenario == "bank_damaged_then_load":  # rank 1's own copy of ckpt_2's index is damaged
+        outcome = []
+        try:
+            saver.load_model_bank([{"path": os.path.join(saver.output_dir, "ckpt_2")}])
+            outcome.append("loaded")
+        except recsave.RecsaveError as exc:
+            outcome.append(type(exc).__name__)
+        saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
+        outcome.append(reader.position)
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
     elif scenario == "load_damaged":
         # The live model holds other rows (offset 50); rank 1's part of the checkpoint is damaged.
         fill(model, rank, world, offset=50.0)

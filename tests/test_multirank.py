@@ -264,6 +264,19 @@ def test_a_fallback_past_an_index_damaged_in_one_ranks_own_copy_is_taken_by_ever
         assert torch.equal(got["values"], expected_rows(got["ids"], 0.0))
 
 
+def test_a_bank_load_failing_on_one_rank_while_planning_fails_every_rank_alike(tmp_path):
+    codes, outs = run_ranks("save_two", 2, tmp_path)
+    assert codes == [0, 0], outs
+    for r in (0, 1):
+        shutil.copytree(tmp_path / "out", tmp_path / f"out_{r}")
+    (tmp_path / "out_1" / "ckpt_2" / "index").write_bytes(b'{"magic": "recsave.index", garbled')
+    codes, outs = run_ranks("bank_damaged_then_load", 2, tmp_path,
+                            {"PER_RANK_OUT": "1", "RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    assert json.loads((tmp_path / "report_2_0.json").read_text()) == ["RankFailedError", 1]
+    assert json.loads((tmp_path / "report_2_1.json").read_text()) == ["CorruptCheckpointError", 1]
+
+
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
     """Rank 1's bytes are damaged; rank 0's are fine, yet rank 0 must not change either: every rank
     reads and verifies before any rank applies (load/transaction.py)."""

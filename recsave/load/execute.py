@@ -75,14 +75,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
 def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
     """Plans and executes config entries in order; the last entry wins a name. Every rank of a
     process group takes part: rank 0 reads each index once for all (load/shared_reads.py)."""
-    rank, world = dist.resolve(kwargs.get("shard_id"), None)
-    # Planning opens every source; a rank may fail there alone (its own copy of an index damaged,
-    # per-rank output dirs). Every rank learns of it here, so that all raise, or all fall back to
-    # an older checkpoint (save/restore.py), instead of one going on into the next collective.
-    plan = dist.run_everywhere("planning the load", lambda: plan_entries(target, entries, share_reads=True,
-                                                                           **kwargs), world, rank=rank)
-    assert plan is not None
-    return execute(target, plan)
+    return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
 
 
 def _pt_files_needed(won: Won) -> List[str]:

@@ -97,8 +97,22 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
     """Resolves config entries against the target's model into a LoadPlan (a dry run).
 
     `share_reads`: every rank of the process group plans this load together (a load that is
-    executed), so rank 0 reads each index once and broadcasts it (load/shared_reads.py). A dry
+    executed), so rank 0 reads each index once and broadcasts it (load/shared_reads.py), and the
+    planning ends with one exchange of every rank's outcome: a rank failing alone here (its own
+    copy of an index damaged) makes every rank raise, with every rank's failure known to each
+    (a fallback load then decides alike), instead of one going on into the next collective. A dry
     run alone leaves it off: it may be called on one rank only."""
+    if not share_reads:
+        return _plan_entries(target, entries, shard_id, ckpt_id, direct_path, require_path, False)
+    rank, world = dist.resolve(shard_id, None)
+    plan = dist.run_everywhere("planning the load", lambda: _plan_entries(
+        target, entries, shard_id, ckpt_id, direct_path, require_path, True), world, rank=rank)
+    assert plan is not None
+    return plan
+
+
+def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_id: Optional[int],
+                  ckpt_id: Optional[str], direct_path: bool, require_path: bool, share_reads: bool) -> LoadPlan:
     rank, world = dist.resolve(shard_id, None)
     tables, dense = contents.model_state(target.model)
     model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
