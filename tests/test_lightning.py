@@ -94,6 +94,45 @@ def test_a_fit_sent_sigterm_saves_exits_143_and_resumes_equal(tmp_path, referenc
     assert_resumed_equal(reference, resumed, trainer, callback, saved)
 
 
+_SIGTERM_IN_VALIDATION = """
+import os, signal, sys, warnings
+warnings.filterwarnings("ignore")
+import lightning.pytorch as pl
+import torch
+import lightning_job as J
+from recsave import CheckpointManager, Saver
+from recsave.lightning import RecsaveCallback
+
+class Module(J.Module):
+    def validation_step(self, batch, batch_idx):
+        if self.global_step >= 10 and not getattr(self, "termed", False):
+            self.termed = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+sampler = J.ResumableSampler(J.N_SAMPLES, J.BATCH)
+module = Module(sampler)
+saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=sys.argv[1], max_keep=2)
+saver.register_io_state("sampler", sampler)
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=J.EPOCHS, logger=False,
+                     callbacks=[RecsaveCallback(CheckpointManager(saver, 100))], enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     val_check_interval=5, limit_val_batches=2)
+trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(J.dataset(), batch_size=J.BATCH, sampler=sampler),
+            val_dataloaders=torch.utils.data.DataLoader(J.dataset(), batch_size=16))
+"""
+
+
+def test_a_fit_sent_sigterm_during_validation_saves_and_exits_143(tmp_path):
+    """Lightning ends a validation loop on SIGTERM right after the batch (exit 0, nothing saved);
+    the callback saves the fit's state first and raises Preempted."""
+    out = tmp_path / "run"
+    env = dict(os.environ, RECSAVE_FSYNC="0", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.run([sys.executable, "-c", _SIGTERM_IN_VALIDATION, str(out)], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 143, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
+    assert (out / "checkpoint").read_text().split() == ["ckpt_10"]
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fresh_fit_saves_every_interval_and_at_the_end(tmp_path):
     module, trainer, callback = fit(str(tmp_path / "run"), save_interval=60)

@@ -86,6 +86,8 @@ class RecsaveCallback(pl.Callback):
       ``ckpt_<trainer.global_step>`` at multiples of save_interval or after save_interval_seconds
       (the manager's async_mode applies), and after a preemption signal saves, waits and raises
       ``recsave.Preempted`` (exit 143).
+    - ``on_validation_batch_end`` (during fit): the same for a preemption signal that arrives while
+      validation runs (``check_preemption``, one collective per batch with several ranks).
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
 
     The Trainer's optimizers and schedulers are saved by the callback (extra `name`); a sparse
@@ -139,6 +141,15 @@ class RecsaveCallback(pl.Callback):
         path = self.manager.step()
         if path is not None:
             self.saved.append(path)
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Validation can run for minutes; Lightning ends it on SIGTERM right after this hook (exit
+        # 0, nothing saved): the manager saves the state first and raises Preempted (exit 143).
+        if trainer.state.fn != "fit" or trainer.sanity_checking or not self.manager.save_on_preemption:
+            return  # (trainer.validate() outside a fit has nothing of a fit to save)
+        self.manager.global_step = trainer.global_step
+        self.manager.check_preemption()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.manager.global_step = trainer.global_step
