@@ -5,11 +5,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import make_job, read_index_json, write_index_json
 
 import recsave
+from recsave.errors import UsageError
 from recsave.storage import LocalStorage
 from recsave.storage.lock import LOCK_FILE, WriterLock
+from recsave.tools import catalog
 from recsave.tools.cli import main
 
 
@@ -389,3 +392,29 @@ def test_ls_takes_any_utc_created_at_and_says_so_when_it_is_not_one(output_dir, 
     assert entry["created_at"] == created_at and (entry["age_s"] > 0 if age else entry["age_s"] is None)
     assert main(["ls", str(output_dir)]) == 0
     assert created_at in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["torch_save", "dcp", "parquet"])
+@pytest.mark.parametrize("tool", ["export_serving", "to_parquet", "compact", "describe", "verify"])
+def test_tools_taking_checkpoints_name_the_kind_of_another_source(output_dir, tmp_path, kind, tool):
+    import torch.distributed.checkpoint as dcp
+
+    from recsave.tools.export import to_parquet
+
+    if kind == "torch_save":
+        src, words = str(tmp_path / "m.pt"), "a torch.save file"
+        torch.save({"w": torch.ones(3, 2)}, src)
+    elif kind == "dcp":
+        src, words = str(tmp_path / "dcp"), "a torch.distributed.checkpoint directory"
+        dcp.save({"w": torch.ones(3, 2)}, checkpoint_id=src, no_dist=True)
+    else:
+        src, words = str(tmp_path / "pq"), "a Parquet export"
+        to_parquet(str(output_dir), src)
+    call = {"export_serving": lambda: recsave.export_serving(src, str(tmp_path / "out"), "int8"),
+            "to_parquet": lambda: to_parquet(src, str(tmp_path / "out")),
+            "compact": lambda: recsave.compact(src, str(tmp_path / "out")),
+            "describe": lambda: catalog.describe(src),
+            "verify": lambda: catalog.verify(src)}[tool]
+    with pytest.raises(UsageError, match=rf"is {words}, not a recsave checkpoint; {tool} takes a checkpoint"):
+        call()
+    assert not (tmp_path / "out").exists()

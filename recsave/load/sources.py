@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UsageError
 from recsave.format import chain, ckptlist, plainstate, torchio
 from recsave.format import index as index_mod
 from recsave.format.quant import dequantize_rows
@@ -238,6 +238,19 @@ class ChainSource(CheckpointSource):
                 dest.copy_(data[c])
                 data[c] = dest
         return (ids if with_ids else None), data
+
+
+_KIND_WORDS = {"parquet": "a Parquet export", "torch_save": "a torch.save file",
+               "dcp": "a torch.distributed.checkpoint directory", "torch": "a PyTorch state"}
+
+
+def require_checkpoint(src: Any, path: str, tool: str) -> None:
+    """UsageError unless `src` (from open_source) is a recsave checkpoint (full, delta, serving):
+    what other source kinds are, said by name (a torch.save file is not "a Parquet export")."""
+    kind = getattr(src, "kind", "checkpoint")
+    if kind not in ("checkpoint", "chain"):
+        raise UsageError(f"{path} is {_KIND_WORDS.get(kind, kind)}, not a recsave checkpoint; {tool} takes "
+                         f"a checkpoint directory or an output dir", path=path)
 
 
 class ParquetBankSource:

@@ -9,12 +9,12 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from recsave import _C, argcheck, knobs
-from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RecsaveError, UsageError
+from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RecsaveError
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_shard_header
 from recsave.format.records import KIND_FULL
-from recsave.load.sources import ChainSource, CheckpointSource, open_source
+from recsave.load.sources import ChainSource, CheckpointSource, open_source, require_checkpoint
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
@@ -48,8 +48,8 @@ def describe(ckpt: str) -> Dict[str, Any]:
     """What a checkpoint holds, from its index alone."""
     argcheck.path(ckpt, "ckpt", "describe")
     src = open_source(ckpt)
-    if not isinstance(src, CheckpointSource):
-        raise RecsaveError(f"{ckpt} is a Parquet export, not a checkpoint", path=ckpt)
+    require_checkpoint(src, ckpt, "describe")
+    assert isinstance(src, CheckpointSource)
     index = src.index
     shards = {n: f for n, f in index.files.items() if n.endswith(".safetensors")}
     tables = {}
@@ -104,9 +104,8 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         return [str(exc)]
     except RecsaveError as exc:
         return [str(exc)]
-    if not isinstance(src, CheckpointSource):
-        raise UsageError(f"{ckpt} is a Parquet export, not a checkpoint; verify checks checkpoints",
-                         path=ckpt)
+    require_checkpoint(src, ckpt, "verify")
+    assert isinstance(src, CheckpointSource)
     problems: List[str] = []
     # A delta is intact when its whole chain is: every member's files are checked (base first).
     members = [src.member_source(m) for m in src.members] if isinstance(src, ChainSource) else [src]

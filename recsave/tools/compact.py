@@ -15,7 +15,7 @@ from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
 from recsave.format.records import KIND_DELTA, KIND_FULL, FileEntry, IndexPart, Meta, TableMeta
 from recsave.format.writer import write_shards
-from recsave.load.sources import CheckpointSource, open_source
+from recsave.load.sources import CheckpointSource, open_source, require_checkpoint
 from recsave.save.layout import bucket_layout
 from recsave.save.snapshot import TableState
 from recsave.storage import get_storage
@@ -33,8 +33,8 @@ def compact(ckpt: str, out_dir: str) -> str:
     argcheck.path(ckpt, "ckpt", "compact")
     argcheck.path(out_dir, "out_dir", "compact")
     src = open_source(ckpt)
-    if not isinstance(src, CheckpointSource):
-        raise UsageError(f"{ckpt} is a Parquet export, not a checkpoint; compact takes checkpoints", path=ckpt)
+    require_checkpoint(src, ckpt, "compact")
+    assert isinstance(src, CheckpointSource)
     if src.index.kind not in (KIND_FULL, KIND_DELTA):
         raise UsageError(f"{src.ckpt_dir} is a {src.index.kind!r} checkpoint; compact takes full and delta "
                          f"checkpoints", path=src.ckpt_dir)

@@ -56,12 +56,10 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     if rows_per_file is not None and rows_per_file < 1:
         raise UsageError(f"rows_per_file must be a positive int or None (one file per table), got "
                          f"{rows_per_file!r}", key="rows_per_file")
-    from recsave.load.sources import open_source  # not at import time: sources imports this module
+    from recsave.load.sources import open_source, require_checkpoint  # not at import time: sources imports this
 
     src = open_source(ckpt)
-    if getattr(src, "kind", "checkpoint") not in ("checkpoint", "chain"):
-        raise UsageError(f"{ckpt} is Parquet already, not a recsave checkpoint; give a checkpoint "
-                         f"directory or an output dir", path=ckpt)
+    require_checkpoint(src, ckpt, "to_parquet")
     available = src.contents.tables
     names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     storage = get_storage(out_dir)

@@ -73,9 +73,10 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     if scale_dtype not in SCALE_DTYPES:
         raise UsageError(f"scale_dtype must be one of {list(SCALE_DTYPES)}, got {scale_dtype!r}",
                          key="scale_dtype")
-    from recsave.load.sources import open_source  # not at import time: sources imports tools.export
+    from recsave.load.sources import open_source, require_checkpoint  # not at import time: sources imports tools.export
 
     src = open_source(ckpt)
+    require_checkpoint(src, ckpt, "export_serving")
     storage = get_storage(out_dir)
     if src.storage.canonical(src.storage.split(src.ckpt_dir)[0]) == storage.canonical(out_dir):
         raise UsageError(f"{out_dir} is the output dir of {src.ckpt_dir}; export to another directory (a "
