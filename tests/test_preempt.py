@@ -541,3 +541,31 @@ def test_a_closed_managers_handler_never_ends_the_process_under_a_live_one(tmp_p
     assert child.returncode == 143, (child.returncode, child.stdout, child.stderr)
     assert "preempted (signal SIGTERM): saved and committed" in child.stderr
     assert _list(str(tmp_path / "b")) == ["ckpt_2"]
+
+
+_NO_LIVE_MANAGER = """
+import os, signal, sys, threading, time
+from helpers import make_job
+out, how = sys.argv[1], sys.argv[2]
+a = make_job(os.path.join(out, "a"), save_interval=0)
+if how == "user_handler":  # a framework's handler that chains to the one before it, over a closed manager
+    prev = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: prev(signum, frame))
+    a.manager.close()
+else:  # two managers, both closed off the main thread: their handlers stay installed, retired
+    b = make_job(os.path.join(out, "b"), save_interval=0)
+    for m in (b.manager, a.manager):
+        t = threading.Thread(target=m.close)
+        t.start()
+        t.join()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(2)
+print("the signal was swallowed")
+"""
+
+
+@pytest.mark.parametrize("how", ["user_handler", "both_closed_off_main_thread"])
+def test_sigterm_ends_the_process_when_no_live_manager_is_left(tmp_path, how):
+    child = subprocess.run([sys.executable, "-c", _NO_LIVE_MANAGER, str(tmp_path), how], env=_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGTERM, (child.returncode, child.stdout, child.stderr)

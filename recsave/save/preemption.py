@@ -17,6 +17,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 # Flags whose handlers are installed, oldest first: each may be the "previous" handler of a later one.
 _installed: List["PreemptionFlag"] = []
+# True while a live flag's handler passes a signal down the chain (handlers run on the main thread,
+# one at a time): a retired handler further down must not end the process under it.
+_live_handler_running = False
 
 
 class PreemptionFlag:
@@ -45,22 +48,26 @@ class PreemptionFlag:
         return True
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        global _live_handler_running
         previous = self._previous.get(signum)
         if self._retired:
-            # Still reachable: behave as if it were not there. Called through another handler
-            # (a user's, or Lightning's, that chains to it), only pass the signal on to a Python
-            # handler; the live handler in front decides the rest. Still the installed handler
-            # (uninstalled off the main thread): do what the one before it would, the default
-            # (ending the process) included.
+            # Still reachable (installed, its uninstall having run off the main thread, or behind a
+            # handler that chains to it): behave as if it were not there, doing what the one
+            # before it would, the default (ending the process) included, unless a live
+            # manager's handler in front is passing the signal on: that one saves first.
             if callable(previous):
                 previous(signum, frame)
-            elif previous != signal.SIG_IGN and signal.getsignal(signum) == self._handle:
+            elif previous != signal.SIG_IGN and not _live_handler_running:
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             return
         self.set(signum)
         if callable(previous):  # SIG_DFL / SIG_IGN are ints: the default would end the process now
-            previous(signum, frame)
+            running, _live_handler_running = _live_handler_running, True
+            try:
+                previous(signum, frame)
+            finally:
+                _live_handler_running = running
 
     def uninstall(self) -> None:
         """Puts the previous handlers back where ours is the one installed; where a later flag's
