@@ -104,10 +104,18 @@ from recsave import CheckpointManager, Saver
 from recsave.lightning import RecsaveCallback
 
 class Module(J.Module):
-    def validation_step(self, batch, batch_idx):
+    def term(self):
         if self.global_step >= 10 and not getattr(self, "termed", False):
             self.termed = True
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def validation_step(self, batch, batch_idx):
+        if sys.argv[2] == "validation_step":
+            self.term()
+
+    def on_validation_epoch_end(self):  # e.g. an AUC over the whole validation set
+        if sys.argv[2] == "on_validation_epoch_end":
+            self.term()
 
 sampler = J.ResumableSampler(J.N_SAMPLES, J.BATCH)
 module = Module(sampler)
@@ -122,13 +130,15 @@ trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(J.dataset(), b
 """
 
 
-def test_a_fit_sent_sigterm_during_validation_saves_and_exits_143(tmp_path):
-    """Lightning ends a validation loop on SIGTERM right after the batch (exit 0, nothing saved);
-    the callback saves the fit's state first and raises Preempted."""
+@pytest.mark.parametrize("where", ["validation_step", "on_validation_epoch_end"])
+def test_a_fit_sent_sigterm_during_validation_saves_and_exits_143(tmp_path, where):
+    """Lightning ends a validation loop on SIGTERM right after the batch, or the fit right after
+    validation (exit 0, nothing saved); the callback saves the fit's state first and raises
+    Preempted."""
     out = tmp_path / "run"
     env = dict(os.environ, RECSAVE_FSYNC="0", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    child = subprocess.run([sys.executable, "-c", _SIGTERM_IN_VALIDATION, str(out)], env=env, capture_output=True,
-                           text=True, timeout=120)
+    child = subprocess.run([sys.executable, "-c", _SIGTERM_IN_VALIDATION, str(out), where], env=env,
+                           capture_output=True, text=True, timeout=120)
     assert child.returncode == 143, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
     assert (out / "checkpoint").read_text().split() == ["ckpt_10"]
 

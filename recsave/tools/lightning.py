@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional
 
+import torch
+
 try:
     import lightning.pytorch as pl
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -86,8 +88,8 @@ class RecsaveCallback(pl.Callback):
       ``ckpt_<trainer.global_step>`` at multiples of save_interval or after save_interval_seconds
       (the manager's async_mode applies), and after a preemption signal saves, waits and raises
       ``recsave.Preempted`` (exit 143).
-    - ``on_validation_batch_end`` (during fit): the same for a preemption signal that arrives while
-      validation runs (``check_preemption``, one collective per batch with several ranks).
+    - ``on_validation_batch_end`` / ``on_validation_end`` (during fit, in a single process): the
+      same for a preemption signal that arrives while validation runs.
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
 
     The Trainer's optimizers and schedulers are saved by the callback (extra `name`); a sparse
@@ -146,8 +148,22 @@ class RecsaveCallback(pl.Callback):
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         # Validation can run for minutes; Lightning ends it on SIGTERM right after this hook (exit
         # 0, nothing saved): the manager saves the state first and raises Preempted (exit 143).
+        self._preempted_in_validation(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A signal after the last batch's hook (e.g. in on_validation_epoch_end) is acted on by the
+        # training loop right after validation, before the next on_train_batch_end.
+        self._preempted_in_validation(trainer)
+
+    def _preempted_in_validation(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != "fit" or trainer.sanity_checking or not self.manager.save_on_preemption:
             return  # (trainer.validate() outside a fit has nothing of a fit to save)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # check_preemption is a collective: ranks may run different numbers of validation
+            # batches, and a mismatched collective would hang the fit. Several ranks rely on the
+            # training loop's check (Lightning broadcasts rank 0's SIGTERM there).
+            return
         self.manager.global_step = trainer.global_step
         self.manager.check_preemption()
 
