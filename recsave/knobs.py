@@ -7,6 +7,7 @@ by the :func:`override` context manager (what tests use).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ T = TypeVar("T")
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+_MAX_INT = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,12 @@ class Knob:
                                     f"({type(value).__name__})", key=name)
         if self.lo is not None and not value >= self.lo:  # (NaN is never >= anything)
             raise UsageError(f"knob {name!r} must be >= {self.lo}, got {value!r}", key=name)
+        # Sizes and counts go into the index (its validator takes integers up to 2**62) and into the
+        # engine's 64-bit arguments; a float must be finite.
+        if self.kind is int and value > _MAX_INT:
+            raise UsageError(f"knob {name!r} must be <= 2**62, got {value!r}", key=name)
+        if self.kind is float and not math.isfinite(value):
+            raise UsageError(f"knob {name!r} must be a finite number, got {value!r}", key=name)
         return float(value) if self.kind is float else value
 
     def parse(self, name: str, raw: str) -> Any:
@@ -129,7 +139,7 @@ def _overrides() -> list:
 
 def get(name: str) -> Any:
     """Current value of knob `name`."""
-    if name not in _KNOBS:
+    if not isinstance(name, str) or name not in _KNOBS:
         raise UsageError(f"unknown knob {name!r}; known knobs: {sorted(_KNOBS)}")
     for layer in reversed(_overrides()):
         if name in layer:

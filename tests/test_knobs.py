@@ -25,6 +25,28 @@ def test_override_out_of_range_raises_usage_error_naming_the_knob(name, value):
             pass
 
 
+@pytest.mark.parametrize("name,value,match", [("segment_bytes", 2 ** 63, "must be <= 2\\*\\*62"),
+                                              ("max_header_bytes", 2 ** 64, "must be <= 2\\*\\*62"),
+                                              ("writer_lease_s", float("inf"), "must be a finite number")])
+def test_override_too_large_raises_usage_error_naming_the_knob(name, value, match):
+    """A save with segment_bytes=2**63 committed an index its own validator refused (damaged), and
+    max_header_bytes=2**64 overflowed the engine's argument."""
+    with pytest.raises(UsageError, match=f"knob '{name}' {match}"):
+        with knobs.override(**{name: value}):
+            pass
+
+
+def test_environment_too_large_raises_usage_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("RECSAVE_SEGMENT_BYTES", "9999999999999999999")
+    with pytest.raises(UsageError, match="RECSAVE_SEGMENT_BYTES=.*must be <= 2\\*\\*62"):
+        knobs.get("segment_bytes")
+
+
+def test_a_knob_name_of_another_type_is_refused_clearly():
+    with pytest.raises(UsageError, match="unknown knob"):
+        knobs.get(["segment_bytes"])  # type: ignore[arg-type]
+
+
 def test_good_overrides_apply_and_unwind():
     before = knobs.get("concurrency")
     with knobs.override(concurrency=3, collective_timeout_s=5, fsync=False):
