@@ -271,3 +271,30 @@ def test_arguments_are_checked_where_they_enter(env, case):
     assert _state(env["table"]) == before
     assert env["table"].slot_names() == ["sgd_dummy"]
     assert sorted(os.listdir(os.path.dirname(env["out"]))) == listing
+
+
+def test_empty_or_wrongly_typed_output_dirs_are_argument_errors_not_io_errors(tmp_path):
+    from recsave.errors import ArgumentTypeError, UsageError
+    from recsave.tools import catalog
+
+    model = torch.nn.Module()
+    model.t = recsave.HashTable(4, name="t")
+    with pytest.raises(UsageError, match="output_dir must name a directory"):
+        recsave.Saver(model, output_dir="")
+    for fn in (catalog.clean_output_dir, catalog.collect_garbage, catalog.repair, catalog.list_checkpoints):
+        with pytest.raises(ArgumentTypeError):
+            fn(5)
+        with pytest.raises(UsageError, match="must name a directory"):
+            fn("")
+
+
+@pytest.mark.parametrize("kw,match", [({"seed": -1}, r"seed must be in \[0, 2\*\*64\)"),
+                                      ({"seed": 2 ** 64}, r"seed must be in \[0, 2\*\*64\)"),
+                                      ({"init_std": float("nan")}, "init_std must be a finite number >= 0"),
+                                      ({"init_std": -1.0}, "init_std must be a finite number >= 0")])
+def test_hashtable_seed_and_init_std_out_of_range_are_refused_at_construction(kw, match):
+    from recsave.errors import UsageError
+
+    with pytest.raises(UsageError, match=match):
+        recsave.HashTable(4, **kw)
+    assert len(recsave.HashTable(4, seed=2 ** 64 - 1, init_std=0.0)(torch.arange(3))) == 3

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 
 import torch
 
-from recsave import knobs
+from recsave import argcheck, knobs
 from recsave.argcheck import check
 from recsave.errors import CheckpointNotFoundError, UsageError
 from recsave.format import ckptlist, retention
@@ -47,7 +47,7 @@ class Saver:
     def __init__(self, model: torch.nn.Module, sparse_optim: Any = None, output_dir: str = "./",
                  max_keep: Optional[int] = 1, concurrency: int = 4):
         check(model, torch.nn.Module, "model", "Saver", expected="a torch.nn.Module")
-        check(output_dir, str, "output_dir", "Saver", expected="a str (a local path or an fsspec URL)")
+        argcheck.path(output_dir, "output_dir", "Saver")
         self.model = model
         self.sparse_optim = sparse_optim
         self.output_dir = output_dir

@@ -6,6 +6,7 @@ table as (rows, values) pairs collected in backward, never as a dense [capacity,
 """
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -78,6 +79,10 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         check(id_map, str, "id_map", "HashTable")
         if embedding_dim <= 0:
             raise UsageError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if seed is not None and not 0 <= seed < 2 ** 64:  # the initialiser's seed is an unsigned 64-bit int
+            raise UsageError(f"seed must be in [0, 2**64), got {seed!r}", key="seed")
+        if not (math.isfinite(float(init_std)) and init_std >= 0):
+            raise UsageError(f"init_std must be a finite number >= 0, got {init_std!r}", key="init_std")
         if not dtype.is_floating_point:
             raise UsageError(f"HashTable rows must be a floating dtype, got {dtype}")
         if name is not None and (not name or "@" in name):

@@ -160,6 +160,7 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     interrupted writes leave in output_dir and its checkpoint directories (``removed_temp_files``:
     paths relative to output_dir). Raises CheckpointNotFoundError when output_dir does not exist,
     WriterLockedError (removing nothing) while a Saver holds it."""
+    argcheck.path(output_dir, "output_dir", "clean_output_dir")
     storage = get_storage(output_dir)
     _require_dir(storage, output_dir)  # before the lock, which would create the directory
     lock = hold_writer_lock(None, storage, output_dir)
@@ -217,6 +218,7 @@ def repair(output_dir: str) -> Dict[str, Any]:
     index that is not valid -> why), "rebuilt" (from the indexes), "rewritten"}.
     CheckpointNotFoundError when output_dir holds neither a `checkpoint` file nor a committed
     checkpoint."""
+    argcheck.path(output_dir, "output_dir", "repair")
     storage = get_storage(output_dir)
     _require_dir(storage, output_dir)
     lock = hold_writer_lock(None, storage, output_dir)
