@@ -298,3 +298,18 @@ def test_hashtable_seed_and_init_std_out_of_range_are_refused_at_construction(kw
     with pytest.raises(UsageError, match=match):
         recsave.HashTable(4, **kw)
     assert len(recsave.HashTable(4, seed=2 ** 64 - 1, init_std=0.0)(torch.arange(3))) == 3
+
+
+def test_hashtable_members_raise_recsave_errors_not_raw_ones():
+    from recsave.errors import ArgumentTypeError, UsageError
+
+    table = recsave.HashTable(4, name="t")
+    table(torch.arange(3))
+    with pytest.raises(UsageError, match="table 't' has no slot 'nope'"):
+        table.slot_init("nope")
+    with pytest.raises(ArgumentTypeError):
+        table.advance_step("1")  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError):
+        table.initial_rows([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="other must be a HashTable"):
+        table.swap_contents(5)  # type: ignore[arg-type]

@@ -292,6 +292,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
     def initial_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows these ids get when inserted: normal(0, init_std) as a pure function of (seed, id,
         column), float32 on the CPU."""
+        check_ids(ids, "HashTable.initial_rows")
         ids = ids.detach().reshape(-1).cpu().contiguous()
         values = torch.empty(ids.numel(), self.embedding_dim, dtype=torch.float32)
         _C.init_rows_normal(ids.data_ptr(), ids.numel(), self.embedding_dim, self.seed, self.init_std,
@@ -300,7 +301,11 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
 
     def slot_init(self, slot: str) -> float:
         """The value a slot takes for newly inserted rows."""
-        return self._store.slot_init[slot]
+        try:
+            return self._store.slot_init[slot]
+        except (KeyError, TypeError):
+            raise UsageError(f"table {self.table_name!r} has no slot {slot!r}; it has {self.slot_names()}",
+                             key=self.table_name) from None
 
     # ----------------------------------------------------------- Module.to / .double() / .cuda()
     @outside_inference_mode

@@ -49,6 +49,7 @@ class TableLifecycle:
 
     def advance_step(self, n: int = 1) -> None:
         """Advances the table step by `n` (the sparse optimizers call this)."""
+        check(n, int, "n", "HashTable.advance_step")
         self.step = self._step + n
 
     def meta_columns(self) -> Dict[str, torch.Tensor]:

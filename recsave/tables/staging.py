@@ -58,6 +58,9 @@ class TableStaging:
         """Exchanges ids, rows, slots, row metadata, the table step, change tracking and pending
         gradients with `other` (same dim, dtype and device): commits a staged load, and swapping
         again rolls it back. Partitions stay."""
+        if not isinstance(other, TableStaging):
+            raise ArgumentTypeError(f"HashTable.swap_contents: other must be a HashTable (a new_like() of this "
+                                    f"one), got {type(other).__name__}", key="other")
         if (other.embedding_dim, other.dtype, other.device) != (self.embedding_dim, self._dtype, self._device):
             raise UsageError(f"table {self.table_name!r}: cannot swap contents with a table of dim "
                              f"{other.embedding_dim}, {other.dtype} on {other.device}; expected "
