@@ -313,3 +313,18 @@ def test_hashtable_members_raise_recsave_errors_not_raw_ones():
         table.initial_rows([1, 2])  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match="other must be a HashTable"):
         table.swap_contents(5)  # type: ignore[arg-type]
+
+
+def test_a_path_of_the_wrong_type_is_named_as_such_and_convert_needs_a_thread(tmp_path):
+    from recsave.errors import ConfigError, UsageError
+
+    model = torch.nn.Module()
+    model.t = recsave.HashTable(4, name="t")
+    saver = recsave.Saver(model, output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="'path' must be a non-empty string, got 5"):
+        saver.plan_model_bank([{"path": 5}])
+    with pytest.raises(ConfigError, match="'path' is required"):
+        saver.plan_model_bank([{"load": ["*"]}])
+    with pytest.raises(UsageError, match="concurrency must be >= 1, got 0"):
+        recsave.convert(str(tmp_path / "run"), str(tmp_path / "x.pt"), "torch", concurrency=0)
+    assert not (tmp_path / "x.pt").exists()

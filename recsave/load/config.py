@@ -48,7 +48,7 @@ def parse(conf: Optional[Mapping[str, Any]], *, where: str = "load_conf", path: 
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {list(ENTRY_KEYS)}")
     p = conf.get("path", path)
-    if require_path and (not isinstance(p, str) or not p):
+    if require_path and p is None:
         raise ConfigError(f"{where}: 'path' is required (a checkpoint directory or an output dir)")
     if p is not None and (not isinstance(p, str) or not p):
         raise ConfigError(f"{where}: 'path' must be a non-empty string, got {p!r}")

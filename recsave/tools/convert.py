@@ -56,6 +56,8 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
     check(tables, (list, tuple), "tables", "convert", optional=True, expected="a list of table names")
     check(ckpt_id, str, "ckpt_id", "convert", optional=True)
     check(concurrency, int, "concurrency", "convert")
+    if concurrency < 1:
+        raise UsageError(f"convert: concurrency must be >= 1, got {concurrency}", key="concurrency")
     if to not in TARGETS:
         raise UsageError(f"convert: `to` must be one of {list(TARGETS)}, got {to!r}")
     if not dst:
