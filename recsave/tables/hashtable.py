@@ -199,8 +199,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         try:
             return self._slots[slot][: self._map.row_capacity]
         except KeyError:
-            raise UsageError(f"table {self.table_name!r} has no slot {slot!r}; it has {self.slot_names()}",
-                             key=self.table_name) from None
+            raise self._no_slot(slot) from None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -304,8 +303,11 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         try:
             return self._store.slot_init[slot]
         except (KeyError, TypeError):
-            raise UsageError(f"table {self.table_name!r} has no slot {slot!r}; it has {self.slot_names()}",
-                             key=self.table_name) from None
+            raise self._no_slot(slot) from None
+
+    def _no_slot(self, slot: Any) -> UsageError:
+        return UsageError(f"table {self.table_name!r} has no slot {slot!r}; it has {self.slot_names()}",
+                          key=self.table_name)
 
     # ----------------------------------------------------------- Module.to / .double() / .cuda()
     @outside_inference_mode
@@ -326,8 +328,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
             self._dtype = probe.dtype
             # Every row's bytes changed: a new baseline (a Saver sees its epoch moved), so the next
             # incremental save is full.
-            self._tracker = ChangeTracker(self._device, knobs.get("track_changes"))
-            self._tracker.reserve(self._map.row_capacity)
+            self.reset_changes()
         return super()._apply(fn, recurse)
 
     # ----------------------------------------------------- PyTorch interop (tables/tablestate.py)

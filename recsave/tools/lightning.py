@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional
 
-import torch
-
 try:
     import lightning.pytorch as pl
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -24,6 +22,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from recsave.argcheck import check
 from recsave.errors import UsageError
 from recsave.manager import CheckpointManager
+from recsave.storage import dist
 
 __all__ = ["RecsaveCallback", "LIGHTNING_STATE"]
 
@@ -158,8 +157,7 @@ class RecsaveCallback(pl.Callback):
     def _preempted_in_validation(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != "fit" or trainer.sanity_checking or not self.manager.save_on_preemption:
             return  # (trainer.validate() outside a fit has nothing of a fit to save)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        if dist.initialized() and dist.resolve()[1] > 1:
             # check_preemption is a collective: ranks may run different numbers of validation
             # batches, and a mismatched collective would hang the fit. Several ranks rely on the
             # training loop's check (Lightning broadcasts rank 0's SIGTERM there).
