@@ -177,7 +177,7 @@ def _assert_restores(out: str, state, step: int) -> None:
 
 # ------------------------------------------------------------------------------ classification
 def test_transient_and_permanent_errors_are_told_apart():
-    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+    from botocore.exceptions import ClientError, EndpointConnectionError, HTTPClientError, ReadTimeoutError
 
     def client_error(code, status):
         return ClientError({"Error": {"Code": code, "Message": "m"},
@@ -202,6 +202,16 @@ def test_transient_and_permanent_errors_are_told_apart():
     except OSError as translated:
         assert is_transient(translated)
     assert is_transient(OSError(errno.EIO, "remote error"))
+
+    class ClientSideStatus(Exception):  # aiohttp's error for a garbled status line carries a 400 of its own
+        status = 400
+    try:
+        try:
+            raise ClientSideStatus("Bad status line")
+        except ClientSideStatus as e:
+            raise HTTPClientError(error=ValueError("garbled status line")) from e
+    except HTTPClientError as wrapped:
+        assert is_transient(wrapped)  # the transient HTTPClientError decides, not a status of the client's
     # A code s3fs does not map comes as OSError(EIO); the server's 4xx answer under it decides.
     for code, status, transient in (("XAmzContentSHA256Mismatch", 400, False), ("KMS.DisabledException", 400, False),
                                     ("SlowDown", 503, True), ("OperationAborted", 409, True)):

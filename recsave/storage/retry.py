@@ -131,8 +131,10 @@ def is_transient(exc: BaseException) -> bool:
         cur = cur.__cause__ or cur.__context__
     # The server's own answer first: s3fs wraps error codes it does not map (a 400
     # XAmzContentSHA256Mismatch, a KMS refusal) as OSError(EIO), which alone reads as transient.
+    # Only botocore's parsed response counts here: an aiohttp error's status may be the client's
+    # own (400 for a garbled status line, under botocore's transient HTTPClientError).
     for link in chain:
-        if isinstance(getattr(link, "response", None), dict) or _http_status(link) is not None:
+        if isinstance(getattr(link, "response", None), dict):
             return bool(_judge_one(link))
     for link in chain:
         verdict = _judge_one(link)
