@@ -29,6 +29,10 @@ SAVE = {
     "saver_fsync": ("recsave Saver.save (default: fsync on)", "durable", "saver", True, "saver_fsync"),
     "saver_restored": ("recsave Saver.save of a restored model, fsync off",
                        "rows in bucket order, as a restore leaves them", "saver", False, "saver_restored"),
+    # The steady state of a job with rotation: each save prunes the previous checkpoint (written
+    # before the timed save, outside it), as max_keep does between two autosaves.
+    "saver_rotating": ("recsave Saver.save replacing its last checkpoint, fsync off",
+                       "max_keep=1: prunes the previous one", "saver", False, "saver_rotating"),
     "saver_async": ("recsave Saver.async_save + wait, fsync off", "until committed; RSS over state + staged copy",
                     "saver", False, "saver_async"),
 }
@@ -52,6 +56,7 @@ FAMILIES = ["raw", "torch", "dcp", "safetensors", "engine", "saver"]
 SWEEP_DEFAULT = ["save:raw", "save:torch", "save:dcp", "save:safetensors", "save:engine", "save:saver",
                  "save:engine_gather",
                  "save:saver_restored",
+                 "save:saver_rotating",
                  "save:saver_async",
                  "load:raw", "load:torch", "load:dcp", "load:safetensors", "load:engine_verify", "load:saver",
                  "load:engine_saverfile"]
@@ -98,7 +103,7 @@ def run_save(method: str, spec: Dict[str, Any], state: Any, model: Any) -> Optio
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=method == "dcp_fsync"))
-    elif method in ("saver", "saver_fsync", "saver_restored"):
+    elif method in ("saver", "saver_fsync", "saver_restored", "saver_rotating"):
         from recsave import knobs
         with knobs.override(fsync=method == "saver_fsync"):
             spec["saver"].save("ckpt_1")

@@ -26,6 +26,8 @@ RATIOS = [
     ("save: Saver of a restored model / engine (fsync off)", ("save", "saver_restored"), ("save", "engine"), None),
     ("save: Saver / engine gathering the same rows (fsync off)", ("save", "saver"), ("save", "engine_gather"), None),
     ("save: Saver of a restored model / raw write", ("save", "saver_restored"), ("save", "raw"), None),
+    ("save: Saver replacing its last checkpoint (max_keep=1) / raw write", ("save", "saver_rotating"),
+     ("save", "raw"), None),
     ("save: Saver async_save until committed / Saver.save", ("save", "saver_async"), ("save", "saver"), None),
     ("load: Saver / raw read", ("load", "saver"), ("load", "raw"), 0.9),
     ("load: Saver / torch.load", ("load", "saver"), ("load", "torch"), 1.2),

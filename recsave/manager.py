@@ -265,7 +265,8 @@ class CheckpointManager:
 
     def wait(self) -> Optional[str]:
         """Waits for the background write of an async save; returns its path (None if none was
-        pending) or raises its error."""
+        pending) or raises its error. Also waits for the deletion of pruned checkpoints
+        (Saver.wait)."""
         return self.saver.wait()
 
     def close(self) -> None:

@@ -209,6 +209,7 @@ def test_lock_file_is_invisible_to_listing_and_rotation(tmp_path):
         job.train(1)
         job.saver.save(f"ckpt_{step}")
     assert job.saver.checkpoints() == [os.path.join(out, f"ckpt_{s}") for s in (3, 4)]
+    job.saver.wait()  # the pruned directories' deletion (save/pruning.py)
     assert sorted(os.listdir(out)) == [LOCK_FILE, "checkpoint", "ckpt_3", "ckpt_4"]
     at_4 = job_state(job)
     fresh = make_job(out)

@@ -134,6 +134,7 @@ def test_sigkill_during_save_keeps_the_last_checkpoint(tmp_path, killed, referen
     fresh.train(2)
     fresh.manager.save()
     assert _list(out) == "ckpt_5\nckpt_7\n"
+    fresh.manager.wait()  # the leftover's deletion runs on a thread (save/pruning.py)
     assert listing(out) == ["checkpoint", "ckpt_5", "ckpt_7"]
     assert_jobs_equal(job_state(fresh), reference[7])
     fresh.train(3)  # autosaves ckpt_10

@@ -216,6 +216,7 @@ def test_a_failed_index_read_during_rotation_deletes_nothing(tmp_path, monkeypat
         job.manager.global_step = step
         job.manager.save(metrics={"auc": auc})
     first = "ckpt_2" if case != "delta_parent" else "ckpt_4"  # the best / every-n one, or the delta
+    job.manager.wait()  # the pruned directories deleted (save/pruning.py)
     before = listing(out)
     job.manager.close()
 
@@ -239,6 +240,7 @@ def test_a_failed_index_read_during_rotation_deletes_nothing(tmp_path, monkeypat
     job.train(1)
     job.manager.global_step = 10
     job.manager.save(metrics={"auc": 0.2})  # reads succeed: rotation prunes as the policy says
+    job.manager.wait()
     kept = [n for n in listing(out) if n != "checkpoint"]
     if case != "delta_parent":  # the latest and the best / every-n one
         assert kept == ["ckpt_10", "ckpt_2"]

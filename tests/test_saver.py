@@ -230,6 +230,7 @@ def test_checkpoint_file_listing_and_max_keep(tmp_path):
         assert job.saver.latest_checkpoint() == paths[-1]
     assert _list_file(out) == "ckpt_3\nckpt_4\n"
     assert job.saver.checkpoints() == paths[2:]
+    job.saver.wait()  # the pruned directories' deletion (save/pruning.py)
     assert listing(out) == ["checkpoint", "ckpt_3", "ckpt_4"]
 
 
@@ -259,6 +260,7 @@ def test_rotation_prunes_checkpoints_of_an_earlier_process_and_keeps_unrelated_f
     second.train(1)
     latest = second.saver.save("ckpt_5")
     assert _list_file(out) == "ckpt_4\nckpt_5\n"
+    second.saver.wait()  # the pruned directories' deletion (save/pruning.py)
     assert listing(out) == ["checkpoint", "ckpt_4", "ckpt_5", "logs", "notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
     assert sorted(os.listdir(out / "logs")) == ["index", "train.log"]
@@ -271,6 +273,7 @@ def test_rotation_prunes_checkpoints_of_an_earlier_process_and_keeps_unrelated_f
     just = third.saver.save("ckpt_0")
     assert _list_file(out) == "ckpt_0\n"
     assert os.path.exists(os.path.join(just, "index"))
+    third.saver.wait()
     assert listing(out) == ["checkpoint", "ckpt_0", "logs", "notes.txt"]
 
 
@@ -282,6 +285,7 @@ def test_rotation_keeps_an_unrelated_empty_directory(tmp_path):
     job.saver.save("ckpt_1")
     (out / "tensorboard").mkdir()
     job.saver.save("ckpt_2")
+    job.saver.wait()  # the pruned directories' deletion (save/pruning.py)
     assert listing(out) == ["checkpoint", "ckpt_2", "tensorboard"]
 
 
@@ -558,6 +562,7 @@ def test_uncommitted_leftovers_are_never_latest_and_are_removed_by_next_save(tmp
     fresh.train(1)
     c3 = fresh.saver.save("ckpt_3")
     assert _list_file(out) == "ckpt_2\nckpt_3\n"
+    fresh.saver.wait()  # the pruned directories' deletion (save/pruning.py)
     assert listing(out) == ["checkpoint", "ckpt_2", "ckpt_3"]
     assert fresh.saver.checkpoints() == [c2, c3]
 

@@ -19,16 +19,19 @@ from recsave.storage import Storage
 from recsave.storage.lock import LOCK_FILE
 
 LIST_FILE = "checkpoint"
+# Where a save moves the directories its rotation prunes before deleting them off its critical
+# path (save/pruning.py); whatever is inside is garbage (docs/FORMAT.md section 1).
+PRUNED_DIR = ".recsave-pruned"
 MAX_LIST_BYTES = 16 << 20
 
 
 def validate_id(ckpt_id: object) -> str:
     """A checkpoint id is a plain directory name (docs/FORMAT.md section 1)."""
-    if not isinstance(ckpt_id, str) or not is_plain_name(ckpt_id) or ckpt_id in (LIST_FILE, LOCK_FILE) \
+    if not isinstance(ckpt_id, str) or not is_plain_name(ckpt_id) or ckpt_id in (LIST_FILE, LOCK_FILE, PRUNED_DIR) \
             or _OUTPUT_DIR_TEMP.match(ckpt_id):
         raise UsageError(f"checkpoint id {ckpt_id!r} is not usable: use letters, digits, '_', '.', '-' "
-                         f"(no path separators, not '.', '..', {LIST_FILE!r}, {LOCK_FILE!r} or a temporary "
-                         f"name of those, '<name>.tmp-<digits and ->'), e.g. 'ckpt_1000'")
+                         f"(no path separators, not '.', '..', {LIST_FILE!r}, {LOCK_FILE!r}, {PRUNED_DIR!r} or a "
+                         f"temporary name of those, '<name>.tmp-<digits and ->'), e.g. 'ckpt_1000'")
     return ckpt_id
 
 
@@ -160,7 +163,8 @@ def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tu
     if not storage.isdir(output_dir, follow_links=True):
         return [], left_out
     for name in storage.listdir(output_dir):
-        if not is_plain_name(name) or name in (LIST_FILE, skip) or not storage.isdir(storage.join(output_dir, name)):
+        if not is_plain_name(name) or name in (LIST_FILE, PRUNED_DIR, skip) \
+                or not storage.isdir(storage.join(output_dir, name)):
             continue
         state = _index_state(storage, storage.join(output_dir, name))
         if state.kind == "damaged":
@@ -271,7 +275,7 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
     """Whether output_dir/name is a recsave checkpoint directory (committed or a crash leftover):
     a valid id holding only files recsave writes (at least one). Anything else — other files, empty
     directories — is left alone."""
-    if not is_plain_name(name) or name == LIST_FILE:
+    if not is_plain_name(name) or name in (LIST_FILE, PRUNED_DIR):
         return False
     path = storage.join(output_dir, name)
     if not storage.isdir(path):
@@ -298,13 +302,19 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
 
 
 def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
-                    parents_of: Optional[Callable[[str], Iterable[str]]] = None) -> List[str]:
+                    parents_of: Optional[Callable[[str], Iterable[str]]] = None,
+                    remove: Optional[Callable[[str], None]] = None) -> List[str]:
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
-    crashed saves); returns their names. Other files and directories, checkpoints written by a
-    newer recsave (newer_format_version) and directories holding a damaged index (damaged: the
-    user decides what to do with them, e.g. after `recsave repair` named them) are never touched,
-    nor are the chain members a kept delta checkpoint needs (format/chain.py; `parents_of` as in
-    chain.needed_by)."""
+    crashed saves) through `remove` (default storage.remove_tree); returns their names. Other
+    files and directories, checkpoints written by a newer recsave (newer_format_version) and
+    directories holding a damaged index (damaged: the user decides what to do with them, e.g.
+    after `recsave repair` named them) are never touched, nor are the chain members a kept delta
+    checkpoint needs (format/chain.py; `parents_of` as in chain.needed_by). A PRUNED_DIR left by a
+    process that died while deleting goes first. The caller holds the writer lock."""
+    remove = remove or storage.remove_tree
+    pruned = storage.join(output_dir, PRUNED_DIR)
+    if storage.isdir(pruned):
+        storage.remove_tree(pruned)
     candidates = [n for n in storage.listdir(output_dir)
                   if n not in keep and looks_like_checkpoint(storage, output_dir, n)]
     if not candidates:
@@ -315,7 +325,7 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
         # One read of the index decides: only a leftover without one, or an unkept valid one, goes.
         if name not in needed and _index_state(storage, storage.join(output_dir, name),
                                                intact_is_valid=True).kind in ("none", "valid"):
-            storage.remove_tree(storage.join(output_dir, name))
+            remove(storage.join(output_dir, name))
             removed.append(name)
     return removed
 

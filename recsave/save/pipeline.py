@@ -27,6 +27,7 @@ from recsave.format.writer import write_shards
 from recsave.load import contents
 from recsave.save import delta
 from recsave.save.layout import TableLayout, bucket_layout
+from recsave.save.pruning import Pruner
 from recsave.save.snapshot import SaveState
 from recsave.storage import Storage, dist
 from recsave.storage.lock import WriterLock
@@ -85,6 +86,7 @@ class CheckpointWriter:
         self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
         self._warned_newer: Set[str] = set()
+        self._pruner = Pruner(storage, output_dir)  # rotation's deletions, off the save's path
 
     @property
     def retention(self) -> Retention:
@@ -194,8 +196,15 @@ class CheckpointWriter:
         except Exception:
             return None
 
+    def settle(self) -> None:
+        """Waits for what a committed save left running: the deletion of the checkpoint
+        directories its rotation pruned (moved out of their ids already)."""
+        self._pruner.join()
+
     def close(self) -> None:
-        """Releases the writer lock (a later write takes it again)."""
+        """Waits for the deletion of pruned checkpoints, then releases the writer lock (a later
+        write takes it again)."""
+        self._pruner.join()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -208,6 +217,7 @@ class CheckpointWriter:
                 self.storage.remove_tree(ckpt_dir)
 
     def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
+        self._pruner.join()  # the last save's pruned directories are gone before this one looks
         self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
         newer = ckptlist.newer_format_version(self.storage, self.output_dir, ckpt_id)
         if newer is not None:  # intact, only unreadable here: never replaced, listed or not
@@ -344,11 +354,14 @@ class CheckpointWriter:
         ckptlist.write(st, out, keep)
         # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
         # The checkpoint is committed and listed: a failure to prune is the next save's to retry.
+        # Pruned directories are moved aside here and deleted on a thread (save/pruning.py).
         try:
-            ckptlist.collect_garbage(st, out, keep, self.depends_on)
+            ckptlist.collect_garbage(st, out, keep, self.depends_on, remove=self._pruner.remove)
         except OSError as exc:
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({exc}); {ckpt_id} is committed "
                           f"and listed, the next save prunes again", RuntimeWarning, stacklevel=2)
+        finally:
+            self._pruner.start(self._lock)
 
     def _fact(self, ckpt_id: str) -> Tuple[Optional[int], Optional[Mapping[str, float]]]:
         """(step, metrics) of a committed checkpoint, from its index (read once: indexes never

@@ -294,8 +294,13 @@ class Saver:
 
     def wait(self) -> Optional[str]:
         """Waits for the pending async write; returns its checkpoint path (None when nothing was
-        pending) or raises its error."""
-        return self._background.collect(consume=True)
+        pending) or raises its error. Then waits for the deletion of the checkpoints rotation
+        pruned, which runs on a thread after a save returns (on a local file system; the pruned
+        directories leave their ids at once, into output_dir/.recsave-pruned, docs/FORMAT.md)."""
+        try:
+            return self._background.collect(consume=True)
+        finally:
+            self._checkpoints.settle()
 
     @property
     def pending_checkpoint(self) -> Optional[str]:

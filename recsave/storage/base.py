@@ -113,6 +113,13 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove_tree(self, path: str) -> None: ...
 
+    def move_tree_aside(self, path: str, to: str) -> bool:
+        """Moves directory `path` to `to` (a new name on the same storage, whose parent this
+        creates) when that is one cheap atomic step, so that a slow removal of `to` can follow off
+        the caller's path; False where it is not (object stores: a copy per object) or it failed,
+        with `path` as it was."""
+        return False
+
     @abc.abstractmethod
     def remove_file(self, path: str) -> None:
         """Removes a file; a missing one is not an error."""

@@ -77,6 +77,17 @@ class LocalStorage(Storage):
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
+    def move_tree_aside(self, path: str, to: str) -> bool:
+        """A rename: unlinking a large checkpoint's files frees its page cache (tens of ms per GB)."""
+        try:
+            os.makedirs(os.path.dirname(to), exist_ok=True)
+            if os.path.islink(path) or not os.path.isdir(path) or os.path.lexists(to):
+                return False
+            os.rename(path, to)
+        except OSError:
+            return False
+        return True
+
     def remove_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)

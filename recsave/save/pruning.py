@@ -1,0 +1,67 @@
+"""Deleting the checkpoint directories rotation prunes without making the save wait for it.
+
+On a local file system, unlinking a checkpoint's files frees their pages in the page cache: about
+60 ms per GB on the development VM, a quarter of a steady-state save with `max_keep`
+(benchmarks/README.md). The directory is renamed into the output dir's PRUNED_DIR instead (one
+atomic step: its id is gone from the output dir at once, as with a plain delete) and a background
+thread deletes it. Where no cheap rename exists (object stores) the deletion stays inline.
+docs/FORMAT.md section 1 names PRUNED_DIR; a save's collect_garbage removes one a dead process left.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from concurrent.futures import Future
+from typing import Any, List, Optional
+
+from recsave import threads
+from recsave.format.ckptlist import PRUNED_DIR
+from recsave.storage import Storage
+
+_names = itertools.count()
+
+
+class Pruner:
+    """Removes an output dir's pruned checkpoint directories: remove() is collect_garbage's removal
+    (the directory moved aside, or deleted where it cannot be), start() deletes what was moved
+    aside on a thread, join() waits for that thread (before the next collection and before the
+    writer lock is released)."""
+
+    def __init__(self, storage: Storage, output_dir: str):
+        self.storage = storage
+        self.root = storage.join(output_dir, PRUNED_DIR)
+        self._moved: List[str] = []
+        self._deleting: Optional["Future[None]"] = None
+
+    def remove(self, path: str) -> None:
+        name = f"{os.path.basename(path.rstrip('/'))}-{os.getpid()}-{next(_names)}"
+        if self.storage.move_tree_aside(path, self.storage.join(self.root, name)):
+            self._moved.append(name)
+        else:
+            self.storage.remove_tree(path)
+
+    def start(self, holding: Any) -> None:
+        """Deletes PRUNED_DIR on a thread if remove() moved directories into it. `holding` (the
+        writer lock) is kept alive until the thread ends: a Saver garbage-collected meanwhile does
+        not release the lock to another writer, whose collection would race with this deletion."""
+        if self._moved:
+            self._moved = []
+            self._deleting = threads.start(_delete, self.storage, self.root, holding, name="recsave-prune")
+
+    def join(self) -> None:
+        """Waits for the deletion started last; a failure is a warning (the next collection
+        removes what is left)."""
+        deleting, self._deleting = self._deleting, None
+        if deleting is None:
+            return
+        try:
+            deleting.result()
+        except Exception as exc:
+            warnings.warn(f"{self.root}: deleting pruned checkpoints failed ({exc}); the next save removes "
+                          f"what is left", RuntimeWarning, stacklevel=2)
+
+
+def _delete(storage: Storage, root: str, holding: Any) -> None:
+    """The thread's work; `holding` is referenced by the thread's arguments until it returns."""
+    storage.remove_tree(root)

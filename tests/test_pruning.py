@@ -1,0 +1,124 @@
+"""Rotation's deletions off the save's path (recsave/save/pruning.py): a pruned checkpoint leaves its
+id at once (moved into output_dir/.recsave-pruned on local disk), the files go on a thread, and
+whatever a dead process left there is garbage that nothing lists."""
+import os
+import shutil
+import threading
+import uuid
+
+import pytest
+from helpers import CTR, assert_jobs_equal, job_state, listing, make_job
+
+from recsave import Saver
+from recsave.errors import UsageError
+from recsave.format import ckptlist
+from recsave.format.ckptlist import PRUNED_DIR
+from recsave.storage import get_storage
+from recsave.storage.local import LocalStorage
+
+
+def _save_steps(job, steps):
+    for step in steps:
+        job.train(1)
+        job.saver.save(f"ckpt_{step}")
+
+
+def test_a_pruned_checkpoint_leaves_its_id_before_its_files_are_deleted(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=1)
+    _save_steps(job, [1])
+    release, blocked = threading.Event(), []
+    real = LocalStorage.remove_tree
+
+    def slow(self, path):  # the thread's deletion waits until the test has looked
+        if os.path.basename(path) == PRUNED_DIR:
+            blocked.append(release.wait(timeout=30))
+        real(self, path)
+
+    monkeypatch.setattr(LocalStorage, "remove_tree", slow)
+    _save_steps(job, [2])  # returns while the deletion of ckpt_1 is held
+    assert not blocked  # the save did not wait for it
+    assert not os.path.exists(os.path.join(out, "ckpt_1"))
+    assert ckptlist.read(LocalStorage(), out) == ["ckpt_2"]
+    moved = os.listdir(os.path.join(out, PRUNED_DIR))
+    assert len(moved) == 1 and moved[0].startswith("ckpt_1-")
+    release.set()
+    job.saver.wait()
+    assert blocked == [True]
+    assert listing(out) == ["checkpoint", "ckpt_2"]
+    job.saver.close()
+
+
+def test_close_and_the_next_save_wait_for_the_deletion(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=1)
+    _save_steps(job, [1, 2])
+    job.saver.close()  # joined before the writer lock goes
+    assert listing(out) == ["checkpoint", "ckpt_2"]
+    _save_steps(job, [3, 4])  # each save joins the previous one's deletion before it looks
+    job.saver.wait()
+    assert listing(out) == ["checkpoint", "ckpt_4"]
+    job.saver.close()
+
+
+def test_a_left_over_pruned_dir_is_never_listed_and_the_next_save_removes_it(tmp_path):
+    """A process that died while deleting left a committed-looking copy in PRUNED_DIR: a rebuilt
+    list does not bring it back, and the next save's collection removes it."""
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=3)
+    _save_steps(job, [1, 2])
+    job.saver.close()
+    shutil.copytree(out / "ckpt_1", out / PRUNED_DIR / "ckpt_1-999-0")
+    shutil.copytree(out / "ckpt_1", out / PRUNED_DIR / "ckpt_9")  # a valid id with a valid index inside
+    os.remove(out / "checkpoint")
+    with pytest.warns(RuntimeWarning, match="rebuilt the list of committed checkpoints"):
+        assert ckptlist.committed(LocalStorage(), str(out), rewrite=True).ids == ["ckpt_1", "ckpt_2"]
+    assert not ckptlist.looks_like_checkpoint(LocalStorage(), str(out), PRUNED_DIR)
+    job = make_job(str(out), max_keep=3)
+    job.saver.load()
+    _save_steps(job, [3])
+    assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2", "ckpt_3"]
+    job.saver.close()
+
+
+def test_the_pruned_dir_name_is_not_a_checkpoint_id(tmp_path):
+    job = make_job(str(tmp_path / "run"))
+    with pytest.raises(UsageError, match=r"\.recsave-pruned"):
+        job.saver.save(PRUNED_DIR)
+    job.saver.close()
+
+
+def test_a_file_in_the_pruned_dir_s_place_is_kept_and_pruning_deletes_inline(tmp_path):
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=1)
+    _save_steps(job, [1])
+    (out / PRUNED_DIR).write_text("the user's")
+    _save_steps(job, [2])
+    assert not (out / "ckpt_1").exists()  # removed inline: nothing to wait for
+    assert listing(out) == [PRUNED_DIR, "checkpoint", "ckpt_2"]
+    assert (out / PRUNED_DIR).read_text() == "the user's"
+    job.saver.close()
+
+
+def test_object_stores_prune_inline(tmp_path):
+    """memory:// has no cheap rename: the deletion stays in the save, and nothing is moved aside."""
+    url = f"memory://prune-{uuid.uuid4().hex}/run"
+    saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
+    saver.save("ckpt_1")
+    saver.save("ckpt_2")
+    names = get_storage(url).listdir(url)
+    assert "ckpt_1" not in names and PRUNED_DIR not in names and "ckpt_2" in names
+    saver.close()
+
+
+def test_a_restore_after_pruning_loads_the_kept_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=1)
+    _save_steps(job, [1, 2, 3])
+    expected = job_state(job)
+    job.saver.close()
+    fresh = make_job(out)
+    fresh.saver.load()
+    assert ckptlist.read(LocalStorage(), out) == ["ckpt_3"]
+    assert_jobs_equal(job_state(fresh), expected)
+    fresh.saver.close()
