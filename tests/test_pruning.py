@@ -1,6 +1,7 @@
 """Rotation's deletions off the save's path (recsave/save/pruning.py): a pruned checkpoint leaves its
-id at once (moved into output_dir/.recsave-pruned on local disk), the files go on a thread, and
+id at once (moved into output_dir/.recsave+pruned on local disk), the files go on a thread, and
 whatever a dead process left there is garbage that nothing lists."""
+import gc
 import os
 import shutil
 import threading
@@ -74,6 +75,7 @@ def test_a_left_over_pruned_dir_is_never_listed_and_the_next_save_removes_it(tmp
     with pytest.warns(RuntimeWarning, match="rebuilt the list of committed checkpoints"):
         assert ckptlist.committed(LocalStorage(), str(out), rewrite=True).ids == ["ckpt_1", "ckpt_2"]
     assert not ckptlist.looks_like_checkpoint(LocalStorage(), str(out), PRUNED_DIR)
+    assert ckptlist.validate_id("ckpt_9") and not ckptlist.is_plain_name(PRUNED_DIR)
     job = make_job(str(out), max_keep=3)
     job.saver.load()
     _save_steps(job, [3])
@@ -82,10 +84,49 @@ def test_a_left_over_pruned_dir_is_never_listed_and_the_next_save_removes_it(tmp
 
 
 def test_the_pruned_dir_name_is_not_a_checkpoint_id(tmp_path):
+    """No release could have written a checkpoint under that name: a listed one is never deleted."""
     job = make_job(str(tmp_path / "run"))
-    with pytest.raises(UsageError, match=r"\.recsave-pruned"):
+    with pytest.raises(UsageError, match="is not usable"):
         job.saver.save(PRUNED_DIR)
     job.saver.close()
+
+
+def test_a_garbage_collected_saver_releases_the_lock_while_its_deletion_runs(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=1)
+    _save_steps(job, [1])
+    release = threading.Event()
+    real = LocalStorage.remove_tree
+
+    def slow(self, path):  # a multi-GB checkpoint's deletion, still running on the old Saver's thread
+        if os.path.basename(path) == PRUNED_DIR and threading.current_thread().name == "recsave-prune":
+            release.wait(timeout=30)
+        real(self, path)
+
+    monkeypatch.setattr(LocalStorage, "remove_tree", slow)
+    _save_steps(job, [2])
+    del job
+    gc.collect()
+    other = make_job(out, max_keep=1)  # another writer in this process: the lock is free
+    other.saver.load()
+    _save_steps(other, [3])
+    release.set()
+    other.saver.wait()
+    assert listing(out) == ["checkpoint", "ckpt_3"]
+    other.saver.close()
+
+
+def test_a_symlink_in_the_pruned_dir_s_place_is_not_followed(tmp_path):
+    out = tmp_path / "run"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    job = make_job(str(out), max_keep=1)
+    _save_steps(job, [1])
+    os.symlink(elsewhere, out / PRUNED_DIR)
+    _save_steps(job, [2, 3])
+    job.saver.close()
+    assert os.listdir(elsewhere) == []  # deleted in place, nothing moved out of the output dir
+    assert listing(out) == [PRUNED_DIR, "checkpoint", "ckpt_3"]
 
 
 def test_a_file_in_the_pruned_dir_s_place_is_kept_and_pruning_deletes_inline(tmp_path):

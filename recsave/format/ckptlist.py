@@ -20,18 +20,20 @@ from recsave.storage.lock import LOCK_FILE
 
 LIST_FILE = "checkpoint"
 # Where a save moves the directories its rotation prunes before deleting them off its critical
-# path (save/pruning.py); whatever is inside is garbage (docs/FORMAT.md section 1).
-PRUNED_DIR = ".recsave-pruned"
+# path (save/pruning.py); whatever is inside is garbage (docs/FORMAT.md section 1). Not a plain
+# name ('+'), so no checkpoint id of any release can be it: readers and rebuilds skip it as they
+# skip every name that is not an id.
+PRUNED_DIR = ".recsave+pruned"
 MAX_LIST_BYTES = 16 << 20
 
 
 def validate_id(ckpt_id: object) -> str:
     """A checkpoint id is a plain directory name (docs/FORMAT.md section 1)."""
-    if not isinstance(ckpt_id, str) or not is_plain_name(ckpt_id) or ckpt_id in (LIST_FILE, LOCK_FILE, PRUNED_DIR) \
+    if not isinstance(ckpt_id, str) or not is_plain_name(ckpt_id) or ckpt_id in (LIST_FILE, LOCK_FILE) \
             or _OUTPUT_DIR_TEMP.match(ckpt_id):
         raise UsageError(f"checkpoint id {ckpt_id!r} is not usable: use letters, digits, '_', '.', '-' "
-                         f"(no path separators, not '.', '..', {LIST_FILE!r}, {LOCK_FILE!r}, {PRUNED_DIR!r} or a "
-                         f"temporary name of those, '<name>.tmp-<digits and ->'), e.g. 'ckpt_1000'")
+                         f"(no path separators, not '.', '..', {LIST_FILE!r}, {LOCK_FILE!r} or a temporary "
+                         f"name of those, '<name>.tmp-<digits and ->'), e.g. 'ckpt_1000'")
     return ckpt_id
 
 
@@ -163,8 +165,7 @@ def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tu
     if not storage.isdir(output_dir, follow_links=True):
         return [], left_out
     for name in storage.listdir(output_dir):
-        if not is_plain_name(name) or name in (LIST_FILE, PRUNED_DIR, skip) \
-                or not storage.isdir(storage.join(output_dir, name)):
+        if not is_plain_name(name) or name in (LIST_FILE, skip) or not storage.isdir(storage.join(output_dir, name)):
             continue
         state = _index_state(storage, storage.join(output_dir, name))
         if state.kind == "damaged":
@@ -275,7 +276,7 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
     """Whether output_dir/name is a recsave checkpoint directory (committed or a crash leftover):
     a valid id holding only files recsave writes (at least one). Anything else — other files, empty
     directories — is left alone."""
-    if not is_plain_name(name) or name in (LIST_FILE, PRUNED_DIR):
+    if not is_plain_name(name) or name == LIST_FILE:
         return False
     path = storage.join(output_dir, name)
     if not storage.isdir(path):
@@ -312,11 +313,10 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     checkpoint needs (format/chain.py; `parents_of` as in chain.needed_by). A PRUNED_DIR left by a
     process that died while deleting goes first. The caller holds the writer lock."""
     remove = remove or storage.remove_tree
-    pruned = storage.join(output_dir, PRUNED_DIR)
-    if storage.isdir(pruned):
-        storage.remove_tree(pruned)
-    candidates = [n for n in storage.listdir(output_dir)
-                  if n not in keep and looks_like_checkpoint(storage, output_dir, n)]
+    names = storage.listdir(output_dir)
+    if PRUNED_DIR in names and storage.isdir(storage.join(output_dir, PRUNED_DIR)):
+        storage.remove_tree(storage.join(output_dir, PRUNED_DIR))
+    candidates = [n for n in names if n not in keep and looks_like_checkpoint(storage, output_dir, n)]
     if not candidates:
         return []
     needed = chain.needed_by(storage, output_dir, keep, parents_of)

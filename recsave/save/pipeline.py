@@ -361,7 +361,7 @@ class CheckpointWriter:
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({exc}); {ckpt_id} is committed "
                           f"and listed, the next save prunes again", RuntimeWarning, stacklevel=2)
         finally:
-            self._pruner.start(self._lock)
+            self._pruner.start()
 
     def _fact(self, ckpt_id: str) -> Tuple[Optional[int], Optional[Mapping[str, float]]]:
         """(step, metrics) of a committed checkpoint, from its index (read once: indexes never

@@ -13,7 +13,7 @@ import itertools
 import os
 import warnings
 from concurrent.futures import Future
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from recsave import threads
 from recsave.format.ckptlist import PRUNED_DIR
@@ -41,13 +41,13 @@ class Pruner:
         else:
             self.storage.remove_tree(path)
 
-    def start(self, holding: Any) -> None:
-        """Deletes PRUNED_DIR on a thread if remove() moved directories into it. `holding` (the
-        writer lock) is kept alive until the thread ends: a Saver garbage-collected meanwhile does
-        not release the lock to another writer, whose collection would race with this deletion."""
+    def start(self) -> None:
+        """Deletes PRUNED_DIR on a thread if remove() moved directories into it. The writer lock is
+        not held for it: a Saver dropped meanwhile releases the lock, and a next writer's
+        collection may delete the same garbage at the same time, which only costs a failed unlink."""
         if self._moved:
             self._moved = []
-            self._deleting = threads.start(_delete, self.storage, self.root, holding, name="recsave-prune")
+            self._deleting = threads.start(self.storage.remove_tree, self.root, name="recsave-prune")
 
     def join(self) -> None:
         """Waits for the deletion started last; a failure is a warning (the next collection
@@ -61,7 +61,3 @@ class Pruner:
             warnings.warn(f"{self.root}: deleting pruned checkpoints failed ({exc}); the next save removes "
                           f"what is left", RuntimeWarning, stacklevel=2)
 
-
-def _delete(storage: Storage, root: str, holding: Any) -> None:
-    """The thread's work; `holding` is referenced by the thread's arguments until it returns."""
-    storage.remove_tree(root)

@@ -4,6 +4,7 @@ its dense state with torch.save (save/pipeline.py writes and commits), and loads
 save/arguments.py). docs/ARCHITECTURE.md shows how the layers fit."""
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
@@ -296,11 +297,15 @@ class Saver:
         """Waits for the pending async write; returns its checkpoint path (None when nothing was
         pending) or raises its error. Then waits for the deletion of the checkpoints rotation
         pruned, which runs on a thread after a save returns (on a local file system; the pruned
-        directories leave their ids at once, into output_dir/.recsave-pruned, docs/FORMAT.md)."""
+        directories leave their ids at once, into output_dir/.recsave+pruned, docs/FORMAT.md)."""
         try:
-            return self._background.collect(consume=True)
-        finally:
-            self._checkpoints.settle()
+            path = self._background.collect(consume=True)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the write's error is the one to raise
+                self._checkpoints.settle()
+            raise
+        self._checkpoints.settle()
+        return path
 
     @property
     def pending_checkpoint(self) -> Optional[str]:

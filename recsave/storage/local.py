@@ -81,7 +81,10 @@ class LocalStorage(Storage):
         """A rename: unlinking a large checkpoint's files frees its page cache (tens of ms per GB)."""
         try:
             os.makedirs(os.path.dirname(to), exist_ok=True)
-            if os.path.islink(path) or not os.path.isdir(path) or os.path.lexists(to):
+            # Only into a real directory: through a symbolic link the files would leave the output
+            # dir, where nothing would delete them.
+            if not stat.S_ISDIR(os.lstat(os.path.dirname(to)).st_mode) or os.path.islink(path) \
+                    or not os.path.isdir(path) or os.path.lexists(to):
                 return False
             os.rename(path, to)
         except OSError:
