@@ -163,3 +163,29 @@ def test_a_restore_after_pruning_loads_the_kept_checkpoint(tmp_path):
     assert ckptlist.read(LocalStorage(), out) == ["ckpt_3"]
     assert_jobs_equal(job_state(fresh), expected)
     fresh.saver.close()
+
+
+def test_in_place_pruning_deletes_the_index_first(monkeypatch):
+    """Without a rename (object stores) a process that dies while deleting leaves a directory
+    without an index: a rebuilt list does not take it for a committed checkpoint."""
+    from recsave.errors import StorageError
+
+    url = f"memory://prune-{uuid.uuid4().hex}/run"
+    st = get_storage(url)
+    saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
+    saver.save("ckpt_1")
+
+    def dies(self, path):  # stands in for the process dying after the first DELETE
+        raise StorageError(f"{path}: deleting failed (injected)", path=path)
+
+    monkeypatch.setattr(type(st), "remove_tree", dies)
+    with pytest.warns(RuntimeWarning, match="pruning old checkpoint directories failed"):
+        saver.save("ckpt_2")
+    monkeypatch.undo()
+    assert not st.exists(f"{url}/ckpt_1/index") and st.exists(f"{url}/ckpt_1/model.pt")
+    st.remove_file(f"{url}/checkpoint")
+    with pytest.warns(RuntimeWarning, match="rebuilt the list"):
+        assert ckptlist.committed(st, url, rewrite=True).ids == ["ckpt_2"]
+    saver.save("ckpt_3")  # its collection removes the leftover
+    assert sorted(n for n in st.listdir(url) if n.startswith("ckpt_")) == ["ckpt_3"]
+    saver.close()

@@ -4,7 +4,8 @@ On a local file system, unlinking a checkpoint's files frees their pages in the 
 60 ms per GB on the development VM, a quarter of a steady-state save with `max_keep`
 (benchmarks/README.md). The directory is renamed into the output dir's PRUNED_DIR instead (one
 atomic step: its id is gone from the output dir at once, as with a plain delete) and a background
-thread deletes it. Where no cheap rename exists (object stores) the deletion stays inline.
+thread deletes it. Where no cheap rename exists (object stores) the deletion stays inline, the
+index first.
 docs/FORMAT.md section 1 names PRUNED_DIR; a save's collect_garbage removes one a dead process left.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import List, Optional
 
 from recsave import threads
 from recsave.format.ckptlist import PRUNED_DIR
+from recsave.format.index import INDEX_FILE
 from recsave.storage import Storage
 
 _names = itertools.count()
@@ -38,8 +40,12 @@ class Pruner:
         name = f"{os.path.basename(path.rstrip('/'))}-{os.getpid()}-{next(_names)}"
         if self.storage.move_tree_aside(path, self.storage.join(self.root, name)):
             self._moved.append(name)
-        else:
-            self.storage.remove_tree(path)
+            return
+        # In place, the index first: a process that dies midway leaves a directory without an
+        # index (a leftover the next collection removes), never an index whose files are partly
+        # gone, which a rebuilt list would take for a committed checkpoint.
+        self.storage.remove_file(self.storage.join(path, INDEX_FILE))
+        self.storage.remove_tree(path)
 
     def start(self) -> None:
         """Deletes PRUNED_DIR on a thread if remove() moved directories into it. The writer lock is
