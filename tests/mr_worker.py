@@ -356,6 +356,20 @@ def main():
         outcome.append(reader.position)
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)
+    elif scenario == "bank_bad_entry_then_load":  # rank BAD_RANK alone gives a malformed bank entry
+        outcome = []
+        entry = {"path": os.path.join(saver.output_dir, "ckpt_2")}
+        if rank == int(os.environ["BAD_RANK"]):
+            entry["exclude_typo"] = ["io_state"]
+        try:
+            saver.load_model_bank([entry])
+            outcome.append("loaded")
+        except recsave.RecsaveError as exc:
+            outcome.append(type(exc).__name__)
+        saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
+        outcome.append(reader.position)
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
     elif scenario == "load_damaged":
         # The live model holds other rows (offset 50); rank 1's part of the checkpoint is damaged.
         fill(model, rank, world, offset=50.0)

@@ -12,7 +12,7 @@ from recsave.errors import ConfigError
 from recsave.load import config, contents
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.report import table_rows_read
-from recsave.load.shared_reads import open_sources
+from recsave.load.shared_reads import fail_before_sharing, open_sources
 from recsave.load.sources import open_source
 from recsave.storage import dist
 
@@ -114,10 +114,15 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
 def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_id: Optional[int],
                   ckpt_id: Optional[str], direct_path: bool, require_path: bool, share_reads: bool) -> LoadPlan:
     rank, world = dist.resolve(shard_id, None)
-    tables, dense = contents.model_state(target.model)
-    model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
-    confs = [config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
-                          require_path=True) for i, entry in enumerate(entries)]
+    try:
+        tables, dense = contents.model_state(target.model)
+        model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
+        confs = [config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
+                              require_path=True) for i, entry in enumerate(entries)]
+    except BaseException as exc:
+        if not share_reads:
+            raise
+        fail_before_sharing(exc, world)  # the others go on to open_sources' broadcast: meet them there
     entry_of = [i for i, conf in enumerate(confs) if not conf.skip]
     openings = [(cast(str, confs[i].path), ckpt_id, direct_path) for i in entry_of]
     sources = open_sources(openings, world) if share_reads else [open_source(*o) for o in openings]

@@ -19,7 +19,7 @@ given other entries, reads for itself, as every rank did before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Set, Tuple
 
 from recsave.errors import RecsaveError
 from recsave.format import index as index_mod
@@ -112,6 +112,20 @@ def _run_then_send(work: Callable[[], None], message: Callable[[], Any], world: 
     dist.broadcast_from_rank0(message(), world)
     if failure is not None:
         raise failure
+
+
+def fail_before_sharing(error: BaseException, world: int) -> NoReturn:
+    """For a rank whose planning failed before open_sources (a malformed entry only it was given,
+    its model refused): takes part in that broadcast all the same (rank 0 sends that it shares
+    nothing, another rank receives and drops what rank 0 shares), then raises `error`. Every rank
+    thus makes the same collective calls and meets the others at the planning's outcome exchange,
+    where they learn of `error` at once instead of at the collective timeout."""
+    if dist.collective(world):
+        try:
+            dist.broadcast_from_rank0(SharedReads([], {}) if dist.group_rank() == 0 else None, world)
+        except Exception:  # a broken group: `error` is still the one to report
+            pass
+    raise error
 
 
 def open_sources(entries: Sequence[Opening], world: int) -> List[Any]:
