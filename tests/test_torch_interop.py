@@ -392,3 +392,34 @@ def test_a_device_move_torch_cannot_make_leaves_a_tables_only_module_as_it_was()
     module.user = HashTable(4, name="user")
     module.user(torch.arange(3))
     assert module.to("cuda") is module and module.user.device.type == "cpu" and len(module.user) == 3
+
+
+# ------------------------------------------------------ torch.utils.checkpoint (activation recompute)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_counts_each_lookup_once_and_trains_alike(reentrant):
+    """torch.utils.checkpoint runs the forward again during backward: that second lookup must not
+    count the rows' use again, and the gradients (so the rows after a step) match a plain run."""
+    from torch.utils.checkpoint import checkpoint
+
+    ids = torch.tensor([[3, 5, 3], [7, 5, 11]], dtype=torch.int64) * 1_000_003
+    results = []
+    for recompute in (False, True):
+        model = Tower(seed=0)
+        opt = SparseAdagrad(model, lr=0.1)
+        for _ in range(2):
+            # The reentrant form needs an input that requires grad (the ids cannot): a zero one.
+            zero = torch.zeros((), requires_grad=True)
+            loss = checkpoint(lambda i, z, m=model: m(i) + z, ids, zero, use_reentrant=reentrant) if recompute \
+                else model(ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        table = model.emb.user
+        rows = table.lookup(torch.unique(ids), insert=False)
+        results.append((table_contents(table), table.row_meta(rows)["count"].reshape(-1).tolist()))
+    (plain, plain_count), (recomputed, recomputed_count) = results
+    assert plain_count == [4, 4, 2, 2]  # ids 3 and 5 twice a batch, 7 and 11 once; two steps
+    assert recomputed_count == plain_count
+    assert plain.keys() == recomputed.keys()
+    for name in plain:
+        assert torch.equal(plain[name], recomputed[name]), name

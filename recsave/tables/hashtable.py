@@ -20,7 +20,7 @@ from recsave.tables import partition, tablestate
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
 from recsave.tables.lifecycle import TableLifecycle
-from recsave.tables.modes import outside_inference_mode
+from recsave.tables.modes import outside_inference_mode, recomputing
 from recsave.tables.rows import RESERVED_COLUMNS, RowStorage
 from recsave.tables.staging import TableStaging
 from recsave.tables.tracking import ChangeTracker
@@ -230,7 +230,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, f"HashTable {self.table_name!r}")
         rows = self.lookup(ids, insert=self.training).to(self._device)
-        if self.training:  # row metadata, and the rows an optimizer may update next
+        if self.training and not recomputing():  # row metadata, and the rows an optimizer may update next
             self._store.touch(rows, self._step)
             self._tracker.mark(rows)
         if torch.is_grad_enabled() and self._anchor.requires_grad:

@@ -1,4 +1,6 @@
-"""Table storage stays made of normal tensors when a caller runs under ``torch.inference_mode()``.
+"""Autograd modes a table's methods must tell apart.
+
+Table storage stays made of normal tensors when a caller runs under ``torch.inference_mode()``.
 
 A tensor allocated in inference mode is an inference tensor, which can never again be updated in
 place outside it: a table that grew (a training-mode lookup of new ids) or was loaded inside such a
@@ -23,3 +25,12 @@ def outside_inference_mode(fn: F) -> F:
         with torch.inference_mode(False), torch.no_grad():  # inference_mode(False) enables grad
             return fn(*args, **kwargs)
     return cast(F, wrapper)
+
+
+def recomputing() -> bool:
+    """Whether this thread runs inside a backward pass: a table's forward there is activation
+    checkpointing's recompute (torch.utils.checkpoint, reentrant or not), a second run of a lookup
+    the forward pass made already, which must not count it again."""
+    # No public call tells; a torch without this one counts the recompute as before.
+    task_id = getattr(torch._C, "_current_graph_task_id", None)  # noqa: SLF001
+    return task_id is not None and task_id() != -1
