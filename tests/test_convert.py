@@ -193,14 +193,18 @@ def test_a_failed_dcp_conversion_leaves_nothing_and_repeated_ids_are_refused(tmp
     torch.save({"t.weight": torch.rand(3, 4), "t.ids": torch.tensor([5, 6, 5])}, tmp_path / "dup.pt")
     with pytest.raises(ConfigError, match="table 't' has repeated ids"):
         recsave.convert(str(tmp_path / "dup.pt"), str(tmp_path / "out"), "recsave")
-    assert not (tmp_path / "out" / "converted").exists()
+    assert not (tmp_path / "out").exists()  # nor the output dir the failed write made
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(ConfigError, match="table 't' has repeated ids"):
+        recsave.convert(str(tmp_path / "dup.pt"), str(tmp_path / "kept"), "recsave")
+    assert list((tmp_path / "kept").iterdir()) == []  # an output dir that was there stays
 
     # slots of another dtype than the embedding: refused, not rounded into the embedding's dtype
     torch.save({"t.weight": torch.rand(3, 4), "t.ids": torch.tensor([1, 2, 3]),
                 "t.acc": torch.rand(3, 4, dtype=torch.float64)}, tmp_path / "f64slot.pt")
     with pytest.raises(ConfigError, match=r"table 't' is float32 but its slot\(s\) \{'acc': 'float64'\}"):
         recsave.convert(str(tmp_path / "f64slot.pt"), str(tmp_path / "out"), "recsave")
-    assert not (tmp_path / "out" / "converted").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_conversions_keep_row_metadata_and_table_steps(tmp_path):

@@ -298,8 +298,16 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
                                   meta=meta, step=source.table_step(name))  # type: ignore[arg-type]
     model = source.read_pt("model.pt") if dense else {}
     state = SaveState(states, {k: model[k] for k in dense}, {}, {})
-    writer = CheckpointWriter(get_storage(dst), dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
+    storage = get_storage(dst)
+    created = not storage.exists(dst)
+    writer = CheckpointWriter(storage, dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
     try:
-        return writer.write(ckpt_id, state, 0, 1)
-    finally:
-        writer.close()
+        try:
+            return writer.write(ckpt_id, state, 0, 1)
+        finally:
+            writer.close()
+    except BaseException:  # the writer removed its checkpoint directory; the output dir it made goes too
+        with contextlib.suppress(Exception):
+            if created and not storage.listdir(dst):
+                storage.remove_tree(dst)
+        raise
