@@ -160,6 +160,22 @@ def test_ls_json(output_dir, capsys):
         assert c["kept"] == ["latest"] and c["metrics"] is None
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["ls", "--json"], "the following arguments are required: OUTPUT_DIR"),
+    (["verify", "--json", "--bogus", "x"], "unrecognized arguments: --bogus"),
+    (["ls", "--json", "a", "b"], "unrecognized arguments: b")])
+def test_usage_errors_with_json_print_an_error_document(argv, says, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["error"]["type"] == "UsageError" and doc["error"]["exit_code"] == 2
+    assert doc["error"]["message"].startswith("recsave") and doc["error"]["message"].endswith(says)
+    assert err.startswith("usage: recsave") and f"recsave: error: {doc['error']['message']}" in err
+    assert main(argv[:1] + argv[2:]) == 2  # without --json: usage and the message on stderr only
+    out, err = capsys.readouterr()
+    assert out == "" and "usage:" in err and says in err
+
+
 def test_ls_json_of_an_empty_output_dir(tmp_path, capsys):
     assert main(["ls", "--json", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out) == {"output_dir": str(tmp_path), "checkpoints": []}

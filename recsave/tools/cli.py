@@ -342,8 +342,17 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error raised as UsageError instead of printed and exited on, so that
+    main() reports it as it reports any other (also as a JSON document with --json)."""
+
+    def error(self, message: str) -> Any:  # argparse's NoReturn, widened for mypy's override check
+        self.print_usage(sys.stderr)
+        raise UsageError(f"{self.prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recsave", description="Inspect and convert recsave checkpoints.")
+    parser = _Parser(prog="recsave", description="Inspect and convert recsave checkpoints.")
     parser.add_argument("--version", action="version", version=f"recsave {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -367,10 +376,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 1 damage found, 2 usage error / not
     found / other recsave error, 3 I/O error, 130 interrupted)."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help / --version (0) or a usage error (2), already printed
+    except SystemExit as exc:  # --help / --version (0), already printed
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_ERROR)
+    except UsageError as exc:  # the arguments did not parse: --json is taken as given
+        return _error(argparse.Namespace(json="--json" in argv), exc, str(exc), EXIT_ERROR)
     try:
         return int(args.handler(args) or EXIT_OK)
     except CorruptCheckpointError as exc:
