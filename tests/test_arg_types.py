@@ -98,6 +98,9 @@ TYPE_CASES = {
     "HashTable-init_std": (lambda e: HashTable(4, init_std="0.1"), "init_std", "str"),
     "HashTable-seed": (lambda e: HashTable(4, seed=1.5), "seed", "float"),
     "HashTable-id_map": (lambda e: HashTable(4, id_map=1), "id_map", "int"),
+    "HashTable-device": (lambda e: HashTable(4, device=1.0), "device", "float"),
+    "table-gather_rows-list": (lambda e: e["table"].gather_rows([0]), "rows", "list"),
+    "table-gather_rows-float": (lambda e: e["table"].gather_rows(torch.tensor([0.0])), "rows", "float32"),
     "table-ids-float": (lambda e: e["table"](torch.tensor([1.0])), "ids", "float32"),
     "table-ids-list": (lambda e: e["table"]([1, 2]), "ids", "list"),
     "table-lookup": (lambda e: e["table"].lookup(torch.tensor([1], dtype=torch.int32), True), "ids", "int32"),
@@ -328,3 +331,23 @@ def test_a_path_of_the_wrong_type_is_named_as_such_and_convert_needs_a_thread(tm
     with pytest.raises(UsageError, match="concurrency must be >= 1, got 0"):
         recsave.convert(str(tmp_path / "run"), str(tmp_path / "x.pt"), "torch", concurrency=0)
     assert not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.parametrize("device,says", [("tpu", "is not a torch device"), ("gpu0", "is not a torch device"),
+                                         ("cuda:7", "is not available here")])
+def test_a_table_device_that_cannot_hold_it_is_a_usage_error(device, says):
+    if says == "is not available here" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with pytest.raises(UsageError, match=f"HashTable: device {device!r} {says}"):
+        HashTable(4, device=device)
+    assert HashTable(4, device=torch.device("cpu")).device == torch.device("cpu")
+
+
+def test_gather_rows_outside_the_table_is_a_usage_error(env):
+    table = env["table"]
+    n = len(table)
+    assert n > 0 and table.gather_rows(torch.arange(n))[0].shape == (n, table.embedding_dim)
+    for rows in (torch.tensor([-1]), torch.tensor([0, table.weight.shape[0]])):  # weight: rows [0, row_capacity)
+        with pytest.raises(UsageError, match=r"gather_rows: rows must lie in \[0, "):
+            table.gather_rows(rows)
+

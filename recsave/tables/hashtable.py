@@ -15,7 +15,7 @@ import torch
 
 from recsave import _C, knobs
 from recsave.argcheck import check
-from recsave.errors import UsageError
+from recsave.errors import ArgumentTypeError, UsageError
 from recsave.tables import partition, tablestate
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
@@ -91,7 +91,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         self.table_name = name
         self.init_std = float(init_std)
         self.seed = int(seed) if seed is not None else 0
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._device = _table_device(device)
         self._dtype = dtype
         self._id_map_kind = id_map
         self._map = make_id_map(self._device, id_map)
@@ -390,7 +390,17 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         return {**self._store.nbytes(), "id_map": int(self._map.nbytes)}
 
     def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment."""
+        """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment. `rows`
+        (int64, as lookup returns them) must lie in [0, row_capacity): UsageError otherwise."""
+        where = f"HashTable {self.table_name!r}.gather_rows"
+        check(rows, torch.Tensor, "rows", where, expected="an int64 tensor of rows")
+        if rows.dtype != torch.int64:
+            raise ArgumentTypeError(f"{where}: rows must be an int64 tensor, got {str(rows.dtype)[6:]}", key="rows")
+        if rows.numel():
+            low, high = (int(v) for v in torch.aminmax(rows))
+            if low < 0 or high >= self._map.row_capacity:
+                raise UsageError(f"{where}: rows must lie in [0, {self._map.row_capacity}), got {low}..{high} "
+                                 f"(-1 is lookup's answer for an absent id: drop those rows first)", key="rows")
         return self._store.gather(rows)
 
     def columns(self) -> Dict[str, torch.Tensor]:
@@ -433,3 +443,23 @@ def split_sparse_dense_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str,
     else its module path: key ``emb.user.table`` -> ``emb.user``), and every other entry under its
     key. UsageError when two different tables would share a name. The input is not modified."""
     return tablestate.split(state_dict, HashTable)
+
+
+def _table_device(device: Any) -> torch.device:
+    """HashTable's `device` argument as a torch.device, or a UsageError saying why no table can
+    live there (torch's own errors name neither the argument nor the fix)."""
+    if device is None:
+        return torch.device("cpu")
+    check(device, (str, torch.device, int), "device", "HashTable",
+          expected="a torch.device, a device string or a CUDA device index")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"HashTable: device {device!r} is not a torch device; use 'cpu' or 'cuda[:N]'",
+                         key="device") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        raise UsageError(f"HashTable: device {device!r} is not available here ({have}); use 'cpu' or an "
+                         f"existing 'cuda:N'", key="device")
+    return dev
+
