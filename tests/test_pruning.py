@@ -189,3 +189,47 @@ def test_in_place_pruning_deletes_the_index_first(monkeypatch):
     saver.save("ckpt_3")  # its collection removes the leftover
     assert sorted(n for n in st.listdir(url) if n.startswith("ckpt_")) == ["ckpt_3"]
     saver.close()
+
+
+def test_the_next_save_waits_for_the_last_deletion_before_it_looks(tmp_path, monkeypatch):
+    """Without the wait, the next save's collection would delete the same directory alongside the
+    thread and replace the pending deletion (whose warning would be lost)."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=1)
+    _save_steps(job, [1])
+    release, order = threading.Event(), []
+    real_remove, real_committed = LocalStorage.remove_tree, ckptlist.committed
+
+    def slow(self, path):
+        if os.path.basename(path) == PRUNED_DIR and threading.current_thread().name == "recsave-prune":
+            release.wait(timeout=30)
+            real_remove(self, path)
+            order.append("deleted")
+            return
+        real_remove(self, path)
+
+    def committed(*args, **kwargs):
+        order.append("looked")
+        return real_committed(*args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "remove_tree", slow)
+    _save_steps(job, [2])  # its deletion of ckpt_1 is held
+    monkeypatch.setattr(ckptlist, "committed", committed)
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    _save_steps(job, [3])
+    timer.join()
+    assert order[0] == "deleted", order
+    job.saver.close()
+
+
+def test_gc_names_a_pruned_dir_a_dead_writer_left(tmp_path):
+    from recsave.tools import catalog
+
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=2)
+    _save_steps(job, [1, 2])
+    job.saver.close()
+    shutil.copytree(out / "ckpt_1", out / PRUNED_DIR / "ckpt_0-999-0")
+    assert catalog.clean_output_dir(str(out)) == {"removed_checkpoints": [PRUNED_DIR], "removed_temp_files": []}
+    assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2"]

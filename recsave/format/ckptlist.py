@@ -311,16 +311,18 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     directories holding a damaged index (damaged: the user decides what to do with them, e.g.
     after `recsave repair` named them) are never touched, nor are the chain members a kept delta
     checkpoint needs (format/chain.py; `parents_of` as in chain.needed_by). A PRUNED_DIR left by a
-    process that died while deleting goes first. The caller holds the writer lock."""
+    process that died while deleting goes first (named among the removed). The caller holds the
+    writer lock."""
     remove = remove or storage.remove_tree
     names = storage.listdir(output_dir)
+    removed = []
     if PRUNED_DIR in names and storage.isdir(storage.join(output_dir, PRUNED_DIR)):
         storage.remove_tree(storage.join(output_dir, PRUNED_DIR))
+        removed.append(PRUNED_DIR)
     candidates = [n for n in names if n not in keep and looks_like_checkpoint(storage, output_dir, n)]
     if not candidates:
-        return []
+        return removed
     needed = chain.needed_by(storage, output_dir, keep, parents_of)
-    removed = []
     for name in candidates:
         # One read of the index decides: only a leftover without one, or an unkept valid one, goes.
         if name not in needed and _index_state(storage, storage.join(output_dir, name),

@@ -204,7 +204,12 @@ class CheckpointWriter:
     def close(self) -> None:
         """Waits for the deletion of pruned checkpoints, then releases the writer lock (a later
         write takes it again)."""
-        self._pruner.join()
+        try:
+            self._pruner.join()
+        finally:
+            self._release_lock()
+
+    def _release_lock(self) -> None:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
