@@ -37,6 +37,16 @@ GLOBAL_IDS = 3000
 DIM = 6
 
 
+
+class NonTensorExtraState(torch.nn.Module):
+    """A module whose extra state a Saver refuses (not tensors): the model of one rank is refused."""
+
+    def get_extra_state(self):
+        return {"not": "a tensor"}
+
+    def set_extra_state(self, state):
+        pass
+
 def global_ids() -> torch.Tensor:
     ids = torch.arange(GLOBAL_IDS, dtype=torch.int64) * 1_000_003 - 777
     return torch.cat([ids, torch.tensor([0, -1, 2**63 - 1, -2**63], dtype=torch.int64)])
@@ -356,16 +366,21 @@ def main():
         outcome.append(reader.position)
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)
-    elif scenario == "bank_bad_entry_then_load":  # rank BAD_RANK alone gives a malformed bank entry
+    elif scenario == "bank_refused_then_load":  # rank BAD_RANK alone: a malformed entry, or a refused model
         outcome = []
         entry = {"path": os.path.join(saver.output_dir, "ckpt_2")}
-        if rank == int(os.environ["BAD_RANK"]):
+        bad = rank == int(os.environ["BAD_RANK"])
+        if bad and os.environ["REFUSED"] == "entry":
             entry["exclude_typo"] = ["io_state"]
+        elif bad:
+            model.odd = NonTensorExtraState()
         try:
             saver.load_model_bank([entry])
             outcome.append("loaded")
         except recsave.RecsaveError as exc:
             outcome.append(type(exc).__name__)
+        if hasattr(model, "odd"):
+            del model.odd
         saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
         outcome.append(reader.position)
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:

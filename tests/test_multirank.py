@@ -277,20 +277,22 @@ def test_a_bank_load_failing_on_one_rank_while_planning_fails_every_rank_alike(t
     assert json.loads((tmp_path / "report_2_1.json").read_text()) == ["CorruptCheckpointError", 1]
 
 
-@pytest.mark.parametrize("bad_rank", [0, 1])
-def test_a_bank_entry_refused_on_one_rank_fails_every_rank_without_waiting(tmp_path, bad_rank):
-    """One rank alone gives a malformed entry: it is refused before any index is read, while the
-    others go on to the index broadcast. Every rank must raise at once (that rank the ConfigError,
-    the other RankFailedError naming it), not after the collective timeout (300 s here, against
-    the 120 s run_ranks waits), and the group stays usable."""
+@pytest.mark.parametrize("bad_rank,refused", [(0, "entry"), (1, "entry"), (1, "model")])
+def test_a_bank_load_refused_on_one_rank_fails_every_rank_without_waiting(tmp_path, bad_rank, refused):
+    """One rank alone gives a malformed entry, or has a model a Saver refuses: it fails before any
+    index is read, while the others go on to the index broadcast. Every rank must raise at once
+    (that rank its own error, the other RankFailedError naming it), not after the collective
+    timeout (300 s here, against the 120 s run_ranks waits), and the group stays usable: the next
+    load of every rank lines up (a rank a collective behind would pair this load with that one)."""
     codes, outs = run_ranks("save_two", 2, tmp_path)
     assert codes == [0, 0], outs
-    codes, outs = run_ranks("bank_bad_entry_then_load", 2, tmp_path,
-                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "BAD_RANK": str(bad_rank)})
+    codes, outs = run_ranks("bank_refused_then_load", 2, tmp_path,
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "BAD_RANK": str(bad_rank), "REFUSED": refused})
     assert codes == [0, 0], outs
+    own = "ConfigError" if refused == "entry" else "UsageError"
     for r in (0, 1):
         assert json.loads((tmp_path / f"report_2_{r}.json").read_text()) == [
-            "ConfigError" if r == bad_rank else "RankFailedError", 1]
+            own if r == bad_rank else "RankFailedError", 1]
 
 
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):

@@ -115,7 +115,9 @@ def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_i
                   ckpt_id: Optional[str], direct_path: bool, require_path: bool, share_reads: bool) -> LoadPlan:
     rank, world = dist.resolve(shard_id, None)
     try:
+        # The model's own checks too: a rank whose model is refused must still meet the others.
         tables, dense = contents.model_state(target.model)
+        contents.check_names(tables, dense, set(target.extras), set(target.io_states), "load")
         model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
         confs = [config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
                               require_path=True) for i, entry in enumerate(entries)]

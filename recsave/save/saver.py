@@ -383,7 +383,8 @@ class Saver:
         return tables, dense
 
     def _target(self) -> LoadTarget:
-        self._model_state("load")
+        """What a load writes into; its planning (load/plan.py) checks the model's names, inside
+        the steps every rank takes together."""
         return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data,
                           frozenset(self._optional))
 
