@@ -423,3 +423,19 @@ def test_activation_checkpointing_counts_each_lookup_once_and_trains_alike(reent
     assert plain.keys() == recomputed.keys()
     for name in plain:
         assert torch.equal(plain[name], recomputed[name]), name
+
+
+def test_a_lookup_in_a_backward_hook_still_counts():
+    """Only the recompute is skipped: a lookup a hook makes during backward (grad mode off there)
+    counts and sets last_step like any training lookup."""
+    model = Tower(seed=0)
+    table = model.emb.user
+    hook_ids = torch.tensor([424242], dtype=torch.int64)
+    out = model(torch.tensor([1, 2], dtype=torch.int64))
+    looked = []
+    out.register_hook(lambda grad: looked.append(table(hook_ids)))
+    out.backward()
+    assert len(looked) == 1
+    meta = table.row_meta(table.lookup(hook_ids, insert=False))
+    assert meta["count"].reshape(-1).tolist() == [1]
+

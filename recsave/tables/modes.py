@@ -28,9 +28,13 @@ def outside_inference_mode(fn: F) -> F:
 
 
 def recomputing() -> bool:
-    """Whether this thread runs inside a backward pass: a table's forward there is activation
-    checkpointing's recompute (torch.utils.checkpoint, reentrant or not), a second run of a lookup
-    the forward pass made already, which must not count it again."""
+    """Whether a forward is activation checkpointing's recompute (torch.utils.checkpoint, reentrant
+    or not): a second run, during backward, of a lookup the forward pass made already, which must
+    not count it again. Told by the backward pass running in this thread with grad mode on (the
+    recompute turns it on to rebuild the graph); a lookup in a hook or a Function's backward runs
+    with it off (unless the backward builds a graph: create_graph=True) and still counts."""
+    if not torch.is_grad_enabled():
+        return False
     # No public call tells; a torch without this one counts the recompute as before.
     task_id = getattr(torch._C, "_current_graph_task_id", None)  # noqa: SLF001
     return task_id is not None and task_id() != -1
