@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
+import os
 import pickle
 import warnings
 from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -307,7 +308,8 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
         finally:
             writer.close()
     except BaseException:  # the writer removed its checkpoint directory; the output dir it made goes too
-        with contextlib.suppress(Exception):
-            if created and not storage.listdir(dst):
-                storage.remove_tree(dst)
+        local = storage.local_path(dst)
+        if created and local is not None:  # one step that only removes an empty directory, never
+            with contextlib.suppress(OSError):  # files another writer put there meanwhile
+                os.rmdir(local)
         raise
