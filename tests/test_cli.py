@@ -13,7 +13,7 @@ from recsave.errors import UsageError
 from recsave.storage import LocalStorage
 from recsave.storage.lock import LOCK_FILE, WriterLock
 from recsave.tools import catalog
-from recsave.tools.cli import main
+from recsave.tools.cli import build_parser, main
 
 
 @pytest.fixture()
@@ -163,17 +163,27 @@ def test_ls_json(output_dir, capsys):
 @pytest.mark.parametrize("argv,says", [
     (["ls", "--json"], "the following arguments are required: OUTPUT_DIR"),
     (["verify", "--json", "--bogus", "x"], "unrecognized arguments: --bogus"),
-    (["ls", "--json", "a", "b"], "unrecognized arguments: b")])
+    (["ls", "--json", "a", "b"], "unrecognized arguments: b"),
+    (["ls", "--js"], "the following arguments are required: OUTPUT_DIR")])
 def test_usage_errors_with_json_print_an_error_document(argv, says, capsys):
     assert main(argv) == 2
     out, err = capsys.readouterr()
     doc = json.loads(out)
     assert doc["error"]["type"] == "UsageError" and doc["error"]["exit_code"] == 2
-    assert doc["error"]["message"].startswith("recsave") and doc["error"]["message"].endswith(says)
+    assert doc["error"]["message"].endswith(says) and "recsave" not in doc["error"]["message"]
     assert err.startswith("usage: recsave") and f"recsave: error: {doc['error']['message']}" in err
     assert main(argv[:1] + argv[2:]) == 2  # without --json: usage and the message on stderr only
     out, err = capsys.readouterr()
     assert out == "" and "usage:" in err and says in err
+
+
+def test_usage_errors_of_commands_without_json_print_no_document_and_build_parser_exits(capsys):
+    assert main(["export", "--json"]) == 2  # export has no --json: no document on stdout
+    out, err = capsys.readouterr()
+    assert out == "" and "usage: recsave export" in err
+    with pytest.raises(SystemExit) as exc:  # the public parser behaves as argparse does
+        build_parser().parse_args(["ls"])
+    assert exc.value.code == 2
 
 
 def test_ls_json_of_an_empty_output_dir(tmp_path, capsys):

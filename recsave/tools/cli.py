@@ -24,7 +24,7 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
 
 from recsave.errors import CorruptCheckpointError, RecsaveError, StorageError, UsageError
 from recsave.version import __version__
@@ -342,25 +342,43 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------- main
-class _Parser(argparse.ArgumentParser):
+class _RaisingParser(argparse.ArgumentParser):
     """argparse, with a usage error raised as UsageError instead of printed and exited on, so that
     main() reports it as it reports any other (also as a JSON document with --json)."""
 
+    json_commands: Set[str] = set()  # build_parser's: the commands that have --json
+
     def error(self, message: str) -> Any:  # argparse's NoReturn, widened for mypy's override check
         self.print_usage(sys.stderr)
-        raise UsageError(f"{self.prog}: {message}")
+        command = self.prog.partition(" ")[2]  # "recsave ls" -> "ls"; main() adds "recsave: error: "
+        raise UsageError(f"{command}: {message}" if command else message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="recsave", description="Inspect and convert recsave checkpoints.")
+def build_parser(*, raise_usage_errors: bool = False) -> argparse.ArgumentParser:
+    """The `recsave` argument parser. A usage error exits with status 2 after printing the usage,
+    as argparse does, unless `raise_usage_errors` (main's) makes it raise UsageError."""
+    cls = _RaisingParser if raise_usage_errors else argparse.ArgumentParser
+    parser = cls(prog="recsave", description="Inspect and convert recsave checkpoints.")
     parser.add_argument("--version", action="version", version=f"recsave {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=cls)
     sub.required = True
+    json_commands = set()
     for name, (help_text, arguments, handler) in sorted(_COMMANDS.items()):
         p = sub.add_parser(name, help=help_text, description=help_text)
         arguments(p)
         p.set_defaults(handler=handler)
+        if p.get_default("json") is not None:
+            json_commands.add(name)
+    if isinstance(parser, _RaisingParser):
+        parser.json_commands = json_commands
     return parser
+
+
+def _asks_for_json(parser: _RaisingParser, argv: List[str]) -> bool:
+    """Whether a command line that did not parse asked for --json (spelt out or abbreviated, as
+    argparse accepts it) of a command that has that option."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return command in parser.json_commands and any(len(a) > 3 and "--json".startswith(a) for a in argv)
 
 
 def _error(args: argparse.Namespace, exc: BaseException, message: str, code: int) -> int:
@@ -375,14 +393,14 @@ def _error(args: argparse.Namespace, exc: BaseException, message: str, code: int
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 1 damage found, 2 usage error / not
     found / other recsave error, 3 I/O error, 130 interrupted)."""
-    parser = build_parser()
+    parser = cast(_RaisingParser, build_parser(raise_usage_errors=True))
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help / --version (0), already printed
         return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_ERROR)
     except UsageError as exc:  # the arguments did not parse: --json is taken as given
-        return _error(argparse.Namespace(json="--json" in argv), exc, str(exc), EXIT_ERROR)
+        return _error(argparse.Namespace(json=_asks_for_json(parser, argv)), exc, str(exc), EXIT_ERROR)
     try:
         return int(args.handler(args) or EXIT_OK)
     except CorruptCheckpointError as exc:
