@@ -334,11 +334,12 @@ def test_a_path_of_the_wrong_type_is_named_as_such_and_convert_needs_a_thread(tm
 
 
 @pytest.mark.parametrize("device,says", [("tpu", "is not a torch device"), ("gpu0", "is not a torch device"),
-                                         ("cuda:7", "is not available here")])
+                                         ("cuda:7", "is not available here"), (7, "is not available here")])
 def test_a_table_device_that_cannot_hold_it_is_a_usage_error(device, says):
     if says == "is not available here" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
-    with pytest.raises(UsageError, match=f"HashTable: device {device!r} {says}"):
+    shown = f"cuda:{device}" if isinstance(device, int) else device
+    with pytest.raises(UsageError, match=f"HashTable: device {shown!r} {says}"):
         HashTable(4, device=device)
     assert HashTable(4, device=torch.device("cpu")).device == torch.device("cpu")
 
@@ -347,6 +348,7 @@ def test_gather_rows_outside_the_table_is_a_usage_error(env):
     table = env["table"]
     n = len(table)
     assert n > 0 and table.gather_rows(torch.arange(n))[0].shape == (n, table.embedding_dim)
+    assert torch.equal(table.gather_rows(torch.arange(n, dtype=torch.int32))[0], table.gather_rows(torch.arange(n))[0])
     for rows in (torch.tensor([-1]), torch.tensor([0, table.weight.shape[0]])):  # weight: rows [0, row_capacity)
         with pytest.raises(UsageError, match=r"gather_rows: rows must lie in \[0, "):
             table.gather_rows(rows)

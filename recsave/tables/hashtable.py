@@ -394,8 +394,9 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         (int64, as lookup returns them) must lie in [0, row_capacity): UsageError otherwise."""
         where = f"HashTable {self.table_name!r}.gather_rows"
         check(rows, torch.Tensor, "rows", where, expected="an int64 tensor of rows")
-        if rows.dtype != torch.int64:
-            raise ArgumentTypeError(f"{where}: rows must be an int64 tensor, got {str(rows.dtype)[6:]}", key="rows")
+        if rows.dtype not in (torch.int64, torch.int32):
+            raise ArgumentTypeError(f"{where}: rows must be an int64 (or int32) tensor, got {str(rows.dtype)[6:]}",
+                                    key="rows")
         if rows.numel():
             low, high = (int(v) for v in torch.aminmax(rows))
             if low < 0 or high >= self._map.row_capacity:
@@ -452,6 +453,8 @@ def _table_device(device: Any) -> torch.device:
         return torch.device("cpu")
     check(device, (str, torch.device, int), "device", "HashTable",
           expected="a torch.device, a device string or a CUDA device index")
+    if isinstance(device, int) and not isinstance(device, bool):  # an index: CUDA's, for a table
+        device = f"cuda:{device}"
     try:
         dev = torch.device(device)
     except RuntimeError:
