@@ -439,3 +439,17 @@ def test_a_lookup_in_a_backward_hook_still_counts():
     meta = table.row_meta(table.lookup(hook_ids, insert=False))
     assert meta["count"].reshape(-1).tolist() == [1]
 
+
+
+def test_an_eval_lookup_of_a_new_table_gives_zero_rows():
+    """A table nothing was inserted into yet (no storage): every id is absent, its row zeros, with
+    grad mode on or off (index_select on empty storage raised before)."""
+    table = HashTable(4, name="fresh")
+    table.eval()
+    ids = torch.tensor([[1, 2], [3, 4]], dtype=torch.int64)
+    out = table(ids)
+    assert out.shape == (2, 2, 4) and not out.any()
+    out.sum().backward()  # nothing to update: no rows
+    with torch.no_grad():
+        assert not table(ids).any()
+    assert len(table) == 0

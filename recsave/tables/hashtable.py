@@ -242,6 +242,8 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         return out.view(*ids.shape, self.embedding_dim)
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._weight.shape[0] == 0:  # no storage yet (an eval lookup of a new table): every id absent
+            return self._weight.new_zeros(rows.numel(), self.embedding_dim)
         out = self._weight.index_select(0, rows.clamp(min=0))
         missing = rows < 0
         if bool(missing.any()):
