@@ -91,6 +91,9 @@ TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.format.ckptlist.collect_garbage": (recsave.format.ckptlist, "collect_garbage", []),
     "recsave.storage.local.LocalStorage.write_atomic": (recsave.storage.local.LocalStorage, "write_atomic", []),
     "recsave.storage.local.LocalStorage.remove_tree": (recsave.storage.local.LocalStorage, "remove_tree", []),
+    # rotation moves a pruned checkpoint into .recsave+pruned before a thread deletes it
+    "recsave.storage.local.LocalStorage.move_tree_aside": (recsave.storage.local.LocalStorage, "move_tree_aside",
+                                                           []),
 }
 # Chain mode only (a run without deltas never calls them): the delta-save path. Callers use them
 # as module attributes (`delta.take`, `chain.read_with_crc`, `policy.wants_delta`), so patching the
