@@ -346,7 +346,9 @@ class _RaisingParser(argparse.ArgumentParser):
     """argparse, with a usage error raised as UsageError instead of printed and exited on, so that
     main() reports it as it reports any other (also as a JSON document with --json)."""
 
-    json_commands: Set[str] = set()  # build_parser's: the commands that have --json
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.json_commands: Set[str] = set()  # build_parser's: the commands that have --json
 
     def error(self, message: str) -> Any:  # argparse's NoReturn, widened for mypy's override check
         self.print_usage(sys.stderr)
