@@ -14,7 +14,7 @@ import itertools
 import os
 import warnings
 from concurrent.futures import Future
-from typing import List, Optional
+from typing import Optional
 
 from recsave import threads
 from recsave.format.ckptlist import PRUNED_DIR
@@ -33,13 +33,13 @@ class Pruner:
     def __init__(self, storage: Storage, output_dir: str):
         self.storage = storage
         self.root = storage.join(output_dir, PRUNED_DIR)
-        self._moved: List[str] = []
+        self._moved = False  # remove() moved something aside since the last start()
         self._deleting: Optional["Future[None]"] = None
 
     def remove(self, path: str) -> None:
         name = f"{os.path.basename(path.rstrip('/'))}-{os.getpid()}-{next(_names)}"
         if self.storage.move_tree_aside(path, self.storage.join(self.root, name)):
-            self._moved.append(name)
+            self._moved = True
             return
         # In place, the index first: a process that dies midway leaves a directory without an
         # index (a leftover the next collection removes), never an index whose files are partly
@@ -52,7 +52,7 @@ class Pruner:
         not held for it: a Saver dropped meanwhile releases the lock, and a next writer's
         collection may delete the same garbage at the same time, which only costs a failed unlink."""
         if self._moved:
-            self._moved = []
+            self._moved = False
             self._deleting = threads.start(self.storage.remove_tree, self.root, name="recsave-prune")
 
     def join(self) -> None:
