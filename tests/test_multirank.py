@@ -295,6 +295,21 @@ def test_a_bank_load_refused_on_one_rank_fails_every_rank_without_waiting(tmp_pa
             own if r == bad_rank else "RankFailedError", 1]
 
 
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_fallback_load_whose_list_fails_on_one_rank_fails_every_rank_without_waiting(tmp_path, bad_rank):
+    """CheckpointManager.restore's fallback load lists each rank's output dir before any collective:
+    a rank that cannot read its list must not leave the others in the load's collectives until the
+    timeout (300 s here, against the 120 s run_ranks waits)."""
+    codes, outs = run_ranks("save_two", 2, tmp_path)
+    assert codes == [0, 0], outs
+    codes, outs = run_ranks("fallback_list_fails_then_load", 2, tmp_path,
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "BAD_RANK": str(bad_rank)})
+    assert codes == [0, 0], outs
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"report_2_{r}.json").read_text()) == [
+            "StorageError" if r == bad_rank else "RankFailedError", 1]
+
+
 def test_a_load_damaged_on_one_rank_changes_no_rank(tmp_path):
     """Rank 1's bytes are damaged; rank 0's are fine, yet rank 0 must not change either: every rank
     reads and verifies before any rank applies (load/transaction.py)."""

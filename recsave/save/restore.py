@@ -8,7 +8,7 @@ are load/'s (load/execute.py).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
@@ -33,12 +33,30 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
     an output dir other than the Saver's) so that the next save of such an id replaces it."""
     path = conf["path"]
     st = get_storage(path)
-    if st.exists(st.join(path, index_mod.INDEX_FILE)):
-        return load_entries(target, [conf], shard_id=shard_id)  # a checkpoint directory
-    listing = committed(path)
-    if not listing.found:
-        return load_entries(target, [conf], shard_id=shard_id)  # not an output dir
-    ids = listing.ids
+    rank, world = dist.resolve(shard_id, None)
+    # Every rank looks at its own storage (per-rank copies of an output dir): a rank that fails to
+    # read its list, or finds another one, must not go on to the loads' collectives alone. One
+    # exchange: any rank's failure raises on all, different findings are a UsageError on all.
+    found: Optional[Tuple[str, Tuple[str, ...]]] = None
+    failure: Optional[BaseException] = None
+    try:
+        found = _candidates(st, path, committed)
+    except Exception as exc:  # raised on this rank by the exchange, RankFailedError on the others
+        failure = exc
+
+    def outcome() -> Tuple[str, Tuple[str, ...]]:
+        if failure is not None:
+            raise failure
+        assert found is not None
+        return found
+
+    agreed = dist.run_everywhere(f"listing the checkpoints of {path}", outcome, world, rank=rank,
+                                 agree=("what the path holds", found))
+    assert agreed is not None  # every rank ran outcome()
+    kind, listed = agreed
+    if kind != "output dir":  # a checkpoint directory, or not an output dir: loaded (or refused) as given
+        return load_entries(target, [conf], shard_id=shard_id)
+    ids = list(listed)
     for n, ckpt_id in enumerate(reversed(ids)):
         try:
             return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
@@ -63,6 +81,16 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
                           f"falling back to the previous committed checkpoint "
                           f"{st.join(path, ids[-n - 2])}", RuntimeWarning, stacklevel=3)
     return load_entries(target, [conf], shard_id=shard_id)  # no ids: raises not found
+
+
+def _candidates(st: Storage, path: str, committed: Callable[[str], ckptlist.Listing]
+                ) -> Tuple[str, Tuple[str, ...]]:
+    """What a fallback load finds at `path`: ("checkpoint", ()) for a checkpoint directory, ("output
+    dir", its committed ids) for an output dir, ("other", ()) for anything else."""
+    if st.exists(st.join(path, index_mod.INDEX_FILE)):
+        return "checkpoint", ()
+    listing = committed(path)
+    return ("output dir", tuple(listing.ids)) if listing.found else ("other", ())
 
 
 def baseline_after_load(model: torch.nn.Module, report: LoadReport, conf: Dict[str, Any], storage: Storage,
