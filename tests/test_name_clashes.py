@@ -107,3 +107,24 @@ def test_two_model_tables_load_one_checkpoint_table(tmp_path):
         assert torch.equal(rows, want_rows) and slots.keys() == want_slots.keys()
         meta = table.row_meta(table.lookup(want_ids, insert=False))
         assert all(torch.equal(meta[m], want_meta[m]) for m in want_meta)
+
+
+def test_execute_plan_checks_the_model_again(tmp_path):
+    """A plan made before the model changed: execute_plan refuses names that now clash (a table and
+    a parameter both 'w') instead of loading one of them silently."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = HashTable(4, name="w")
+            self.p = torch.nn.Parameter(torch.ones(3))
+
+    src = Model()
+    src.t.load_rows(torch.arange(5), torch.full((5, 4), 7.0))
+    Saver(src, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    model = Model()
+    saver = Saver(model, output_dir=str(tmp_path / "out"))
+    plan = saver.plan_model_bank([{"path": str(tmp_path / "src")}])
+    model.register_parameter("w", torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(UsageError, match="both a table and a dense"):
+        saver.execute_plan(plan)
+    assert len(model.t) == 0  # nothing loaded

@@ -35,13 +35,14 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
     st = get_storage(path)
     rank, world = dist.resolve(shard_id, None)
     # Every rank looks at its own storage (per-rank copies of an output dir): a rank that fails to
-    # read its list, or finds another one, must not go on to the loads' collectives alone. One
-    # exchange: any rank's failure raises on all, different findings are a UsageError on all.
+    # read its list must not go on to the loads' collectives alone. One exchange of a few bytes: any
+    # rank's failure raises on all. (Copies that list different ids are the loads' to reconcile: a
+    # checkpoint one rank lacks fails on it as damage, and every rank skips it alike.)
     found: Optional[Tuple[str, Tuple[str, ...]]] = None
     failure: Optional[BaseException] = None
     try:
         found = _candidates(st, path, committed)
-    except Exception as exc:  # raised on this rank by the exchange, RankFailedError on the others
+    except BaseException as exc:  # raised on this rank by the exchange, RankFailedError on the others
         failure = exc
 
     def outcome() -> Tuple[str, Tuple[str, ...]]:
@@ -50,8 +51,7 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
         assert found is not None
         return found
 
-    agreed = dist.run_everywhere(f"listing the checkpoints of {path}", outcome, world, rank=rank,
-                                 agree=("what the path holds", found))
+    agreed = dist.run_everywhere(f"listing the checkpoints of {path}", outcome, world, rank=rank)
     assert agreed is not None  # every rank ran outcome()
     kind, listed = agreed
     if kind != "output dir":  # a checkpoint directory, or not an output dir: loaded (or refused) as given

@@ -459,4 +459,5 @@ class Saver:
         self._prefill.join()
         self._background.collect(consume=False)
         self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
+        self._model_state("load")  # the model may have changed since the plan checked it
         return execute(self._target(), plan, names)
