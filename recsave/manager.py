@@ -288,20 +288,37 @@ class CheckpointManager:
         check(global_step, int, "global_step", "CheckpointManager.restore", optional=True)
         check(fallback, bool, "fallback", "CheckpointManager.restore")
         saver = self.saver
-        if global_step is None:
-            if saver.latest_checkpoint() is None:
-                return 0
-            report = saver.load(fallback=fallback)
-        else:
-            if global_step < 0:
-                raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
-            ckpt_id = f"ckpt_{global_step}"
+        if global_step is not None and global_step < 0:
+            raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
+        ckpt_id = None if global_step is None else f"ckpt_{global_step}"
+
+        def committed() -> bool:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in saver.checkpoints()]
-            if ckpt_id not in names:
+            if ckpt_id is not None and ckpt_id not in names:
                 raise CheckpointNotFoundError(
                     f"{saver.output_dir}: no committed checkpoint {ckpt_id}; committed: {names or 'none'}",
                     path=saver.output_dir)
-            report = saver.load(ckpt_id=ckpt_id)
+            return bool(names)
+
+        # Each rank reads its own list: one that fails (or lacks the step) raises on every rank at
+        # once, and the ranks agree whether there is anything to restore before any load starts.
+        rank, world = dist.resolve() if dist.initialized() else (0, 1)
+        try:
+            found: Optional[bool] = committed()
+            failure: Optional[BaseException] = None
+        except BaseException as exc:  # reported in the exchange below, on every rank
+            found, failure = None, exc
+
+        def outcome() -> Optional[bool]:
+            if failure is not None:
+                raise failure
+            return found
+
+        dist.run_everywhere("listing the checkpoints to restore", outcome, world, rank=rank,
+                            agree=("whether there is a checkpoint to restore", found))
+        if not found:
+            return 0
+        report = saver.load(fallback=fallback) if ckpt_id is None else saver.load(ckpt_id=ckpt_id)
         if GLOBAL_STEP not in report.loaded:  # e.g. a plain Saver's checkpoint: step of its id, or 0
             self._global_step = int(report.step) if report.step is not None else 0
             where = report.checkpoints[-1] if report.checkpoints else saver.output_dir

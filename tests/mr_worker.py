@@ -387,6 +387,28 @@ def main():
         outcome.append(reader.position)
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)
+    elif scenario == "restore_list_fails_then_load":  # CheckpointManager.restore; rank BAD_RANK's list fails
+        outcome = []
+        manager = recsave.CheckpointManager(saver, 100)
+        if rank == int(os.environ["BAD_RANK"]):
+            from recsave.format import ckptlist
+            real_committed = ckptlist.committed
+
+            def unreadable(storage, path, **kwargs):
+                raise recsave.StorageError(f"{path}/checkpoint: reading failed: Input/output error (injected)")
+
+            ckptlist.committed = unreadable
+        try:
+            manager.restore()
+            outcome.append("restored")
+        except recsave.RecsaveError as exc:
+            outcome.append(type(exc).__name__)
+        if rank == int(os.environ["BAD_RANK"]):
+            ckptlist.committed = real_committed
+        saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
+        outcome.append(reader.position)
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
     elif scenario == "bank_refused_then_load":  # rank BAD_RANK alone: a malformed entry, or a refused model
         outcome = []
         entry = {"path": os.path.join(saver.output_dir, "ckpt_2")}
