@@ -17,6 +17,7 @@ plain tensors written by the test; dump what this rank holds). OUT_SCHEME=file m
 file:// URL (the fsspec path), OUT_URL any URL (an S3 bucket); PER_RANK_OUT=1 gives each rank its
 own output dir out_RANK (per-rank local disks).
 """
+import contextlib
 import datetime
 import json
 import os
@@ -36,6 +37,40 @@ from recsave.tables.optim import SparseAdagrad
 GLOBAL_IDS = 3000
 DIM = 6
 
+
+
+def attempt_then_load(attempt, saver, reader, work_dir, world, rank):
+    """Runs `attempt` (a load that may fail on one rank), then a plain load of ckpt_1, which shows
+    the group is still usable (the ranks' next collectives line up); writes [the attempt's outcome
+    ("loaded" or its error class), the reader position ckpt_1 restored] as the rank's report."""
+    outcome = []
+    try:
+        attempt()
+        outcome.append("loaded")
+    except recsave.RecsaveError as exc:
+        outcome.append(type(exc).__name__)
+    saver.load(ckpt_id="ckpt_1")
+    outcome.append(reader.position)
+    with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+@contextlib.contextmanager
+def list_reads_failing(failing):
+    """Within: (where `failing`) every read of a `checkpoint` list raises StorageError, as an
+    unreadable file on this rank's storage would."""
+    from recsave.format import ckptlist
+    real = ckptlist.committed
+
+    def unreadable(storage, path, **kwargs):
+        raise recsave.StorageError(f"{path}/checkpoint: reading failed: Input/output error (injected)")
+
+    if failing:
+        ckptlist.committed = unreadable
+    try:
+        yield
+    finally:
+        ckptlist.committed = real
 
 
 class NonTensorExtraState(torch.nn.Module):
@@ -356,78 +391,30 @@ def main():
             json.dump({"position": reader.position, "checkpoints": report.checkpoints,
                        "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}, f)
     elif scenario == "bank_damaged_then_load":  # rank 1's own copy of ckpt_2's index is damaged
-        outcome = []
-        try:
-            saver.load_model_bank([{"path": os.path.join(saver.output_dir, "ckpt_2")}])
-            outcome.append("loaded")
-        except recsave.RecsaveError as exc:
-            outcome.append(type(exc).__name__)
-        saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
-        outcome.append(reader.position)
-        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
-            json.dump(outcome, f)
-    elif scenario == "fallback_list_fails_then_load":  # rank BAD_RANK alone cannot read its `checkpoint` list
-        outcome = []
-        if rank == int(os.environ["BAD_RANK"]):
-            from recsave.format import ckptlist
-            real_committed = ckptlist.committed
-
-            def unreadable(storage, path, **kwargs):
-                raise recsave.StorageError(f"{path}/checkpoint: reading failed: Input/output error (injected)")
-
-            ckptlist.committed = unreadable
-        try:
-            saver.load(fallback=True)
-            outcome.append("loaded")
-        except recsave.RecsaveError as exc:
-            outcome.append(type(exc).__name__)
-        if rank == int(os.environ["BAD_RANK"]):
-            ckptlist.committed = real_committed
-        saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
-        outcome.append(reader.position)
-        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
-            json.dump(outcome, f)
-    elif scenario == "restore_list_fails_then_load":  # CheckpointManager.restore; rank BAD_RANK's list fails
-        outcome = []
+        attempt_then_load(lambda: saver.load_model_bank([{"path": os.path.join(saver.output_dir, "ckpt_2")}]),
+                          saver, reader, work_dir, world, rank)
+    elif scenario == "list_fails_then_load":  # rank BAD_RANK alone cannot read its `checkpoint` list
         manager = recsave.CheckpointManager(saver, 100)
-        if rank == int(os.environ["BAD_RANK"]):
-            from recsave.format import ckptlist
-            real_committed = ckptlist.committed
 
-            def unreadable(storage, path, **kwargs):
-                raise recsave.StorageError(f"{path}/checkpoint: reading failed: Input/output error (injected)")
-
-            ckptlist.committed = unreadable
-        try:
-            manager.restore()
-            outcome.append("restored")
-        except recsave.RecsaveError as exc:
-            outcome.append(type(exc).__name__)
-        if rank == int(os.environ["BAD_RANK"]):
-            ckptlist.committed = real_committed
-        saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
-        outcome.append(reader.position)
-        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
-            json.dump(outcome, f)
+        def restore():
+            with list_reads_failing(rank == int(os.environ["BAD_RANK"])):
+                saver.load(fallback=True) if os.environ["HOW"] == "fallback" else manager.restore()
+        attempt_then_load(restore, saver, reader, work_dir, world, rank)
     elif scenario == "bank_refused_then_load":  # rank BAD_RANK alone: a malformed entry, or a refused model
-        outcome = []
         entry = {"path": os.path.join(saver.output_dir, "ckpt_2")}
         bad = rank == int(os.environ["BAD_RANK"])
         if bad and os.environ["REFUSED"] == "entry":
             entry["exclude_typo"] = ["io_state"]
         elif bad:
             model.odd = NonTensorExtraState()
-        try:
-            saver.load_model_bank([entry])
-            outcome.append("loaded")
-        except recsave.RecsaveError as exc:
-            outcome.append(type(exc).__name__)
-        if hasattr(model, "odd"):
-            del model.odd
-        saver.load(ckpt_id="ckpt_1")  # the group is still usable: the next collectives line up
-        outcome.append(reader.position)
-        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
-            json.dump(outcome, f)
+
+        def bank_load():
+            try:
+                saver.load_model_bank([entry])
+            finally:
+                if hasattr(model, "odd"):
+                    del model.odd
+        attempt_then_load(bank_load, saver, reader, work_dir, world, rank)
     elif scenario == "load_damaged":
         # The live model holds other rows (offset 50); rank 1's part of the checkpoint is damaged.
         fill(model, rank, world, offset=50.0)

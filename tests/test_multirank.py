@@ -296,14 +296,15 @@ def test_a_bank_load_refused_on_one_rank_fails_every_rank_without_waiting(tmp_pa
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])
-@pytest.mark.parametrize("how", ["fallback_list_fails_then_load", "restore_list_fails_then_load"])
+@pytest.mark.parametrize("how", ["fallback", "restore"])
 def test_a_restore_whose_list_fails_on_one_rank_fails_every_rank_without_waiting(tmp_path, bad_rank, how):
     """Saver.load(fallback=True) and CheckpointManager.restore list each rank's output dir before
     any collective: a rank that cannot read its list must not leave the others in the load's
     collectives until the timeout (300 s here, against the 120 s run_ranks waits)."""
     codes, outs = run_ranks("save_two", 2, tmp_path)
     assert codes == [0, 0], outs
-    codes, outs = run_ranks(how, 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "BAD_RANK": str(bad_rank)})
+    codes, outs = run_ranks("list_fails_then_load", 2, tmp_path,
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "BAD_RANK": str(bad_rank), "HOW": how})
     assert codes == [0, 0], outs
     for r in (0, 1):
         assert json.loads((tmp_path / f"report_2_{r}.json").read_text()) == [
