@@ -303,19 +303,8 @@ class CheckpointManager:
         # Each rank reads its own list: one that fails (or lacks the step) raises on every rank at
         # once, and the ranks agree whether there is anything to restore before any load starts.
         rank, world = dist.resolve() if dist.initialized() else (0, 1)
-        try:
-            found: Optional[bool] = committed()
-            failure: Optional[BaseException] = None
-        except BaseException as exc:  # reported in the exchange below, on every rank
-            found, failure = None, exc
-
-        def outcome() -> Optional[bool]:
-            if failure is not None:
-                raise failure
-            return found
-
-        dist.run_everywhere("listing the checkpoints to restore", outcome, world, rank=rank,
-                            agree=("whether there is a checkpoint to restore", found))
+        found = dist.run_everywhere("listing the checkpoints to restore", committed, world, rank=rank,
+                                    agree_on_result="whether there is a checkpoint to restore")
         if not found:
             return 0
         report = saver.load(fallback=fallback) if ckpt_id is None else saver.load(ckpt_id=ckpt_id)

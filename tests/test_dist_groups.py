@@ -62,3 +62,15 @@ def test_destroy_process_group_frees_recsaves_groups_and_their_threads(tmp_path)
         assert out[f"running_{attempt}"] > 0  # the groups did start gloo threads
         assert out[f"freed_{attempt}"] == [True, True]
         assert out[f"left_{attempt}"] == []
+
+
+def test_run_everywhere_agrees_on_one_value_of_one_kind():
+    """agree (a value given) and agree_on_result (fn's result) are exclusive, and the result is agreed
+    on only where every rank runs fn."""
+    from recsave.storage import dist
+
+    assert dist.run_everywhere("x", lambda: 3, 1, agree_on_result="the answer") == 3
+    with pytest.raises(ValueError, match="agree or agree_on_result, not both"):
+        dist.run_everywhere("x", lambda: 3, 1, agree=("a", 1), agree_on_result="b")
+    with pytest.raises(ValueError, match="needs fn run on every rank"):
+        dist.run_everywhere("x", lambda: 3, 1, only_rank0=True, agree_on_result="b")

@@ -38,22 +38,10 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
     # read its list must not go on to the loads' collectives alone. One exchange of a few bytes: any
     # rank's failure raises on all. (Copies that list different ids are the loads' to reconcile: a
     # checkpoint one rank lacks fails on it as damage, and every rank skips it alike.)
-    found: Optional[Tuple[str, Tuple[str, ...]]] = None
-    failure: Optional[BaseException] = None
-    try:
-        found = _candidates(st, path, committed)
-    except BaseException as exc:  # raised on this rank by the exchange, RankFailedError on the others
-        failure = exc
-
-    def outcome() -> Tuple[str, Tuple[str, ...]]:
-        if failure is not None:
-            raise failure
-        assert found is not None
-        return found
-
-    agreed = dist.run_everywhere(f"listing the checkpoints of {path}", outcome, world, rank=rank)
-    assert agreed is not None  # every rank ran outcome()
-    kind, listed = agreed
+    found = dist.run_everywhere(f"listing the checkpoints of {path}", lambda: _candidates(st, path, committed),
+                                world, rank=rank)
+    assert found is not None  # every rank ran _candidates
+    kind, listed = found
     if kind != "output dir":  # a checkpoint directory, or not an output dir: loaded (or refused) as given
         return load_entries(target, [conf], shard_id=shard_id)
     ids = list(listed)

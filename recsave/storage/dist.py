@@ -188,7 +188,8 @@ def broadcast_from_rank0(obj: Any, world_size: int) -> Any:
 
 
 def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank0: bool = False,
-                   rank: int = 0, agree: Optional[Tuple[str, Any]] = None) -> Optional[T]:
+                   rank: int = 0, agree: Optional[Tuple[str, Any]] = None,
+                   agree_on_result: Optional[str] = None) -> Optional[T]:
     """Runs `fn` (on every rank, or on rank 0 only), then lets every rank know whether it succeeded
     on all of them: a failure anywhere raises on every rank (the failing rank re-raises its own
     error, the others RankFailedError naming it; both carry `rank_failures`, rank -> the class
@@ -196,7 +197,12 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
 
     `agree`: (what it is, value) that every rank must pass equal, checked in the same exchange (no
     extra collective round); when no rank failed and they differ, every rank raises UsageError
-    naming the values."""
+    naming the values. `agree_on_result` (what it is) does the same with fn's result as the value."""
+    if agree_on_result is not None:
+        if agree is not None:
+            raise ValueError("run_everywhere: give agree or agree_on_result, not both")
+        if only_rank0:
+            raise ValueError("run_everywhere: agree_on_result needs fn run on every rank")
     result: Optional[T] = None
     error: Optional[BaseException] = None
     if not only_rank0 or rank == 0:
@@ -207,6 +213,8 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
     if world_size > 1 and collective(world_size):
         summary = None if error is None else f"{type(error).__name__}: {error}"
         kinds = None if error is None else [c.__name__ for c in type(error).__mro__]
+        if agree_on_result is not None:
+            agree = (agree_on_result, result)
         gathered = gather_objects((summary, kinds, None if agree is None else agree[1]), world_size)
         failed = [(r, msg) for r, (msg, _, _) in enumerate(gathered) if msg is not None]
         if failed:
