@@ -393,7 +393,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
 
     def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment. `rows`
-        (int64, as lookup returns them) must lie in [0, row_capacity): UsageError otherwise."""
+        (int64 as lookup returns them, or int32) must lie in [0, row_capacity): UsageError otherwise."""
         where = f"HashTable {self.table_name!r}.gather_rows"
         check(rows, torch.Tensor, "rows", where, expected="an int64 tensor of rows")
         if rows.dtype not in (torch.int64, torch.int32):
