@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_check.sh                 # build, tests, gpu.py (3 rounds)
 #   GPU_ARGS=--quick bash benchmarks/gpu_check.sh
 #   COMPARE=1 bash benchmarks/gpu_check.sh       # also compare.py --size-gb 1 --repeats 3 (CPU side)
+#   GPU=0 COMPARE=1 COMPARE_ARGS="--concurrency 8 ..." PROFILE=1 bash benchmarks/gpu_check.sh
+#                                                # tests, compare.py with other flags, a cProfile
 #
 # Uses the machine's own python3 (it must hold a CUDA build of torch, pybind11 and pytest).
 set -u
@@ -37,13 +39,20 @@ $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_id
     tests/test_devcopy.py tests/test_source_parts.py tests/test_arg_types.py \
     tests/test_torch_interop.py 2>&1 | tee "$out/tests.log" | tail -25
 
-step gpu.py
-$py benchmarks/gpu.py ${GPU_ARGS:-} --json "$out/gpu.json" 2>&1 | tee "$out/gpu.log" | tail -60
+if [ "${GPU:-1}" = 1 ]; then
+    step gpu.py
+    $py benchmarks/gpu.py ${GPU_ARGS:-} --json "$out/gpu.json" 2>&1 | tee "$out/gpu.log" | tail -60
+fi
 
 if [ "${COMPARE:-0}" = 1 ]; then
     step compare.py
-    $py benchmarks/compare.py --size-gb 1 --repeats 3 --json "$out/compare.json" \
-        --only save:raw,save:torch,save:dcp,save:engine,save:saver,load:raw,load:torch,load:dcp,load:engine_verify,load:saver \
+    # shellcheck disable=SC2086 # COMPARE_ARGS is a list of flags
+    $py benchmarks/compare.py --json "$out/compare.json" ${COMPARE_ARGS:---size-gb 1 --repeats 3 \
+        --only save:raw,save:torch,save:dcp,save:engine,save:saver,load:raw,load:torch,load:dcp,load:engine_verify,load:saver} \
         2>&1 | tee "$out/compare.log" | tail -40
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+    step "compare.py --profile"
+    $py benchmarks/compare.py --profile --json "$out/compare.json" 2>&1 | tail -80
 fi
 step done

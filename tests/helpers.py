@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -266,6 +267,15 @@ def listing(path) -> List[str]:
 
 def ckpt_files(path: str) -> List[str]:
     return sorted(os.listdir(path))
+
+
+def checkpoint_bytes(ckpt_dir: str) -> Dict[str, bytes]:
+    """Every file's bytes; the index's creation time and the seal over it blanked, the only parts
+    two saves of the same state may differ in."""
+    files = {n: open(os.path.join(ckpt_dir, n), "rb").read() for n in sorted(os.listdir(ckpt_dir))}
+    files["index"] = re.sub(rb'"created_at":"[^"]*"', b'"created_at":""', files["index"])
+    files["index"] = re.sub(rb',"index_crc32c":[0-9]+}$', b"}", files["index"])
+    return files
 
 
 def ids_in(table: HashTable) -> set:

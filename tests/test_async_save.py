@@ -5,26 +5,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
 
 import pytest
 import torch
-from helpers import assert_jobs_equal, job_state, make_job
+from helpers import assert_jobs_equal, checkpoint_bytes, job_state, make_job
 from test_faults import faulty, inject  # noqa: F401  (fixture)
 
 from recsave import CheckpointManager, HashTable, Saver, knobs
 from recsave.errors import StorageError, UsageError
 from recsave.save import pipeline as saver_mod
 from recsave.tables.optim import SparseAdagrad
-
-
-def _files(ckpt_dir: str) -> dict:
-    """Every file's bytes; the index's creation time blanked (the only field that may differ)."""
-    files = {n: open(os.path.join(ckpt_dir, n), "rb").read() for n in sorted(os.listdir(ckpt_dir))}
-    files["index"] = re.sub(rb'"created_at":"[^"]*"', b'"created_at":""', files["index"])
-    files["index"] = re.sub(rb',"index_crc32c":[0-9]+}$', b"}", files["index"])  # covers created_at
-    return files
 
 
 @pytest.mark.parametrize("knob_values", [{}, {"segment_bytes": 512, "write_block_bytes": 1024}])
@@ -37,7 +28,7 @@ def test_async_and_sync_checkpoints_are_byte_identical(tmp_path, knob_values):
         stage, write = b.saver.async_save("ckpt_4")
     assert stage.done() and stage.result() is None
     assert write.result(timeout=60) == str(tmp_path / "async" / "ckpt_4")
-    sync_files, async_files = _files(sync_dir), _files(write.result())
+    sync_files, async_files = checkpoint_bytes(sync_dir), checkpoint_bytes(write.result())
     assert sorted(sync_files) == sorted(async_files)
     assert len([n for n in sync_files if n.startswith("sparse-")]) >= 1
     for name in sync_files:
@@ -244,7 +235,7 @@ def test_tables_with_the_tensor_id_map_save_async_like_sync(tmp_path):
         opt.step()
     Saver(a, opts[0], output_dir=str(tmp_path / "a")).save("ckpt_1")
     _, write = Saver(b, opts[1], output_dir=str(tmp_path / "b")).async_save("ckpt_1")
-    assert _files(str(tmp_path / "a" / "ckpt_1")) == _files(write.result(timeout=60))
+    assert checkpoint_bytes(str(tmp_path / "a" / "ckpt_1")) == checkpoint_bytes(write.result(timeout=60))
     c = model()
     Saver(c, SparseAdagrad(c, lr=0.1), output_dir=str(tmp_path / "b")).load()
     ids = torch.arange(-500, 500, 3)

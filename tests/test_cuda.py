@@ -3,13 +3,10 @@ pinned double buffers; async_pinned stages into page-locked memory. Skipped with
 id map's logic is covered on the CPU by test_tensor_idmap.py)."""
 from __future__ import annotations
 
-import os
-import re
-
 import numpy as np
 import pytest
 import torch
-from helpers import assert_states_equal, row_meta_state, table_state, tables_of
+from helpers import assert_states_equal, checkpoint_bytes, row_meta_state, table_state, tables_of
 
 from recsave import HashTable, Saver, knobs
 from recsave.tables import cudakernels
@@ -52,12 +49,6 @@ def _job(device: str, out: str):
     return model, [sparse, dense], saver
 
 
-def _files(ckpt_dir: str) -> dict:
-    files = {n: open(os.path.join(ckpt_dir, n), "rb").read() for n in sorted(os.listdir(ckpt_dir))}
-    files["index"] = re.sub(rb'"created_at":"[^"]*"', b'"created_at":""', files["index"])
-    return files
-
-
 def test_cuda_tables_keep_everything_on_the_device(tmp_path):
     model, opts, _ = _job("cuda", str(tmp_path))
     _train(model, opts, 3, "cuda")
@@ -97,7 +88,7 @@ def test_cuda_save_load_round_trip_and_async_matches_sync(tmp_path, pinned):
     if pinned:
         assert all(b.is_pinned() for b in saver2._stager._buffers.values())
     _train(model, opts, 2, "cuda")  # changes after the snapshot stay out of it
-    assert _files(sync_dir) == _files(write.result(timeout=120))
+    assert checkpoint_bytes(sync_dir) == checkpoint_bytes(write.result(timeout=120))
     saver2.close()
 
     fresh, fresh_opts, fresh_saver = _job("cuda", str(tmp_path / "sync"))
