@@ -25,7 +25,7 @@ checks it against the reference, and trains on (autosaving) until it is killed:
 
 * `delay`: the parent SIGKILLs it after a random wall-clock delay (anywhere in the run: restore,
   training, inside the C++ shard writes, the commit, pruning);
-* a kill point: the child wraps one function of the save path (``RECSAVE_STRESS_KILL=
+* a kill point: the child wraps one function of the save path (``_RECSAVE_STRESS_KILL=
   target:k:before|after``) and SIGKILLs itself on the k-th call, before or after the real call.
 
 After every kill a fresh forked process restores every checkpoint listed in `checkpoint` (the latest
@@ -76,7 +76,7 @@ import recsave.save.pipeline  # noqa: E402
 import recsave.save.policy  # noqa: E402
 import recsave.storage.local  # noqa: E402
 
-KILL_ENV = "RECSAVE_STRESS_KILL"
+KILL_ENV = "_RECSAVE_STRESS_KILL"  # not RECSAVE_*: recsave warns of unknown ones
 MAX_KEEP = 2
 
 # name -> (owner object, attribute, other (owner, attribute) pairs bound to the same function by

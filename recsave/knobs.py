@@ -7,9 +7,11 @@ by the :func:`override` context manager (what tests use).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, TypeVar
 
@@ -127,7 +129,13 @@ _KNOBS: Dict[str, Knob] = {
     "writer_lock": Knob("RECSAVE_WRITER_LOCK", True, bool),
 }
 
+# RECSAVE_* variables that are read elsewhere, not knobs: setup.py's build switches and the C++
+# engine's own (docs/API.md). Any other RECSAVE_* name is most likely a misspelt knob.
+OTHER_VARIABLES = frozenset({"RECSAVE_CUDA_KERNELS_BUILD", "RECSAVE_CUDA_ARCHS", "RECSAVE_BUILD_JOBS",
+                             "RECSAVE_CRC32C_PORTABLE", "RECSAVE_POPULATE", "RECSAVE_IDMAP_TEST_SMALL"})
+
 _local = threading.local()
+_environment_checked = False
 
 
 def _overrides() -> list:
@@ -144,9 +152,39 @@ def get(name: str) -> Any:
     for layer in reversed(_overrides()):
         if name in layer:
             return layer[name]
+    if not _environment_checked:
+        warn_unknown_variables()
     knob = _KNOBS[name]
     raw = os.environ.get(knob.env)
     return knob.default if raw is None else knob.parse(name, raw)
+
+
+def unknown_variables(environ: Optional[Dict[str, str]] = None) -> Dict[str, Optional[str]]:
+    """RECSAVE_* variables of `environ` (default os.environ) that name no knob and nothing else
+    recsave reads, each with the knob variable it is closest to (None when none is close)."""
+    known = {k.env for k in _KNOBS.values()}
+    out: Dict[str, Optional[str]] = {}
+    for var in sorted(os.environ if environ is None else environ):
+        if var.startswith("RECSAVE_") and var not in known and var not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.75)
+            out[var] = close[0] if close else None
+    return out
+
+
+def warn_unknown_variables() -> None:
+    """Once per process (at the first knob read from the environment): a RuntimeWarning naming each
+    unknown RECSAVE_* variable, since it is ignored (a misspelt RECSAVE_FSYNC=0 would otherwise
+    leave fsync on without a word)."""
+    global _environment_checked
+    _environment_checked = True
+    for var, close in unknown_variables().items():
+        hint = f"did you mean {close}?" if close else f"the knobs' variables: {', '.join(_env_names())}"
+        warnings.warn(f"environment variable {var} names no recsave knob and is ignored; {hint}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _env_names() -> list:
+    return sorted(k.env for k in _KNOBS.values())
 
 
 @contextlib.contextmanager

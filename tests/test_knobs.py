@@ -81,3 +81,30 @@ def test_unknown_knob_is_refused():
     with pytest.raises(UsageError, match="unknown knob 'segment_size'"):
         with knobs.override(segment_size=1):
             pass
+
+
+def test_unknown_recsave_variables_are_named_with_the_closest_knob():
+    env = {"RECSAVE_FSYNCC": "0", "RECSAVE_DEBUG": "1", "RECSAVE_FSYNC": "0", "RECSAVE_CUDA_ARCHS": "90",
+           "RECSAVE_POPULATE": "0", "_RECSAVE_STRESS_KILL": "x", "HOME": "/root"}
+    assert knobs.unknown_variables(env) == {"RECSAVE_DEBUG": None, "RECSAVE_FSYNCC": "RECSAVE_FSYNC"}
+
+
+def test_a_misspelt_variable_is_warned_of_once_at_the_first_knob_read():
+    """In a fresh process (the check runs once per process): a RuntimeWarning per unknown name, the
+    knobs themselves unaffected, nothing for the variables other parts of recsave read."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from recsave import knobs\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    assert knobs.get('fsync') is False and knobs.get('concurrency') == 4\n"
+            "print(len(seen)); [print(w.category.__name__, w.message) for w in seen]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECSAVE_")}
+    env.update(RECSAVE_FSYNC="0", RECSAVE_CONCURENCY="8", RECSAVE_BUILD_JOBS="2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "1", "RuntimeWarning environment variable RECSAVE_CONCURENCY names no recsave knob and is ignored; "
+             "did you mean RECSAVE_CONCURRENCY?"]
