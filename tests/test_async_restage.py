@@ -11,8 +11,8 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_jobs_equal, job_state, make_job, tables_of, train
-from test_async_save import _files, held_async_save
+from helpers import assert_jobs_equal, checkpoint_bytes, job_state, make_job, tables_of, train
+from test_async_save import held_async_save
 
 from recsave import HashTable, Saver, knobs
 from recsave.errors import UsageError
@@ -31,7 +31,7 @@ def _async(job, ckpt_id: str) -> str:
 
 
 def _same_bytes(sync_dir: str, async_dir: str) -> None:
-    a, b = _files(sync_dir), _files(async_dir)
+    a, b = checkpoint_bytes(sync_dir), checkpoint_bytes(async_dir)
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name] == b[name], name

@@ -7,6 +7,7 @@ import io
 import os
 import re
 import shutil
+import threading
 import weakref
 
 import pytest
@@ -663,7 +664,7 @@ def test_a_table_whose_ids_repeat_is_restored_by_the_general_path(tmp_path, monk
         ids, data = read_table(self, table, columns, *args, **kwargs)
         calls.append((table, list(columns)))
         if table == "user" and not columns and ids is not None:  # the fast path's ids read
-            ids = torch.cat([ids[:1], ids[:-1]])
+            ids.copy_(torch.cat([ids[:1], ids[:-1]]))  # in place: it reads into the table's row ids
         return ids, data
 
     monkeypatch.setattr(CheckpointSource, "read_table", ids_repeat_once)
@@ -754,6 +755,55 @@ def test_prepare_loads_reads_ids_when_a_table_takes_them_and_keeps_no_copy():
         recsave.HashTable.prepare_loads([(tables[0], reader(0), ["embedding"]), (tables[2], failing, ["embedding"])],
                                         fill)
     assert [len(t) for t in tables] == [0, 0, 0]
+
+
+def test_prepare_loads_reads_deferred_ids_while_the_fill_runs():
+    """Ids given as DeferredIds: read into each table's own row ids after the fill has started
+    (the reader waits for the fill's start: read first, as before, it would time out), in order;
+    the restore is the same as with tensors, a repeated id included. A table whose embedding is
+    not read takes its ids up front; a failing id read leaves every table empty once the fill
+    has ended."""
+    from recsave.tables.staging import DeferredIds
+
+    tables = [recsave.HashTable(2, name=n) for n in ("a", "b", "c")]
+    given = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 1]), torch.tensor([-9, 9, 2**62])]
+    fill_started, fill_ended = threading.Event(), threading.Event()
+    calls = []
+
+    def deferred(k, wait=True):
+        def read_into(dest):
+            assert not wait or fill_started.wait(10), "the ids were read before the fill started"
+            calls.append(k)
+            assert dest.dtype == torch.int64 and dest.is_contiguous() and dest.numel() == 3
+            dest.copy_(given[k])
+        return DeferredIds(3, read_into)
+
+    def fill(views):
+        fill_started.set()
+        for k, v in enumerate(views):
+            v["embedding"].fill_(float(k))
+        fill_ended.set()
+
+    out = recsave.HashTable.prepare_loads([(t, deferred(k), ["embedding"]) for k, t in enumerate(tables)], fill)
+    assert calls == [0, 1, 2] and out[1] is None and len(tables[1]) == 0
+    for k in (0, 2):
+        assert torch.equal(tables[k].lookup(given[k], insert=False), torch.arange(3))
+        assert torch.equal(tables[k].weight[:3], torch.full((3, 2), float(k)))
+
+    calls.clear()
+    fill_started.clear()
+    out = recsave.HashTable.prepare_loads([(tables[0], deferred(0, wait=False), ["count"])], lambda views: None)
+    assert calls == [0] and torch.equal(tables[0].lookup(given[0], insert=False), torch.arange(3))
+
+    def unreadable(dest):
+        raise OSError("ids unreadable")
+
+    fill_started.clear()
+    fill_ended.clear()
+    with pytest.raises(OSError, match="ids unreadable"):
+        recsave.HashTable.prepare_loads([(tables[0], deferred(0), ["embedding"]),
+                                         (tables[2], DeferredIds(3, unreadable), ["embedding"])], fill)
+    assert fill_ended.is_set() and [len(t) for t in tables] == [0, 0, 0]
 
 
 def test_a_table_with_freed_rows_saves_by_its_row_list(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -20,6 +20,7 @@ from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
 from recsave.tables.hashtable import HashTable
 from recsave.tables.rows import META_COLUMNS
+from recsave.tables.staging import DeferredIds
 
 
 def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
@@ -284,10 +285,13 @@ def _load_cpu_tables_in_place(target: LoadTarget, batch: List[Any], src: Any, ra
         src.read_tables_into({src_table: {columns[c]: v[c] for c in columns}
                               for (src_table, columns), v in zip(reads, views)}, rank, world, threads)
 
-    def ids_of(src_table: str) -> Callable[[], torch.Tensor]:
-        # Read when the table takes them, and dropped once copied into its row ids: the load holds
-        # one table's ids read at a time, not every table's until the fill ends.
-        return lambda: src.read_table(src_table, [], rank, world, threads)[0]
+    def ids_of(src_table: str) -> DeferredIds:
+        # Read straight into the table's row ids once the fill has started, on this thread and
+        # with one engine thread: the fill's jobs hold the shared pool, and a read whose helpers
+        # queue behind them would wait for the whole fill.
+        def read_into(dest: torch.Tensor) -> None:
+            src.read_table(src_table, [], rank, world, 1, out={"id": dest})
+        return DeferredIds(src.id_count(src_table, rank, world), read_into)
 
     requests = [(table, ids_of(src_table), list(columns)) for _, src_table, columns, table in batch]
     views = HashTable.prepare_loads(requests, fill)

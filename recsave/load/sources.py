@@ -67,6 +67,13 @@ class CheckpointSource:
         info = self.index.meta.tables.get(table) if self.index.meta is not None else None
         return info.step if info is not None else None
 
+    def id_count(self, table: str, rank: int, world: int) -> int:
+        """How many ids of the table rank `rank` of `world` reads (what read_table returns)."""
+        ranges = self.row_ranges(table, rank, world)
+        if ranges is None:
+            return self.index.tensor(f"{table}@id").shape[0]
+        return sum(stop - start for start, stop in ranges)
+
     def row_ranges(self, table: str, rank: int, world: int) -> Optional[List[Tuple[int, int]]]:
         """Logical rows of the table whose buckets rank `rank` of `world` owns (None: all rows)."""
         if world == 1:

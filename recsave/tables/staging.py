@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -21,6 +22,26 @@ from recsave.tables.idmap import CpuIdMap, check_ids, flat_ids
 from recsave.tables.modes import outside_inference_mode
 from recsave.tables.rows import META_COLUMNS, RowStorage, put_rows
 from recsave.tables.tracking import ChangeTracker
+
+
+@dataclass(frozen=True)
+class DeferredIds:
+    """A table's ids for `HashTable.prepare_loads` that the load reads itself, once the fill has
+    started: `count` ids, which `read_into(dest)` writes into `dest`, a contiguous int64 CPU tensor
+    of `count` elements (the table's own row ids, so no other copy of them is made). It runs on
+    the thread that called prepare_loads, while the fill reads the columns: a restore's id reads
+    and the allocation of its id maps then overlap the column reads instead of preceding them."""
+    count: int
+    read_into: Callable[[torch.Tensor], None]
+
+    def read(self) -> torch.Tensor:
+        """The ids in a new tensor (a table that cannot wait for the fill takes them up front)."""
+        out = torch.empty(self.count, dtype=torch.int64)
+        self.read_into(out)
+        return out
+
+
+IdsArg = Union[torch.Tensor, Callable[[], torch.Tensor], DeferredIds]
 
 
 class TableStaging:
@@ -95,8 +116,7 @@ class TableStaging:
 
     @staticmethod
     @outside_inference_mode
-    def prepare_loads(requests: Sequence[Tuple["TableStaging", Union[torch.Tensor, Callable[[], torch.Tensor]],
-                                               List[str]]],
+    def prepare_loads(requests: Sequence[Tuple["TableStaging", IdsArg, List[str]]],
                       fill: Optional[Callable[[List[Dict[str, torch.Tensor]]], None]] = None,
                       ) -> List[Optional[Dict[str, torch.Tensor]]]:
         """`prepare_load` of several tables, given as (table, ids, columns), at once: every table
@@ -109,28 +129,39 @@ class TableStaging:
 
         `ids` may be a function returning them, called once, in order: the ids it returns are
         dropped once copied into the table's row ids (the map is rebuilt from those), so a load
-        of many tables holds one table's ids read, not every table's."""
+        of many tables holds one table's ids read, not every table's. Or a `DeferredIds` (CPU
+        tables whose columns include 'embedding'; elsewhere it is read up front like a function):
+        the table's rows and map are allocated for its `count` ids, the fill starts, and then its
+        ids are read straight into the row ids and hashed, table after table."""
         tables = [t for t, _, _ in requests]
         if len({id(t) for t in tables}) != len(tables):  # its second views would overwrite the first
             twice = next(t for k, t in enumerate(tables) if any(t is u for u in tables[:k]))
             raise UsageError(f"HashTable.prepare_loads: table {twice.table_name!r} is given twice; give "
                              f"each table once, with all of its ids", key=twice.table_name)
         views: List[Dict[str, torch.Tensor]] = []
-        map_ids: List[torch.Tensor] = []  # what each map is rebuilt from
+        map_ids: List[Union[torch.Tensor, DeferredIds]] = []  # what each map is rebuilt from
+        hashed: List[torch.Tensor] = []  # each table's row ids, once read
         distinct: List[bool] = []
         try:
             for table, ids, columns in requests:
-                given = ids() if callable(ids) else ids
+                if isinstance(ids, DeferredIds) and table._defers(columns):  # noqa: SLF001 (same class)
+                    views.append(table._begin_views(ids.count, columns, reserve=False))  # noqa: SLF001
+                    map_ids.append(ids)
+                    continue
+                given = ids.read() if isinstance(ids, DeferredIds) else ids() if callable(ids) else ids
                 views.append(table._begin_load(given, columns))  # noqa: SLF001 (same class)
                 # Ids read for this call are now the table's row ids: hash those, drop the read.
-                map_ids.append(table._store.row_ids[:given.numel()] if callable(ids) else given)  # noqa: SLF001
+                map_ids.append(given if isinstance(ids, torch.Tensor)
+                               else table._store.row_ids[:given.numel()])  # noqa: SLF001 (same class)
                 del given
             # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
             with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
                 # knob overrides are per thread: the fill thread sees this one's
                 filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
                 for table, ids in zip(tables, map_ids):
-                    distinct.append(table._rebuild_map(ids))  # noqa: SLF001 (same class)
+                    row_ids = table._read_row_ids(ids) if isinstance(ids, DeferredIds) else ids  # noqa: SLF001
+                    hashed.append(row_ids)
+                    distinct.append(table._rebuild_map(row_ids))  # noqa: SLF001 (same class)
             error = filled.exception() if filled else None
             if error is not None:
                 raise error
@@ -139,9 +170,9 @@ class TableStaging:
                 table.clear()
             raise
         out: List[Optional[Dict[str, torch.Tensor]]] = []
-        for table, ids, table_views, ok in zip(tables, map_ids, views, distinct):
+        for table, ids, table_views, ok in zip(tables, hashed, views, distinct):
             if isinstance(table._map, CpuIdMap):  # noqa: SLF001 (same class)
-                table._map.advise_huge_pages()  # noqa: SLF001 (reserved on 4 KB pages in _begin_load)
+                table._map.advise_huge_pages()  # noqa: SLF001 (reserved on 4 KB pages in _begin_views)
             if ok:  # ids[i] -> row i
                 table._store.advise_hugepages()  # noqa: SLF001 (same class)
                 table._tracker.mark_first(ids.numel())  # noqa: SLF001 (same class)
@@ -153,21 +184,46 @@ class TableStaging:
     def _begin_load(self, ids: torch.Tensor, columns: List[str]) -> Dict[str, torch.Tensor]:
         """prepare_load's first step: the cleared table's views of rows [0, n), its row ids, and
         room for n ids in the map."""
-        self.clear()
         n = ids.numel()
+        initial = self.initial_rows(ids) if "embedding" not in columns else None  # (seed, id) alone
+        views = self._begin_views(n, columns, initial)
+        self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
+        return views
+
+    def _defers(self, columns: List[str]) -> bool:
+        """Whether a DeferredIds request can wait for the fill: the rows' initial values do not
+        depend on the ids (the embedding is read), and the row ids are host memory to read into."""
+        return "embedding" in columns and self._device.type == "cpu"
+
+    def _begin_views(self, n: int, columns: List[str], initial: Optional[torch.Tensor] = None,
+                     reserve: bool = True) -> Dict[str, torch.Tensor]:
+        """The cleared table's views of rows [0, n) (the embedding's rows set to `initial` unless
+        read) and room for n ids in the map; the row ids are the caller's to set."""
+        self.clear()
         # Filled on 4 KB pages (a huge page is zeroed whole before the read overwrites it: an extra
         # pass over memory), advised for huge pages after the fill.
-        initial = self.initial_rows(ids) if "embedding" not in columns else torch.empty(0)
-        views = self._store.restore_views(n, columns, initial)
-        self._store.row_ids[:n] = ids.reshape(-1).to(self._device)
-        # The map's slots are allocated before the fill starts (a few ms alone; ten times that
-        # while the fill's threads fault in the table's pages); the ids are checked and hashed
-        # while it reads. On 4 KB pages, as the table's rows: huge pages are asked for once filled.
+        views = self._store.restore_views(n, columns, torch.empty(0) if initial is None else initial)
+        # The map's slots (on 4 KB pages, as the table's rows: huge pages are asked for once
+        # filled) are allocated here, before the fill starts, unless the caller reserves them
+        # while it reads (DeferredIds): alone a few ms a table, two to four times that beside the
+        # fill's page faults on 2 cores, yet off the critical path on a host with cores to spare
+        # (a 1 GB restore 1.3x faster on 16 cores, the same on 2; benchmarks/README.md).
+        if reserve:
+            self._reserve_map(n)
+        return views
+
+    def _reserve_map(self, n: int) -> None:
         if isinstance(self._map, CpuIdMap):
             self._map.reserve(n, huge_pages=False)
         else:
             self._map.reserve(n)
-        return views
+
+    def _read_row_ids(self, ids: DeferredIds) -> torch.Tensor:
+        """A DeferredIds' ids, read into the row ids of the rows _begin_views made."""
+        dest = self._store.row_ids[:ids.count]
+        ids.read_into(dest)
+        self._reserve_map(ids.count)
+        return dest
 
     def _rebuild_map(self, ids: torch.Tensor) -> bool:
         """prepare_load's second step, while the views fill: ids[i] -> row i (False: an id repeats)."""
