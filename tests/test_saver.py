@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import weakref
 
 import pytest
@@ -24,6 +25,7 @@ from helpers import (
     make_job,
     model_state,
     read_index_json,
+    table_state,
     tables_of,
     train,
     write_index_json,
@@ -720,6 +722,40 @@ def test_in_place_restore_of_several_tables_has_one_fill():
     assert len(tables[1]) == 3  # refused before anything changed
 
 
+def test_a_checkpoint_with_int32_ids_restores_through_the_copying_path(tmp_path):
+    """Ids stored as int32 (another writer's checkpoint) cannot be read straight into a table's
+    int64 row ids: that table takes them through a copy, and the restore is exact."""
+    from recsave.format import index as index_mod
+    from recsave.format.reader import read_tensors
+    from recsave.format.writer import write_shards
+
+    def model():
+        return torch.nn.ModuleDict({"user": recsave.HashTable(4, name="user"),
+                                    "item": recsave.HashTable(4, name="item")})
+
+    m = model()
+    ids = torch.arange(-50, 150, 3)
+    for k, table in enumerate(m.values()):
+        table.load_rows(ids + k, torch.randn(len(ids), 4))
+    ckpt = recsave.Saver(m, output_dir=str(tmp_path), max_keep=None).save("ckpt_1")
+    idx = index_mod.read(ckpt)
+    stored = read_tensors(ckpt, ["user@id"], index=idx)["user@id"]
+    buckets = idx.tensors["user@id"].chunks[0].buckets
+    part = write_shards(ckpt, {"user@id": stored.to(torch.int32)}, prefix="ids32",
+                        chunk_meta={"user@id": {"buckets": buckets}})
+    raw = read_index_json(ckpt)
+    entry = part.tensors["user@id"]
+    raw["tensors"]["user@id"] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                                 "chunks": [entry.chunks[0].to_json({buckets: 1})]}
+    raw["files"].update({f: fe.to_json() for f, fe in part.files.items()})
+    write_index_json(ckpt, raw)
+    assert index_mod.read(ckpt).tensors["user@id"].dtype == "int32"
+    fresh = model()
+    recsave.Saver(fresh, output_dir=str(tmp_path), max_keep=None).load()
+    for name in ("user", "item"):
+        assert_states_equal(table_state(fresh[name]), table_state(m[name]), name)
+
+
 def test_prepare_loads_reads_ids_when_a_table_takes_them_and_keeps_no_copy():
     """Ids given as functions: each called once, in order; by the time the fill runs no id tensor
     they returned is alive (the maps were rebuilt from the tables' own row ids); the restore is the
@@ -761,18 +797,21 @@ def test_prepare_loads_reads_deferred_ids_while_the_fill_runs():
     """Ids given as DeferredIds: read into each table's own row ids after the fill has started
     (the reader waits for the fill's start: read first, as before, it would time out), in order;
     the restore is the same as with tensors, a repeated id included. A table whose embedding is
-    not read takes its ids up front; a failing id read leaves every table empty once the fill
-    has ended."""
+    not read takes its ids before the fill starts; a failing id read leaves every table empty,
+    and only once the fill has ended."""
     from recsave.tables.staging import DeferredIds
 
     tables = [recsave.HashTable(2, name=n) for n in ("a", "b", "c")]
     given = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 1]), torch.tensor([-9, 9, 2**62])]
-    fill_started, fill_ended = threading.Event(), threading.Event()
+    fill_started, fill_ended, read_failed = threading.Event(), threading.Event(), threading.Event()
     calls = []
 
-    def deferred(k, wait=True):
+    def deferred(k, during_fill=True):
         def read_into(dest):
-            assert not wait or fill_started.wait(10), "the ids were read before the fill started"
+            if during_fill:
+                assert fill_started.wait(10), "the ids were read before the fill started"
+            else:
+                assert not fill_started.is_set(), "ids the rows' initial values need were read late"
             calls.append(k)
             assert dest.dtype == torch.int64 and dest.is_contiguous() and dest.numel() == 3
             dest.copy_(given[k])
@@ -790,20 +829,37 @@ def test_prepare_loads_reads_deferred_ids_while_the_fill_runs():
         assert torch.equal(tables[k].lookup(given[k], insert=False), torch.arange(3))
         assert torch.equal(tables[k].weight[:3], torch.full((3, 2), float(k)))
 
+    def fill_count(views):
+        fill_started.set()
+        views[0]["count"].fill_(2)
+
     calls.clear()
     fill_started.clear()
-    out = recsave.HashTable.prepare_loads([(tables[0], deferred(0, wait=False), ["count"])], lambda views: None)
-    assert calls == [0] and torch.equal(tables[0].lookup(given[0], insert=False), torch.arange(3))
+    out = recsave.HashTable.prepare_loads([(tables[0], deferred(0, during_fill=False), ["count"])], fill_count)
+    assert calls == [0] and set(out[0]) == {"count"}
+    assert torch.equal(tables[0].lookup(given[0], insert=False), torch.arange(3))
+    assert torch.equal(tables[0].weight[:3], tables[0].initial_rows(given[0]))
 
     def unreadable(dest):
+        read_failed.set()
         raise OSError("ids unreadable")
+
+    def slow_fill(views):
+        fill_started.set()
+        assert read_failed.wait(10)
+        time.sleep(0.2)  # still reading when the id read fails
+        fill_ended.set()
 
     fill_started.clear()
     fill_ended.clear()
     with pytest.raises(OSError, match="ids unreadable"):
         recsave.HashTable.prepare_loads([(tables[0], deferred(0), ["embedding"]),
-                                         (tables[2], DeferredIds(3, unreadable), ["embedding"])], fill)
+                                         (tables[2], DeferredIds(3, unreadable), ["embedding"])], slow_fill)
     assert fill_ended.is_set() and [len(t) for t in tables] == [0, 0, 0]
+
+    for count, error in ((-1, UsageError), (True, UsageError), (2.0, UsageError)):
+        with pytest.raises(error, match="count must be an int >= 0"):
+            DeferredIds(count, unreadable)
 
 
 def test_a_table_with_freed_rows_saves_by_its_row_list(tmp_path):

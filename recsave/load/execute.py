@@ -285,12 +285,18 @@ def _load_cpu_tables_in_place(target: LoadTarget, batch: List[Any], src: Any, ra
         src.read_tables_into({src_table: {columns[c]: v[c] for c in columns}
                               for (src_table, columns), v in zip(reads, views)}, rank, world, threads)
 
-    def ids_of(src_table: str) -> DeferredIds:
+    def ids_of(src_table: str) -> Any:
+        stored = src.index.tensor(f"{src_table}@id")
+        if stored.torch_dtype != torch.int64 or len(stored.shape) != 1:  # converted as they are copied
+            return lambda: src.read_table(src_table, [], rank, world, threads)[0]
+
         # Read straight into the table's row ids once the fill has started, on this thread and
         # with one engine thread: the fill's jobs hold the shared pool, and a read whose helpers
         # queue behind them would wait for the whole fill.
         def read_into(dest: torch.Tensor) -> None:
-            src.read_table(src_table, [], rank, world, 1, out={"id": dest})
+            ids = src.read_table(src_table, [], rank, world, 1, out={"id": dest})[0]
+            if ids is None or ids.data_ptr() != dest.data_ptr():  # a source that did not read into it
+                dest.copy_(ids if ids is not None else torch.empty(0, dtype=torch.int64))
         return DeferredIds(src.id_count(src_table, rank, world), read_into)
 
     requests = [(table, ids_of(src_table), list(columns)) for _, src_table, columns, table in batch]

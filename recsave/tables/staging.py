@@ -7,7 +7,7 @@ kept apart so hashtable.py stays about lookups and gradients, as tables/lifecycl
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -33,6 +33,12 @@ class DeferredIds:
     and the allocation of its id maps then overlap the column reads instead of preceding them."""
     count: int
     read_into: Callable[[torch.Tensor], None]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
+            raise UsageError(f"DeferredIds: count must be an int >= 0, got {self.count!r}")
+        if not callable(self.read_into):
+            raise ArgumentTypeError(f"DeferredIds: read_into must be callable, got {type(self.read_into).__name__}")
 
     def read(self) -> torch.Tensor:
         """The ids in a new tensor (a table that cannot wait for the fill takes them up front)."""
@@ -142,6 +148,7 @@ class TableStaging:
         map_ids: List[Union[torch.Tensor, DeferredIds]] = []  # what each map is rebuilt from
         hashed: List[torch.Tensor] = []  # each table's row ids, once read
         distinct: List[bool] = []
+        filled: Optional["Future[None]"] = None
         try:
             for table, ids, columns in requests:
                 if isinstance(ids, DeferredIds) and table._defers(columns):  # noqa: SLF001 (same class)
@@ -165,9 +172,12 @@ class TableStaging:
             error = filled.exception() if filled else None
             if error is not None:
                 raise error
-        except BaseException:
+        except BaseException as exc:
             for table in tables:
                 table.clear()
+            fill_error = filled.exception() if filled is not None and filled.done() else None
+            if fill_error is not None and fill_error is not exc and exc.__context__ is None:
+                exc.__context__ = fill_error  # an id read failed while the fill failed too: show both
             raise
         out: List[Optional[Dict[str, torch.Tensor]]] = []
         for table, ids, table_views, ok in zip(tables, hashed, views, distinct):
