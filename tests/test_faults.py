@@ -246,6 +246,7 @@ def test_transient_errors_are_retried_and_the_save_round_trips(faulty, method):
     for exc in errors:
         inject(method, exc, times=1)
     job.saver.save("ckpt_3")
+    job.saver.wait()  # the pruning of ckpt_1 (its rm) ends on a thread
     state = job_state(job)
     assert FaultyFS.calls.get(method, 0) > 3, f"{method} was not called / retried: {FaultyFS.calls}"
     assert all(r.times == 0 for r in FaultyFS.rules), "every injected fault fired"

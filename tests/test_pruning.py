@@ -16,6 +16,7 @@ from recsave.format import ckptlist
 from recsave.format.ckptlist import PRUNED_DIR
 from recsave.storage import get_storage
 from recsave.storage.local import LocalStorage
+from recsave.storage.lock import LOCK_FILE
 
 
 def _save_steps(job, steps):
@@ -129,27 +130,54 @@ def test_a_symlink_in_the_pruned_dir_s_place_is_not_followed(tmp_path):
     assert listing(out) == [PRUNED_DIR, "checkpoint", "ckpt_3"]
 
 
-def test_a_file_in_the_pruned_dir_s_place_is_kept_and_pruning_deletes_inline(tmp_path):
+def test_a_file_in_the_pruned_dir_s_place_is_kept_and_pruning_deletes_in_place(tmp_path):
     out = tmp_path / "run"
     job = make_job(str(out), max_keep=1)
     _save_steps(job, [1])
     (out / PRUNED_DIR).write_text("the user's")
     _save_steps(job, [2])
-    assert not (out / "ckpt_1").exists()  # removed inline: nothing to wait for
+    assert not (out / "ckpt_1" / "index").exists()  # the index at once, the rest on the thread
+    job.saver.wait()
     assert listing(out) == [PRUNED_DIR, "checkpoint", "ckpt_2"]
     assert (out / PRUNED_DIR).read_text() == "the user's"
     job.saver.close()
 
 
-def test_object_stores_prune_inline(tmp_path):
-    """memory:// has no cheap rename: the deletion stays in the save, and nothing is moved aside."""
+def test_object_stores_delete_the_index_at_once_and_the_rest_on_the_thread(monkeypatch):
+    """memory:// has no cheap rename: the pruned checkpoint's index goes in the save (its id is
+    gone), its other objects on the thread, which keeps the writer lock held even after the Saver
+    is dropped; a new writer of this process waits for the deletion, then takes the lock."""
     url = f"memory://prune-{uuid.uuid4().hex}/run"
+    st = get_storage(url)
     saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
     saver.save("ckpt_1")
-    saver.save("ckpt_2")
-    names = get_storage(url).listdir(url)
-    assert "ckpt_1" not in names and PRUNED_DIR not in names and "ckpt_2" in names
-    saver.close()
+    release, blocked = threading.Event(), []
+    real = type(st).remove_tree
+
+    def slow(self, path):
+        if threading.current_thread().name == "recsave-prune":
+            blocked.append(release.wait(timeout=30))
+        real(self, path)
+
+    monkeypatch.setattr(type(st), "remove_tree", slow)
+    saver.save("ckpt_2")  # returns while the deletion of ckpt_1's objects is held
+    assert not blocked and ckptlist.read(st, url) == ["ckpt_2"]
+    assert not st.exists(f"{url}/ckpt_1/index") and st.exists(f"{url}/ckpt_1/model.pt")
+    assert PRUNED_DIR not in st.listdir(url)
+    lock_file = f"{url}/{LOCK_FILE}"
+    held_by = st.read_bytes(lock_file, 1 << 16)
+    del saver
+    gc.collect()
+    assert st.read_bytes(lock_file, 1 << 16) == held_by  # a dropped Saver's lock stays until the deletion ends
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    other = Saver(CTR(seed=0), output_dir=url, max_keep=1)
+    other.save("ckpt_3")  # waited for the deletion, then took the lock
+    timer.join()
+    assert blocked[0] is True and st.read_bytes(lock_file, 1 << 16) != held_by
+    other.wait()
+    assert sorted(n for n in st.listdir(url) if n.startswith("ckpt_")) == ["ckpt_3"]
+    other.close()
 
 
 def test_a_restore_after_pruning_loads_the_kept_checkpoint(tmp_path):
@@ -179,8 +207,9 @@ def test_in_place_pruning_deletes_the_index_first(monkeypatch):
         raise StorageError(f"{path}: deleting failed (injected)", path=path)
 
     monkeypatch.setattr(type(st), "remove_tree", dies)
-    with pytest.warns(RuntimeWarning, match="pruning old checkpoint directories failed"):
-        saver.save("ckpt_2")
+    saver.save("ckpt_2")
+    with pytest.warns(RuntimeWarning, match="deleting pruned checkpoints failed"):
+        saver.wait()
     monkeypatch.undo()
     assert not st.exists(f"{url}/ckpt_1/index") and st.exists(f"{url}/ckpt_1/model.pt")
     st.remove_file(f"{url}/checkpoint")

@@ -148,6 +148,7 @@ class CheckpointWriter:
         """Lists committed checkpoint `ckpt_id` last in `checkpoint` (rank 0, under the writer
         lock); nothing is written or deleted. Returns its path."""
         def relist() -> None:
+            self._pruner.join()  # a dropped writer's in-place deletion holds the lock until done
             self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
             ids = ckptlist.committed(self.storage, self.output_dir, warned=self.list_warnings).ids
             if ckpt_id not in ids:
@@ -366,7 +367,7 @@ class CheckpointWriter:
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({exc}); {ckpt_id} is committed "
                           f"and listed, the next save prunes again", RuntimeWarning, stacklevel=2)
         finally:
-            self._pruner.start()
+            self._pruner.start(self._lock)
 
     def _fact(self, ckpt_id: str) -> Tuple[Optional[int], Optional[Mapping[str, float]]]:
         """(step, metrics) of a committed checkpoint, from its index (read once: indexes never

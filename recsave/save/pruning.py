@@ -4,8 +4,10 @@ On a local file system, unlinking a checkpoint's files frees their pages in the 
 60 ms per GB on the development VM, a quarter of a steady-state save with `max_keep`
 (benchmarks/README.md). The directory is renamed into the output dir's PRUNED_DIR instead (one
 atomic step: its id is gone from the output dir at once, as with a plain delete) and a background
-thread deletes it. Where no cheap rename exists (object stores) the deletion stays inline, the
-index first.
+thread deletes it. Where no cheap rename exists (object stores: a copy per object) the index is
+deleted at once (the checkpoint is then an uncommitted leftover, which no list or load takes) and
+the rest of its objects on the thread; that thread keeps the writer lock held until it is done,
+so that no writer can reuse the directory's name while its objects are being deleted.
 docs/FORMAT.md section 1 names PRUNED_DIR; a save's collect_garbage removes one a dead process left.
 """
 from __future__ import annotations
@@ -14,26 +16,28 @@ import itertools
 import os
 import warnings
 from concurrent.futures import Future
-from typing import Optional
+from typing import List, Optional
 
 from recsave import threads
 from recsave.format.ckptlist import PRUNED_DIR
 from recsave.format.index import INDEX_FILE
 from recsave.storage import Storage
+from recsave.storage.lock import WriterLock, busy_until
 
 _names = itertools.count()
 
 
 class Pruner:
     """Removes an output dir's pruned checkpoint directories: remove() is collect_garbage's removal
-    (the directory moved aside, or deleted where it cannot be), start() deletes what was moved
-    aside on a thread, join() waits for that thread (before the next collection and before the
-    writer lock is released)."""
+    (the directory moved aside, or its index deleted where it cannot be), start() deletes what was
+    moved aside or left in place on a thread, join() waits for that thread (before the next
+    collection and before the writer lock is released)."""
 
     def __init__(self, storage: Storage, output_dir: str):
         self.storage = storage
         self.root = storage.join(output_dir, PRUNED_DIR)
         self._moved = False  # remove() moved something aside since the last start()
+        self._in_place: List[str] = []  # directories remove() left to delete where they are
         self._deleting: Optional["Future[None]"] = None
 
     def remove(self, path: str) -> None:
@@ -41,19 +45,45 @@ class Pruner:
         if self.storage.move_tree_aside(path, self.storage.join(self.root, name)):
             self._moved = True
             return
-        # In place, the index first: a process that dies midway leaves a directory without an
-        # index (a leftover the next collection removes), never an index whose files are partly
-        # gone, which a rebuilt list would take for a committed checkpoint.
+        # In place, the index first and now: the checkpoint is gone, and a process that dies
+        # before the thread has deleted the rest leaves a directory without an index (a leftover
+        # the next collection removes), never an index whose files are partly gone, which a
+        # rebuilt list would take for a committed checkpoint.
         self.storage.remove_file(self.storage.join(path, INDEX_FILE))
-        self.storage.remove_tree(path)
+        self._in_place.append(path)
 
-    def start(self) -> None:
-        """Deletes PRUNED_DIR on a thread if remove() moved directories into it. The writer lock is
-        not held for it: a Saver dropped meanwhile releases the lock, and a next writer's
-        collection may delete the same garbage at the same time, which only costs a failed unlink."""
-        if self._moved:
-            self._moved = False
-            self._deleting = threads.start(self.storage.remove_tree, self.root, name="recsave-prune")
+    def start(self, lock: Optional[WriterLock] = None) -> None:
+        """Deletes on a thread what remove() moved into PRUNED_DIR or left in place.
+
+        For what was moved aside the writer lock is not needed: a Saver dropped meanwhile releases
+        it, and a next writer's collection may delete the same garbage at the same time, which
+        only costs a failed unlink. A directory deleted in place still has its checkpoint's name,
+        which a next writer could save into: then the thread keeps `lock` (the writer lock) alive,
+        hence held, until it is done (storage/lock.py busy_until: a writer of this process waits
+        for it, one of another finds the lock held)."""
+        paths = ([self.root] if self._moved else []) + self._in_place
+        held = [lock] if self._in_place and lock is not None else []
+        self._moved, self._in_place = False, []
+        if not paths:
+            return
+
+        def delete() -> None:
+            try:
+                errors = []
+                for path in paths:
+                    try:
+                        self.storage.remove_tree(path)
+                    except Exception as exc:  # the others still go; the next collection retries
+                        errors.append(exc)
+                if errors:
+                    raise errors[0]
+            finally:
+                held.clear()  # a dropped Saver's lock is released here, before the future is done
+
+        lock_path = held[0].path if held else None  # (the thread may have cleared `held` already)
+        self._deleting = threads.start(delete, name="recsave-prune")
+        if lock_path is not None:
+            busy_until(lock_path, self._deleting)
 
     def join(self) -> None:
         """Waits for the deletion started last; a failure is a warning (the next collection
@@ -66,4 +96,3 @@ class Pruner:
         except Exception as exc:
             warnings.warn(f"{self.root}: deleting pruned checkpoints failed ({exc}); the next save removes "
                           f"what is left", RuntimeWarning, stacklevel=2)
-

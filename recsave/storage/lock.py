@@ -194,6 +194,16 @@ def _release_now(storage: Storage, path: str, token: str) -> bool:
 
 # Remote releases started by finalizers, by lock path: a new acquire() of the path waits for it.
 _releasing: Dict[str, Future] = {}
+# Work of this process that keeps a lock held until it ends (a dropped Saver's in-place deletion of
+# pruned checkpoints, save/pruning.py), by lock path: a new acquire() of the path waits for it.
+_busy: Dict[str, Future] = {}
+
+
+def busy_until(path: str, work: Future) -> None:
+    """Records that the lock of `path` stays held until `work` is done (the work keeps the lock
+    object alive and drops it before its future completes): an acquire() in this process waits for
+    it instead of failing with WriterLockedError; one in another process finds the lock held."""
+    _busy[path] = work
 
 
 def _release(storage: Storage, path: str, token: str) -> None:
@@ -225,7 +235,11 @@ def _interpreter_exiting() -> bool:
 
 
 def _wait_for_release(path: str) -> None:
-    """Waits (bounded) for a finalizer's release of `path` that may still be running."""
+    """Waits for work that keeps a dropped holder's lock of `path` (busy_until), then (bounded) for
+    a finalizer's release of it that may still be running."""
+    busy = _busy.pop(path, None)
+    if busy is not None:
+        futures_wait([busy])
     release = _releasing.pop(path, None)
     if release is not None:
         futures_wait([release], timeout=_release_timeout_s())
