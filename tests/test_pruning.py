@@ -5,12 +5,13 @@ import gc
 import os
 import shutil
 import threading
+import time
 import uuid
 
 import pytest
 from helpers import CTR, assert_jobs_equal, job_state, listing, make_job
 
-from recsave import Saver
+from recsave import Saver, knobs
 from recsave.errors import UsageError
 from recsave.format import ckptlist
 from recsave.format.ckptlist import PRUNED_DIR
@@ -178,6 +179,83 @@ def test_object_stores_delete_the_index_at_once_and_the_rest_on_the_thread(monke
     other.wait()
     assert sorted(n for n in st.listdir(url) if n.startswith("ckpt_")) == ["ckpt_3"]
     other.close()
+
+
+def _held_deletion(monkeypatch, st, url):
+    """remove_tree on the pruning thread waits for the returned event and records whether the
+    writer lock file still existed when it went on."""
+    release, lock_there = threading.Event(), []
+    real = type(st).remove_tree
+
+    def slow(self, path):
+        if threading.current_thread().name == "recsave-prune":
+            release.wait(timeout=30)
+            lock_there.append(st.exists(f"{url}/{LOCK_FILE}"))
+        real(self, path)
+
+    monkeypatch.setattr(type(st), "remove_tree", slow)
+    return release, lock_there
+
+
+def test_close_keeps_the_lock_until_an_in_place_deletion_ends(monkeypatch):
+    url = f"memory://prune-{uuid.uuid4().hex}/run"
+    st = get_storage(url)
+    saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
+    saver.save("ckpt_1")
+    release, lock_there = _held_deletion(monkeypatch, st, url)
+    saver.save("ckpt_2")
+    threading.Timer(0.3, release.set).start()
+    saver.close()
+    assert lock_there == [True] and not st.exists(f"{url}/{LOCK_FILE}")
+
+
+def test_an_interrupted_close_leaves_the_lock_to_the_deleting_thread(monkeypatch):
+    """A KeyboardInterrupt while close() waits: the lock is not released under the deletion (another
+    writer could save into the name being deleted); the thread releases it when done."""
+    from concurrent.futures import Future
+
+    url = f"memory://prune-{uuid.uuid4().hex}/run"
+    st = get_storage(url)
+    saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
+    saver.save("ckpt_1")
+    release, lock_there = _held_deletion(monkeypatch, st, url)
+    saver.save("ckpt_2")
+    real_result, interrupted = Future.result, []
+
+    def interrupt(self, timeout=None):
+        if threading.current_thread() is threading.main_thread() and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_result(self, timeout)
+
+    monkeypatch.setattr(Future, "result", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        saver.close()
+    assert st.exists(f"{url}/{LOCK_FILE}") and st.exists(f"{url}/ckpt_1/model.pt")
+    release.set()
+    saver.wait()  # the deletion still counts as running: waited for again
+    assert lock_there == [True] and not st.exists(f"{url}/ckpt_1")
+    for _ in range(100):  # the thread drops its reference, the lock's finalizer releases it
+        if not st.exists(f"{url}/{LOCK_FILE}"):
+            break
+        time.sleep(0.05)
+    assert not st.exists(f"{url}/{LOCK_FILE}")
+
+
+def test_without_the_writer_lock_object_stores_prune_inline(monkeypatch):
+    """With the knob writer_lock off nothing would keep another writer out of a name being deleted
+    on the thread: the deletion stays in the save."""
+    url = f"memory://prune-{uuid.uuid4().hex}/run"
+    st = get_storage(url)
+    release, lock_there = _held_deletion(monkeypatch, st, url)  # a deletion on the thread would wait
+    with knobs.override(writer_lock=False):
+        saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
+        saver.save("ckpt_1")
+        saver.save("ckpt_2")
+        assert sorted(n for n in st.listdir(url) if n.startswith("ckpt_")) == ["ckpt_2"]
+        release.set()
+        saver.close()
+    assert lock_there == []
 
 
 def test_a_restore_after_pruning_loads_the_kept_checkpoint(tmp_path):

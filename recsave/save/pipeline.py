@@ -148,7 +148,7 @@ class CheckpointWriter:
         """Lists committed checkpoint `ckpt_id` last in `checkpoint` (rank 0, under the writer
         lock); nothing is written or deleted. Returns its path."""
         def relist() -> None:
-            self._pruner.join()  # a dropped writer's in-place deletion holds the lock until done
+            self._pruner.join()  # (a dropped writer's deletion: acquire() waits for it)
             self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
             ids = ckptlist.committed(self.storage, self.output_dir, warned=self.list_warnings).ids
             if ckpt_id not in ids:
@@ -204,11 +204,18 @@ class CheckpointWriter:
 
     def close(self) -> None:
         """Waits for the deletion of pruned checkpoints, then releases the writer lock (a later
-        write takes it again)."""
+        write takes it again). Interrupted while the deletion runs, it leaves the lock to the
+        deleting thread, which releases it when done (save/pruning.py), rather than let another
+        writer save into a name being deleted."""
         try:
             self._pruner.join()
-        finally:
-            self._release_lock()
+        except BaseException:
+            if self._pruner.running():
+                self._lock = None  # the thread's reference keeps it held; its finalizer releases it
+            else:
+                self._release_lock()
+            raise
+        self._release_lock()
 
     def _release_lock(self) -> None:
         if self._lock is not None:
@@ -362,7 +369,8 @@ class CheckpointWriter:
         # The checkpoint is committed and listed: a failure to prune is the next save's to retry.
         # Pruned directories are moved aside here and deleted on a thread (save/pruning.py).
         try:
-            ckptlist.collect_garbage(st, out, keep, self.depends_on, remove=self._pruner.remove)
+            ckptlist.collect_garbage(st, out, keep, self.depends_on,
+                                     remove=functools.partial(self._pruner.remove, lock=self._lock))
         except OSError as exc:
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({exc}); {ckpt_id} is committed "
                           f"and listed, the next save prunes again", RuntimeWarning, stacklevel=2)

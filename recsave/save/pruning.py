@@ -40,7 +40,11 @@ class Pruner:
         self._in_place: List[str] = []  # directories remove() left to delete where they are
         self._deleting: Optional["Future[None]"] = None
 
-    def remove(self, path: str) -> None:
+    def remove(self, path: str, lock: Optional[WriterLock] = None) -> None:
+        """Takes `path` out of the output dir: moved aside, else its index deleted now and the rest
+        by start()'s thread, which keeps `lock` held meanwhile; with no lock to keep (the knob
+        writer_lock off) nothing would stop a writer from saving into the name while the thread
+        deletes, so it is all deleted here."""
         name = f"{os.path.basename(path.rstrip('/'))}-{os.getpid()}-{next(_names)}"
         if self.storage.move_tree_aside(path, self.storage.join(self.root, name)):
             self._moved = True
@@ -50,7 +54,10 @@ class Pruner:
         # the next collection removes), never an index whose files are partly gone, which a
         # rebuilt list would take for a committed checkpoint.
         self.storage.remove_file(self.storage.join(path, INDEX_FILE))
-        self._in_place.append(path)
+        if lock is None:
+            self.storage.remove_tree(path)
+        else:
+            self._in_place.append(path)
 
     def start(self, lock: Optional[WriterLock] = None) -> None:
         """Deletes on a thread what remove() moved into PRUNED_DIR or left in place.
@@ -87,8 +94,9 @@ class Pruner:
 
     def join(self) -> None:
         """Waits for the deletion started last; a failure is a warning (the next collection
-        removes what is left)."""
-        deleting, self._deleting = self._deleting, None
+        removes what is left). Interrupted (KeyboardInterrupt), it still counts as running: the
+        next join() waits for it again."""
+        deleting = self._deleting
         if deleting is None:
             return
         try:
@@ -96,3 +104,8 @@ class Pruner:
         except Exception as exc:
             warnings.warn(f"{self.root}: deleting pruned checkpoints failed ({exc}); the next save removes "
                           f"what is left", RuntimeWarning, stacklevel=2)
+        self._deleting = None
+
+    def running(self) -> bool:
+        """Whether the deletion started last is still running."""
+        return self._deleting is not None and not self._deleting.done()

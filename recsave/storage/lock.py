@@ -203,6 +203,8 @@ def busy_until(path: str, work: Future) -> None:
     """Records that the lock of `path` stays held until `work` is done (the work keeps the lock
     object alive and drops it before its future completes): an acquire() in this process waits for
     it instead of failing with WriterLockedError; one in another process finds the lock held."""
+    for done in [p for p, w in _busy.items() if w.done()]:
+        del _busy[done]
     _busy[path] = work
 
 
@@ -238,8 +240,8 @@ def _wait_for_release(path: str) -> None:
     """Waits for work that keeps a dropped holder's lock of `path` (busy_until), then (bounded) for
     a finalizer's release of it that may still be running."""
     busy = _busy.pop(path, None)
-    if busy is not None:
-        futures_wait([busy])
+    if busy is not None:  # bounded: a hung store ends in WriterLockedError, naming the lock file
+        futures_wait([busy], timeout=max(0.0, float(knobs.get("collective_timeout_s"))))
     release = _releasing.pop(path, None)
     if release is not None:
         futures_wait([release], timeout=_release_timeout_s())
