@@ -197,13 +197,19 @@ def _held_deletion(monkeypatch, st, url):
     return release, lock_there
 
 
-def test_close_keeps_the_lock_until_an_in_place_deletion_ends(monkeypatch):
+def _pruned_in_place_and_held(monkeypatch):
+    """A memory:// Saver whose second save pruned ckpt_1 in place, its deletion held (_held_deletion)."""
     url = f"memory://prune-{uuid.uuid4().hex}/run"
     st = get_storage(url)
     saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
     saver.save("ckpt_1")
     release, lock_there = _held_deletion(monkeypatch, st, url)
     saver.save("ckpt_2")
+    return url, st, saver, release, lock_there
+
+
+def test_close_keeps_the_lock_until_an_in_place_deletion_ends(monkeypatch):
+    url, st, saver, release, lock_there = _pruned_in_place_and_held(monkeypatch)
     threading.Timer(0.3, release.set).start()
     saver.close()
     assert lock_there == [True] and not st.exists(f"{url}/{LOCK_FILE}")
@@ -214,12 +220,7 @@ def test_an_interrupted_close_leaves_the_lock_to_the_deleting_thread(monkeypatch
     writer could save into the name being deleted); the thread releases it when done."""
     from concurrent.futures import Future
 
-    url = f"memory://prune-{uuid.uuid4().hex}/run"
-    st = get_storage(url)
-    saver = Saver(CTR(seed=0), output_dir=url, max_keep=1)
-    saver.save("ckpt_1")
-    release, lock_there = _held_deletion(monkeypatch, st, url)
-    saver.save("ckpt_2")
+    url, st, saver, release, lock_there = _pruned_in_place_and_held(monkeypatch)
     real_result, interrupted = Future.result, []
 
     def interrupt(self, timeout=None):
