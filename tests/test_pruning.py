@@ -339,5 +339,6 @@ def test_gc_names_a_pruned_dir_a_dead_writer_left(tmp_path):
     _save_steps(job, [1, 2])
     job.saver.close()
     shutil.copytree(out / "ckpt_1", out / PRUNED_DIR / "ckpt_0-999-0")
-    assert catalog.clean_output_dir(str(out)) == {"removed_checkpoints": [PRUNED_DIR], "removed_temp_files": []}
+    assert catalog.clean_output_dir(str(out)) == {"removed_checkpoints": [PRUNED_DIR], "removed_temp_files": [],
+                                                  "aborted_uploads": []}
     assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2"]

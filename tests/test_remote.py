@@ -219,6 +219,32 @@ def test_uncommitted_leftover_is_not_latest_and_is_removed(remote):
     assert _ls(out) == ["checkpoint", "ckpt_2", "ckpt_4"]
 
 
+def test_gc_aborts_the_uploads_a_killed_writer_left(remote):
+    """A writer killed mid-upload leaves a multipart upload: invisible, yet stored until aborted.
+    gc aborts those under the output dir begun before it took the lock; others stay."""
+    from recsave.tools import catalog
+
+    out = f"{remote}/run"
+    job = make_job(out)
+    job.train(2)
+    job.saver.save("ckpt_2")
+    job.saver.close()
+    if not remote.startswith("s3://"):  # memory:// has no multipart uploads
+        assert catalog.clean_output_dir(out)["aborted_uploads"] == []
+        return
+    fs = _fs(remote)
+    bucket = remote[len("s3://"):]
+    begun = {key: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+             for key in ("run/ckpt_4/sparse-0-0.safetensors", "run/ckpt_4/model.pt", "elsewhere/big.bin")}
+    time.sleep(1.1)  # the lock's LastModified has whole seconds
+    done = catalog.clean_output_dir(out)
+    assert done["aborted_uploads"] == ["ckpt_4/model.pt", "ckpt_4/sparse-0-0.safetensors"]
+    left = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert [(u["Key"], u["UploadId"]) for u in left] == [("elsewhere/big.bin", begun["elsewhere/big.bin"])]
+    assert catalog.clean_output_dir(out)["aborted_uploads"] == []
+    assert make_job(out).saver.latest_checkpoint() == f"{out}/ckpt_2"
+
+
 def test_flipped_byte_is_detected(remote):
     out = f"{remote}/run"
     job = make_job(out)

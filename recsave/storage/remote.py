@@ -3,9 +3,10 @@ on transient errors (recsave.storage.retry), files published by one put or one u
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from concurrent.futures import Future
-from typing import IO, Any, Callable, Iterator, List, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 from recsave import knobs, threads
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
@@ -116,6 +117,29 @@ class FsspecStorage(Storage):
     def remove_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             retry.call("removing", path, lambda: self.fs.rm_file(path))
+
+    def abort_stale_uploads(self, path: str, marker: str) -> List[str]:
+        call = getattr(self.fs, "call_s3", None)  # s3fs: multipart uploads are S3's
+        if call is None or self._local is not None:
+            return []
+        since = self._call(self._fresh_info, marker, "stat").get("LastModified")
+        if since is None:
+            return []
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = key.rstrip("/") + "/" if key else ""
+        stale: List[Tuple[str, str]] = []
+        page: Dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            listed = retry.call("listing the unfinished uploads under", path,
+                                lambda: call("list_multipart_uploads", **page))
+            stale += [(u["Key"], u["UploadId"]) for u in listed.get("Uploads", []) if u["Initiated"] < since]
+            if not listed.get("IsTruncated"):
+                break
+            page.update(KeyMarker=listed["NextKeyMarker"], UploadIdMarker=listed["NextUploadIdMarker"])
+        for upload_key, upload_id in stale:
+            abort = functools.partial(call, "abort_multipart_upload", Bucket=bucket, Key=upload_key, UploadId=upload_id)
+            retry.call("aborting an unfinished upload of", f"{bucket}/{upload_key}", abort)
+        return sorted(k[len(prefix):] for k, _ in stale)
 
     # --------------------------------------------------------------------------------------- reads
     def read_bytes(self, path: str, limit: int) -> bytes:

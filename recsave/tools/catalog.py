@@ -158,8 +158,11 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     """What ``recsave gc`` does, under the writer lock: removes uncommitted leftovers and pruned
     checkpoint directories (``removed_checkpoints``: their names), then the temporary files that
     interrupted writes leave in output_dir and its checkpoint directories (``removed_temp_files``:
-    paths relative to output_dir). Raises CheckpointNotFoundError when output_dir does not exist,
-    WriterLockedError (removing nothing) while a Saver holds it."""
+    paths relative to output_dir), then, on S3, the multipart uploads a killed writer left
+    unfinished under output_dir, begun before this call took the lock (``aborted_uploads``: keys
+    relative to output_dir; a later writer's uploads are never touched). Raises
+    CheckpointNotFoundError when output_dir does not exist, WriterLockedError (removing nothing)
+    while a Saver holds it."""
     argcheck.path(output_dir, "output_dir", "clean_output_dir")
     storage = get_storage(output_dir)
     _require_dir(storage, output_dir)  # before the lock, which would create the directory
@@ -179,7 +182,9 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
             ckptlist.write(storage, output_dir, keep)
         dirs = ckptlist.collect_garbage(storage, output_dir, keep)
         temps = ckptlist.remove_temp_files(storage, output_dir)
-        return {"removed_checkpoints": dirs, "removed_temp_files": temps}
+        # By the store's clock: uploads begun before the lock file was written are dead writers'.
+        uploads = storage.abort_stale_uploads(output_dir, lock.path) if lock is not None else []
+        return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads}
     finally:
         if lock is not None:
             lock.release()

@@ -279,7 +279,8 @@ def _compact(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-@command("gc", "remove uncommitted leftovers and stray temporary files of crashed saves from an output dir",
+@command("gc", "remove uncommitted leftovers and stray temporary files of crashed saves from an output dir "
+              "(and abort the S3 uploads they left unfinished)",
          _output_dir_argument)
 def _gc(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import clean_output_dir
@@ -293,6 +294,8 @@ def _gc(args: argparse.Namespace) -> int:
           (f": {', '.join(removed)}" if removed else ""))
     if temps:
         print(f"removed {len(temps)} temporary file(s): {', '.join(temps)}")
+    if done["aborted_uploads"]:
+        print(f"aborted {len(done['aborted_uploads'])} unfinished upload(s): {', '.join(done['aborted_uploads'])}")
     return EXIT_OK
 
 
