@@ -148,7 +148,7 @@ class CheckpointWriter:
         """Lists committed checkpoint `ckpt_id` last in `checkpoint` (rank 0, under the writer
         lock); nothing is written or deleted. Returns its path."""
         def relist() -> None:
-            self._pruner.join()  # (a dropped writer's deletion: acquire() waits for it)
+            self._pruner.join()  # this writer's last deletion; a dropped writer's, acquire() waits for
             self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
             ids = ckptlist.committed(self.storage, self.output_dir, warned=self.list_warnings).ids
             if ckpt_id not in ids:
