@@ -162,11 +162,11 @@ def get(name: str) -> Any:
 def unknown_variables(environ: Optional[Dict[str, str]] = None) -> Dict[str, Optional[str]]:
     """RECSAVE_* variables of `environ` (default os.environ) that name no knob and nothing else
     recsave reads, each with the knob variable it is closest to (None when none is close)."""
-    known = {k.env for k in _KNOBS.values()}
+    known = _env_names()
     out: Dict[str, Optional[str]] = {}
     for var in sorted(os.environ if environ is None else environ):
         if var.startswith("RECSAVE_") and var not in known and var not in OTHER_VARIABLES:
-            close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.75)
+            close = difflib.get_close_matches(var, known, n=1, cutoff=0.75)
             out[var] = close[0] if close else None
     return out
 

@@ -294,9 +294,7 @@ def _load_cpu_tables_in_place(target: LoadTarget, batch: List[Any], src: Any, ra
         # with one engine thread: the fill's jobs hold the shared pool, and a read whose helpers
         # queue behind them would wait for the whole fill.
         def read_into(dest: torch.Tensor) -> None:
-            ids = src.read_table(src_table, [], rank, world, 1, out={"id": dest})[0]
-            if ids is None or ids.data_ptr() != dest.data_ptr():  # a source that did not read into it
-                dest.copy_(ids if ids is not None else torch.empty(0, dtype=torch.int64))
+            src.read_table(src_table, [], rank, world, 1, out={"id": dest})
         return DeferredIds(src.id_count(src_table, rank, world), read_into)
 
     requests = [(table, ids_of(src_table), list(columns)) for _, src_table, columns, table in batch]
