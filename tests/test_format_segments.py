@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from recsave.errors import CorruptCheckpointError
+from recsave.errors import CorruptCheckpointError, UsageError
 from recsave.format import oracle, segments
 from recsave.format.segments import BucketSegments
 
@@ -54,3 +54,25 @@ def test_a_hostile_rule_is_counted_not_listed():
     assert segments.count(starts, 16, rule) == 1 << 41
     with pytest.raises(CorruptCheckpointError, match="more segments than the 3 crc32c values"):
         oracle._rule_ends(rule.to_json(), list(starts), 16, 3, "p", "t")
+
+
+@pytest.mark.parametrize("starts, row_bytes, rule, what", [
+    ((0, 5, 3), 8, BucketSegments(64, 0), "never decrease"),
+    ((1, 5), 8, BucketSegments(64, 0), "beginning at 0"),
+    ((), 8, BucketSegments(64, 0), "non-empty"),
+    ((0, 5), 8, BucketSegments(0, 0), "step >= 1"),
+    ((0, 1 << 60), 8, BucketSegments(1 << 20, 0), "2\\^62 bytes"),
+])
+def test_the_engine_refuses_what_no_chunk_has(starts, row_bytes, rule, what):
+    """The walk runs in the engine on int64: inputs no validated index or save produces are refused
+    by name, never wrapped around."""
+    for fn in (segments.ends, segments.count):
+        with pytest.raises(UsageError, match=what):
+            fn(starts, row_bytes, rule)
+
+
+def test_ends_near_the_largest_chunk():
+    """A chunk of 2^62 bytes exactly: the step cuts are counted and the last end is the chunk's."""
+    starts, rule = (0, 1 << 58, 1 << 59), BucketSegments(1 << 61, 0)
+    assert segments.ends(starts, 8, rule) == (1 << 61, 1 << 62)
+    assert segments.count(starts, 8, rule) == 2

@@ -10,6 +10,7 @@
 
 #include "core/crc32c.h"
 #include "core/errors.h"
+#include "core/segment_rule.h"
 #include "core/shard_io.h"
 
 namespace py = pybind11;
@@ -84,6 +85,20 @@ void bind_io(py::module_& m) {
       }, py::arg("address"), py::arg("length"), py::arg("crc") = 0,
       "CRC32C of `length` bytes at a raw address (e.g. tensor.data_ptr()).");
   m.def("crc32c_hardware_available", &recsave::crc32c_hardware_available);
+  using Int64s = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+  m.def("bucket_segment_ends", [](const Int64s& row_starts, int64_t row_bytes, int64_t step, int64_t min_bytes) {
+        const int64_t n = static_cast<int64_t>(row_starts.size());
+        const int64_t count = recsave::bucket_segment_ends(row_starts.data(), n, row_bytes, step, min_bytes, nullptr);
+        py::array_t<int64_t> ends(count);
+        recsave::bucket_segment_ends(row_starts.data(), n, row_bytes, step, min_bytes, ends.mutable_data());
+        return ends;
+      }, py::arg("row_starts"), py::arg("row_bytes"), py::arg("step"), py::arg("min_bytes"),
+      "The checksum segment ends (int64 array) of the bucket rule (docs/FORMAT.md section 3).");
+  m.def("bucket_segment_count", [](const Int64s& row_starts, int64_t row_bytes, int64_t step, int64_t min_bytes) {
+        return recsave::bucket_segment_ends(row_starts.data(), static_cast<int64_t>(row_starts.size()), row_bytes,
+                                            step, min_bytes, nullptr);
+      }, py::arg("row_starts"), py::arg("row_bytes"), py::arg("step"), py::arg("min_bytes"),
+      "How many segments bucket_segment_ends gives, without listing them.");
   m.def("fsync_directory", [](const std::string& dir) {
     py::gil_scoped_release nogil;
     recsave::fsync_directory(dir);

@@ -10,6 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Dict, Sequence, Tuple
 
+from recsave import _C
+
 
 @dataclass(frozen=True)
 class BucketSegments:
@@ -41,42 +43,16 @@ def row_bytes_of(row_starts: Sequence[int], length: int) -> int:
 @functools.lru_cache(maxsize=256)  # a table's tensors of one row size share the ends
 def ends(row_starts: Tuple[int, ...], row_bytes: int, rule: BucketSegments) -> Tuple[int, ...]:
     """The segment ends (bytes, relative to the chunk) of a chunk whose bucket `i` holds rows
-    `[row_starts[i], row_starts[i + 1])` of `row_bytes` each; a chunk of 0 bytes has one end, 0."""
-    total = row_starts[-1] * row_bytes
-    if total == 0:
-        return (0,)
-    step, min_bytes = rule.step, rule.min_bytes
-    out = []
-    begin = 0
-    for boundary in [r * row_bytes for r in row_starts[1:]]:
-        while boundary - begin > step:
-            begin += step
-            out.append(begin)
-        if boundary > begin and (boundary - begin >= min_bytes or boundary == total):
-            out.append(boundary)
-            begin = boundary
-    if not out or out[-1] != total:
-        out.append(total)
-    return tuple(out)
+    `[row_starts[i], row_starts[i + 1])` of `row_bytes` each; a chunk of 0 bytes has one end, 0.
+
+    Walking from the chunk's start: inside a stretch longer than `step`, a cut every `step` bytes;
+    at a bucket boundary, a cut once the segment holds `min_bytes` (or the chunk ends there); a
+    last cut at the chunk's end. One pass in the engine (csrc/core/segment_rule.cc): a save and an
+    index read take it for every table, over thousands of buckets."""
+    return tuple(_C.bucket_segment_ends(row_starts, row_bytes, rule.step, rule.min_bytes).tolist())
 
 
 def count(row_starts: Sequence[int], row_bytes: int, rule: BucketSegments) -> int:
     """len(ends(...)) without listing them: the steps inside a stretch are counted, not walked, so
     a hostile index (step 1 over gigabytes) costs a pass over its buckets, nothing more."""
-    total = row_starts[-1] * row_bytes
-    if total == 0:
-        return 1
-    step, min_bytes = rule.step, rule.min_bytes
-    n = 0
-    begin = 0
-    for r in row_starts[1:]:
-        boundary = r * row_bytes
-        gap = boundary - begin
-        if gap > step:
-            inner = (gap - 1) // step  # the cuts that leave at most `step` bytes before the boundary
-            begin += inner * step
-            n += inner
-        if boundary > begin and (boundary - begin >= min_bytes or boundary == total):
-            n += 1
-            begin = boundary
-    return n if n and begin == total else n + 1
+    return int(_C.bucket_segment_count(row_starts, row_bytes, rule.step, rule.min_bytes))
