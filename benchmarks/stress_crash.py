@@ -86,7 +86,8 @@ TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
                                            [(recsave.save.pipeline, "write_shards")]),
     "recsave.format.torchio.save": (recsave.format.torchio, "save", []),
     "recsave.format.torchio.save_bytes": (recsave.format.torchio, "save_bytes", []),
-    "recsave.format.index.write": (recsave.format.index, "write", []),
+    # every index write goes through write_bytes (a save's commit calls it directly)
+    "recsave.format.index.write_bytes": (recsave.format.index, "write_bytes", []),
     "recsave.format.ckptlist.write": (recsave.format.ckptlist, "write", []),
     "recsave.format.ckptlist.collect_garbage": (recsave.format.ckptlist, "collect_garbage", []),
     "recsave.storage.local.LocalStorage.write_atomic": (recsave.storage.local.LocalStorage, "write_atomic", []),
@@ -104,15 +105,16 @@ CHAIN_TARGETS: Dict[str, Tuple[Any, str, List[Tuple[Any, str]]]] = {
     "recsave.save.delta.with_tables": (recsave.save.delta, "with_tables", []),
     "recsave.save.delta.as_delta": (recsave.save.delta, "as_delta", []),
     "recsave.format.chain.read_with_crc": (recsave.format.chain, "read_with_crc", []),
+    "recsave.format.chain.index_crc": (recsave.format.chain, "index_crc", []),
     "recsave.save.policy.chain_bytes": (recsave.save.policy, "chain_bytes", []),
     "recsave.save.policy.wants_delta": (recsave.save.policy, "wants_delta", []),
-    # the commit point of a delta: index.write counting only calls that write a delta's index
-    "recsave.format.index.write[delta]": (recsave.format.index, "write", []),
+    # the commit point of a delta: index.write_bytes counting only calls that write a delta's index
+    "recsave.format.index.write_bytes[delta]": (recsave.format.index, "write_bytes", []),
 }
 # Targets that count (and kill at) only the calls this predicate of (args, kwargs) accepts.
 FILTERS: Dict[str, Callable[[tuple, dict], bool]] = {
-    "recsave.format.index.write[delta]": lambda args, kwargs: bool(
-        getattr(args[1] if len(args) > 1 else kwargs.get("index"), "is_delta", False)),
+    "recsave.format.index.write_bytes[delta]": lambda args, kwargs: b'"kind":"delta"' in bytes(
+        args[1] if len(args) > 1 else kwargs.get("data", b"")),
 }
 # The run's settings, set by run() before anything forks: the manager's keywords (chain mode:
 # full_every) and the kill targets.

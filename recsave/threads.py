@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -20,16 +20,25 @@ def start(fn: Callable[..., T], *args: Any, name: str, daemon: bool = False) -> 
     interpreter, a thread limit), runs it inline."""
     future: "Future[T]" = Future()
 
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # handed to whoever waits on the future
-            future.set_exception(exc)
-
     try:
-        threading.Thread(target=run, name=name, daemon=daemon).start()
+        threading.Thread(target=_settle, args=(future, fn, args), name=name, daemon=daemon).start()
     except RuntimeError:
-        run()
+        _settle(future, fn, args)
     return future
+
+
+def run_here(fn: Callable[..., T], *args: Any) -> "Future[T]":
+    """``fn(*args)`` run now, on this thread, as a finished Future: for a caller that takes either
+    this or start()'s, where a thread would cost more than the work."""
+    future: "Future[T]" = Future()
+    _settle(future, fn, args)
+    return future
+
+
+def _settle(future: "Future[T]", fn: Callable[..., T], args: Tuple[Any, ...]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # handed to whoever waits on the future
+        future.set_exception(exc)

@@ -57,7 +57,7 @@ def install_kill_point(point: str) -> None:
             return entry
         recsave.format.torchio.save = save
     elif point in ("before_index", "after_index"):
-        original_write = recsave.format.index.write
+        original_write = recsave.format.index.write_bytes  # every index write goes through it
 
         def write(*args, **kwargs):
             if point == "before_index":
@@ -65,7 +65,7 @@ def install_kill_point(point: str) -> None:
             path = original_write(*args, **kwargs)
             _die()
             return path
-        recsave.format.index.write = write
+        recsave.format.index.write_bytes = write
     else:
         raise SystemExit(f"unknown kill point {point!r}")
 

@@ -555,3 +555,56 @@ def test_a_restore_from_a_relative_output_dir_is_the_next_deltas_baseline(tmp_pa
     again.train(1)
     again.saver.save("ckpt_3", incremental=True)
     assert again.saver.last_save_kind == "delta"
+
+
+def test_a_delta_of_this_savers_checkpoint_parses_no_index(tmp_path, monkeypatch):
+    """The parent's index this Saver committed is known by the CRC32C of its bytes: a delta save
+    reads them to check, and parses nothing. The chain records that CRC and the chain's base."""
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a")
+    job.step(batch=4)
+    job.saver.save("b", incremental=True)  # a delta of a full
+    parsed = []
+    real = index_mod._parse
+    monkeypatch.setattr(index_mod, "_parse", lambda data, path: parsed.append(path) or real(data, path))
+    job.step(batch=4)
+    job.saver.save("c", incremental=True)  # a delta of a delta
+    assert job.saver.last_save_kind == "delta"
+    assert parsed == []
+    monkeypatch.undo()
+    c = index_mod.read(os.path.join(out, "c"))
+    b_crc = chain.index_crc(job.saver.storage, os.path.join(out, "b"))
+    assert (c.parent.id, c.parent.crc32c, c.base) == ("b", b_crc, "a")
+    state = job.state()
+    assert_same(state, restored(out, "c").state(), "c")
+
+
+def test_a_parent_index_rewritten_since_is_read_again(tmp_path):
+    """Other bytes in the parent's index than this Saver committed (a repair, a copy over it): the
+    delta parses them and records their CRC32C; a parent whose index no longer reads saves full."""
+    out = str(tmp_path / "out")
+    job = Job(out)
+    job.step()
+    job.saver.save("a")
+    path = os.path.join(out, "a", index_mod.INDEX_FILE)
+    raw = json.loads(open(path, "rb").read())
+    raw.pop("index_crc32c")
+    raw["created_at"] = "2001-01-01T00:00:00Z"
+    rewritten = index_mod.dumps(index_mod.validate(raw, path))
+    with open(path, "wb") as f:
+        f.write(rewritten)
+    job.step(batch=4)
+    job.saver.save("b", incremental=True)
+    assert job.saver.last_save_kind == "delta"
+    b = index_mod.read(os.path.join(out, "b"))
+    assert (b.parent.id, b.base) == ("a", "a")
+    assert b.parent.crc32c == chain.index_crc(job.saver.storage, os.path.join(out, "a")) != 0
+    assert_same(job.state(), restored(out, "b").state(), "b")
+    b_path = os.path.join(out, "b", index_mod.INDEX_FILE)  # the next delta's parent
+    with open(b_path, "wb") as f:
+        f.write(json.dumps({"magic": "not an index"}).encode())
+    job.step(batch=4)
+    job.saver.save("c", incremental=True)
+    assert job.saver.last_save_kind == "full"

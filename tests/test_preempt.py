@@ -91,7 +91,7 @@ def test_a_failed_async_write_does_not_stop_the_preemption_save(tmp_path, restor
     job = make_job(out, save_interval=2, async_mode="async")
     job.train(2)
     job.manager.wait()
-    real, failed = pipeline.index_mod.write, threading.Event()
+    real, failed = pipeline.index_mod.write_bytes, threading.Event()
 
     def failing(directory, *args, **kwargs):
         if directory.endswith("ckpt_4"):
@@ -99,10 +99,10 @@ def test_a_failed_async_write_does_not_stop_the_preemption_save(tmp_path, restor
             raise OSError(5, "Input/output error (injected)")
         return real(directory, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline.index_mod, "write", failing)
+    monkeypatch.setattr(pipeline.index_mod, "write_bytes", failing)
     job.train(2)  # step 4: its async write fails in the background
     assert failed.wait(60)
-    monkeypatch.setattr(pipeline.index_mod, "write", real)
+    monkeypatch.setattr(pipeline.index_mod, "write_bytes", real)
     os.kill(os.getpid(), signal.SIGTERM)
     with pytest.raises(Preempted) as caught:
         job.train(1)

@@ -27,8 +27,10 @@ class Member:
 
 
 def index_crc(storage: Storage, ckpt_dir: str) -> int:
-    """CRC32C of the index bytes of `ckpt_dir` (what a delta records of its parent)."""
-    return read_with_crc(storage, ckpt_dir)[1]
+    """CRC32C of the index bytes of `ckpt_dir` (what a delta records of its parent), without
+    parsing them; CheckpointNotFoundError when there is no index."""
+    path = storage.join(ckpt_dir, index_mod.INDEX_FILE)
+    return int(_C.crc32c(index_mod.read_bytes(storage, path)))
 
 
 def read_with_crc(storage: Storage, ckpt_dir: str) -> Tuple[Index, int]:

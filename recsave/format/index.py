@@ -468,13 +468,19 @@ def write(directory: str, index: Index, *, durable: Optional[bool] = None,
           storage: Optional[Storage] = None) -> str:
     """Writes `index` into `directory` atomically (temporary name + fsync + rename locally, one put
     on object stores). Returns its path."""
+    return write_bytes(directory, dumps(index), durable=durable, storage=storage)
+
+
+def write_bytes(directory: str, data: bytes, *, durable: Optional[bool] = None,
+                storage: Optional[Storage] = None) -> str:
+    """write() of index bytes made by dumps() (a caller that keeps what it wrote, e.g. their CRC32C)."""
     storage = storage or get_storage(directory)
     path = storage.join(directory, INDEX_FILE)
     if durable is None:
-        storage.write_atomic(path, dumps(index))
+        storage.write_atomic(path, data)
     else:
         with knobs.override(fsync=durable):
-            storage.write_atomic(path, dumps(index))
+            storage.write_atomic(path, data)
     return path
 
 

@@ -11,7 +11,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from recsave import knobs, threads
+from recsave import _C, knobs, threads
 from recsave.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -37,6 +37,9 @@ from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
 
 MODEL_FILE, EXTRA_FILE, IO_COUNT_FILE = "model.pt", "extra.pt", "io_state_count"
 _STEP_ID = re.compile(r"ckpt_(\d+)\Z")
+
+
+_ORDER_INLINE_ROWS = 1 << 16  # a table's bucket order below this many rows takes well under 1 ms
 
 
 def step_of_id(ckpt_id: str) -> Optional[int]:
@@ -82,6 +85,7 @@ class CheckpointWriter:
                                                                             self._parents_of)
         self.last_bytes = 0  # bytes of the last committed checkpoint this rank knows of (write())
         self._facts: Dict[str, Tuple[Optional[int], Optional[Mapping[str, float]]]] = {}  # id -> step, metrics
+        self._committed: Dict[str, delta.CommittedIndex] = {}  # id -> its index, as this process wrote it
         self.damaged: Set[str] = set()
         self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
@@ -101,6 +105,7 @@ class CheckpointWriter:
         directory (_clean_up_failed); the previous checkpoint stays latest."""
         ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
         self._parents_of.pop(ckpt_id, None)  # this id gets a new index (and maybe another parent)
+        self._committed.pop(ckpt_id, None)
         made = _Made()
         stage = "prepare"
         try:
@@ -278,7 +283,13 @@ class CheckpointWriter:
             layout_of = knobs.carried(bucket_layout)
 
             def order(k: int) -> Any:
-                return threads.start(layout_of, names[k], state.tables[names[k]], rank, world, self.num_buckets,
+                table = state.tables[names[k]]
+                # The first table's order has no write to overlap, and a small table's (a delta's
+                # changed rows) costs less than the thread's start and the GIL hand-overs.
+                rows = table.row_count()
+                if k == 0 or (rows is not None and rows < _ORDER_INLINE_ROWS):
+                    return threads.run_here(layout_of, names[k], table, rank, world, self.num_buckets)
+                return threads.start(layout_of, names[k], table, rank, world, self.num_buckets,
                                      name="recsave-order")
 
             upcoming = order(0) if names else None
@@ -335,17 +346,23 @@ class CheckpointWriter:
                                       retention=None if self.retention.plain else self.retention)
         index = delta.with_tables(index, state, tombstones)
         if state.parent is not None:
-            index = delta.as_delta(st, self.output_dir, index, state.parent)
+            index = delta.as_delta(st, self.output_dir, index, state.parent, self._committed.get(state.parent))
         index = index.with_files(files)
         # The lock once more right before the commit point: a save longer than writer_lease_s may
         # have lost it to another Saver, whose rotation may be deleting this directory.
         self._lock = hold_writer_lock(self._lock, st, self.output_dir)
-        index_mod.write(ckpt_dir, index, storage=st)
+        data = index_mod.dumps(index)
+        index_mod.write_bytes(ckpt_dir, data, storage=st)
+        self._committed[ckpt_id] = delta.CommittedIndex(int(_C.crc32c(data)), index.base or ckpt_id)
         self._facts[ckpt_id] = (index.step, index.metrics)
         # What rotation asks of the new checkpoint is known: reading its index back costs a parse.
         self._parents_of[ckpt_id] = chain.needs_of(index)
         self._publish(ckpt_id)
         return index.total_bytes
+
+    def committed_index(self, ckpt_id: str) -> Optional[delta.CommittedIndex]:
+        """What this writer committed as `ckpt_id`'s index (None: not known here; rank 0 only)."""
+        return self._committed.get(ckpt_id)
 
     def _publish(self, ckpt_id: str) -> None:
         """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what the
@@ -364,6 +381,8 @@ class CheckpointWriter:
             keep = ids
         for gone in set(self._facts) - set(keep):
             del self._facts[gone]
+        for gone in set(self._committed) - set(keep):
+            del self._committed[gone]
         ckptlist.write(st, out, keep)
         # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
         # The checkpoint is committed and listed: a failure to prune is the next save's to retry.

@@ -344,8 +344,9 @@ class Saver:
         if stager is not None and knobs.get("stage_changed_rows"):
             mirrored = [n for n, t in tables.items()
                         if (epoch := stager.mirror_epoch(n)) is not None and epoch == change_epoch(t)]
+        known = self._checkpoints.committed_index(self._baseline.ckpt_id) if self._baseline is not None else None
         taken = delta.take(tables, self._baseline, incremental, self.storage, self.output_dir, rank, world,
-                           want=mirrored)
+                           want=mirrored, known=known)
         deltas = taken.deltas
         parent = self._baseline.ckpt_id if deltas is not None and self._baseline is not None else None
         self.last_save_kind = "delta" if deltas is not None else "full"

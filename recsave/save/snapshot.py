@@ -57,6 +57,14 @@ class TableState:
     def slot_names(self) -> List[str]:
         return sorted(c for c in self.columns if c != "embedding")
 
+    def row_count(self) -> Optional[int]:
+        """The rows a save writes of this table: the live table's, or those of `ids`; None when only
+        reading the table would tell (a converter's table, read when its turn comes)."""
+        if self.table is None:
+            assert self.ids is not None
+            return int(self.ids.numel())
+        return len(self.table) if hasattr(type(self.table), "__len__") else None
+
     def row_source(self, column: str, rows: torch.Tensor, buffers: Optional[PinnedPair] = None) -> RowSource:
         """`column` at `rows` (CPU int64) without copying it: the engine gathers CPU storage as it
         writes; device storage is gathered on the device and copied through `buffers` (pinned,
