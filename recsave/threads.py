@@ -29,9 +29,14 @@ def start(fn: Callable[..., T], *args: Any, name: str, daemon: bool = False) -> 
 
 def run_here(fn: Callable[..., T], *args: Any) -> "Future[T]":
     """``fn(*args)`` run now, on this thread, as a finished Future: for a caller that takes either
-    this or start()'s, where a thread would cost more than the work."""
+    this or start()'s, where a thread would cost more than the work. Its error is the Future's;
+    a KeyboardInterrupt or SystemExit is raised here and now, as it would be without the Future."""
     future: "Future[T]" = Future()
-    _settle(future, fn, args)
+    future.set_running_or_notify_cancel()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:
+        future.set_exception(exc)
     return future
 
 

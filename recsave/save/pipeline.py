@@ -105,7 +105,6 @@ class CheckpointWriter:
         directory (_clean_up_failed); the previous checkpoint stays latest."""
         ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
         self._parents_of.pop(ckpt_id, None)  # this id gets a new index (and maybe another parent)
-        self._committed.pop(ckpt_id, None)
         made = _Made()
         stage = "prepare"
         try:
@@ -115,6 +114,7 @@ class CheckpointWriter:
             dist.run_everywhere(self._preparing(ckpt_dir), lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
                                 only_rank0=True, rank=rank, agree=("the checkpoint id", ckpt_id))
             stage = "write"
+            self._committed.pop(ckpt_id, None)  # prepared: its old index, if any, is going
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
                                        lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
             parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
