@@ -9,6 +9,11 @@ from typing import Any
 
 import torch
 
+try:  # torch.save imports its options on first use: 2 ms inside a process's first checkpoint
+    import torch.utils.serialization.config  # noqa: F401
+except ImportError:  # torch versions without it
+    pass
+
 from recsave import _C
 from recsave.errors import CorruptCheckpointError
 from recsave.format.reader import check_listed_file
