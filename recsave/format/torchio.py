@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 try:  # torch.save imports its options on first use: 2 ms inside a process's first checkpoint
-    import torch.utils.serialization.config  # noqa: F401
+    import torch.utils.serialization.config
 except ImportError:  # torch versions without it
     pass
 
