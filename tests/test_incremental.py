@@ -360,8 +360,9 @@ def test_cleared_table_is_a_cleared_delta(tmp_path):
 
 
 def test_restore_applies_deltas_to_the_base_in_place(chain_dir, monkeypatch):
-    """A restore reads the base straight into the table and applies each delta with table ops: it
-    never builds the merged rows (a second copy of the table), and reads each member's files once."""
+    """A restore reads the bases straight into the tables, all in one pass, and applies each delta
+    with table ops: it never builds the merged rows (a second copy of the table), and reads each
+    member's files once."""
     out, states = chain_dir
     import recsave.format.reader as reader_mod
     from recsave.load import merge
@@ -377,8 +378,18 @@ def test_restore_applies_deltas_to_the_base_in_place(chain_dir, monkeypatch):
         return real_open(self, path, size)
     monkeypatch.setattr(recsave.storage.local.LocalStorage, "open_shard", open_shard)
     assert reader_mod  # the engine reads through Storage.open_shard
+    batches = []
+    real_prepare = recsave.HashTable.prepare_loads
+
+    def prepare_loads(requests, fill):
+        batches.append(sorted(table.name for table, _, _ in requests))
+        return real_prepare(requests, fill)
+    monkeypatch.setattr(recsave.HashTable, "prepare_loads", staticmethod(prepare_loads))
     got = restored(out, "ckpt_6")
     assert_same(states["ckpt_6"], got.state(), "in place")
+    # Every table's base in one pass (the id maps rebuilt while the columns are read), as a full
+    # checkpoint's tables are restored
+    assert batches == [sorted(tables_of(got.model))]
     # A delta's files are read once; the base's twice (ids, then the columns while the ids hash)
     for path in set(opened):
         assert opened.count(path) == (2 if "/ckpt_0/" in path else 1), path

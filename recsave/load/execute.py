@@ -160,6 +160,8 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             batch.append((name, src_table, read, table))
     in_place = _load_cpu_tables_in_place(target, batch, src, rank, world)
     batched = {name for name, _, _, _ in batch}  # those not in_place repeat an id: the general path
+    # A chain's CPU tables: their bases in that one pass too, then each table's deltas.
+    based = _load_chain_bases_in_place(target, staged, src, plan, rank, world) if src.kind == "chain" else set()
     for table_name, src_table, columns, table, meta, read in staged:
         has_embedding = "embedding" in columns
         # A load's rows take the source's table step when they replace the table's rows (the fast
@@ -170,7 +172,8 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         if table_name in in_place:
             loaded_rows = len(table)
         elif has_embedding and src.kind == "chain" and _load_chain_in_place(target, table, src, src_table, columns,
-                                                                            plan, rank, world):
+                                                                            plan, rank, world,
+                                                                            table_name in based):
             loaded_rows = len(table)
         elif has_embedding and table_name not in batched and _load_in_place(target, table, src, src_table, read,
                                                                              plan, rank, world):
@@ -227,23 +230,51 @@ def _into_live_timeline(meta: Dict[str, torch.Tensor], table: Any, src_step: Opt
     return {**meta, "last_step": (meta["last_step"] + shift).clamp_(min=0)}
 
 
-def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],
-                         plan: Plan, rank: int, world: int) -> bool:
-    """A delta's restore: the chain's base through the fast path (straight into the table), then
-    each delta applied with table ops (clear when cleared, delete its tombstones, upsert its rows with
-    their metadata): docs/FORMAT.md section 10. Each member is read once. False: use the general path
-    (the table's state is then replaced by it)."""
+def _chain_applies(table: Any, src: Any, src_table: str, columns: Dict[str, str]) -> bool:
+    """Whether a chain's table restores in place: a table with the ops the deltas need (a TableLike
+    goes the general path, which stages the merged rows with load_rows), and every delta holds the
+    table's columns."""
     if not all(callable(getattr(table, m, None)) for m in ("prepare_load", "delete", "meta_columns")):
-        return False  # a TableLike: the general path stages the merged rows with load_rows
-    base = src.member_source(src.members[0])
-    base_meta = base.meta_columns(src_table)
-    if not _load_in_place(target, table, base, src_table, {**columns, **{m: m for m in base_meta}},
-                          plan, rank, world):
         return False
     for member in src.members[1:]:
         info = member.index.meta.tables.get(src_table) if member.index.meta is not None else None
         if info is None or any(f"{src_table}@{c}" not in member.index.tensors for c in columns.values()):
             return False
+    return True
+
+
+def _load_chain_bases_in_place(target: LoadTarget, staged: List[Any], src: Any, plan: Plan, rank: int,
+                               world: int) -> Set[str]:
+    """The bases of a chain's CPU HashTables in one pass, as a full checkpoint's tables are restored
+    (_load_cpu_tables_in_place: the id maps rebuilt while the columns are read, not table after
+    table). Returns the names whose base is in place; their deltas are _load_chain_in_place's."""
+    base = src.member_source(src.members[0])
+    batch: List[Any] = []
+    for name, src_table, columns, table, _, _ in staged:
+        if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu" \
+                and _chain_applies(table, src, src_table, columns) \
+                and _restores_in_place(table, base, src_table, plan) and all(b[1] != src_table for b in batch):
+            batch.append((name, src_table, {**columns, **{m: m for m in base.meta_columns(src_table)}}, table))
+    return _load_cpu_tables_in_place(target, batch, base, rank, world)
+
+
+def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: str, columns: Dict[str, str],
+                         plan: Plan, rank: int, world: int, base_loaded: bool = False) -> bool:
+    """A delta's restore: the chain's base through the fast path (straight into the table; already
+    there with `base_loaded`), then each delta applied with table ops (clear when cleared, delete
+    its tombstones, upsert its rows with their metadata): docs/FORMAT.md section 10. Each member
+    is read once. False: use the general path (the table's state is then replaced by it)."""
+    if not base_loaded:
+        if not _chain_applies(table, src, src_table, columns):
+            return False
+        base = src.member_source(src.members[0])
+        base_meta = base.meta_columns(src_table)
+        if not _load_in_place(target, table, base, src_table, {**columns, **{m: m for m in base_meta}},
+                              plan, rank, world):
+            return False
+    for member in src.members[1:]:
+        info = member.index.meta.tables.get(src_table) if member.index.meta is not None else None
+        assert info is not None  # _chain_applies checked every member
         ids, data, tombstones = merge.read_member(src.member_source(member), src_table,
                                                   list(columns.values()) + list(META_COLUMNS), rank, world,
                                                   target.concurrency)
