@@ -248,6 +248,8 @@ def _load_chain_bases_in_place(target: LoadTarget, staged: List[Any], src: Any, 
     """The bases of a chain's CPU HashTables in one pass, as a full checkpoint's tables are restored
     (_load_cpu_tables_in_place: the id maps rebuilt while the columns are read, not table after
     table). Returns the names whose base is in place; their deltas are _load_chain_in_place's."""
+    if not any("embedding" in columns for _, _, columns, _, _, _ in staged):
+        return set()  # a slots-only pass
     base = src.member_source(src.members[0])
     batch: List[Any] = []
     for name, src_table, columns, table, _, _ in staged:
@@ -274,7 +276,8 @@ def _load_chain_in_place(target: LoadTarget, table: HashTable, src: Any, src_tab
             return False
     for member in src.members[1:]:
         info = member.index.meta.tables.get(src_table) if member.index.meta is not None else None
-        assert info is not None  # _chain_applies checked every member
+        if info is None:  # _chain_applies checked every member: the general path replaces the table
+            return False
         ids, data, tombstones = merge.read_member(src.member_source(member), src_table,
                                                   list(columns.values()) + list(META_COLUMNS), rank, world,
                                                   target.concurrency)
