@@ -222,6 +222,12 @@ void* allocate_slots(uint64_t capacity, size_t* bytes_out, bool huge_pages) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (align == kHugePage && huge_pages) madvise(p, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
 #endif
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
+  // The caller fills every slot at once: one call faults the pages in, instead of a fault per 4 KB
+  // page during the fill (on a VM each fault is an exit: 16 MB took 6 ms that way). Before Linux
+  // 5.14 it fails, and the fill faults them as before.
+  if (align == kHugePage) madvise(p, bytes, MADV_POPULATE_WRITE);
+#endif
   *bytes_out = bytes;
   return p;
 }
