@@ -103,6 +103,10 @@ class CheckpointManager:
         self._global_step = 0
         # (checkpoint dir, global step) of the last restore: saving that step again returns it
         self._restored: Optional[Tuple[str, int]] = None
+        # The checkpoint this manager saved at the current global step, with no step, restore or
+        # load since: saving that step again returns it. (Not merely the latest listed id: after
+        # restoring an earlier step and training back up to it, that id holds the abandoned branch.)
+        self._saved: Optional[str] = None
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
         self.last_report: Optional[LoadReport] = None
         # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
@@ -129,6 +133,8 @@ class CheckpointManager:
         check(value, int, "global_step", "CheckpointManager")
         if value < 0:
             raise UsageError(f"global_step must be an int >= 0, got {value!r}")
+        if value != self._global_step:  # training may have run without step(): nothing holds the state
+            self._saved = None
         self._global_step = value
 
     @property
@@ -157,6 +163,7 @@ class CheckpointManager:
         values = retention.check_metrics("CheckpointManager.step", metrics)
         self._global_step += 1
         self._restored = None  # trained since: the restored checkpoint no longer holds the state
+        self._saved = None
         by_steps = bool(self._save_interval) and self._global_step % self._save_interval == 0
         by_time, preempt = self._agree()
         if preempt:
@@ -201,10 +208,12 @@ class CheckpointManager:
         raise Preempted(message, path=path, step=self._global_step)
 
     def save(self, wait: bool = True, metrics: Optional[Mapping[str, float]] = None) -> str:
-        """Saves ``ckpt_<global_step>`` now; returns its path. If the latest checkpoint (or the one
-        being written in the background) is this step already, returns it without saving again; an
-        older committed checkpoint of this step (after restoring an earlier step) raises
-        CheckpointExistsError. `metrics` (name -> float) are stored in its index (keep_best).
+        """Saves ``ckpt_<global_step>`` now; returns its path. If this manager saved this step (or is
+        writing it in the background) with no step(), restore, model-bank load or change of
+        global_step since, returns it without saving again; any other committed checkpoint of this
+        step (e.g. after restoring an earlier step and training back up to it, the latest listed
+        one too) raises CheckpointExistsError. `metrics` (name -> float) are stored in its index
+        (keep_best).
 
         In an async mode, `wait` (default) waits until it is committed — the save at the end of
         training; with wait=False it returns once the snapshot is taken."""
@@ -233,7 +242,7 @@ class CheckpointManager:
             # the `latest` check: every rank takes this path together, make_latest is collective.)
             return saver.make_latest(ckpt_id)
         latest = saver.latest_checkpoint()
-        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
+        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id == self._saved \
                 and ckpt_id not in saver.damaged_checkpoints:
             return latest
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
@@ -246,8 +255,11 @@ class CheckpointManager:
         logging.getLogger("recsave").debug("recsave: %s is %s (%s)", ckpt_id,
                                            "a delta" if incremental else "full", why)
         if self.async_mode == "disabled":
-            return saver.save(ckpt_id, metrics=values, incremental=incremental)
+            path = saver.save(ckpt_id, metrics=values, incremental=incremental)
+            self._saved = ckpt_id
+            return path
         saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned", metrics=values, incremental=incremental)
+        self._saved = ckpt_id  # a failed write leaves it unlisted: the `latest` check then saves again
         if wait:
             saver.wait()
         return ckpt_dir
@@ -316,6 +328,7 @@ class CheckpointManager:
                                 f"checkpoint holds no global_step")
         self.last_report = report
         self._restored = (report.checkpoints[-1], self._global_step) if report.checkpoints else None
+        self._saved = None
         if self.async_mode != "disabled":  # the first async save after a restart finds its buffers filled
             saver.prepare_async(pinned=self.async_mode == "async_pinned")
         return self._global_step
@@ -330,6 +343,7 @@ class CheckpointManager:
         ``is_dynamic: True`` are remembered for update_model_bank()."""
         plan = self.saver.plan_model_bank(entries, collective=True)
         report = self.saver.execute_plan(plan)
+        self._saved = None  # the model changed: an id saved before holds other rows now
         self._bank = (list(entries), plan.source_versions())
         return report
 
@@ -348,6 +362,7 @@ class CheckpointManager:
         if not names:
             return None
         report = self.saver.execute_plan(plan, only=names)
+        self._saved = None
         for i in changed:
             loaded[i] = current[i]
         return report

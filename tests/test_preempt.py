@@ -508,6 +508,44 @@ def test_steps_after_restore_then_the_step_set_back_are_not_taken_for_the_restor
     again.manager.close()
 
 
+def test_a_rewind_by_one_interval_never_takes_the_abandoned_latest_for_the_new_state(tmp_path):
+    """ckpt_2, ckpt_4, ckpt_6 listed; restore(global_step=4) and two steps of other batches: the
+    autosave at step 6 must not return the old branch's ckpt_6 as if it had saved (a restart would
+    resume from it and lose both steps, silently). It refuses, as for an older id."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, max_keep=None)
+    job.train(6)
+    job.manager.close()
+    again = make_job(out, save_interval=2, max_keep=None)
+    assert again.manager.restore(global_step=4) == 4
+    again.train(1)
+    with pytest.raises(recsave.CheckpointExistsError):
+        again.train(1)  # step 6: its autosave
+    assert _list(out) == ["ckpt_2", "ckpt_4", "ckpt_6"] and again.manager.last_save is None
+    again.manager.close()
+
+
+def test_saving_the_step_just_saved_again_returns_it(tmp_path):
+    """The other side of the rule above: an autosave then save() at the same step (the end of
+    training) returns the checkpoint just written, sync and async; a model-bank load or a change
+    of global_step in between does not count as unchanged."""
+    for mode in ("disabled", "async"):
+        out = str(tmp_path / mode)
+        job = make_job(out, save_interval=2, async_mode=mode)
+        job.train(2)
+        job.manager.wait()
+        saved = job.manager.last_save
+        assert saved is not None and saved.ckpt_id == "ckpt_2"
+        assert job.manager.save() == os.path.join(out, "ckpt_2")
+        job.manager.wait()
+        assert job.manager.last_save is saved  # not saved again
+        job.manager.global_step = 3
+        job.manager.global_step = 2  # set back: the state may have changed in between
+        with pytest.raises(recsave.CheckpointExistsError):
+            job.manager.save()
+        job.manager.close()
+
+
 _CLOSE_UNDER_A_LIVE_MANAGER = """
 import os, signal, sys, threading
 import recsave
