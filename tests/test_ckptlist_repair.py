@@ -1,4 +1,4 @@
-"""A lost, emptied or garbled `checkpoint` file is rebuilt from the committed checkpoints' indexes
+"""A lost, emptied, garbled or cut-short `checkpoint` file is rebuilt from the committed checkpoints' indexes
 (docs/FORMAT.md sections 1 and 5): restore, listing, rotation and gc never fall back to "nothing
 committed" and never delete a committed checkpoint; `recsave repair` rewrites the file."""
 from __future__ import annotations
@@ -28,6 +28,9 @@ DAMAGE = {
     "not_utf8": (b"ckpt_10\n\xff\xfe\n", "is not UTF-8 text"),
     "bad_line": (b"ckpt_10\n../x\nckpt_30\n", "line 2 '../x' is not a checkpoint id"),
     "all_stale": (b"ckpt_99\nckpt_98\n", "lists no checkpoint whose index exists: ckpt_99, ckpt_98"),
+    # cut inside its last line: trusting ckpt_10 and ckpt_20 would prune ckpt_30, the newest
+    "cut_short": (b"ckpt_10\nckpt_20\nckpt_", "is cut short: its last line 'ckpt_' has no newline and names no "
+                                                 "checkpoint"),
 }
 REBUILT = r"rebuilt the list of committed checkpoints from their indexes: ckpt_10, ckpt_20, ckpt_30"
 
@@ -165,7 +168,7 @@ def test_repair_rewrites_the_file(run, damage, capsys):
     _damage(out, damage)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # repair reports, it does not warn
-        assert cli_main(["repair", out]) == (1 if damage == "all_stale" else 0)  # stale ids are left out
+        assert cli_main(["repair", out]) == (1 if damage in ("all_stale", "cut_short") else 0)  # stale ids left out
     text = capsys.readouterr().out
     assert f"{_list_path(out)}: {DAMAGE[damage][1]}" in text
     assert "rebuilt from the indexes: ckpt_10, ckpt_20, ckpt_30" in text

@@ -92,7 +92,8 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
     """The committed checkpoints of output_dir, oldest first (docs/FORMAT.md section 1).
 
     The `checkpoint` file says which they are, unless it is missing, empty, garbled (not UTF-8, a
-    line that is no id) or lists no id whose index exists while committed directories do: then the
+    line that is no id), cut short (a last line without its newline naming nothing) or lists no id
+    whose index exists while committed directories do: then the
     list is rebuilt from the indexes (`rebuild`). With `rewrite` (only for a caller that holds the
     writer lock: a save, gc, repair) the rebuilt list replaces the file, and listed ids whose
     directory or index is gone are dropped from it too, so that they never take a max_keep slot
@@ -101,6 +102,7 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
     repeated). `being_written`: the id a save is committing, which a rebuild does not count."""
     path = storage.join(output_dir, LIST_FILE)
     listed: List[str] = []
+    raw = b""
     problem: Optional[str] = None
     garbled = False
     if not storage.exists(path):
@@ -118,6 +120,11 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
     stale = [i for i in listed if not storage.exists(storage.join(output_dir, i, INDEX_FILE))]
     if problem is None and stale and len(stale) == len(listed):
         problem = f"lists no checkpoint whose index exists: {', '.join(stale)}"
+    if problem is None and stale and stale[-1] == listed[-1] and not raw.endswith(b"\n"):
+        # Every line recsave writes ends in a newline: a last id without one that names nothing
+        # is a file cut short, and the ids after the cut may be the newest. Trusting the rest
+        # would take an older checkpoint for the latest and prune the newer ones.
+        problem = f"is cut short: its last line {listed[-1]!r} has no newline and names no checkpoint"
     if problem is None:
         if not stale or not rewrite:
             return Listing(listed, True)
