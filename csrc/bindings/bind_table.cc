@@ -75,6 +75,22 @@ void bind_table(py::module_& m) {
       }, py::arg("dst_address"), py::arg("src_address"), py::arg("num_rows"), py::arg("row_bytes"),
       py::arg("rows_address"), py::arg("n"), py::arg("threads") = 1,
       "dst row r = src row r for each of the n int64 rows (row-major buffers of num_rows rows of row_bytes).");
+  m.def("scatter_rows", [](uint64_t dst, uint64_t num_rows, uint64_t row_bytes, uint64_t rows, int64_t n,
+                           uint64_t src) {
+        if (n < 0 || row_bytes == 0 || (n > 0 && (dst == 0 || src == 0 || rows == 0))) {
+          throw recsave::Error(recsave::ErrorKind::kInvalid, "",
+                               "n must be >= 0, row_bytes >= 1 and the addresses set");
+        }
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = recsave::scatter_rows(reinterpret_cast<void*>(dst), num_rows, row_bytes,
+                                     reinterpret_cast<const int64_t*>(rows), n, reinterpret_cast<const void*>(src));
+        }
+        if (!ok) throw recsave::Error(recsave::ErrorKind::kInvalid, "", "a row lies outside [0, num_rows)");
+      }, py::arg("dst_address"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("rows_address"), py::arg("n"),
+      py::arg("src_address"),
+      "dst row rows[i] = src row i for the n int64 rows, in order (a repeated row takes its last value).");
   m.def("mix64", [](int64_t id) { return static_cast<int64_t>(recsave::mix64(static_cast<uint64_t>(id))); },
         py::arg("id"), "splitmix64 finaliser of one id, as a signed int64.");
 }

@@ -36,4 +36,23 @@ bool copy_rows(void* dst, const void* src, uint64_t num_rows, uint64_t row_bytes
   return true;
 }
 
+bool scatter_rows(void* dst, uint64_t num_rows, uint64_t row_bytes, const int64_t* rows, int64_t n, const void* src) {
+  if (n <= 0 || row_bytes == 0) return true;
+  for (int64_t i = 0; i < n; ++i) {
+    if (rows[i] < 0 || static_cast<uint64_t>(rows[i]) >= num_rows) return false;
+  }
+  auto* out = static_cast<uint8_t*>(dst);
+  const auto* in = static_cast<const uint8_t*>(src);
+  constexpr int64_t kAhead = 8;
+  for (int64_t i = 0; i < n;) {
+    if (i + kAhead < n) __builtin_prefetch(out + static_cast<uint64_t>(rows[i + kAhead]) * row_bytes, 1);
+    int64_t run = 1;  // consecutive destination rows: one block
+    while (i + run < n && rows[i + run] == rows[i] + run) ++run;
+    std::memcpy(out + static_cast<uint64_t>(rows[i]) * row_bytes, in + static_cast<uint64_t>(i) * row_bytes,
+                static_cast<uint64_t>(run) * row_bytes);
+    i += run;
+  }
+  return true;
+}
+
 }  // namespace recsave
