@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from recsave.argcheck import check
-from recsave.errors import ArgumentTypeError, CheckpointNotFoundError, Preempted, UsageError
+from recsave.errors import ArgumentTypeError, CheckpointExistsError, CheckpointNotFoundError, Preempted, UsageError
 from recsave.format import retention
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
@@ -194,7 +194,7 @@ class CheckpointManager:
     def _preempt(self, metrics: Optional[Dict[str, float]]) -> None:
         self.preempted = True
         try:  # a failed earlier background write must not cost the state the preemption save keeps
-            self.saver.wait()
+            self.wait()
         except Exception as exc:
             logging.getLogger("recsave").warning(
                 "recsave: the background write before the preemption failed (%s: %s); saving global step %d "
@@ -230,12 +230,12 @@ class CheckpointManager:
         saver = self.saver
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
-        if saver.pending_checkpoint == ckpt_id:  # written in the background already
+        if saver.pending_checkpoint == ckpt_id == self._saved:  # written in the background already
             if wait:
-                saver.wait()
+                self.wait()
             return ckpt_dir
         if saver.pending_checkpoint is not None:  # async_save would wait for it too; the policy needs its chain
-            saver.wait()
+            self.wait()
         if self._holds_restored_state(ckpt_id):
             # Restored from it and neither stepped, saved nor loaded since: it holds this state.
             # Listed last, a restart resumes from it, not from a branch the restore left. (Before
@@ -254,14 +254,21 @@ class CheckpointManager:
                                                   policy.estimate_delta_bytes(saver.model))
         logging.getLogger("recsave").debug("recsave: %s is %s (%s)", ckpt_id,
                                            "a delta" if incremental else "full", why)
+        self._saved = ckpt_id  # before: a save that fails after its commit point is committed still
         if self.async_mode == "disabled":
-            path = saver.save(ckpt_id, metrics=values, incremental=incremental)
-            self._saved = ckpt_id
-            return path
-        saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned", metrics=values, incremental=incremental)
-        self._saved = ckpt_id  # a failed write leaves it unlisted: the `latest` check then saves again
+            try:
+                return saver.save(ckpt_id, metrics=values, incremental=incremental)
+            except CheckpointExistsError:  # refused before writing anything: another state's id
+                self._saved = None
+                raise
+        try:  # (it raises the previous write's error first, if that failed)
+            saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned", metrics=values,
+                             incremental=incremental)
+        except BaseException:
+            self._saved = None
+            raise
         if wait:
-            saver.wait()
+            self.wait()
         return ckpt_dir
 
     def _holds_restored_state(self, ckpt_id: str) -> bool:
@@ -279,7 +286,13 @@ class CheckpointManager:
         """Waits for the background write of an async save; returns its path (None if none was
         pending) or raises its error. Also waits for the deletion of pruned checkpoints
         (Saver.wait)."""
-        return self.saver.wait()
+        try:
+            return self.saver.wait()
+        except BaseException:
+            # The write failed (its id may be another state's, refused): whatever is listed under
+            # this step is not known to hold this manager's state.
+            self._saved = None
+            raise
 
     def close(self) -> None:
         """Waits for a background write (raising its error), releases the Saver's resources and puts

@@ -363,3 +363,22 @@ def test_repair_json(tmp_path, capsys):
     assert cli_main(["repair", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ids"] == ["ckpt_1", "ckpt_2"] and doc["rebuilt"] is True and doc["left_out"] == {}
+
+
+def test_a_list_cut_to_another_committed_id_is_rebuilt(tmp_path):
+    """ckpt_30 cut to ckpt_3, which is committed too: a last line without its newline that begins an
+    unlisted directory's name is a cut, not the latest checkpoint (a restore would go back 27 steps)."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=0, max_keep=None)
+    for step in (3, 10, 20, 30):
+        job.train(1)
+        job.manager.global_step = step
+        job.manager.save()
+    job.saver.close()
+    with open(_list_path(out), "wb") as f:
+        f.write(b"ckpt_3\nckpt_10\nckpt_20\nckpt_3")
+    again = make_job(out, save_interval=0, max_keep=None)
+    with pytest.warns(RuntimeWarning, match="is cut short: its last line 'ckpt_3' has no newline and begins the "
+                                            "name of a directory it does not list"):
+        assert again.manager.restore() == 30
+    again.manager.close()

@@ -546,6 +546,26 @@ def test_saving_the_step_just_saved_again_returns_it(tmp_path):
         job.manager.close()
 
 
+def test_a_save_that_failed_after_its_commit_point_is_returned_by_the_retry(tmp_path, monkeypatch):
+    """The save of ckpt_2 raises after its list was written (here: pruning fails): ckpt_2 is
+    committed and holds this state, so save() again returns it instead of refusing it."""
+    import recsave.format.ckptlist as ckptlist
+
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=0)
+    job.train(2)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("pruning failed (injected)")
+    monkeypatch.setattr(ckptlist, "collect_garbage", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        job.manager.save()
+    monkeypatch.undo()
+    assert _list(out) == ["ckpt_2"]
+    assert job.manager.save() == os.path.join(out, "ckpt_2")
+    job.manager.close()
+
+
 _CLOSE_UNDER_A_LIVE_MANAGER = """
 import os, signal, sys, threading
 import recsave

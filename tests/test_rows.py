@@ -41,3 +41,12 @@ def test_put_rows_refuses_a_row_outside_and_writes_nothing(bad):
     with pytest.raises(UsageError, match="outside"):
         put_rows(dst, torch.tensor([0] + bad), torch.ones(len(bad) + 1, 4))
     assert torch.equal(dst, torch.zeros(10, 4))
+
+
+def test_put_rows_of_values_read_from_the_same_tensor():
+    """Values that are rows of dst itself are taken as they were before the assignment."""
+    dst = torch.arange(12, dtype=torch.float32).view(6, 2)
+    expect = dst.clone()
+    expect[[1, 3]] = expect[0:2].clone()
+    put_rows(dst, torch.tensor([1, 3]), dst[0:2])
+    assert torch.equal(dst, expect)

@@ -120,11 +120,17 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
     stale = [i for i in listed if not storage.exists(storage.join(output_dir, i, INDEX_FILE))]
     if problem is None and stale and len(stale) == len(listed):
         problem = f"lists no checkpoint whose index exists: {', '.join(stale)}"
-    if problem is None and stale and stale[-1] == listed[-1] and not raw.endswith(b"\n"):
-        # Every line recsave writes ends in a newline: a last id without one that names nothing
-        # is a file cut short, and the ids after the cut may be the newest. Trusting the rest
-        # would take an older checkpoint for the latest and prune the newer ones.
-        problem = f"is cut short: its last line {listed[-1]!r} has no newline and names no checkpoint"
+    if problem is None and listed and not raw.endswith(b"\n"):
+        # Every line recsave writes ends in a newline: a last id without one is a file cut short
+        # when it names nothing, or only the start of an unlisted directory's name (ckpt_10 cut to
+        # ckpt_1). The ids after the cut may be the newest: trusting the rest would take an older
+        # checkpoint for the latest and prune the newer ones.
+        last = listed[-1]
+        if stale and stale[-1] == last:
+            problem = f"is cut short: its last line {last!r} has no newline and names no checkpoint"
+        elif any(n != last and n.startswith(last) and n not in listed for n in storage.listdir(output_dir)):
+            problem = (f"is cut short: its last line {last!r} has no newline and begins the name of a "
+                       f"directory it does not list")
     if problem is None:
         if not stale or not rewrite:
             return Listing(listed, True)

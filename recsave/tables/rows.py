@@ -163,11 +163,15 @@ def put_rows(dst: torch.Tensor, rows: torch.Tensor, values: "torch.Tensor | floa
 
 def _scatters(dst: torch.Tensor, rows: torch.Tensor, values: object) -> bool:
     """Whether put_rows can hand the rows to the engine: CPU, contiguous, one dtype, int64 rows and
-    one value row per row (no broadcasting), rows of at least a byte."""
+    one value row per row (no broadcasting), rows of at least a byte, values apart from dst."""
     return (isinstance(values, torch.Tensor) and dst.device.type == values.device.type == rows.device.type == "cpu"
             and rows.dtype == torch.int64 and rows.dim() == 1 and dst.dim() >= 1 and values.dtype == dst.dtype
             and tuple(values.shape) == (rows.numel(),) + tuple(dst.shape[1:]) and dst.is_contiguous()
-            and values.is_contiguous() and rows.numel() > 0 and dst.element_size() * math.prod(dst.shape[1:]) > 0)
+            and values.is_contiguous() and rows.numel() > 0 and dst.element_size() * math.prod(dst.shape[1:]) > 0
+            # bytes as they lie: not a conjugate view, nothing autograd tracks, and values not read
+            # from dst's own storage (an indexed assignment copies them first)
+            and not values.is_conj() and not dst.requires_grad
+            and values.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr())
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> None:
