@@ -342,14 +342,19 @@ def _has_index(out: str, ckpt: str) -> bool:
 
 def _list_model(out: str) -> Tuple[Optional[List[str]], List[str]]:
     """(the ids as a reader takes them, None when it rebuilds from the indexes; the listed ids
-    that are stale). A reader rebuilds when the file is missing, empty, garbled or lists no id
-    with an index; a writer also drops stale ids."""
+    that are stale). A reader rebuilds when the file is missing, empty, garbled, lists no id
+    with an index, or is cut short (a last line without its newline that is stale or begins an
+    unlisted directory's name: docs/FORMAT.md section 1); a writer also drops stale ids."""
     data = _read(os.path.join(out, "checkpoint"))
     ids = _parse_list(data) if data is not None else None
     if not ids:
         return None, []
+    assert data is not None
     stale = [i for i in ids if not _has_index(out, i)]
-    return (None, stale) if len(stale) == len(ids) else (ids, stale)
+    last = ids[-1]
+    cut = not data.endswith(b"\n") and (last in stale or any(
+        n != last and n.startswith(last) and n not in ids for n in os.listdir(out)))
+    return (None, stale) if len(stale) == len(ids) or cut else (ids, stale)
 
 
 def expected_latest(out: str, m: Mutation) -> Set[str]:
