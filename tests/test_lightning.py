@@ -213,6 +213,34 @@ def test_fit_with_ckpt_path_is_not_also_restored_by_the_callback(tmp_path):
     assert trainer.global_step == 50
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_fit_resumed_at_its_last_step_trains_nothing_and_saves_nothing(tmp_path):
+    """fit(ckpt_path=...) of a finished run (Lightning's .ckpt at step 50, recsave's ckpt_50
+    committed by the same run): no step runs and Lightning skips on_train_end, so the callback
+    neither overwrites ckpt_50 nor meets the manager's refusal of a committed id (which a save of
+    that step, not made by this manager, gets)."""
+    def run(ckpt_path=None):
+        module = fresh_module()
+        saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=str(tmp_path / "run"))
+        callback = RecsaveCallback(CheckpointManager(saver, 25))
+        try:
+            trainer = lightning_fit(module, tmp_path / "pl", max_epochs=1, callbacks=[callback],
+                                    ckpt_path=ckpt_path, weights_only=False)
+        finally:
+            saver.close()
+        return trainer, callback
+
+    trainer, callback = run()
+    assert trainer.global_step == 50 and callback.saved[-1].endswith("ckpt_50")
+    listed = open(tmp_path / "run" / "checkpoint").read()
+    index = (tmp_path / "run" / "ckpt_50" / "index").read_bytes()
+    ckpt = glob.glob(str(tmp_path / "pl" / "**" / "*.ckpt"), recursive=True)[0]
+    trainer, callback = run(ckpt)
+    assert trainer.global_step == 50 and callback.saved == []
+    assert open(tmp_path / "run" / "checkpoint").read() == listed
+    assert (tmp_path / "run" / "ckpt_50" / "index").read_bytes() == index
+
+
 def test_arguments_are_checked(tmp_path):
     saver = Saver(CTR(), output_dir=str(tmp_path))
     with pytest.raises(ArgumentTypeError):
