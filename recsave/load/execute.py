@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -151,13 +151,8 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         # what the restore fast path reads: the columns and the row metadata
         staged.append((table_name, src_table, columns, table, meta, {**columns, **{m: m for m in meta}}))
     # HashTables on the CPU restored from a checkpoint are read in one pass, straight into their storage
-    # One model table per checkpoint table in the batch: its reads are keyed by the checkpoint's
-    # table, so a second model table loading the same one (oname) takes the one-table path.
-    batch: List[Any] = []
-    for name, src_table, columns, table, _, read in staged:
-        if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu" \
-                and _restores_in_place(table, src, src_table, plan) and all(b[1] != src_table for b in batch):
-            batch.append((name, src_table, read, table))
+    batch = [(name, src_table, read, table)
+             for name, src_table, _, table, _, read in _in_place_batch(staged, src, plan)]
     in_place = _load_cpu_tables_in_place(target, batch, src, rank, world)
     batched = {name for name, _, _, _ in batch}  # those not in_place repeat an id: the general path
     # A chain's CPU tables: their bases in that one pass too, then each table's deltas.
@@ -243,6 +238,21 @@ def _chain_applies(table: Any, src: Any, src_table: str, columns: Dict[str, str]
     return True
 
 
+def _in_place_batch(staged: List[Any], src: Any, plan: Plan,
+                    also: Callable[[Any, str, Dict[str, str]], bool] = lambda *_: True) -> List[Any]:
+    """The staged entries whose CPU HashTable restores from `src` in the one-pass fast path (and
+    passes `also`); one model table per checkpoint table: the reads are keyed by the checkpoint's
+    table, so a second model table loading the same one (oname) takes the one-table path."""
+    batch: List[Any] = []
+    for entry in staged:
+        _, src_table, columns, table, _, _ = entry
+        if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu" \
+                and _restores_in_place(table, src, src_table, plan) and also(table, src_table, columns) \
+                and all(b[1] != src_table for b in batch):
+            batch.append(entry)
+    return batch
+
+
 def _load_chain_bases_in_place(target: LoadTarget, staged: List[Any], src: Any, plan: Plan, rank: int,
                                world: int) -> Set[str]:
     """The bases of a chain's CPU HashTables in one pass, as a full checkpoint's tables are restored
@@ -251,12 +261,10 @@ def _load_chain_bases_in_place(target: LoadTarget, staged: List[Any], src: Any, 
     if not any("embedding" in columns for _, _, columns, _, _, _ in staged):
         return set()  # a slots-only pass
     base = src.member_source(src.members[0])
-    batch: List[Any] = []
-    for name, src_table, columns, table, _, _ in staged:
-        if "embedding" in columns and isinstance(table, HashTable) and table.device.type == "cpu" \
-                and _chain_applies(table, src, src_table, columns) \
-                and _restores_in_place(table, base, src_table, plan) and all(b[1] != src_table for b in batch):
-            batch.append((name, src_table, {**columns, **{m: m for m in base.meta_columns(src_table)}}, table))
+    tables = _in_place_batch(staged, base, plan, lambda table, src_table, columns:
+                             _chain_applies(table, src, src_table, columns))
+    batch = [(name, src_table, {**columns, **{m: m for m in base.meta_columns(src_table)}}, table)
+             for name, src_table, columns, table, _, _ in tables]
     return _load_cpu_tables_in_place(target, batch, base, rank, world)
 
 

@@ -148,8 +148,7 @@ def put_rows(dst: torch.Tensor, rows: torch.Tensor, values: "torch.Tensor | floa
     if _scatters(dst, rows, values):
         assert isinstance(values, torch.Tensor)
         flat = rows.contiguous()
-        _C.scatter_rows(dst.data_ptr(), len(dst), dst.element_size() * math.prod(dst.shape[1:]), flat.data_ptr(),
-                        flat.numel(), values.data_ptr())
+        _C.scatter_rows(dst.data_ptr(), len(dst), _row_bytes(dst), flat.data_ptr(), flat.numel(), values.data_ptr())
         return
     if dst.device.type == "cpu" and dst.dtype in _NUMPY_DTYPES and rows.device.type == "cpu":
         if not isinstance(values, torch.Tensor):
@@ -167,11 +166,16 @@ def _scatters(dst: torch.Tensor, rows: torch.Tensor, values: object) -> bool:
     return (isinstance(values, torch.Tensor) and dst.device.type == values.device.type == rows.device.type == "cpu"
             and rows.dtype == torch.int64 and rows.dim() == 1 and dst.dim() >= 1 and values.dtype == dst.dtype
             and tuple(values.shape) == (rows.numel(),) + tuple(dst.shape[1:]) and dst.is_contiguous()
-            and values.is_contiguous() and rows.numel() > 0 and dst.element_size() * math.prod(dst.shape[1:]) > 0
+            and values.is_contiguous() and rows.numel() > 0 and _row_bytes(dst) > 0
             # bytes as they lie: not a conjugate view, nothing autograd tracks, and values not read
             # from dst's own storage (an indexed assignment copies them first)
             and not values.is_conj() and not dst.requires_grad
             and values.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr())
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row (along the first dimension) of a contiguous tensor."""
+    return t.element_size() * math.prod(t.shape[1:])
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> None:
@@ -183,7 +187,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor, threads:
             and src.is_contiguous() and rows.dtype == torch.int64:
         flat = rows.contiguous()
         num_rows = min(len(dst), len(src))
-        row_bytes = dst.element_size() * math.prod(dst.shape[1:])
+        row_bytes = _row_bytes(dst)
         if flat.numel() and row_bytes:
             _C.copy_rows(dst.data_ptr(), src.data_ptr(), num_rows, row_bytes, flat.data_ptr(), flat.numel(), threads)
         elif flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < num_rows):
