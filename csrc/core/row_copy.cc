@@ -7,12 +7,20 @@
 
 namespace recsave {
 
-bool copy_rows(void* dst, const void* src, uint64_t num_rows, uint64_t row_bytes, const int64_t* rows, int64_t n,
-               int threads) {
-  if (n <= 0 || row_bytes == 0) return true;
+namespace {
+// Every row index in [0, num_rows): checked before anything is copied.
+bool rows_in_range(const int64_t* rows, int64_t n, uint64_t num_rows) {
   for (int64_t i = 0; i < n; ++i) {
     if (rows[i] < 0 || static_cast<uint64_t>(rows[i]) >= num_rows) return false;
   }
+  return true;
+}
+}  // namespace
+
+bool copy_rows(void* dst, const void* src, uint64_t num_rows, uint64_t row_bytes, const int64_t* rows, int64_t n,
+               int threads) {
+  if (n <= 0 || row_bytes == 0) return true;
+  if (!rows_in_range(rows, n, num_rows)) return false;
   auto* out = static_cast<uint8_t*>(dst);
   const auto* in = static_cast<const uint8_t*>(src);
   // Tasks of about 1 MiB of rows; rows are random reads and writes, so a few are prefetched ahead.
@@ -38,9 +46,7 @@ bool copy_rows(void* dst, const void* src, uint64_t num_rows, uint64_t row_bytes
 
 bool scatter_rows(void* dst, uint64_t num_rows, uint64_t row_bytes, const int64_t* rows, int64_t n, const void* src) {
   if (n <= 0 || row_bytes == 0) return true;
-  for (int64_t i = 0; i < n; ++i) {
-    if (rows[i] < 0 || static_cast<uint64_t>(rows[i]) >= num_rows) return false;
-  }
+  if (!rows_in_range(rows, n, num_rows)) return false;
   auto* out = static_cast<uint8_t*>(dst);
   const auto* in = static_cast<const uint8_t*>(src);
   constexpr int64_t kAhead = 8;
