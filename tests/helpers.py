@@ -10,8 +10,9 @@ import copy
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -299,3 +300,39 @@ def write_index_json(ckpt_dir, raw: Dict[str, Any], *, sealed: bool = True, inde
     text = json.dumps(body, indent=indent, separators=None if indent else (",", ":")).encode()
     with open(os.path.join(str(ckpt_dir), "index"), "wb") as f:
         f.write(seal.seal(text) if sealed else text)
+
+
+# ------------------------------------------------------------------------- writer lease overlap
+def save_outliving_the_lease(out: str, monkeypatch: Any, lease_s: float = 0.4) -> Tuple[Job, Optional[BaseException]]:
+    """Saves ckpt_1 into `out` (after ckpt_0) with writer_lease_s=`lease_s` and its first table's
+    shards held up for three leases; meanwhile a second Saver tries to save ckpt_1 into `out`.
+    Returns the first job and what the second's save raised (None: it saved)."""
+    from recsave import knobs
+    from recsave.save import pipeline
+
+    job = make_job(out, max_keep=3, seed=1)
+    job.train(1)
+    job.saver.save("ckpt_0")
+    job.train(1)
+    other = make_job(out, max_keep=3, seed=2)
+    other.train(2)
+    real, raised = pipeline.write_shards, []
+
+    def held_up(*args: Any, **kwargs: Any) -> Any:
+        if not raised:
+            time.sleep(3 * lease_s)
+            try:
+                other.saver.save("ckpt_1")
+                raised.append(None)
+            except Exception as exc:
+                raised.append(exc)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_shards", held_up)
+    try:
+        with knobs.override(writer_lease_s=lease_s):
+            job.saver.save("ckpt_1")
+    finally:
+        monkeypatch.setattr(pipeline, "write_shards", real)
+        other.saver.close()
+    return job, raised[0]

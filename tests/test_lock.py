@@ -15,7 +15,7 @@ import uuid
 import warnings
 
 import pytest
-from helpers import assert_jobs_equal, job_state, make_job
+from helpers import assert_jobs_equal, job_state, make_job, save_outliving_the_lease
 
 from recsave import knobs
 from recsave.errors import RecsaveError, WriterLockedError
@@ -199,6 +199,97 @@ def test_a_lock_lost_during_a_save_stops_it_before_its_commit_point(tmp_path, mo
     assert not os.path.exists(os.path.join(out, "ckpt_1", "index"))
     with open(os.path.join(out, "checkpoint")) as f:
         assert f.read().split() == ["ckpt_0"]
+    job.saver.close()
+
+
+def test_a_save_longer_than_the_lease_keeps_its_lock(tmp_path, monkeypatch):
+    """A save held up for three leases keeps renewing its lease (keep_alive): a second Saver of the
+    dir is refused meanwhile, instead of taking the lock over as stale and saving the same id into
+    the directory the first is still writing. The first then commits, and its checkpoint loads.
+    (test_remote.py: the same on memory:// and S3.)"""
+    out = str(tmp_path / "run")
+    job, raised = save_outliving_the_lease(out, monkeypatch)
+    assert isinstance(raised, WriterLockedError) and "being written by another Saver" in str(raised)
+    saved = job_state(job)
+    job.saver.close()
+    fresh = make_job(out)
+    assert fresh.saver.latest_checkpoint() == get_storage(out).join(out, "ckpt_1")
+    fresh.saver.load()
+    assert_jobs_equal(job_state(fresh), saved)
+    fresh.saver.close()
+
+
+def test_keep_alive_renews_the_lease_until_the_block_ends(tmp_path):
+    out = str(tmp_path / "run")
+    mine, other = WriterLock(LocalStorage(), out), WriterLock(LocalStorage(), out)
+    with knobs.override(writer_lease_s=0.3):
+        mine.acquire()
+        with mine.keep_alive():
+            time.sleep(1.0)
+            with pytest.raises(WriterLockedError, match="being written by another Saver"):
+                other.acquire()
+            mine.ensure_held()
+        time.sleep(0.6)  # no renewal after the block: the lease runs out
+        other.acquire()
+        with pytest.raises(WriterLockedError, match="lost the writer lock"):
+            mine.ensure_held()
+        assert mine.owned() is False and other.owned() is True
+    mine.release()  # not ours: left alone
+    assert other.owned() is True
+    other.release()
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+def test_ensure_held_reads_the_lock_only_once_half_a_lease_has_passed(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    lock = WriterLock(LocalStorage(), out)
+    reads = []
+    real = WriterLock._read
+    monkeypatch.setattr(WriterLock, "_read", lambda self: reads.append(1) or real(self))
+    with knobs.override(writer_lease_s=0.4):
+        lock.acquire()
+        reads.clear()
+        lock.ensure_held()
+        assert reads == []
+        time.sleep(0.25)
+        lock.ensure_held()
+        assert reads == [1]
+    lock.release()
+
+
+def test_a_paused_save_stops_before_writing_into_a_taken_over_dir(tmp_path, monkeypatch):
+    """A holder that could not renew its lease for longer than the lease (a paused process, a store
+    it could not reach) may have been taken over, and the new writer may be saving the same id. It
+    writes no further file once it finds that out (before its next table), and its clean-up leaves
+    the directory alone: the files in it may be the new writer's."""
+    from recsave.save import pipeline
+
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.saver.save("ckpt_0")
+    job.train(1)
+    monkeypatch.setattr(WriterLock, "_beat", lambda self, stop, interval: None)  # renewals fail
+    real, calls = pipeline.write_shards, []
+    theirs = os.path.join(out, "ckpt_1", "theirs.bin")
+
+    def paused_then_taken_over(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.5)
+            WriterLock(LocalStorage(), out).acquire()  # stale by now: taken over
+            with open(theirs, "wb") as f:  # the new writer's save of the same id
+                f.write(b"new writer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "write_shards", paused_then_taken_over)
+    with knobs.override(writer_lease_s=0.3):
+        with pytest.raises(WriterLockedError, match="lost the writer lock"):
+            job.saver.save("ckpt_1")
+    assert len(calls) == 1  # the first table's shards; no file after the takeover was found
+    assert not os.path.exists(os.path.join(out, "ckpt_1", "io_state_0.pt"))
+    with open(theirs, "rb") as f:
+        assert f.read() == b"new writer"
+    assert not os.path.exists(os.path.join(out, "ckpt_1", "index"))
     job.saver.close()
 
 

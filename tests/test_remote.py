@@ -19,7 +19,7 @@ from typing import Iterator, Tuple
 
 import fsspec
 import pytest
-from helpers import assert_jobs_equal, job_state, make_job, same_bits, train
+from helpers import assert_jobs_equal, job_state, make_job, same_bits, save_outliving_the_lease, train
 
 from recsave import CorruptCheckpointError
 from recsave.storage import get_storage
@@ -508,3 +508,24 @@ def test_an_output_dir_at_a_stores_root_keeps_its_scheme():
     assert storage.split("memory://ckpt_2") == ("memory://", "ckpt_2")
     assert isinstance(get_storage(storage.join("memory://", "ckpt_2")), FsspecStorage)
 
+
+
+def test_a_save_longer_than_the_lease_keeps_its_remote_lock(remote, monkeypatch):
+    """On an object store a save that outlives writer_lease_s renews its lease while it uploads: a
+    second Saver is refused instead of committing the same id into the directory the first still
+    writes (whose uploads would then overwrite the second's committed shards)."""
+    from recsave import knobs
+    from recsave.errors import WriterLockedError
+
+    out = f"{remote}/run"
+    with knobs.override(writer_lock=True):
+        job, raised = save_outliving_the_lease(out, monkeypatch, lease_s=1.0)
+        assert isinstance(raised, WriterLockedError) and "being written by another Saver" in str(raised)
+        saved = job_state(job)
+        job.saver.close()
+        _clear_fs_caches()
+        fresh = make_job(out)
+        fresh.saver.load()
+        assert fresh.saver.latest_checkpoint() == f"{out}/ckpt_1"
+        assert_jobs_equal(job_state(fresh), saved)
+        fresh.saver.close()

@@ -115,14 +115,16 @@ class CheckpointWriter:
                                 only_rank0=True, rank=rank, agree=("the checkpoint id", ckpt_id))
             stage = "write"
             self._committed.pop(ckpt_id, None)  # prepared: its old index, if any, is going
-            mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
-                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
-            parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
-            stage = "commit"
-            committed = dist.run_everywhere(f"committing {ckpt_dir}",
-                                            lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
-                                                                 metrics),
-                                            world, only_rank0=True, rank=rank)
+            # A save may outlive writer_lease_s: the lease is renewed while it runs (rank 0).
+            with self._lock.keep_alive() if self._lock is not None else contextlib.nullcontext():
+                mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
+                                           lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
+                parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
+                stage = "commit"
+                committed = dist.run_everywhere(f"committing {ckpt_dir}",
+                                                lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
+                                                                     metrics),
+                                                world, only_rank0=True, rank=rank)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
                 self._clean_up_failed(ckpt_dir, ckpt_id, made, rank, world, stage == "commit",
@@ -168,7 +170,8 @@ class CheckpointWriter:
     def _clean_up_failed(self, ckpt_dir: str, ckpt_id: str, made: "_Made", rank: int, world: int,
                          committing: bool, group_usable: bool) -> None:
         """Best effort, never raising (the save's own error is the one to report): removes what
-        this rank created for a failed save, unless the failure came after rank 0 listed it.
+        this rank created for a failed save, unless rank 0 says no (_may_discard: the failure came
+        after rank 0 listed it, or the writer lock is another writer's now, or either is unknown).
 
         Every rank but 0 removes its files, and the directory when it created it and it is empty
         (per-rank local disks each have their own output dir); after all ranks are done, rank 0
@@ -176,12 +179,11 @@ class CheckpointWriter:
         others, and a rank other than 0 keeps its files when the failure came during the commit."""
         collective = group_usable and world > 1
         try:
-            if committing:
-                verdict: Optional[bool] = self._listed(ckpt_id) if rank == 0 else None
-                if collective:
-                    verdict = dist.gather_objects(verdict, world)[0]
-                if verdict is not False:  # listed, or unknown: keep everything
-                    return
+            verdict: Optional[bool] = self._may_discard(ckpt_id, committing) if rank == 0 else None
+            if collective:
+                verdict = dist.gather_objects(verdict, world)[0]
+            if (verdict is not True) if (collective or rank == 0) else committing:
+                return  # keep everything
             if rank != 0:
                 for path in made.files:
                     with contextlib.suppress(Exception):
@@ -194,6 +196,20 @@ class CheckpointWriter:
                 self._discard_uncommitted(ckpt_dir, ckpt_id)
         except Exception:  # the original error matters more; the next save cleans leftovers
             pass
+
+    def _may_discard(self, ckpt_id: str, committing: bool) -> Optional[bool]:
+        """Rank 0: whether a failed save's files may be removed (None: unknown). Not when its
+        writer lock is another writer's now: that writer may be saving the same id (it took over
+        a lease that ran out; storage/lock.py). Not when the failure came after the commit made
+        it into the `checkpoint` list."""
+        if self._lock is not None:
+            owned = self._lock.owned()
+            if owned is not True:
+                return owned
+        if not committing:
+            return True
+        listed = self._listed(ckpt_id)
+        return None if listed is None else not listed
 
     def _listed(self, ckpt_id: str) -> Optional[bool]:
         """Whether `ckpt_id` is in the `checkpoint` list (None when the list cannot be read)."""
@@ -298,6 +314,7 @@ class CheckpointWriter:
                     assert upcoming is not None  # started for every name
                     layout = upcoming.result()
                     upcoming = order(k + 1) if k + 1 < len(names) else None
+                    self._ensure_lock_held()
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
                     table = state.tables[name]
@@ -307,10 +324,17 @@ class CheckpointWriter:
                 if upcoming is not None:  # nothing reads the tables after the save returns
                     futures_wait([upcoming])
                 raise
+        self._ensure_lock_held()
         made.files.append(self.storage.join(ckpt_dir, io_state_file(rank)))
         part = part.with_files({io_state_file(rank): torchio.save(self.storage, ckpt_dir, io_state_file(rank),
                                                                   state.io_state, rank)})
         return part, rows
+
+    def _ensure_lock_held(self) -> None:
+        """Before each table's files: stops a save whose lease may have run out and been taken
+        over (WriterLockedError) before it writes into a directory another writer may now own."""
+        if self._lock is not None:
+            self._lock.ensure_held()
 
     def _write_table(self, ckpt_dir: str, layout: TableLayout, rank: int, first_part: int,
                      commits: DeferredCommits) -> IndexPart:
@@ -325,6 +349,7 @@ class CheckpointWriter:
         """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
         rotates; returns the checkpoint's bytes."""
         st = self.storage
+        self._ensure_lock_held()  # before model.pt and extra.pt; renewed again before the index
         parts = [part for part, _ in gathered]
         rows: Dict[str, int] = {}
         tombstones: Dict[str, int] = {}

@@ -9,9 +9,17 @@ stale, and taken over with one INFO line on the ``recsave`` logger naming the de
 after a crash), when its process is dead on this host or when it was not renewed for
 ``writer_lease_s`` seconds. The file is created with ``Storage.create_exclusive``: O_EXCL locally; on object stores (no
 exclusive create) written and read back, which is best effort.
+
+A save can outlive the lease (a slow upload of a large checkpoint). While it runs, `keep_alive`
+renews the lease on a thread every quarter lease, so a live writer is never taken for a dead one;
+and the save calls `ensure_held` before each table it writes: a holder whose lease may have run out
+meanwhile (a paused process, a failing store) renews it then or stops, before it writes into a
+directory that another writer may have taken over. A failed save removes its files only while
+`owned()` says the lock is still its own.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,9 +31,9 @@ import uuid
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
-from recsave import knobs
+from recsave import knobs, threads
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterLockedError
 from recsave.storage.base import Storage
 
@@ -54,6 +62,11 @@ class WriterLock:
         self.token = uuid.uuid4().hex
         self.held = False
         self._acquired_at = 0.0
+        # Renewals (the save's and keep_alive's thread) and the release take turns: a renewal in
+        # flight when the lock is released would write the file back.
+        self._mutex = threading.Lock()
+        self._renew_started = 0.0  # time.monotonic() when the last successful renewal began
+        self._lost: Optional[str] = None  # why the lock is lost, once a renewal found it taken over
         # Released at garbage collection or interpreter exit; must not reference self.
         self._finalizer = weakref.finalize(self, _release, storage, self.path, self.token)
         self._finalizer.detach()
@@ -66,7 +79,7 @@ class WriterLock:
             return
         _wait_for_release(self.path)  # a collected Saver of this process may be releasing it
         self.storage.makedirs(self.output_dir)
-        now = time.time()
+        started, now = time.monotonic(), time.time()
         self._acquired_at = now
         for _ in range(3):
             if self._create(self._record(now)):
@@ -89,28 +102,88 @@ class WriterLock:
             raise WriterLockedError(f"{self.path}: could not take the writer lock (it kept changing); "
                                     f"another Saver is competing for {self.output_dir}", path=self.path)
         self.held = True
+        self._lost = None
+        self._renew_started = started
         self._finalizer = weakref.finalize(self, _release, self.storage, self.path, self.token)
 
     def renew(self) -> None:
         """Refreshes renewed_at; raises WriterLockedError if another writer took the lock over."""
+        with self._mutex:
+            self._renew()
+
+    def ensure_held(self) -> None:
+        """Raises WriterLockedError if the lock is known lost; renews it now (raising if it was
+        taken over) when its last renewal began half a lease ago or more, since another writer may
+        take it over once a whole lease has passed. Costs nothing while `keep_alive` renews."""
+        if self._lost is not None:
+            raise WriterLockedError(self._lost, path=self.path)
+        if time.monotonic() - self._renew_started >= float(knobs.get("writer_lease_s")) / 2:
+            self.renew()
+
+    def owned(self) -> Optional[bool]:
+        """Whether the lock file still holds this lock's token (None when it cannot be read). A
+        failed save removes its files only when True: another writer may be writing the same
+        checkpoint id after taking over a lease that ran out."""
+        try:
+            _, holder = self._read()
+        except (OSError, WriterLockedError):  # StorageError is an OSError
+            return None
+        return holder is not None and holder.get("token") == self.token
+
+    @contextlib.contextmanager
+    def keep_alive(self) -> Iterator[None]:
+        """Renews the lease every quarter `writer_lease_s` on a daemon thread while the block runs
+        (a save longer than the lease). A renewal that finds the lock taken over stops the thread
+        and makes the next `ensure_held` raise; one that fails to reach the store is retried at the
+        next beat (ensure_held renews itself once half a lease has passed without one)."""
+        stop = threading.Event()
+        beat = threads.start(self._beat, stop, max(0.001, float(knobs.get("writer_lease_s")) / 4),
+                             name="recsave-lease", daemon=True)
+        try:
+            yield
+        finally:
+            stop.set()
+            # A renewal in flight ends first: once the block is left nothing but this object holds
+            # the lock, so a dropped Saver's finalizer releases it at once.
+            futures_wait([beat])
+
+    def release(self) -> None:
+        """Deletes the lock file if it is still ours (with the usual io_retries). Idempotent."""
+        with self._mutex:
+            self.held = False
+            if self._finalizer.detach() is not None:
+                _release_now(self.storage, self.path, self.token)
+
+    # ----------------------------------------------------------------------------------- details
+    def _renew(self) -> None:
+        """renew() under the mutex."""
+        if self._lost is not None:
+            raise WriterLockedError(self._lost, path=self.path)
+        started = time.monotonic()
         raw, holder = self._read()
         if holder is None or holder.get("token") != self.token:
             self.held = False
             self._finalizer.detach()
-            raise WriterLockedError(
-                f"{self.path}: this Saver lost the writer lock of {self.output_dir} (now "
-                f"{_describe(holder) if holder else 'released'}), probably because it was not "
-                f"renewed within writer_lease_s={knobs.get('writer_lease_s')} s; not saving",
-                path=self.path)
+            self._lost = (f"{self.path}: this Saver lost the writer lock of {self.output_dir} (now "
+                          f"{_describe(holder) if holder else 'released'}), probably because it was not "
+                          f"renewed within writer_lease_s={knobs.get('writer_lease_s')} s; not saving")
+            raise WriterLockedError(self._lost, path=self.path)
         self.storage.write_atomic(self.path, _dumps(self._record(time.time())))
+        self._renew_started = started
 
-    def release(self) -> None:
-        """Deletes the lock file if it is still ours (with the usual io_retries). Idempotent."""
-        self.held = False
-        if self._finalizer.detach() is not None:
-            _release_now(self.storage, self.path, self.token)
+    def _beat(self, stop: threading.Event, interval: float) -> None:
+        """keep_alive's thread: renews until `stop` is set, the lock is released or found lost."""
+        while not stop.wait(interval):
+            with self._mutex:
+                if stop.is_set() or not self.held:
+                    return
+                try:
+                    self._renew()
+                except WriterLockedError:
+                    return
+                except Exception as exc:  # the store is down: the next beat, or ensure_held, retries
+                    log.info("%s: renewing the writer lock failed (%s); retrying in %.3g s", self.path, exc, interval)
 
-    # ----------------------------------------------------------------------------------- details
     def _record(self, now: float) -> Dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
                 "acquired_at": self._acquired_at, "renewed_at": now}
