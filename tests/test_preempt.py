@@ -547,18 +547,21 @@ def test_saving_the_step_just_saved_again_returns_it(tmp_path):
 
 
 def test_a_save_that_failed_after_its_commit_point_is_returned_by_the_retry(tmp_path, monkeypatch):
-    """The save of ckpt_2 raises after its list was written (here: pruning fails): ckpt_2 is
-    committed and holds this state, so save() again returns it instead of refusing it."""
+    """The save of ckpt_2 raises after its list was written (here: the store answers the list's
+    write with an error after it took it): ckpt_2 is committed and holds this state, so save()
+    again returns it instead of refusing it."""
     import recsave.format.ckptlist as ckptlist
 
     out = str(tmp_path / "run")
     job = make_job(out, save_interval=0)
     job.train(2)
+    real = ckptlist.write
 
-    def failing(*args, **kwargs):
-        raise RuntimeError("pruning failed (injected)")
-    monkeypatch.setattr(ckptlist, "collect_garbage", failing)
-    with pytest.raises(RuntimeError, match="injected"):
+    def written_then_failing(*args, **kwargs):
+        real(*args, **kwargs)
+        raise OSError("connection reset after the write (injected)")
+    monkeypatch.setattr(ckptlist, "write", written_then_failing)
+    with pytest.raises(OSError, match="injected"):
         job.manager.save()
     monkeypatch.undo()
     assert _list(out) == ["ckpt_2"]

@@ -342,3 +342,29 @@ def test_gc_names_a_pruned_dir_a_dead_writer_left(tmp_path):
     assert catalog.clean_output_dir(str(out)) == {"removed_checkpoints": [PRUNED_DIR], "removed_temp_files": [],
                                                   "aborted_uploads": []}
     assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2"]
+
+
+@pytest.mark.parametrize("error", [OSError("disk gone (injected)"), RuntimeError("a bug (injected)")])
+def test_a_failed_pruning_warns_and_the_committed_save_returns(tmp_path, monkeypatch, error):
+    """Pruning runs after the new checkpoint is committed and listed: whatever it raises is a
+    warning (the next save prunes again), never an error that reports the committed save as failed."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=1)
+    _save_steps(job, [1])
+
+    def failing(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(ckptlist, "collect_garbage", failing)
+    job.train(1)
+    with pytest.warns(RuntimeWarning, match=f"pruning old checkpoint directories failed .{type(error).__name__}"):
+        assert job.saver.save("ckpt_2") == os.path.join(out, "ckpt_2")
+    assert job.saver.checkpoints() == [os.path.join(out, "ckpt_2")]
+    assert os.path.isdir(os.path.join(out, "ckpt_1"))  # left for the next save
+    fresh = make_job(out)
+    fresh.saver.load()
+    assert_jobs_equal(job_state(fresh), job_state(job))
+    monkeypatch.undo()
+    _save_steps(job, [3])  # prunes what the failed pruning left
+    job.saver.wait()
+    assert [n for n in listing(out) if n.startswith("ckpt_")] == ["ckpt_3"]
+    job.saver.close()

@@ -415,9 +415,10 @@ class CheckpointWriter:
         try:
             ckptlist.collect_garbage(st, out, keep, self.depends_on,
                                      remove=functools.partial(self._pruner.remove, lock=self._lock))
-        except OSError as exc:
-            warnings.warn(f"{out}: pruning old checkpoint directories failed ({exc}); {ckpt_id} is committed "
-                          f"and listed, the next save prunes again", RuntimeWarning, stacklevel=2)
+        except Exception as exc:  # not only OSError: raising would report a committed save as failed
+            warnings.warn(f"{out}: pruning old checkpoint directories failed ({type(exc).__name__}: {exc}); "
+                          f"{ckpt_id} is committed and listed, the next save prunes again",
+                          RuntimeWarning, stacklevel=2)
         finally:
             self._pruner.start(self._lock)
 
