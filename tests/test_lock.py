@@ -240,6 +240,56 @@ def test_keep_alive_renews_the_lease_until_the_block_ends(tmp_path):
     assert not os.path.exists(os.path.join(out, LOCK_FILE))
 
 
+def test_keep_alive_without_a_thread_runs_its_block(tmp_path, monkeypatch):
+    """Where no thread can be started (a thread limit, a shutting-down interpreter) the block still
+    runs, once, without renewals; ensure_held guards it alone."""
+    lock = WriterLock(LocalStorage(), str(tmp_path / "run"))
+    lock.acquire()
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    ran = []
+    done = threading.Event()
+
+    def body():
+        with lock.keep_alive():
+            ran.append(1)
+        done.set()
+    body()  # here, not on a thread (none can start); it must return
+    assert done.is_set() and ran == [1]
+    monkeypatch.undo()
+    lock.release()
+
+
+def test_a_lock_lost_during_the_commit_is_not_taken_again(tmp_path, monkeypatch):
+    """The lock is taken over while the commit runs and the other writer then lets it go: the
+    commit point renews the lock, never takes it anew, so the save fails and writes no index (the
+    other writer may have committed the same id meanwhile)."""
+    from recsave.load import contents
+
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.saver.save("ckpt_0")
+    job.train(1)
+    real = contents.index_meta
+
+    def taken_over_then_released(*args, **kwargs):  # in the commit, after its first check
+        with open(os.path.join(out, LOCK_FILE), "w") as f:
+            json.dump({"host": "other-host", "pid": 1, "token": "t", "acquired_at": 0, "renewed_at": time.time()}, f)
+        time.sleep(0.3)  # keep_alive's renewals find it taken over
+        os.remove(os.path.join(out, LOCK_FILE))  # the other writer is done
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(contents, "index_meta", taken_over_then_released)
+    with knobs.override(writer_lease_s=0.2):
+        with pytest.raises(WriterLockedError, match="lost the writer lock"):
+            job.saver.save("ckpt_1")
+    assert not os.path.exists(os.path.join(out, "ckpt_1", "index"))
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))  # not taken again
+    job.saver.close()
+
+
 def test_ensure_held_reads_the_lock_only_once_half_a_lease_has_passed(tmp_path, monkeypatch):
     out = str(tmp_path / "run")
     lock = WriterLock(LocalStorage(), out)
@@ -268,7 +318,7 @@ def test_a_paused_save_stops_before_writing_into_a_taken_over_dir(tmp_path, monk
     job = make_job(out)
     job.saver.save("ckpt_0")
     job.train(1)
-    monkeypatch.setattr(WriterLock, "_beat", lambda self, stop, interval: None)  # renewals fail
+    monkeypatch.setattr(WriterLock, "beat", lambda self, stop, interval: True)  # renewals fail
     real, calls = pipeline.write_shards, []
     theirs = os.path.join(out, "ckpt_1", "theirs.bin")
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import CTR, assert_jobs_equal, job_state, listing, make_job
 
 from recsave import Saver, knobs
-from recsave.errors import UsageError
+from recsave.errors import UsageError, WriterLockedError
 from recsave.format import ckptlist
 from recsave.format.ckptlist import PRUNED_DIR
 from recsave.storage import get_storage
@@ -213,6 +213,21 @@ def test_close_keeps_the_lock_until_an_in_place_deletion_ends(monkeypatch):
     threading.Timer(0.3, release.set).start()
     saver.close()
     assert lock_there == [True] and not st.exists(f"{url}/{LOCK_FILE}")
+
+
+def test_an_in_place_deletion_longer_than_the_lease_keeps_it_renewed(monkeypatch):
+    """While the thread deletes a pruned checkpoint in place (its name still in use), a writer of
+    another host must not take the lock over as stale, however long the deletion takes."""
+    from recsave.storage.lock import WriterLock
+
+    with knobs.override(writer_lease_s=0.3):
+        url, st, saver, release, lock_there = _pruned_in_place_and_held(monkeypatch)
+        time.sleep(1.0)  # three leases into the held deletion
+        with pytest.raises(WriterLockedError, match="being written by another Saver"):
+            WriterLock(st, url).acquire()
+        release.set()
+        saver.close()
+    assert lock_there == [True] and not st.exists(f"{url}/ckpt_1")
 
 
 def test_an_interrupted_close_leaves_the_lock_to_the_deleting_thread(monkeypatch):

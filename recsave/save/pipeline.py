@@ -30,7 +30,7 @@ from recsave.save.layout import TableLayout, bucket_layout
 from recsave.save.pruning import Pruner
 from recsave.save.snapshot import SaveState
 from recsave.storage import Storage, dist
-from recsave.storage.lock import WriterLock
+from recsave.storage.lock import WriterLock, kept_alive, renewed
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
@@ -116,7 +116,7 @@ class CheckpointWriter:
             stage = "write"
             self._committed.pop(ckpt_id, None)  # prepared: its old index, if any, is going
             # A save may outlive writer_lease_s: the lease is renewed while it runs (rank 0).
-            with self._lock.keep_alive() if self._lock is not None else contextlib.nullcontext():
+            with kept_alive(self._lock):
                 mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
                                            lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
                 parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
@@ -202,14 +202,17 @@ class CheckpointWriter:
         writer lock is another writer's now: that writer may be saving the same id (it took over
         a lease that ran out; storage/lock.py). Not when the failure came after the commit made
         it into the `checkpoint` list."""
-        if self._lock is not None:
-            owned = self._lock.owned()
-            if owned is not True:
-                return owned
-        if not committing:
-            return True
-        listed = self._listed(ckpt_id)
-        return None if listed is None else not listed
+        try:
+            if self._lock is not None:
+                owned = self._lock.owned()
+                if owned is not True:
+                    return owned
+            if not committing:
+                return True
+            listed = self._listed(ckpt_id)
+            return None if listed is None else not listed
+        except Exception:  # unknown; every rank still takes part in the verdict's exchange
+            return None
 
     def _listed(self, ckpt_id: str) -> Optional[bool]:
         """Whether `ckpt_id` is in the `checkpoint` list (None when the list cannot be read)."""
@@ -320,6 +323,7 @@ class CheckpointWriter:
                     table = state.tables[name]
                     rows[name] = (layout.num_rows if state.parent is None else table.live_rows, layout.tombstones)
                     part = part.joined(table_part)
+                self._ensure_lock_held()  # before the durable files' renames as the block exits
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
                     futures_wait([upcoming])
@@ -374,8 +378,9 @@ class CheckpointWriter:
             index = delta.as_delta(st, self.output_dir, index, state.parent, self._committed.get(state.parent))
         index = index.with_files(files)
         # The lock once more right before the commit point: a save longer than writer_lease_s may
-        # have lost it to another Saver, whose rotation may be deleting this directory.
-        self._lock = hold_writer_lock(self._lock, st, self.output_dir)
+        # have lost it to another Saver, whose rotation may be deleting this directory. Renewed,
+        # never taken anew: a lock lost during this save stays lost even if it is free again.
+        renewed(self._lock)
         data = index_mod.dumps(index)
         index_mod.write_bytes(ckpt_dir, data, storage=st)
         self._committed[ckpt_id] = delta.CommittedIndex(int(_C.crc32c(data)), index.base or ckpt_id)

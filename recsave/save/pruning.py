@@ -18,11 +18,11 @@ import warnings
 from concurrent.futures import Future
 from typing import List, Optional
 
-from recsave import threads
+from recsave import knobs, threads
 from recsave.format.ckptlist import PRUNED_DIR
 from recsave.format.index import INDEX_FILE
 from recsave.storage import Storage
-from recsave.storage.lock import WriterLock, busy_until
+from recsave.storage.lock import WriterLock, busy_until, kept_alive
 
 _names = itertools.count()
 
@@ -66,8 +66,9 @@ class Pruner:
         it, and a next writer's collection may delete the same garbage at the same time, which
         only costs a failed unlink. A directory deleted in place still has its checkpoint's name,
         which a next writer could save into: then the thread keeps `lock` (the writer lock) alive,
-        hence held, until it is done (storage/lock.py busy_until: a writer of this process waits
-        for it, one of another finds the lock held)."""
+        hence held, and its lease renewed (WriterLock.keep_alive), until it is done
+        (storage/lock.py busy_until: a writer of this process waits for it, one of another finds
+        the lock held)."""
         paths = ([self.root] if self._moved else []) + self._in_place
         held = [lock] if self._in_place and lock is not None else []
         self._moved, self._in_place = False, []
@@ -77,18 +78,20 @@ class Pruner:
         def delete() -> None:
             try:
                 errors = []
-                for path in paths:
-                    try:
-                        self.storage.remove_tree(path)
-                    except Exception as exc:  # the others still go; the next collection retries
-                        errors.append(exc)
+                # A deletion longer than writer_lease_s (many objects) keeps the lease renewed.
+                with kept_alive(held[0] if held else None):
+                    for path in paths:
+                        try:
+                            self.storage.remove_tree(path)
+                        except Exception as exc:  # the others still go; the next collection retries
+                            errors.append(exc)
                 if errors:
                     raise errors[0]
             finally:
                 held.clear()  # a dropped Saver's lock is released here, before the future is done
 
         lock_path = held[0].path if held else None  # (the thread may have cleared `held` already)
-        self._deleting = threads.start(delete, name="recsave-prune")
+        self._deleting = threads.start(knobs.carried(delete), name="recsave-prune")
         if lock_path is not None:
             busy_until(lock_path, self._deleting)
 

@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, Dict, Iterator, Optional
 
-from recsave import knobs, threads
+from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterLockedError
 from recsave.storage.base import Storage
 
@@ -135,17 +135,36 @@ class WriterLock:
         """Renews the lease every quarter `writer_lease_s` on a daemon thread while the block runs
         (a save longer than the lease). A renewal that finds the lock taken over stops the thread
         and makes the next `ensure_held` raise; one that fails to reach the store is retried at the
-        next beat (ensure_held renews itself once half a lease has passed without one)."""
+        next beat (ensure_held renews itself once half a lease has passed without one). Where no
+        thread can be started the block runs without renewals, guarded by ensure_held alone."""
         stop = threading.Event()
-        beat = threads.start(self._beat, stop, max(0.001, float(knobs.get("writer_lease_s")) / 4),
-                             name="recsave-lease", daemon=True)
+        # A weak reference: a dropped holder's lock is released by its finalizer, not kept by this.
+        beat = threading.Thread(target=knobs.carried(_beat), name="recsave-lease", daemon=True,
+                                args=(weakref.ref(self), stop, max(0.001, float(knobs.get("writer_lease_s")) / 4)))
+        try:
+            beat.start()
+        except RuntimeError:  # a thread limit, or a shutting-down interpreter
+            log.info("%s: no thread for renewing the writer lock; it is checked before each table", self.path)
         try:
             yield
         finally:
             stop.set()
-            # A renewal in flight ends first: once the block is left nothing but this object holds
-            # the lock, so a dropped Saver's finalizer releases it at once.
-            futures_wait([beat])
+            if beat.ident is not None:  # a renewal in flight ends first (bounded: a hung store)
+                beat.join(timeout=_release_timeout_s())
+
+    def beat(self, stop: threading.Event, interval: float) -> bool:
+        """One renewal of keep_alive's thread (public for that thread only); whether to go on
+        (not after `stop`, a release, or finding the lock taken over)."""
+        with self._mutex:
+            if stop.is_set() or not self.held:
+                return False
+            try:
+                self._renew()
+            except Exception as exc:  # the store is down, or the file unreadable: retried next beat
+                if self._lost is not None:
+                    return False
+                log.info("%s: renewing the writer lock failed (%s); retrying in %.3g s", self.path, exc, interval)
+        return True
 
     def release(self) -> None:
         """Deletes the lock file if it is still ours (with the usual io_retries). Idempotent."""
@@ -170,19 +189,6 @@ class WriterLock:
             raise WriterLockedError(self._lost, path=self.path)
         self.storage.write_atomic(self.path, _dumps(self._record(time.time())))
         self._renew_started = started
-
-    def _beat(self, stop: threading.Event, interval: float) -> None:
-        """keep_alive's thread: renews until `stop` is set, the lock is released or found lost."""
-        while not stop.wait(interval):
-            with self._mutex:
-                if stop.is_set() or not self.held:
-                    return
-                try:
-                    self._renew()
-                except WriterLockedError:
-                    return
-                except Exception as exc:  # the store is down: the next beat, or ensure_held, retries
-                    log.info("%s: renewing the writer lock failed (%s); retrying in %.3g s", self.path, exc, interval)
 
     def _record(self, now: float) -> Dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
@@ -238,6 +244,16 @@ class WriterLock:
     def _young(self) -> bool:
         """An empty lock file may be one another writer's create is still filling."""
         return self.storage.being_created(self.path)
+
+
+def _beat(ref: "weakref.ReferenceType[WriterLock]", stop: threading.Event, interval: float) -> None:
+    """keep_alive's thread: renews the lock every `interval` seconds until `stop` is set, the lock
+    is released, found lost or collected."""
+    while not stop.wait(interval):
+        lock = ref()
+        if lock is None or not lock.beat(stop, interval):
+            return
+        del lock
 
 
 def _dumps(record: Dict[str, Any]) -> bytes:
@@ -324,11 +340,34 @@ def _release_timeout_s() -> float:
     return max(0.0, float(knobs.get("lock_release_timeout_s")))
 
 
+@contextlib.contextmanager
+def kept_alive(lock: Optional[WriterLock]) -> Iterator[None]:
+    """`lock.keep_alive()` for a lock hold() took; nothing for None (the knob writer_lock off)."""
+    if lock is None:
+        yield
+        return
+    with lock.keep_alive():
+        yield
+
+
+def renewed(lock: Optional[WriterLock]) -> None:
+    """`lock.renew()` right before a commit point (WriterLockedError if it was lost meanwhile);
+    nothing for None."""
+    if lock is not None:
+        lock.renew()
+
+
+def still_owned(lock: Optional[WriterLock]) -> bool:
+    """Whether a failed write may remove what it wrote: with no lock (the knob off), or while the
+    lock file still holds `lock`'s token (another writer may be writing the same names)."""
+    return lock is None or lock.owned() is True
+
+
 def hold(current: Optional[WriterLock], storage: Storage, output_dir: str) -> Optional[WriterLock]:
     """Acquires (first save) or renews (later saves) the writer lock and returns it; when the knob
-    ``writer_lock`` is off, returns `current` untouched (None if no lock was taken before)."""
+    ``writer_lock`` is off, returns `current` untouched while it is held (else None)."""
     if not knobs.get("writer_lock"):
-        return current
+        return current if current is not None and current.held else None
     lock = current or WriterLock(storage, output_dir)
     lock.acquire()
     return lock

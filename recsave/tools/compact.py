@@ -20,6 +20,7 @@ from recsave.save.layout import bucket_layout
 from recsave.save.snapshot import TableState
 from recsave.storage import get_storage
 from recsave.storage.lock import hold as hold_writer_lock
+from recsave.storage.lock import kept_alive, renewed, still_owned
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS
 
@@ -51,20 +52,26 @@ def compact(ckpt: str, out_dir: str) -> str:
     lock = hold_writer_lock(None, storage, out_dir)
     created = committed = False
     try:
-        refuse_committed()  # again under the lock: another compaction may have committed it meanwhile
-        if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
-            storage.remove_tree(target)
-        storage.makedirs(target)
-        created = True
-        index = _write(src, storage, target)
-        index_mod.write(target, index, storage=storage)
-        committed = True  # the index is the commit point (docs/FORMAT.md section 5)
-        ids = [i for i in ckptlist.committed(storage, out_dir, rewrite=True, being_written=ckpt_id).ids if i != ckpt_id]
-        ckptlist.write(storage, out_dir, ids + [ckpt_id])
-    except BaseException:
-        if created and not committed:  # nothing of a failed compaction stays behind to block its retry
-            with contextlib.suppress(Exception):
+        with kept_alive(lock):  # a compaction may outlive writer_lease_s
+            refuse_committed()  # again under the lock: another compaction may have committed it meanwhile
+            if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
                 storage.remove_tree(target)
+            storage.makedirs(target)
+            created = True
+            index = _write(src, storage, target)
+            renewed(lock)
+            index_mod.write(target, index, storage=storage)
+            committed = True  # the index is the commit point (docs/FORMAT.md section 5)
+            ids = [i for i in ckptlist.committed(storage, out_dir, rewrite=True, being_written=ckpt_id).ids
+                   if i != ckpt_id]
+            ckptlist.write(storage, out_dir, ids + [ckpt_id])
+    except BaseException:
+        # Nothing of a failed compaction stays behind to block its retry, unless the lock is
+        # another writer's now (it may be writing the same id).
+        if created and not committed:
+            with contextlib.suppress(Exception):
+                if still_owned(lock):
+                    storage.remove_tree(target)
         raise
     finally:
         if lock is not None:

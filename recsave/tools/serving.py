@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,6 +35,7 @@ from recsave.format.writer import RowSource, write_shards
 from recsave.save.layout import segment_rule
 from recsave.storage import Storage, get_storage
 from recsave.storage.lock import hold as hold_writer_lock
+from recsave.storage.lock import kept_alive, renewed, still_owned
 from recsave.tools import toolargs
 
 __all__ = ["export_serving", "SERVING_DTYPES"]
@@ -103,10 +104,13 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
                                         f"or delete it first", path=ckpt_dir)
         storage.makedirs(ckpt_dir)
         try:
-            _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir)
+            with kept_alive(lock):  # an export may outlive writer_lease_s
+                _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir,
+                       before_commit=lambda: renewed(lock))
         except BaseException:
             with contextlib.suppress(Exception):  # the export's own error is the one to report
-                storage.remove_tree(ckpt_dir)
+                if still_owned(lock):  # else another writer may be writing this id now
+                    storage.remove_tree(ckpt_dir)
             raise
         ckptlist.write(storage, out_dir, [i for i in listed if i != ckpt_id] + [ckpt_id])
     finally:
@@ -116,8 +120,8 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
 
 
 def _write(src: Any, names: List[str], dtype: Optional[torch.dtype], scale_dtype: torch.dtype,
-           storage: Storage, ckpt_dir: str) -> None:
-    """Shards of every table, model.pt, then the index (the commit point)."""
+           storage: Storage, ckpt_dir: str, before_commit: Callable[[], None]) -> None:
+    """Shards of every table, model.pt, then `before_commit()` and the index (the commit point)."""
     parts: Dict[int, IndexPart] = {}
     tables: Dict[str, TableMeta] = {}
     for name in names:
@@ -138,6 +142,7 @@ def _write(src: Any, names: List[str], dtype: Optional[torch.dtype], scale_dtype
                                   world_size=max(src.index.world_size, len(parts), 1))
     index = dataclasses.replace(index, kind=KIND_SERVING,
                                 format_version=version_for(KIND_SERVING, index.tensors)).with_files(files)
+    before_commit()
     index_mod.write(ckpt_dir, index, storage=storage)
 
 
