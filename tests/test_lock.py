@@ -245,19 +245,22 @@ def test_keep_alive_without_a_thread_runs_its_block(tmp_path, monkeypatch):
     runs, once, without renewals; ensure_held guards it alone."""
     lock = WriterLock(LocalStorage(), str(tmp_path / "run"))
     lock.acquire()
+    real_start = threading.Thread.start
 
-    def no_thread(self):
-        raise RuntimeError("can't start new thread")
-    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    def no_lease_thread(self):
+        if self.name == "recsave-lease":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+    monkeypatch.setattr(threading.Thread, "start", no_lease_thread)
     ran = []
-    done = threading.Event()
 
     def body():
         with lock.keep_alive():
             ran.append(1)
-        done.set()
-    body()  # here, not on a thread (none can start); it must return
-    assert done.is_set() and ran == [1]
+    runner = threading.Thread(target=body, daemon=True)
+    runner.start()
+    runner.join(timeout=10)  # a keep_alive that never reaches its block would hang here, not the suite
+    assert not runner.is_alive() and ran == [1]
     monkeypatch.undo()
     lock.release()
 
@@ -277,10 +280,20 @@ def test_a_lock_lost_during_the_commit_is_not_taken_again(tmp_path, monkeypatch)
     def taken_over_then_released(*args, **kwargs):  # in the commit, after its first check
         with open(os.path.join(out, LOCK_FILE), "w") as f:
             json.dump({"host": "other-host", "pid": 1, "token": "t", "acquired_at": 0, "renewed_at": time.time()}, f)
-        time.sleep(0.3)  # keep_alive's renewals find it taken over
+        assert found_lost.wait(timeout=20)  # keep_alive's renewals find it taken over
         os.remove(os.path.join(out, LOCK_FILE))  # the other writer is done
         return real(*args, **kwargs)
 
+    found_lost = threading.Event()
+    real_beat = WriterLock.beat
+
+    def beat(self, stop, interval):
+        go_on = real_beat(self, stop, interval)
+        if self.lost:
+            found_lost.set()
+        return go_on
+
+    monkeypatch.setattr(WriterLock, "beat", beat)
     monkeypatch.setattr(contents, "index_meta", taken_over_then_released)
     with knobs.override(writer_lease_s=0.2):
         with pytest.raises(WriterLockedError, match="lost the writer lock"):

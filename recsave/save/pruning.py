@@ -69,7 +69,7 @@ class Pruner:
         hence held, and its lease renewed (WriterLock.keep_alive), until it is done
         (storage/lock.py busy_until: a writer of this process waits for it, one of another finds
         the lock held)."""
-        paths = ([self.root] if self._moved else []) + self._in_place
+        paths = ([self.root] if self._moved else []) + self._in_place  # what was moved aside first
         held = [lock] if self._in_place and lock is not None else []
         self._moved, self._in_place = False, []
         if not paths:
@@ -81,6 +81,10 @@ class Pruner:
                 # A deletion longer than writer_lease_s (many objects) keeps the lease renewed.
                 with kept_alive(held[0] if held else None):
                     for path in paths:
+                        if held and held[0].lost and path != self.root:
+                            # Taken over: the new owner may save into these names. What is left
+                            # of them has no index: a leftover its next save or gc removes.
+                            break
                         try:
                             self.storage.remove_tree(path)
                         except Exception as exc:  # the others still go; the next collection retries

@@ -111,6 +111,11 @@ class WriterLock:
         with self._mutex:
             self._renew()
 
+    @property
+    def lost(self) -> bool:
+        """Whether a renewal found the lock taken over (until the next acquire)."""
+        return self._lost is not None
+
     def ensure_held(self) -> None:
         """Raises WriterLockedError if the lock is known lost; renews it now (raising if it was
         taken over) when its last renewal began half a lease ago or more, since another writer may
@@ -163,7 +168,8 @@ class WriterLock:
             except Exception as exc:  # the store is down, or the file unreadable: retried next beat
                 if self._lost is not None:
                     return False
-                log.info("%s: renewing the writer lock failed (%s); retrying in %.3g s", self.path, exc, interval)
+                # str(exc): a record keeping the exception would keep this frame, and the lock, alive.
+                log.info("%s: renewing the writer lock failed (%s); retrying in %.3g s", self.path, str(exc), interval)
         return True
 
     def release(self) -> None:
@@ -348,6 +354,12 @@ def kept_alive(lock: Optional[WriterLock]) -> Iterator[None]:
         return
     with lock.keep_alive():
         yield
+
+
+def check_held(lock: Optional[WriterLock]) -> None:
+    """`lock.ensure_held()` before each piece a long write adds; nothing for None."""
+    if lock is not None:
+        lock.ensure_held()
 
 
 def renewed(lock: Optional[WriterLock]) -> None:

@@ -16,6 +16,7 @@ from recsave.format.reader import check_shard_header
 from recsave.format.records import KIND_FULL
 from recsave.load.sources import ChainSource, CheckpointSource, open_source, require_checkpoint
 from recsave.storage import Storage, get_storage
+from recsave.storage.lock import WriterLock, check_held, kept_alive
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
 
@@ -168,26 +169,37 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     _require_dir(storage, output_dir)  # before the lock, which would create the directory
     lock = hold_writer_lock(None, storage, output_dir)
     try:
-        # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
-        # every committed checkpoint is kept (collect_garbage keeps damaged directories itself).
-        listing = ckptlist.committed(storage, output_dir, rewrite=True)
-        # Then the retention policy recorded in the latest index selects, as the Saver's rotation
-        # does (a save interrupted before it pruned leaves more listed than the policy keeps); a
-        # rebuilt list keeps every committed checkpoint.
-        kept = listing.ids if listing.rebuilt else retention.recorded(storage, output_dir, listing.ids,
-                                                                      _parents(storage, output_dir))
-        keep = [i for i in listing.ids
-                if i in kept or ckptlist.newer_format_version(storage, output_dir, i) is not None]
-        if keep != listing.ids:
-            ckptlist.write(storage, output_dir, keep)
-        dirs = ckptlist.collect_garbage(storage, output_dir, keep)
-        temps = ckptlist.remove_temp_files(storage, output_dir)
-        # By the store's clock: uploads begun before the lock file was written are dead writers'.
-        uploads = storage.abort_stale_uploads(output_dir, lock.path) if lock is not None else []
-        return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads}
+        with kept_alive(lock):  # deleting many objects may outlive writer_lease_s
+            return _clean_locked(storage, output_dir, lock)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock]) -> Dict[str, List[str]]:
+    """clean_output_dir's work under the writer lock `lock` (None: the knob writer_lock off)."""
+    # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
+    # every committed checkpoint is kept (collect_garbage keeps damaged directories itself).
+    listing = ckptlist.committed(storage, output_dir, rewrite=True)
+    # Then the retention policy recorded in the latest index selects, as the Saver's rotation
+    # does (a save interrupted before it pruned leaves more listed than the policy keeps); a
+    # rebuilt list keeps every committed checkpoint.
+    kept = listing.ids if listing.rebuilt else retention.recorded(storage, output_dir, listing.ids,
+                                                                  _parents(storage, output_dir))
+    keep = [i for i in listing.ids
+            if i in kept or ckptlist.newer_format_version(storage, output_dir, i) is not None]
+    if keep != listing.ids:
+        ckptlist.write(storage, output_dir, keep)
+
+    def remove(path: str) -> None:  # a directory another writer may be saving into is not ours
+        check_held(lock)
+        storage.remove_tree(path)
+    dirs = ckptlist.collect_garbage(storage, output_dir, keep, remove=remove)
+    check_held(lock)
+    temps = ckptlist.remove_temp_files(storage, output_dir)
+    # By the store's clock: uploads begun before the lock file was written are dead writers'.
+    uploads = storage.abort_stale_uploads(output_dir, lock.path) if lock is not None else []
+    return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads}
 
 
 def _parents(storage: Storage, output_dir: str) -> Callable[[str], List[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -19,8 +19,8 @@ from recsave.load.sources import CheckpointSource, open_source, require_checkpoi
 from recsave.save.layout import bucket_layout
 from recsave.save.snapshot import TableState
 from recsave.storage import get_storage
+from recsave.storage.lock import WriterLock, check_held, kept_alive, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
-from recsave.storage.lock import kept_alive, renewed, still_owned
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS
 
@@ -58,7 +58,7 @@ def compact(ckpt: str, out_dir: str) -> str:
                 storage.remove_tree(target)
             storage.makedirs(target)
             created = True
-            index = _write(src, storage, target)
+            index = _write(src, storage, target, lock)
             renewed(lock)
             index_mod.write(target, index, storage=storage)
             committed = True  # the index is the commit point (docs/FORMAT.md section 5)
@@ -79,7 +79,7 @@ def compact(ckpt: str, out_dir: str) -> str:
     return target
 
 
-def _write(src: CheckpointSource, storage, target: str) -> index_mod.Index:
+def _write(src: CheckpointSource, storage, target: str, lock: Optional[WriterLock]) -> index_mod.Index:
     meta = src.index.meta
     assert meta is not None  # open_source's contents need it
     num_buckets = src.index.partition.num_buckets if src.index.partition is not None else partition.DEFAULT_NUM_BUCKETS
@@ -88,6 +88,7 @@ def _write(src: CheckpointSource, storage, target: str) -> index_mod.Index:
     threads = knobs.get("concurrency")
     with DeferredCommits() as commits:
         for name, info in meta.tables.items():
+            check_held(lock)  # no table written into a directory another writer may own now
             columns = ["embedding", *info.slots]
             row_meta = [m for m in META_COLUMNS if f"{name}@{m}" in src.index.tensors]
             ids, data = src.read_table(name, columns + row_meta, 0, 1, threads)
@@ -101,6 +102,7 @@ def _write(src: CheckpointSource, storage, target: str) -> index_mod.Index:
                                             first_part=len(part.files), segments=layout.segments,
                                             commits=commits))
             tables[name] = TableMeta(info.dim, info.dtype, info.slots, int(ids.numel()), step=info.step)
+        check_held(lock)  # before the durable files' renames as the block exits
     files: Dict[str, FileEntry] = {}
     for fname in _small_files(src):
         entry = src.index.file(fname)

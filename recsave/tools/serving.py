@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,8 +34,8 @@ from recsave.format.records import (
 from recsave.format.writer import RowSource, write_shards
 from recsave.save.layout import segment_rule
 from recsave.storage import Storage, get_storage
+from recsave.storage.lock import WriterLock, check_held, kept_alive, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
-from recsave.storage.lock import kept_alive, renewed, still_owned
 from recsave.tools import toolargs
 
 __all__ = ["export_serving", "SERVING_DTYPES"]
@@ -105,8 +105,7 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
         storage.makedirs(ckpt_dir)
         try:
             with kept_alive(lock):  # an export may outlive writer_lease_s
-                _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir,
-                       before_commit=lambda: renewed(lock))
+                _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir, lock)
         except BaseException:
             with contextlib.suppress(Exception):  # the export's own error is the one to report
                 if still_owned(lock):  # else another writer may be writing this id now
@@ -120,11 +119,13 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
 
 
 def _write(src: Any, names: List[str], dtype: Optional[torch.dtype], scale_dtype: torch.dtype,
-           storage: Storage, ckpt_dir: str, before_commit: Callable[[], None]) -> None:
-    """Shards of every table, model.pt, then `before_commit()` and the index (the commit point)."""
+           storage: Storage, ckpt_dir: str, lock: Optional[WriterLock]) -> None:
+    """Shards of every table, model.pt, then the index (the commit point), checking `lock` before
+    each table and renewing it before the index."""
     parts: Dict[int, IndexPart] = {}
     tables: Dict[str, TableMeta] = {}
     for name in names:
+        check_held(lock)  # no table written into a directory another writer may own now
         info = src.contents.tables[name]
         rows = 0
         for k, part in enumerate(_table_parts(src, name, info.dim, dtype, scale_dtype, storage, ckpt_dir,
@@ -142,7 +143,7 @@ def _write(src: Any, names: List[str], dtype: Optional[torch.dtype], scale_dtype
                                   world_size=max(src.index.world_size, len(parts), 1))
     index = dataclasses.replace(index, kind=KIND_SERVING,
                                 format_version=version_for(KIND_SERVING, index.tensors)).with_files(files)
-    before_commit()
+    renewed(lock)
     index_mod.write(ckpt_dir, index, storage=storage)
 
 
