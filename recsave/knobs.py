@@ -105,8 +105,10 @@ _KNOBS: Dict[str, Knob] = {
     "io_retries": Knob("RECSAVE_IO_RETRIES", 5, int, lo=0),
     "io_retry_base_s": Knob("RECSAVE_IO_RETRY_BASE_S", 0.2, float, lo=0),
     "io_retry_max_s": Knob("RECSAVE_IO_RETRY_MAX_S", 10.0, float, lo=0),
-    # Seconds after its last renewal that a writer lock of an output dir counts as abandoned.
-    "writer_lease_s": Knob("RECSAVE_WRITER_LEASE_S", 3600.0, float, lo=0.001),
+    # Seconds after its last renewal that a writer lock of an output dir counts as abandoned (its
+    # holder renews it every quarter of this on a thread): how long a crashed writer on another
+    # host blocks the next one.
+    "writer_lease_s": Knob("RECSAVE_WRITER_LEASE_S", 300.0, float, lo=0.001),
     # Seconds interpreter exit (or a new acquire of the same lock) waits for a remote writer lock's
     # release by a collected Saver (one attempt, no retries) before leaving it to be taken over
     # as stale.

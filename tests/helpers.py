@@ -310,29 +310,29 @@ def save_outliving_the_lease(out: str, monkeypatch: Any, lease_s: float = 0.4) -
     from recsave import knobs
     from recsave.save import pipeline
 
-    job = make_job(out, max_keep=3, seed=1)
-    job.train(1)
-    job.saver.save("ckpt_0")
-    job.train(1)
-    other = make_job(out, max_keep=3, seed=2)
-    other.train(2)
-    real, raised = pipeline.write_shards, []
+    with knobs.override(writer_lease_s=lease_s):  # from the first save: it starts the renewals
+        job = make_job(out, max_keep=3, seed=1)
+        job.train(1)
+        job.saver.save("ckpt_0")
+        job.train(1)
+        other = make_job(out, max_keep=3, seed=2)
+        other.train(2)
+        real, raised = pipeline.write_shards, []
 
-    def held_up(*args: Any, **kwargs: Any) -> Any:
-        if not raised:
-            time.sleep(3 * lease_s)
-            try:
-                other.saver.save("ckpt_1")
-                raised.append(None)
-            except Exception as exc:
-                raised.append(exc)
-        return real(*args, **kwargs)
+        def held_up(*args: Any, **kwargs: Any) -> Any:
+            if not raised:
+                time.sleep(3 * lease_s)
+                try:
+                    other.saver.save("ckpt_1")
+                    raised.append(None)
+                except Exception as exc:
+                    raised.append(exc)
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "write_shards", held_up)
-    try:
-        with knobs.override(writer_lease_s=lease_s):
+        monkeypatch.setattr(pipeline, "write_shards", held_up)
+        try:
             job.saver.save("ckpt_1")
-    finally:
-        monkeypatch.setattr(pipeline, "write_shards", real)
-        other.saver.close()
+        finally:
+            monkeypatch.setattr(pipeline, "write_shards", real)
+            other.saver.close()
     return job, raised[0]

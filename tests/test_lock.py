@@ -203,10 +203,10 @@ def test_a_lock_lost_during_a_save_stops_it_before_its_commit_point(tmp_path, mo
 
 
 def test_a_save_longer_than_the_lease_keeps_its_lock(tmp_path, monkeypatch):
-    """A save held up for three leases keeps renewing its lease (keep_alive): a second Saver of the
-    dir is refused meanwhile, instead of taking the lock over as stale and saving the same id into
-    the directory the first is still writing. The first then commits, and its checkpoint loads.
-    (test_remote.py: the same on memory:// and S3.)"""
+    """A save held up for three leases goes on renewing its lease (the renewal thread): a second
+    Saver of the dir is refused meanwhile, instead of taking the lock over as stale and saving the
+    same id into the directory the first is still writing. The first then commits, and its
+    checkpoint loads. (test_remote.py: the same on memory:// and S3.)"""
     out = str(tmp_path / "run")
     job, raised = save_outliving_the_lease(out, monkeypatch)
     assert isinstance(raised, WriterLockedError) and "being written by another Saver" in str(raised)
@@ -219,32 +219,63 @@ def test_a_save_longer_than_the_lease_keeps_its_lock(tmp_path, monkeypatch):
     fresh.saver.close()
 
 
-def test_keep_alive_renews_the_lease_until_the_block_ends(tmp_path):
+def test_training_longer_than_the_lease_keeps_the_lock_between_saves(tmp_path):
+    """A holder renews its lease while it trains between saves: a second Saver (say another host's
+    job given the same output dir) is refused however long the first goes without saving, and the
+    first's next save works."""
+    out = str(tmp_path / "run")
+    with knobs.override(writer_lease_s=0.3):
+        first, second = make_job(out, seed=1), make_job(out, seed=2)
+        first.saver.save("ckpt_0")
+        time.sleep(1.0)  # three leases of training
+        with pytest.raises(WriterLockedError, match="being written by another Saver"):
+            second.saver.save("ckpt_1")
+        first.train(1)
+        first.saver.save("ckpt_1")
+        first.saver.close()
+        second.saver.save("ckpt_2")  # released: free for the next writer
+        second.saver.close()
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+def test_a_held_lock_is_renewed_until_it_is_released(tmp_path):
     out = str(tmp_path / "run")
     mine, other = WriterLock(LocalStorage(), out), WriterLock(LocalStorage(), out)
     with knobs.override(writer_lease_s=0.3):
         mine.acquire()
-        with mine.keep_alive():
-            time.sleep(1.0)
-            with pytest.raises(WriterLockedError, match="being written by another Saver"):
-                other.acquire()
-            mine.ensure_held()
-        time.sleep(0.6)  # no renewal after the block: the lease runs out
+        time.sleep(1.0)
+        with pytest.raises(WriterLockedError, match="being written by another Saver"):
+            other.acquire()
+        mine.ensure_held()
+        mine.release()
         other.acquire()
-        with pytest.raises(WriterLockedError, match="lost the writer lock"):
-            mine.ensure_held()
+        time.sleep(0.3)  # a renewal of the released lock would write its token back
         assert mine.owned() is False and other.owned() is True
-    mine.release()  # not ours: left alone
-    assert other.owned() is True
+        assert not mine.lost  # released, not lost
     other.release()
     assert not os.path.exists(os.path.join(out, LOCK_FILE))
 
 
-def test_keep_alive_without_a_thread_runs_its_block(tmp_path, monkeypatch):
-    """Where no thread can be started (a thread limit, a shutting-down interpreter) the block still
-    runs, once, without renewals; ensure_held guards it alone."""
+def test_a_lock_whose_renewals_stopped_is_taken_over_and_found_lost(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    mine, other = WriterLock(LocalStorage(), out), WriterLock(LocalStorage(), out)
+    monkeypatch.setattr(WriterLock, "beat", lambda self, stop, interval: True)  # renewals fail
+    with knobs.override(writer_lease_s=0.3):
+        mine.acquire()
+        time.sleep(0.5)
+        other.acquire()  # stale: taken over
+        with pytest.raises(WriterLockedError, match="lost the writer lock"):
+            mine.ensure_held()
+        assert mine.lost and mine.owned() is False
+    mine.release()  # not ours: left alone
+    assert other.owned() is True
+    other.release()
+
+
+def test_without_a_renewal_thread_the_lock_still_works(tmp_path, monkeypatch):
+    """Where no thread can be started (a thread limit, a shutting-down interpreter) acquire() still
+    returns, and ensure_held renews the lock once half a lease has passed."""
     lock = WriterLock(LocalStorage(), str(tmp_path / "run"))
-    lock.acquire()
     real_start = threading.Thread.start
 
     def no_lease_thread(self):
@@ -252,16 +283,12 @@ def test_keep_alive_without_a_thread_runs_its_block(tmp_path, monkeypatch):
             raise RuntimeError("can't start new thread")
         real_start(self)
     monkeypatch.setattr(threading.Thread, "start", no_lease_thread)
-    ran = []
-
-    def body():
-        with lock.keep_alive():
-            ran.append(1)
-    runner = threading.Thread(target=body, daemon=True)
-    runner.start()
-    runner.join(timeout=10)  # a keep_alive that never reaches its block would hang here, not the suite
-    assert not runner.is_alive() and ran == [1]
-    monkeypatch.undo()
+    with knobs.override(writer_lease_s=0.2):
+        lock.acquire()
+        before = _lock(str(tmp_path / "run"))["renewed_at"]
+        time.sleep(0.15)
+        lock.ensure_held()
+    assert _lock(str(tmp_path / "run"))["renewed_at"] > before
     lock.release()
 
 
@@ -273,14 +300,15 @@ def test_a_lock_lost_during_the_commit_is_not_taken_again(tmp_path, monkeypatch)
 
     out = str(tmp_path / "run")
     job = make_job(out)
-    job.saver.save("ckpt_0")
+    with knobs.override(writer_lease_s=0.2):  # the renewal thread's interval is set when it starts
+        job.saver.save("ckpt_0")
     job.train(1)
     real = contents.index_meta
 
     def taken_over_then_released(*args, **kwargs):  # in the commit, after its first check
         with open(os.path.join(out, LOCK_FILE), "w") as f:
             json.dump({"host": "other-host", "pid": 1, "token": "t", "acquired_at": 0, "renewed_at": time.time()}, f)
-        assert found_lost.wait(timeout=20)  # keep_alive's renewals find it taken over
+        assert found_lost.wait(timeout=20)  # the renewal thread finds it taken over
         os.remove(os.path.join(out, LOCK_FILE))  # the other writer is done
         return real(*args, **kwargs)
 
@@ -304,11 +332,14 @@ def test_a_lock_lost_during_the_commit_is_not_taken_again(tmp_path, monkeypatch)
 
 
 def test_ensure_held_reads_the_lock_only_once_half_a_lease_has_passed(tmp_path, monkeypatch):
+    """Without renewals from the thread (here: they fail), ensure_held costs nothing for half a
+    lease, then renews the lock itself (one read)."""
     out = str(tmp_path / "run")
     lock = WriterLock(LocalStorage(), out)
     reads = []
     real = WriterLock._read
     monkeypatch.setattr(WriterLock, "_read", lambda self: reads.append(1) or real(self))
+    monkeypatch.setattr(WriterLock, "beat", lambda self, stop, interval: True)
     with knobs.override(writer_lease_s=0.4):
         lock.acquire()
         reads.clear()

@@ -30,7 +30,7 @@ from recsave.save.layout import TableLayout, bucket_layout
 from recsave.save.pruning import Pruner
 from recsave.save.snapshot import SaveState
 from recsave.storage import Storage, dist
-from recsave.storage.lock import WriterLock, kept_alive, renewed
+from recsave.storage.lock import WriterLock, renewed
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
@@ -115,16 +115,14 @@ class CheckpointWriter:
                                 only_rank0=True, rank=rank, agree=("the checkpoint id", ckpt_id))
             stage = "write"
             self._committed.pop(ckpt_id, None)  # prepared: its old index, if any, is going
-            # A save may outlive writer_lease_s: the lease is renewed while it runs (rank 0).
-            with kept_alive(self._lock):
-                mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
-                                           lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
-                parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
-                stage = "commit"
-                committed = dist.run_everywhere(f"committing {ckpt_dir}",
-                                                lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
-                                                                     metrics),
-                                                world, only_rank0=True, rank=rank)
+            mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
+                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
+            parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
+            stage = "commit"
+            committed = dist.run_everywhere(f"committing {ckpt_dir}",
+                                            lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
+                                                                 metrics),
+                                            world, only_rank0=True, rank=rank)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
                 self._clean_up_failed(ckpt_dir, ckpt_id, made, rank, world, stage == "commit",

@@ -22,7 +22,7 @@ from recsave import knobs, threads
 from recsave.format.ckptlist import PRUNED_DIR
 from recsave.format.index import INDEX_FILE
 from recsave.storage import Storage
-from recsave.storage.lock import WriterLock, busy_until, kept_alive
+from recsave.storage.lock import WriterLock, busy_until
 
 _names = itertools.count()
 
@@ -66,7 +66,7 @@ class Pruner:
         it, and a next writer's collection may delete the same garbage at the same time, which
         only costs a failed unlink. A directory deleted in place still has its checkpoint's name,
         which a next writer could save into: then the thread keeps `lock` (the writer lock) alive,
-        hence held, and its lease renewed (WriterLock.keep_alive), until it is done
+        hence held (its renewal thread goes on), until it is done
         (storage/lock.py busy_until: a writer of this process waits for it, one of another finds
         the lock held)."""
         paths = ([self.root] if self._moved else []) + self._in_place  # what was moved aside first
@@ -78,17 +78,15 @@ class Pruner:
         def delete() -> None:
             try:
                 errors = []
-                # A deletion longer than writer_lease_s (many objects) keeps the lease renewed.
-                with kept_alive(held[0] if held else None):
-                    for path in paths:
-                        if held and held[0].lost and path != self.root:
-                            # Taken over: the new owner may save into these names. What is left
-                            # of them has no index: a leftover its next save or gc removes.
-                            break
-                        try:
-                            self.storage.remove_tree(path)
-                        except Exception as exc:  # the others still go; the next collection retries
-                            errors.append(exc)
+                for path in paths:
+                    if held and held[0].lost and path != self.root:
+                        # Taken over: the new owner may save into these names. What is left
+                        # of them has no index: a leftover its next save or gc removes.
+                        break
+                    try:
+                        self.storage.remove_tree(path)
+                    except Exception as exc:  # the others still go; the next collection retries
+                        errors.append(exc)
                 if errors:
                     raise errors[0]
             finally:

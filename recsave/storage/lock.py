@@ -1,25 +1,25 @@
 """One writer per output directory: a lease file ``<output_dir>/.recsave-writer.lock``.
 
 The file holds JSON ``{"host", "pid", "token", "acquired_at", "renewed_at"}`` (times in seconds since
-the epoch). A Saver takes it on its first save (rank 0 only), renews it on every save and releases it
-when closed, garbage-collected or at interpreter exit (those two make one attempt, on a helper
-thread for remote storage; exit waits for it at most ``lock_release_timeout_s``, so a gone
-endpoint cannot hang the interpreter; the lock is then taken over as stale later). A lock is
-stale, and taken over with one INFO line on the ``recsave`` logger naming the dead holder (expected
-after a crash), when its process is dead on this host or when it was not renewed for
-``writer_lease_s`` seconds. The file is created with ``Storage.create_exclusive``: O_EXCL locally; on object stores (no
-exclusive create) written and read back, which is best effort.
+the epoch). A Saver takes it on its first save (rank 0 only), renews it on every save and on a
+daemon thread every quarter ``writer_lease_s`` while it holds it, and releases it when closed,
+garbage-collected or at interpreter exit (those two make one attempt, on a helper thread for
+remote storage; exit waits for it at most ``lock_release_timeout_s``, so a gone endpoint cannot
+hang the interpreter; the lock is then taken over as stale later). A lock is stale, and taken over
+with one INFO line on the ``recsave`` logger naming the dead holder (expected after a crash), when
+its process is dead on this host or when it was not renewed for ``writer_lease_s`` seconds. The
+file is created with ``Storage.create_exclusive``: O_EXCL locally; on object stores (no exclusive
+create) written and read back, which is best effort.
 
-A save can outlive the lease (a slow upload of a large checkpoint). While it runs, `keep_alive`
-renews the lease on a thread every quarter lease, so a live writer is never taken for a dead one;
-and the save calls `ensure_held` before each table it writes: a holder whose lease may have run out
-meanwhile (a paused process, a failing store) renews it then or stops, before it writes into a
-directory that another writer may have taken over. A failed save removes its files only while
-`owned()` says the lock is still its own.
+The renewals on the thread keep a live holder's lock however long a save or the training between
+saves takes, so the lease can be short: a crashed holder on another host (whose pid cannot be
+checked) blocks a restart for one lease at most. A save calls `ensure_held` before each table it
+writes: a holder whose lease may have run out meanwhile (a paused process, a store the thread could
+not reach) renews it then or stops, before it writes into a directory that another writer may have
+taken over. A failed save removes its files only while `owned()` says the lock is still its own.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -31,7 +31,7 @@ import uuid
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Optional
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterLockedError
@@ -62,13 +62,14 @@ class WriterLock:
         self.token = uuid.uuid4().hex
         self.held = False
         self._acquired_at = 0.0
-        # Renewals (the save's and keep_alive's thread) and the release take turns: a renewal in
+        # Renewals (the save's and the renewal thread's) and the release take turns: a renewal in
         # flight when the lock is released would write the file back.
         self._mutex = threading.Lock()
+        self._stop = threading.Event()  # ends the renewal thread of the current holding
         self._renew_started = 0.0  # time.monotonic() when the last successful renewal began
         self._lost: Optional[str] = None  # why the lock is lost, once a renewal found it taken over
         # Released at garbage collection or interpreter exit; must not reference self.
-        self._finalizer = weakref.finalize(self, _release, storage, self.path, self.token)
+        self._finalizer = weakref.finalize(self, _release, storage, self.path, self.token, self._mutex, self._stop)
         self._finalizer.detach()
 
     # ------------------------------------------------------------------------------------ public
@@ -104,7 +105,10 @@ class WriterLock:
         self.held = True
         self._lost = None
         self._renew_started = started
-        self._finalizer = weakref.finalize(self, _release, self.storage, self.path, self.token)
+        self._stop = threading.Event()
+        self._finalizer = weakref.finalize(self, _release, self.storage, self.path, self.token, self._mutex,
+                                           self._stop)
+        self._start_renewals()
 
     def renew(self) -> None:
         """Refreshes renewed_at; raises WriterLockedError if another writer took the lock over."""
@@ -119,7 +123,7 @@ class WriterLock:
     def ensure_held(self) -> None:
         """Raises WriterLockedError if the lock is known lost; renews it now (raising if it was
         taken over) when its last renewal began half a lease ago or more, since another writer may
-        take it over once a whole lease has passed. Costs nothing while `keep_alive` renews."""
+        take it over once a whole lease has passed. Costs nothing while the renewal thread renews."""
         if self._lost is not None:
             raise WriterLockedError(self._lost, path=self.path)
         if time.monotonic() - self._renew_started >= float(knobs.get("writer_lease_s")) / 2:
@@ -135,31 +139,9 @@ class WriterLock:
             return None
         return holder is not None and holder.get("token") == self.token
 
-    @contextlib.contextmanager
-    def keep_alive(self) -> Iterator[None]:
-        """Renews the lease every quarter `writer_lease_s` on a daemon thread while the block runs
-        (a save longer than the lease). A renewal that finds the lock taken over stops the thread
-        and makes the next `ensure_held` raise; one that fails to reach the store is retried at the
-        next beat (ensure_held renews itself once half a lease has passed without one). Where no
-        thread can be started the block runs without renewals, guarded by ensure_held alone."""
-        stop = threading.Event()
-        # A weak reference: a dropped holder's lock is released by its finalizer, not kept by this.
-        beat = threading.Thread(target=knobs.carried(_beat), name="recsave-lease", daemon=True,
-                                args=(weakref.ref(self), stop, max(0.001, float(knobs.get("writer_lease_s")) / 4)))
-        try:
-            beat.start()
-        except RuntimeError:  # a thread limit, or a shutting-down interpreter
-            log.info("%s: no thread for renewing the writer lock; it is checked before each table", self.path)
-        try:
-            yield
-        finally:
-            stop.set()
-            if beat.ident is not None:  # a renewal in flight ends first (bounded: a hung store)
-                beat.join(timeout=_release_timeout_s())
-
     def beat(self, stop: threading.Event, interval: float) -> bool:
-        """One renewal of keep_alive's thread (public for that thread only); whether to go on
-        (not after `stop`, a release, or finding the lock taken over)."""
+        """One renewal of the renewal thread (public for that thread only); whether to go on (not
+        after `stop`, a release, or finding the lock taken over)."""
         with self._mutex:
             if stop.is_set() or not self.held:
                 return False
@@ -174,12 +156,25 @@ class WriterLock:
 
     def release(self) -> None:
         """Deletes the lock file if it is still ours (with the usual io_retries). Idempotent."""
+        self._stop.set()
         with self._mutex:
             self.held = False
             if self._finalizer.detach() is not None:
                 _release_now(self.storage, self.path, self.token)
 
     # ----------------------------------------------------------------------------------- details
+    def _start_renewals(self) -> None:
+        """The renewal thread of this holding: every quarter writer_lease_s (the knobs of this
+        thread). It keeps a weak reference only: a dropped holder's lock is released by its
+        finalizer, and the thread ends at its next beat. Where no thread can start, the lock is
+        renewed by saves alone (ensure_held renews once half a lease has passed)."""
+        interval = max(0.001, float(knobs.get("writer_lease_s")) / 4)
+        try:
+            threading.Thread(target=knobs.carried(_renewals), args=(weakref.ref(self), self._stop, interval),
+                             name="recsave-lease", daemon=True).start()
+        except RuntimeError:  # a thread limit, or a shutting-down interpreter
+            log.info("%s: no thread for renewing the writer lock; saves renew it", self.path)
+
     def _renew(self) -> None:
         """renew() under the mutex."""
         if self._lost is not None:
@@ -252,9 +247,9 @@ class WriterLock:
         return self.storage.being_created(self.path)
 
 
-def _beat(ref: "weakref.ReferenceType[WriterLock]", stop: threading.Event, interval: float) -> None:
-    """keep_alive's thread: renews the lock every `interval` seconds until `stop` is set, the lock
-    is released, found lost or collected."""
+def _renewals(ref: "weakref.ReferenceType[WriterLock]", stop: threading.Event, interval: float) -> None:
+    """The renewal thread: renews the lock every `interval` seconds until `stop` is set (release,
+    collection, interpreter exit), or the lock is found lost or collected."""
     while not stop.wait(interval):
         lock = ref()
         if lock is None or not lock.beat(stop, interval):
@@ -303,16 +298,24 @@ def busy_until(path: str, work: Future) -> None:
     _busy[path] = work
 
 
-def _release(storage: Storage, path: str, token: str) -> None:
+def _release(storage: Storage, path: str, token: str, mutex: threading.Lock, stop: threading.Event) -> None:
     """The finalizer (garbage collection, interpreter exit): one attempt (no io_retries).
 
     It runs through ``storage.run_detached``: on remote storage on a daemon thread, so a collection
     does not wait for it (it may run on any thread, fsspec's event-loop thread included, whose I/O
     the release needs), and interpreter exit waits at most ``lock_release_timeout_s`` (with the
-    endpoint gone, botocore's timeouts could otherwise block exit for minutes)."""
+    endpoint gone, botocore's timeouts could otherwise block exit for minutes). It ends the
+    renewals first and waits (bounded) for one in flight at exit, which would write the file back."""
+    stop.set()
+
     def once() -> None:
-        with knobs.override(io_retries=0):
-            _release_now(storage, path, token)
+        got = mutex.acquire(timeout=_release_timeout_s())
+        try:
+            with knobs.override(io_retries=0):
+                _release_now(storage, path, token)
+        finally:
+            if got:
+                mutex.release()
 
     release = storage.run_detached(once, name="recsave-lock-release")
     if release.done():  # local storage: released already
@@ -344,16 +347,6 @@ def _wait_for_release(path: str) -> None:
 
 def _release_timeout_s() -> float:
     return max(0.0, float(knobs.get("lock_release_timeout_s")))
-
-
-@contextlib.contextmanager
-def kept_alive(lock: Optional[WriterLock]) -> Iterator[None]:
-    """`lock.keep_alive()` for a lock hold() took; nothing for None (the knob writer_lock off)."""
-    if lock is None:
-        yield
-        return
-    with lock.keep_alive():
-        yield
 
 
 def check_held(lock: Optional[WriterLock]) -> None:

@@ -16,7 +16,7 @@ from recsave.format.reader import check_shard_header
 from recsave.format.records import KIND_FULL
 from recsave.load.sources import ChainSource, CheckpointSource, open_source, require_checkpoint
 from recsave.storage import Storage, get_storage
-from recsave.storage.lock import WriterLock, check_held, kept_alive
+from recsave.storage.lock import WriterLock, check_held
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
 
@@ -169,8 +169,7 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     _require_dir(storage, output_dir)  # before the lock, which would create the directory
     lock = hold_writer_lock(None, storage, output_dir)
     try:
-        with kept_alive(lock):  # deleting many objects may outlive writer_lease_s
-            return _clean_locked(storage, output_dir, lock)
+        return _clean_locked(storage, output_dir, lock)
     finally:
         if lock is not None:
             lock.release()

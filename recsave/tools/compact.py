@@ -19,7 +19,7 @@ from recsave.load.sources import CheckpointSource, open_source, require_checkpoi
 from recsave.save.layout import bucket_layout
 from recsave.save.snapshot import TableState
 from recsave.storage import get_storage
-from recsave.storage.lock import WriterLock, check_held, kept_alive, renewed, still_owned
+from recsave.storage.lock import WriterLock, check_held, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS
@@ -52,19 +52,18 @@ def compact(ckpt: str, out_dir: str) -> str:
     lock = hold_writer_lock(None, storage, out_dir)
     created = committed = False
     try:
-        with kept_alive(lock):  # a compaction may outlive writer_lease_s
-            refuse_committed()  # again under the lock: another compaction may have committed it meanwhile
-            if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
-                storage.remove_tree(target)
-            storage.makedirs(target)
-            created = True
-            index = _write(src, storage, target, lock)
-            renewed(lock)
-            index_mod.write(target, index, storage=storage)
-            committed = True  # the index is the commit point (docs/FORMAT.md section 5)
-            ids = [i for i in ckptlist.committed(storage, out_dir, rewrite=True, being_written=ckpt_id).ids
-                   if i != ckpt_id]
-            ckptlist.write(storage, out_dir, ids + [ckpt_id])
+        refuse_committed()  # again under the lock: another compaction may have committed it meanwhile
+        if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
+            storage.remove_tree(target)
+        storage.makedirs(target)
+        created = True
+        index = _write(src, storage, target, lock)
+        renewed(lock)
+        index_mod.write(target, index, storage=storage)
+        committed = True  # the index is the commit point (docs/FORMAT.md section 5)
+        ids = [i for i in ckptlist.committed(storage, out_dir, rewrite=True, being_written=ckpt_id).ids
+               if i != ckpt_id]
+        ckptlist.write(storage, out_dir, ids + [ckpt_id])
     except BaseException:
         # Nothing of a failed compaction stays behind to block its retry, unless the lock is
         # another writer's now (it may be writing the same id).

@@ -34,7 +34,7 @@ from recsave.format.records import (
 from recsave.format.writer import RowSource, write_shards
 from recsave.save.layout import segment_rule
 from recsave.storage import Storage, get_storage
-from recsave.storage.lock import WriterLock, check_held, kept_alive, renewed, still_owned
+from recsave.storage.lock import WriterLock, check_held, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tools import toolargs
 
@@ -104,8 +104,7 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
                                         f"or delete it first", path=ckpt_dir)
         storage.makedirs(ckpt_dir)
         try:
-            with kept_alive(lock):  # an export may outlive writer_lease_s
-                _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir, lock)
+            _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir, lock)
         except BaseException:
             with contextlib.suppress(Exception):  # the export's own error is the one to report
                 if still_owned(lock):  # else another writer may be writing this id now
