@@ -387,6 +387,30 @@ def test_a_paused_save_stops_before_writing_into_a_taken_over_dir(tmp_path, monk
     job.saver.close()
 
 
+_FORK_AND_EXIT = """
+import os, sys
+from recsave.storage import LocalStorage
+from recsave.storage.lock import WriterLock, LOCK_FILE
+lock = WriterLock(LocalStorage(), sys.argv[1])
+lock.acquire()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a forked child that ends normally runs the exit finalizers of its copy
+os.waitpid(pid, 0)
+print("after the child:", os.path.exists(os.path.join(sys.argv[1], LOCK_FILE)))
+lock.release()
+print("after release:", os.path.exists(os.path.join(sys.argv[1], LOCK_FILE)))
+"""
+
+
+def test_a_forked_child_leaves_the_parents_lock_alone(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", _FORK_AND_EXIT, str(tmp_path)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["after the child: True", "after release: False"]
+
+
 def test_lock_file_is_invisible_to_listing_and_rotation(tmp_path):
     out = str(tmp_path / "run")
     job = make_job(out, max_keep=2)

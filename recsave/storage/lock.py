@@ -69,7 +69,9 @@ class WriterLock:
         self._renew_started = 0.0  # time.monotonic() when the last successful renewal began
         self._lost: Optional[str] = None  # why the lock is lost, once a renewal found it taken over
         # Released at garbage collection or interpreter exit; must not reference self.
-        self._finalizer = weakref.finalize(self, _release, storage, self.path, self.token, self._mutex, self._stop)
+        self._owner = os.getpid()  # a forked child holds a copy of this object, never the lock
+        self._finalizer = weakref.finalize(self, _release, storage, self.path, self.token, self._mutex, self._stop,
+                                           self._owner)
         self._finalizer.detach()
 
     # ------------------------------------------------------------------------------------ public
@@ -106,8 +108,9 @@ class WriterLock:
         self._lost = None
         self._renew_started = started
         self._stop = threading.Event()
+        self._owner = os.getpid()
         self._finalizer = weakref.finalize(self, _release, self.storage, self.path, self.token, self._mutex,
-                                           self._stop)
+                                           self._stop, self._owner)
         self._start_renewals()
 
     def renew(self) -> None:
@@ -159,7 +162,7 @@ class WriterLock:
         self._stop.set()
         with self._mutex:
             self.held = False
-            if self._finalizer.detach() is not None:
+            if self._finalizer.detach() is not None and os.getpid() == self._owner:
                 _release_now(self.storage, self.path, self.token)
 
     # ----------------------------------------------------------------------------------- details
@@ -298,15 +301,19 @@ def busy_until(path: str, work: Future) -> None:
     _busy[path] = work
 
 
-def _release(storage: Storage, path: str, token: str, mutex: threading.Lock, stop: threading.Event) -> None:
+def _release(storage: Storage, path: str, token: str, mutex: threading.Lock, stop: threading.Event,
+             owner: int) -> None:
     """The finalizer (garbage collection, interpreter exit): one attempt (no io_retries).
 
     It runs through ``storage.run_detached``: on remote storage on a daemon thread, so a collection
     does not wait for it (it may run on any thread, fsspec's event-loop thread included, whose I/O
     the release needs), and interpreter exit waits at most ``lock_release_timeout_s`` (with the
     endpoint gone, botocore's timeouts could otherwise block exit for minutes). It ends the
-    renewals first and waits (bounded) for one in flight at exit, which would write the file back."""
+    renewals first and waits (bounded) for one in flight at exit, which would write the file back.
+    A forked child's copy (its normal exit runs the finalizers too) leaves the parent's lock alone."""
     stop.set()
+    if os.getpid() != owner:
+        return
 
     def once() -> None:
         got = mutex.acquire(timeout=_release_timeout_s())
