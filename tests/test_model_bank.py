@@ -247,3 +247,63 @@ def test_oname_carries_the_sparse_optimizers_step_counts_with_the_slots(tmp_path
     plan = saver.plan_model_bank([{"path": str(tmp_path / "src"), "oname": [{"u2": "user"}]}])
     saver.execute_plan(plan)  # raised ConfigError at apply: "the state has tables ['user'] ..."
     assert renamed_opt.steps == {"u2": 10, "item": 2} and len(renamed.u2) == 2
+
+
+def test_an_oname_whose_model_side_matches_nothing_is_refused(tmp_path):
+    """{"usr": "item"} meant {"user": "item"}: ignored, the model's user would load the source's
+    user (same dim) without a word; it is a ConfigError, as a load / exclude pattern is."""
+    Saver(_two_tables([1, 2], [100, 101]), output_dir=str(tmp_path / "src")).save("ckpt_1")
+    model = _two_tables([7])
+    saver = Saver(model, output_dir=str(tmp_path / "t"))
+    with pytest.raises(ConfigError, match="'oname' 'usr' -> 'item': 'usr' matches no name of the model"):
+        saver.load_model_bank([{"path": str(tmp_path / "src"), "oname": {"usr": "item"}}])
+    assert model.user.ids().tolist() == [7]  # nothing loaded
+    with pytest.raises(ConfigError, match="'oname' 'x\\*' -> 'item\\*'"):
+        saver.load_model_bank([{"path": str(tmp_path / "src"), "oname": [{"user": "item"}, {"x*": "item*"}]}])
+    saver.load_model_bank([{"path": str(tmp_path / "src"), "oname": {"user": "item"}}])
+    assert sorted(model.user.ids().tolist()) == [100, 101]
+    report = saver.load_model_bank([{"path": str(tmp_path / "src"), "oname": [{"usr": "item"}],
+                                     "ignore_error": True}])
+    assert sorted(model.user.ids().tolist()) == [1, 2] and report.loaded["user"].source == "user"
+
+
+@pytest.mark.parametrize("change", ["narrower table", "double", "table removed"])
+def test_a_plan_executed_after_the_model_changed_is_checked_again(tmp_path, change):
+    """plan_model_bank checks dims and dtypes against the model as it is then; execute_plan against
+    the model as it is when it runs (a table cut to another dim, or cast, silently otherwise)."""
+    saved_small(tmp_path / "s", 4)
+    m = Small(4)
+    saver = Saver(m, output_dir=str(tmp_path / "t"))
+    plan = saver.plan_model_bank([{"path": str(tmp_path / "s"), "load": ["emb"]}])
+    if change == "narrower table":
+        m.emb = HashTable(2, name="emb", seed=5)
+        error, match = ShapeMismatchError, "has dim 4 but the model's 'emb' has dim 2"
+    elif change == "double":
+        m.double()
+        error, match = ShapeMismatchError, "is float32 but the model's 'emb' is float64"
+    else:
+        del m.emb
+        m.other = HashTable(4, name="other", seed=5)
+        error, match = ConfigError, "the plan loads sparse 'emb', which the model no longer has"
+    with pytest.raises(error, match=match):
+        saver.execute_plan(plan)
+    assert all(len(t) == 0 for t in m.modules() if isinstance(t, HashTable))  # nothing loaded
+
+
+def test_a_category_word_that_also_names_a_table_warns_and_the_table_is_picked_by_a_class(tmp_path):
+    """'dense' in load / exclude is the category; a table named dense is picked by '[d]ense'."""
+    model = torch.nn.Module()
+    model.dense = HashTable(4, name="dense", seed=1)
+    model.dense.lookup(torch.arange(5), insert=True)
+    Saver(model, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    fresh = torch.nn.Module()
+    fresh.dense = HashTable(4, name="dense", seed=1)
+    saver = Saver(fresh, output_dir=str(tmp_path / "t"))
+    with pytest.warns(RuntimeWarning, match=r"means the category 'dense', not the sparse name 'dense'.*'\[d\]ense'"):
+        saver.load_model_bank([{"path": str(tmp_path / "src"), "exclude": ["dense"]}])
+    assert len(fresh.dense) == 5  # the category excluded nothing here
+    fresh.dense.clear()
+    saver.load_model_bank([{"path": str(tmp_path / "src"), "exclude": ["[d]ense"]}])
+    assert len(fresh.dense) == 0
+    saver.load_model_bank([{"path": str(tmp_path / "src"), "load": ["[d]ense"]}])
+    assert len(fresh.dense) == 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -200,6 +201,36 @@ def _compile_rename(model_pat: str, ckpt_pat: str):
     return apply
 
 
+def _renamed_part(name: str, category: str) -> str:
+    """The part of a model name that `oname` renames: a table's name, for its slots too."""
+    return name.partition("@")[0] if category in ("sparse", "sparse_opt") and "@" in name else name
+
+
+def _warn_category_names(conf: LoadConf, model_names: Dict[str, str], ckpt_names: Dict[str, str],
+                         ckpt_dir: str) -> None:
+    """A load / exclude item that is a category word always means the category: a table, dense
+    tensor or object of that name is not picked by it, which its author may not expect."""
+    for item in sorted(set(conf.load + conf.exclude) & (set(CATEGORIES) - {"*"})):
+        clash = sorted(n for n, c in {**ckpt_names, **model_names}.items() if n == item and c != item)
+        if clash:
+            warnings.warn(f"{ckpt_dir}: {item!r} in 'load' / 'exclude' means the category {item!r}, not the "
+                          f"{(model_names.get(item) or ckpt_names.get(item))} name {item!r}; to pick that name "
+                          f"write {'[' + item[0] + ']' + item[1:]!r}", RuntimeWarning, stacklevel=4)
+
+
+def recheck(plan: Plan, model: Contents, ckpt: Contents) -> None:
+    """At execution, the plan's names against the model as it is now (a plan may be executed
+    after the model changed): ConfigError for a name gone or of another kind, ShapeMismatchError
+    where plan() would raise it (a dim or dtype changed)."""
+    now = model.categories()
+    for name, (category, src) in plan.items.items():
+        if now.get(name) != category:
+            raise ConfigError(f"{plan.ckpt_dir}: the plan loads {category} {name!r}, which the model "
+                              f"{'no longer has' if name not in now else 'now holds as ' + now[name]}; "
+                              f"make the plan again (plan_model_bank)", path=plan.ckpt_dir, key=name)
+        _check_compatible(name, src, category, model, ckpt, plan.ckpt_dir, plan.conf)
+
+
 def source_name(name: str, category: str, conf: LoadConf) -> str:
     """The checkpoint name a model name loads from, after `oname` (the last matching pair wins).
     Table renames apply to the table part, so a table's slots follow it."""
@@ -227,6 +258,16 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
                     f"{ckpt_dir}: pattern {item!r} matches nothing in the model or the checkpoint; "
                     f"fix it or set ignore_error=True (model names e.g. {sorted(model_names)[:8]}, "
                     f"checkpoint names e.g. {sorted(ckpt_names)[:8]})", path=ckpt_dir, key=item)
+        # A misspelt rename would leave its model names loading from their own names, which a
+        # source may hold too (with the same dim): a silent wrong load.
+        for model_pat, ckpt_pat in conf.oname:
+            renames = _compile_rename(model_pat, ckpt_pat)
+            if not any(renames(_renamed_part(n, c)) is not None for n, c in model_names.items()):
+                raise ConfigError(
+                    f"{ckpt_dir}: 'oname' {model_pat!r} -> {ckpt_pat!r}: {model_pat!r} matches no name of the "
+                    f"model (its side comes first: {{model_name: checkpoint_name}}); fix it or set "
+                    f"ignore_error=True (model names e.g. {sorted(model_names)[:8]})", path=ckpt_dir, key=model_pat)
+    _warn_category_names(conf, model_names, ckpt_names, ckpt_dir)
     used_sources = set()
     for name, category in sorted(model_names.items()):
         selected = any(_matches(i, name, category) for i in conf.load) and \

@@ -11,7 +11,7 @@ import torch
 
 from recsave import knobs
 from recsave.errors import ConfigError
-from recsave.load import contents, merge, shared_reads
+from recsave.load import config, contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport, table_rows_read
@@ -39,6 +39,12 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     extra_data: Dict[str, Any] = {}
 
     def stage() -> None:
+        # A plan executed after the model changed (plan_model_bank, then execute_plan) is checked
+        # again (here, where every rank learns of a rank's refusal): a table whose dim or dtype
+        # changed would otherwise be cut, padded or cast silently.
+        model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
+        for p, src in zip(ex.plans, ex.sources):
+            config.recheck(p, model, src.contents)
         # Small files first: they are read and verified before any table is (rank 0 reads them
         # for every rank where they are the same files).
         pt_files = shared_reads.read_pt_files(ex.sources, [_pt_files_needed(w) for w in won], ex.world)
