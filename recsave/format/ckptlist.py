@@ -346,7 +346,7 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
 
 
 # Temporary names recsave's writers leave when a process dies mid-write: Storage.open_write's
-# ``<file>.tmp-<pid>`` (the `checkpoint` list, the writer lock's renewal, index, .pt files) and the
+# ``<file>.tmp-<pid>-<thread>`` (the `checkpoint` list, the writer lock's renewal, index, .pt files) and the
 # engine's ``<shard>.tmp-<pid>-<n>``.
 _OUTPUT_DIR_TEMP = re.compile(rf"({LIST_FILE}|{re.escape(LOCK_FILE)})\.tmp-[0-9-]+\Z")
 _TEMP_SUFFIX = re.compile(r"\.tmp-[0-9-]+\Z")

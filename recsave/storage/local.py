@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import stat
+import threading
 import time
 from typing import IO, Any, Iterator, List, Optional, Tuple
 
@@ -134,7 +135,9 @@ class LocalStorage(Storage):
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[IO[bytes]]:
         """A file that appears at `path` only when the block exits without error (temp + rename)."""
-        temp = f"{path}.tmp-{os.getpid()}"
+        # Per process and thread: the writer lock's renewal thread replaces its file while another
+        # thread of the process may be writing other files (docs/FORMAT.md: `.tmp-<digits and ->`).
+        temp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         durable = knobs.get("fsync")
         try:
             with open(temp, "wb") as f:
