@@ -211,11 +211,11 @@ def _warn_category_names(conf: LoadConf, model_names: Dict[str, str], ckpt_names
     """A load / exclude item that is a category word always means the category: a table, dense
     tensor or object of that name is not picked by it, which its author may not expect."""
     for item in sorted(set(conf.load + conf.exclude) & (set(CATEGORIES) - {"*"})):
-        clash = sorted(n for n, c in {**ckpt_names, **model_names}.items() if n == item and c != item)
-        if clash:
+        kind = model_names.get(item) or ckpt_names.get(item)  # what a name spelt like the word is
+        if kind is not None and kind != item:
             warnings.warn(f"{ckpt_dir}: {item!r} in 'load' / 'exclude' means the category {item!r}, not the "
-                          f"{(model_names.get(item) or ckpt_names.get(item))} name {item!r}; to pick that name "
-                          f"write {'[' + item[0] + ']' + item[1:]!r}", RuntimeWarning, stacklevel=4)
+                          f"{kind} name {item!r}; to pick that name write {'[' + item[0] + ']' + item[1:]!r}",
+                          RuntimeWarning, stacklevel=4)
 
 
 def recheck(plan: Plan, model: Contents, ckpt: Contents) -> None:
@@ -234,12 +234,11 @@ def recheck(plan: Plan, model: Contents, ckpt: Contents) -> None:
 def source_name(name: str, category: str, conf: LoadConf) -> str:
     """The checkpoint name a model name loads from, after `oname` (the last matching pair wins).
     Table renames apply to the table part, so a table's slots follow it."""
-    base, sep, suffix = name.partition("@") if category in ("sparse", "sparse_opt") and "@" in name \
-        else (name, "", "")
+    base = _renamed_part(name, category)
     for model_pat, ckpt_pat in reversed(conf.oname):
         renamed = _compile_rename(model_pat, ckpt_pat)(base)
         if renamed is not None:
-            return renamed + sep + suffix
+            return renamed + name[len(base):]
     return name
 
 

@@ -30,7 +30,7 @@ from recsave.save.layout import TableLayout, bucket_layout
 from recsave.save.pruning import Pruner
 from recsave.save.snapshot import SaveState
 from recsave.storage import Storage, dist
-from recsave.storage.lock import WriterLock, renewed
+from recsave.storage.lock import WriterLock, check_held, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
@@ -201,10 +201,8 @@ class CheckpointWriter:
         a lease that ran out; storage/lock.py). Not when the failure came after the commit made
         it into the `checkpoint` list."""
         try:
-            if self._lock is not None:
-                owned = self._lock.owned()
-                if owned is not True:
-                    return owned
+            if not still_owned(self._lock):
+                return False
             if not committing:
                 return True
             listed = self._listed(ckpt_id)
@@ -315,28 +313,22 @@ class CheckpointWriter:
                     assert upcoming is not None  # started for every name
                     layout = upcoming.result()
                     upcoming = order(k + 1) if k + 1 < len(names) else None
-                    self._ensure_lock_held()
+                    check_held(self._lock)  # no file written into a directory another writer may own now
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
                     table = state.tables[name]
                     rows[name] = (layout.num_rows if state.parent is None else table.live_rows, layout.tombstones)
                     part = part.joined(table_part)
-                self._ensure_lock_held()  # before the durable files' renames as the block exits
+                check_held(self._lock)  # before the durable files' renames as the block exits
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
                     futures_wait([upcoming])
                 raise
-        self._ensure_lock_held()
+        check_held(self._lock)
         made.files.append(self.storage.join(ckpt_dir, io_state_file(rank)))
         part = part.with_files({io_state_file(rank): torchio.save(self.storage, ckpt_dir, io_state_file(rank),
                                                                   state.io_state, rank)})
         return part, rows
-
-    def _ensure_lock_held(self) -> None:
-        """Before each table's files: stops a save whose lease may have run out and been taken
-        over (WriterLockedError) before it writes into a directory another writer may now own."""
-        if self._lock is not None:
-            self._lock.ensure_held()
 
     def _write_table(self, ckpt_dir: str, layout: TableLayout, rank: int, first_part: int,
                      commits: DeferredCommits) -> IndexPart:
@@ -351,7 +343,7 @@ class CheckpointWriter:
         """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
         rotates; returns the checkpoint's bytes."""
         st = self.storage
-        self._ensure_lock_held()  # before model.pt and extra.pt; renewed again before the index
+        check_held(self._lock)  # before model.pt and extra.pt; renewed again before the index
         parts = [part for part, _ in gathered]
         rows: Dict[str, int] = {}
         tombstones: Dict[str, int] = {}

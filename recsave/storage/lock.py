@@ -68,11 +68,9 @@ class WriterLock:
         self._stop = threading.Event()  # ends the renewal thread of the current holding
         self._renew_started = 0.0  # time.monotonic() when the last successful renewal began
         self._lost: Optional[str] = None  # why the lock is lost, once a renewal found it taken over
-        # Released at garbage collection or interpreter exit; must not reference self.
         self._owner = os.getpid()  # a forked child holds a copy of this object, never the lock
-        self._finalizer = weakref.finalize(self, _release, storage, self.path, self.token, self._mutex, self._stop,
-                                           self._owner)
-        self._finalizer.detach()
+        self._finalizer = self._release_when_dropped()
+        self._finalizer.detach()  # armed by acquire()
 
     # ------------------------------------------------------------------------------------ public
     def acquire(self) -> None:
@@ -109,8 +107,7 @@ class WriterLock:
         self._renew_started = started
         self._stop = threading.Event()
         self._owner = os.getpid()
-        self._finalizer = weakref.finalize(self, _release, self.storage, self.path, self.token, self._mutex,
-                                           self._stop, self._owner)
+        self._finalizer = self._release_when_dropped()
         self._start_renewals()
 
     def renew(self) -> None:
@@ -166,6 +163,12 @@ class WriterLock:
                 _release_now(self.storage, self.path, self.token)
 
     # ----------------------------------------------------------------------------------- details
+    def _release_when_dropped(self) -> weakref.finalize:
+        """The finalizer releasing this holding at garbage collection or interpreter exit (its
+        arguments must not reference self)."""
+        return weakref.finalize(self, _release, self.storage, self.path, self.token, self._mutex, self._stop,
+                                self._owner)
+
     def _start_renewals(self) -> None:
         """The renewal thread of this holding: every quarter writer_lease_s (the knobs of this
         thread). It keeps a weak reference only: a dropped holder's lock is released by its
