@@ -9,6 +9,9 @@ latest checkpoint with WORLD ranks and dump what this rank holds), ``save_killed
 also reports the whole-file reads (indexes, the checkpoint list) this rank made.
 ``delta_save`` (a full then two deltas, incremental=True), ``delta_continue`` (restore the latest
 with WORLD ranks, change rows, save the delta ckpt_4); CKPT_ID makes ``load`` load that id.
+``save_taken_over`` (a second writer takes the lock while rank 1 writes ckpt_2: rank 1 must stop),
+``save_rank0_killed`` / ``save_rank0_killed_taken_over`` (rank 0 SIGKILLs itself once rank 1
+wrote its files of ckpt_2, the second after a second job's writer took the lock over),
 ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
 shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
@@ -199,6 +202,15 @@ def tablelike(scenario, rank, world, work_dir):
                    os.path.join(work_dir, f"tt_{world}_{rank}.pt"))
 
 
+def take_over_the_lock(work_dir):
+    """Replaces the writer lock of out/ as a second job's writer taking it over would."""
+    lock = os.path.join(work_dir, "out", ".recsave-writer.lock")
+    with open(lock + ".new", "w") as f:
+        json.dump({"host": "second-job", "pid": 4242, "token": "theirs", "acquired_at": time.time(),
+                   "renewed_at": time.time()}, f)
+    os.replace(lock + ".new", lock)
+
+
 def save_or_exit(saver, ckpt_id, rank, work_dir, **kwargs):
     """saver.save, or on a RecsaveError: its text in error_<rank>.txt and exit code 3."""
     try:
@@ -278,6 +290,38 @@ def main():
         fill(model, rank, world)
         saver.save("ckpt_1")
         save_or_exit(saver, f"ckpt_{2 + rank}", rank, work_dir)
+    elif scenario == "save_taken_over":  # another writer takes rank 0's lock while rank 1 writes ckpt_2
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        saver.close()  # the next save takes the lock again, its renewals on the short lease below
+        if rank == 0:  # no renewal from rank 0's thread can race the takeover below
+            recsave.storage.lock.WriterLock.beat = lambda self, stop, interval: True
+        if rank == 1:
+            real_write_table = recsave.save.pipeline.CheckpointWriter._write_table
+
+            def write_then_lose_the_lock(writer, *args, **kwargs):
+                part = real_write_table(writer, *args, **kwargs)
+                take_over_the_lock(work_dir)
+                time.sleep(0.35)  # past half of the 0.6 s lease: the next table's check reads the lock
+                return part
+            recsave.save.pipeline.CheckpointWriter._write_table = write_then_lose_the_lock
+        # fsync off: each file is in place once written (durable ones are renamed together at the end)
+        with recsave.knobs.override(writer_lease_s=0.6, fsync=False):
+            save_or_exit(saver, "ckpt_2", rank, work_dir)
+    elif scenario in ("save_rank0_killed", "save_rank0_killed_taken_over"):  # once rank 1 wrote ckpt_2
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        if rank == 0:
+            def die_once_rank1_wrote(*args, **kwargs):
+                done = os.path.join(work_dir, "out", "ckpt_2", "io_state_1.pt")
+                deadline = time.monotonic() + 60
+                while not os.path.exists(done) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if scenario == "save_rank0_killed_taken_over":
+                    take_over_the_lock(work_dir)
+                os.kill(os.getpid(), signal.SIGKILL)
+            recsave.save.pipeline.write_shards = die_once_rank1_wrote
+        save_or_exit(saver, "ckpt_2", rank, work_dir)
     elif scenario == "save_as_rank1":  # every rank claims to be rank 1: rank 0 must refuse
         fill(model, rank, world)
         save_or_exit(saver, "ckpt_1", rank, work_dir, shard_id=1, shard_num=world)

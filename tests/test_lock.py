@@ -20,7 +20,7 @@ from helpers import assert_jobs_equal, job_state, make_job, save_outliving_the_l
 from recsave import knobs
 from recsave.errors import RecsaveError, WriterLockedError
 from recsave.storage import LocalStorage, get_storage
-from recsave.storage.lock import LOCK_FILE, WriterLock
+from recsave.storage.lock import LOCK_FILE, LeaseGrant, LeaseWatch, WriterLock
 
 
 @pytest.fixture(autouse=True)
@@ -351,6 +351,108 @@ def test_ensure_held_reads_the_lock_only_once_half_a_lease_has_passed(tmp_path, 
     lock.release()
 
 
+class _CountingStorage(LocalStorage):
+    """LocalStorage counting its reads of the lock file."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock_reads = 0
+
+    def read_bytes(self, path, limit):
+        self.lock_reads += path.endswith(LOCK_FILE)
+        return super().read_bytes(path, limit)
+
+
+def _write_lock(out, **fields) -> None:
+    record = {"host": "other", "pid": 1, "token": "t", "acquired_at": time.time(), "renewed_at": time.time()}
+    record.update(fields)
+    with open(os.path.join(out, LOCK_FILE), "w") as f:
+        json.dump(record, f)
+
+
+def _grant(out, lease_s, token="t", acquired_at=None, renewed_ago=0.0) -> LeaseGrant:
+    taken = time.time() - 1 if acquired_at is None else acquired_at
+    return LeaseGrant(os.path.join(out, LOCK_FILE), token, lease_s, taken, renewed_ago)
+
+
+def test_a_lease_watch_reads_nothing_for_half_a_lease_then_follows_renewals(tmp_path):
+    """Another rank's check of rank 0's lock: free for half a lease after rank 0's last renewal;
+    then one read, which restarts the half lease from the renewal it finds."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    storage = _CountingStorage()
+    _write_lock(out)
+    watch = LeaseWatch(storage, _grant(out, 0.6))
+    watch.check()
+    assert storage.lock_reads == 0
+    time.sleep(0.35)
+    _write_lock(out)  # rank 0 renewed
+    watch.check()
+    assert storage.lock_reads == 1
+    watch.check()  # half a lease after that renewal has not passed
+    assert storage.lock_reads == 1
+    # A grant made long after rank 0's last renewal: the first check reads at once.
+    LeaseWatch(storage, _grant(out, 0.6, renewed_ago=0.3)).check()
+    assert storage.lock_reads == 2
+
+
+def test_a_lease_watch_stops_a_rank_once_another_writer_took_the_lock_over(tmp_path):
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    _write_lock(out, token="theirs", host="elsewhere", pid=77)  # taken after rank 0's (acquired 1 s ago)
+    watch = LeaseWatch(LocalStorage(), _grant(out, 0.2, token="ours"))
+    time.sleep(0.11)
+    with pytest.raises(WriterLockedError, match="now held by pid 77 on host 'elsewhere'.*this rank stops writing"):
+        watch.check()
+    assert not watch.may_discard()  # its files may have the names the new writer writes
+
+
+def test_a_lease_watch_stops_a_rank_when_rank_0_stopped_renewing(tmp_path):
+    """Rank 0 renews every quarter lease: three quarters without a renewal mean it is gone or
+    stalled, and a whole lease lets another writer take the lock over."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    watch = LeaseWatch(LocalStorage(), _grant(out, 0.4))
+    time.sleep(0.21)
+    _write_lock(out, renewed_at=time.time() - 0.31)
+    with pytest.raises(WriterLockedError, match=r"rank 0 has not renewed the writer lock for \d+ s "
+                                                r"\(writer_lease_s=0.4;"):
+        watch.check()
+    assert watch.may_discard()  # still rank 0's: no other writer has begun
+    _write_lock(out, renewed_at=time.time() - 0.2)  # renewed within three quarters: rank 1 goes on
+    watch.check()
+
+
+def test_a_lease_watch_finds_a_lock_gone_after_it_saw_it_lost(tmp_path):
+    """A writer that took the lock over, saved and closed leaves no lock file: once this rank saw
+    rank 0's token there, that is a lost lock, not a lock it cannot see."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    _write_lock(out)
+    watch = LeaseWatch(LocalStorage(), _grant(out, 0.2, renewed_ago=0.2))
+    watch.check()  # reads: rank 0's
+    os.remove(os.path.join(out, LOCK_FILE))
+    time.sleep(0.11)
+    with pytest.raises(WriterLockedError, match="is now released"):
+        watch.check()
+
+
+@pytest.mark.parametrize("leftover", [False, True])
+def test_a_lease_watch_that_cannot_see_rank_0s_lock_lets_the_rank_write(tmp_path, leftover):
+    """Per-rank local disks: rank 0's lock file is not on this rank's disk (at most an older lock a
+    crashed job left there); rank 0's own checks guard the save, and this rank reads no more."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    if leftover:
+        _write_lock(out, token="old", acquired_at=time.time() - 3600, renewed_at=time.time() - 3000)
+    storage = _CountingStorage()
+    watch = LeaseWatch(storage, _grant(out, 0.2, renewed_ago=0.2))
+    watch.check()
+    watch.check()
+    assert storage.lock_reads == 1
+    assert watch.may_discard()
+
+
 def test_a_paused_save_stops_before_writing_into_a_taken_over_dir(tmp_path, monkeypatch):
     """A holder that could not renew its lease for longer than the lease (a paused process, a store
     it could not reach) may have been taken over, and the new writer may be saving the same id. It
@@ -523,7 +625,7 @@ class _ChangingLock(LocalStorage):
         super().__init__()
         self.times = times
 
-    def read_bytes(self, path, limit=None):
+    def read_bytes(self, path, limit):
         if path.endswith(LOCK_FILE) and self.times:
             self.times -= 1
             from recsave.errors import CorruptCheckpointError

@@ -138,6 +138,45 @@ def test_killed_rank_leaves_previous_checkpoint_and_survivors_raise(tmp_path):
     assert codes == [0] * 4, outs
 
 
+def test_a_rank_stops_writing_once_another_writer_took_rank0s_lock(tmp_path):
+    """Only rank 0 holds the writer lock; rank 1 checks it (as granted in the save's first exchange)
+    before each table once half a lease passed, so it never writes into a directory that a second
+    job's writer took over, nor removes that writer's lock or files."""
+    codes, outs = run_ranks("save_taken_over", 2, tmp_path)
+    assert codes == [3, 3], outs
+    text = (tmp_path / "error_1.txt").read_text()
+    assert text.startswith("WriterLockedError: ") and "held by pid 4242 on host 'second-job'" in text, text
+    assert "this rank stops writing" in text
+    out = tmp_path / "out"
+    ckpt = out / "ckpt_2"
+    assert (ckpt / "sparse-1-0.safetensors").exists()  # its first table, written before the takeover
+    assert not [f for f in os.listdir(ckpt) if f.startswith("sparse-1-1")]  # its second: never begun
+    assert json.loads((out / ".recsave-writer.lock").read_text())["token"] == "theirs"
+    assert (out / "checkpoint").read_text().split() == ["ckpt_1"]
+
+
+@pytest.mark.parametrize("taken_over", [False, True])
+def test_a_rank_keeps_its_files_when_rank_0_died_and_the_lock_is_anothers(tmp_path, taken_over):
+    """Without rank 0's verdict a rank reads the lock itself: a rank 0 gone silent outlives its
+    lease before the group's timeout ends, and the writer that took the lock over may be writing
+    the same names, so the rank removes nothing then; with the lock still rank 0's it removes its
+    files as before. The latest committed checkpoint loads either way."""
+    scenario = "save_rank0_killed_taken_over" if taken_over else "save_rank0_killed"
+    codes, outs = run_ranks(scenario, 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "30"}, timeout=150)
+    assert codes[0] == -9, outs
+    assert codes[1] == 3, outs
+    assert "RankFailedError" in (tmp_path / "error_1.txt").read_text()
+    ckpt = tmp_path / "out" / "ckpt_2"  # gone when rank 1 made it and left it empty
+    left = os.listdir(ckpt) if ckpt.exists() else []
+    rank1 = sorted(f for f in left if f.endswith("_1.pt") or f.startswith("sparse-1-"))
+    assert rank1 == (["io_state_1.pt", "sparse-1-0.safetensors", "sparse-1-1.safetensors"] if taken_over else [])
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
+    if taken_over:
+        (tmp_path / "out" / ".recsave-writer.lock").unlink()  # the second job is gone
+    codes, outs = run_ranks("load", 2, tmp_path)
+    assert codes == [0, 0], outs
+
+
 def test_error_on_one_rank_makes_every_rank_raise_at_once(tmp_path):
     started = time.monotonic()
     codes, outs = run_ranks("save_error", 3, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})

@@ -187,9 +187,10 @@ def test_durable_save_commits_every_table_file_or_none(tmp_path, monkeypatch):
         real_prepare = CheckpointWriter._prepare_dir
 
         def prepare_then_block(writer, ckpt_dir, ckpt_id):
-            real_prepare(writer, ckpt_dir, ckpt_id)
+            grant = real_prepare(writer, ckpt_dir, ckpt_id)
             blocker.mkdir(parents=True)
             (blocker / "x").write_bytes(b"x")
+            return grant
         monkeypatch.setattr(CheckpointWriter, "_prepare_dir", prepare_then_block)
         with pytest.raises(recsave.RecsaveError, match="sparse-0-1.safetensors"):
             job.saver.save("ckpt_6")

@@ -30,7 +30,7 @@ from recsave.save.layout import TableLayout, bucket_layout
 from recsave.save.pruning import Pruner
 from recsave.save.snapshot import SaveState
 from recsave.storage import Storage, dist
-from recsave.storage.lock import WriterLock, check_held, renewed, still_owned
+from recsave.storage.lock import LeaseGrant, LeaseWatch, WriterLock, check_held, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
@@ -102,21 +102,28 @@ class CheckpointWriter:
         """Writes `state` as checkpoint `ckpt_id` on every rank and commits it; returns its path.
         `metrics` (rank 0's) go into the index.
         On failure every rank removes the files and directory it created, then rank 0 the partial
-        directory (_clean_up_failed); the previous checkpoint stays latest."""
+        directory, unless another writer may own them now (_clean_up_failed); the previous
+        checkpoint stays latest."""
         ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
         self._parents_of.pop(ckpt_id, None)  # this id gets a new index (and maybe another parent)
         made = _Made()
+        watch: Optional[LeaseWatch] = None  # rank 0's lock as the other ranks see it
         stage = "prepare"
         try:
             # Ranks that name different checkpoints (their global steps differ) would each write
             # into their own directory and rank 0 commit an index listing files it has not got: the
             # id is agreed in this step's exchange, before anything is written.
-            dist.run_everywhere(self._preparing(ckpt_dir), lambda: self._prepare_dir(ckpt_dir, ckpt_id), world,
-                                only_rank0=True, rank=rank, agree=("the checkpoint id", ckpt_id))
+            # Rank 0's writer lock travels in the same exchange: the other ranks check it as they write.
+            grant = dist.run_everywhere(self._preparing(ckpt_dir), lambda: self._prepare_dir(ckpt_dir, ckpt_id),
+                                        world, only_rank0=True, rank=rank, agree=("the checkpoint id", ckpt_id),
+                                        rank0_result=True)
             stage = "write"
             self._committed.pop(ckpt_id, None)  # prepared: its old index, if any, is going
+            watch = LeaseWatch(self.storage, grant) if rank != 0 and grant is not None else None
+            fence = self._fence(rank, watch)
             mine = dist.run_everywhere(f"writing the shards of {ckpt_dir}",
-                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world, made), world)
+                                       lambda: self._write_rank_files(ckpt_dir, state, rank, world, made, fence),
+                                       world)
             parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
             stage = "commit"
             committed = dist.run_everywhere(f"committing {ckpt_dir}",
@@ -126,7 +133,7 @@ class CheckpointWriter:
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
                 self._clean_up_failed(ckpt_dir, ckpt_id, made, rank, world, stage == "commit",
-                                      not getattr(exc, "collective_failed", False))
+                                      not getattr(exc, "collective_failed", False), watch)
             raise
         # Rank 0 knows every file's size (it commits); the others know their own files only.
         own = sum(f.size for f in mine[0].files.values()) if mine is not None else 0
@@ -136,6 +143,13 @@ class CheckpointWriter:
     @staticmethod
     def _preparing(ckpt_dir: str) -> str:
         return f"preparing {ckpt_dir}"
+
+    def _fence(self, rank: int, watch: Optional[LeaseWatch]) -> Callable[[], None]:
+        """What a rank calls before each piece it writes: rank 0 checks (and renews) its writer
+        lock; another rank checks rank 0's lock as granted in the prepare exchange (LeaseWatch)."""
+        if rank == 0:
+            return lambda: check_held(self._lock)
+        return watch.check if watch is not None else (lambda: None)
 
     def fail_before_writing(self, ckpt_id: str, error: BaseException, rank: int, world: int) -> None:
         """A rank whose snapshot failed takes part in the exchange the others' write() starts with
@@ -166,7 +180,7 @@ class CheckpointWriter:
         return self.storage.join(self.output_dir, ckpt_id)
 
     def _clean_up_failed(self, ckpt_dir: str, ckpt_id: str, made: "_Made", rank: int, world: int,
-                         committing: bool, group_usable: bool) -> None:
+                         committing: bool, group_usable: bool, watch: Optional[LeaseWatch]) -> None:
         """Best effort, never raising (the save's own error is the one to report): removes what
         this rank created for a failed save, unless rank 0 says no (_may_discard: the failure came
         after rank 0 listed it, or the writer lock is another writer's now, or either is unknown).
@@ -174,13 +188,18 @@ class CheckpointWriter:
         Every rank but 0 removes its files, and the directory when it created it and it is empty
         (per-rank local disks each have their own output dir); after all ranks are done, rank 0
         removes the whole directory. With a broken group (a dead peer) nothing waits for the
-        others, and a rank other than 0 keeps its files when the failure came during the commit."""
+        others, and a rank other than 0 keeps its files when the failure came during the commit,
+        or when rank 0's lock is another writer's now or cannot be read (`watch.may_discard()`):
+        a rank 0 gone silent outlives its lease before the group's timeout ends, and the writer
+        that took the lock over may be writing the same names."""
         collective = group_usable and world > 1
         try:
             verdict: Optional[bool] = self._may_discard(ckpt_id, committing) if rank == 0 else None
             if collective:
                 verdict = dist.gather_objects(verdict, world)[0]
-            if (verdict is not True) if (collective or rank == 0) else committing:
+            elif rank != 0:
+                verdict = not committing and (watch is None or watch.may_discard())
+            if verdict is not True:
                 return  # keep everything
             if rank != 0:
                 for path in made.files:
@@ -249,7 +268,7 @@ class CheckpointWriter:
             with contextlib.suppress(Exception):  # the original error matters more; the next save cleans up
                 self.storage.remove_tree(ckpt_dir)
 
-    def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> None:
+    def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> Optional[LeaseGrant]:
         self._pruner.join()  # the last save's pruned directories are gone before this one looks
         self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
         newer = ckptlist.newer_format_version(self.storage, self.output_dir, ckpt_id)
@@ -282,9 +301,10 @@ class CheckpointWriter:
                     f"or move that directory away", path=ckpt_dir)
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
+        return None if self._lock is None else self._lock.grant()
 
-    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int, made: "_Made"
-                          ) -> Tuple[IndexPart, Dict[str, Tuple[int, int]]]:
+    def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int, made: "_Made",
+                          fence: Callable[[], None]) -> Tuple[IndexPart, Dict[str, Tuple[int, int]]]:
         made.directory = not self.storage.exists(ckpt_dir)
         self.storage.makedirs(ckpt_dir)
         part = index_mod.new_part(rank)
@@ -313,18 +333,18 @@ class CheckpointWriter:
                     assert upcoming is not None  # started for every name
                     layout = upcoming.result()
                     upcoming = order(k + 1) if k + 1 < len(names) else None
-                    check_held(self._lock)  # no file written into a directory another writer may own now
+                    fence()  # no file written into a directory another writer may own now
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
                     table = state.tables[name]
                     rows[name] = (layout.num_rows if state.parent is None else table.live_rows, layout.tombstones)
                     part = part.joined(table_part)
-                check_held(self._lock)  # before the durable files' renames as the block exits
+                fence()  # before the durable files' renames as the block exits
             except BaseException:
                 if upcoming is not None:  # nothing reads the tables after the save returns
                     futures_wait([upcoming])
                 raise
-        check_held(self._lock)
+        fence()
         made.files.append(self.storage.join(ckpt_dir, io_state_file(rank)))
         part = part.with_files({io_state_file(rank): torchio.save(self.storage, ckpt_dir, io_state_file(rank),
                                                                   state.io_state, rank)})

@@ -189,7 +189,7 @@ def broadcast_from_rank0(obj: Any, world_size: int) -> Any:
 
 def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank0: bool = False,
                    rank: int = 0, agree: Optional[Tuple[str, Any]] = None,
-                   agree_on_result: Optional[str] = None) -> Optional[T]:
+                   agree_on_result: Optional[str] = None, rank0_result: bool = False) -> Optional[T]:
     """Runs `fn` (on every rank, or on rank 0 only), then lets every rank know whether it succeeded
     on all of them: a failure anywhere raises on every rank (the failing rank re-raises its own
     error, the others RankFailedError naming it; both carry `rank_failures`, rank -> the class
@@ -197,7 +197,8 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
 
     `agree`: (what it is, value) that every rank must pass equal, checked in the same exchange (no
     extra collective round); when no rank failed and they differ, every rank raises UsageError
-    naming the values. `agree_on_result` (what it is) does the same with fn's result as the value."""
+    naming the values. `agree_on_result` (what it is) does the same with fn's result as the value.
+    `rank0_result`: every rank returns rank 0's result (a small object, sent in the same exchange)."""
     if agree_on_result is not None:
         if agree is not None:
             raise ValueError("run_everywhere: give agree or agree_on_result, not both")
@@ -215,25 +216,28 @@ def run_everywhere(what: str, fn: Callable[[], T], world_size: int, *, only_rank
         kinds = None if error is None else [c.__name__ for c in type(error).__mro__]
         if agree_on_result is not None:
             agree = (agree_on_result, result)
-        gathered = gather_objects((summary, kinds, None if agree is None else agree[1]), world_size)
-        failed = [(r, msg) for r, (msg, _, _) in enumerate(gathered) if msg is not None]
+        shared = result if rank0_result and rank == 0 else None
+        gathered = gather_objects((summary, kinds, None if agree is None else agree[1], shared), world_size)
+        failed = [(r, msg) for r, (msg, _, _, _) in enumerate(gathered) if msg is not None]
         if failed:
             # Every rank learns every rank's failure, so that a decision taken on it (a fallback
             # load skipping a damaged checkpoint) is the same on all of them.
-            failures = {r: tuple(k or ()) for r, (msg, k, _) in enumerate(gathered) if msg is not None}
+            failures = {r: tuple(k or ()) for r, (msg, k, _, _) in enumerate(gathered) if msg is not None}
             if error is None:
                 r, msg = failed[0]
                 error = RankFailedError(f"{what} failed on rank {r}: {msg}")
             with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
                 error.rank_failures = failures  # type: ignore[attr-defined]
         elif agree is not None:  # a failing rank's value means nothing: failures first
-            values = [value for _, _, value in gathered]
+            values = [value for _, _, value, _ in gathered]
             differ = [(r, v) for r, v in enumerate(values) if v != values[0]]
             if differ:
                 r, v = differ[0]
                 raise UsageError(f"{what}: the ranks disagree on {agree[0]}: rank 0 has {values[0]!r}, rank {r} "
                                  f"{v!r} ({len(differ)} rank(s) differ from rank 0); every rank must pass the "
                                  f"same")
+        if rank0_result:
+            result = gathered[0][3]
     if error is not None:
         raise error
     return result

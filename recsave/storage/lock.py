@@ -17,6 +17,14 @@ checked) blocks a restart for one lease at most. A save calls `ensure_held` befo
 writes: a holder whose lease may have run out meanwhile (a paused process, a store the thread could
 not reach) renews it then or stops, before it writes into a directory that another writer may have
 taken over. A failed save removes its files only while `owned()` says the lock is still its own.
+
+Only rank 0 holds the lock; the other ranks of a save get its `grant()` in the save's first exchange
+and check it with a `LeaseWatch` at the same points. A rank whose save outlived half a lease since
+rank 0's last renewal reads the lock file then, and stops when another writer took it over, or when
+rank 0 has not renewed it for three quarters of a lease (rank 0 renews every quarter: it is gone or
+stalled, and another writer may take the lock over once a whole lease has passed; at once when the
+holder's pid is dead on the taker's host, which the watch sees at its next read only). With the
+group broken, such a rank removes its files only while `may_discard()` finds the lock not lost.
 """
 from __future__ import annotations
 
@@ -31,7 +39,8 @@ import uuid
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Any, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterLockedError
@@ -67,6 +76,7 @@ class WriterLock:
         self._mutex = threading.Lock()
         self._stop = threading.Event()  # ends the renewal thread of the current holding
         self._renew_started = 0.0  # time.monotonic() when the last successful renewal began
+        self._renewal_lease_s: Optional[float] = None  # the lease the renewal thread runs with, if one runs
         self._lost: Optional[str] = None  # why the lock is lost, once a renewal found it taken over
         self._owner = os.getpid()  # a forked child holds a copy of this object, never the lock
         self._finalizer = self._release_when_dropped()
@@ -139,6 +149,15 @@ class WriterLock:
             return None
         return holder is not None and holder.get("token") == self.token
 
+    def grant(self) -> Optional["LeaseGrant"]:
+        """What the other ranks of a save need to check this lock while they write (LeaseWatch):
+        None while no renewal thread runs (the others could not tell a live holder from a dead one).
+        The lease is the one the renewals run with (the knob may have changed since acquire)."""
+        if not self.held or self._renewal_lease_s is None:
+            return None
+        return LeaseGrant(self.path, self.token, self._renewal_lease_s, self._acquired_at,
+                          max(0.0, time.monotonic() - self._renew_started))
+
     def beat(self, stop: threading.Event, interval: float) -> bool:
         """One renewal of the renewal thread (public for that thread only); whether to go on (not
         after `stop`, a release, or finding the lock taken over)."""
@@ -174,12 +193,16 @@ class WriterLock:
         thread). It keeps a weak reference only: a dropped holder's lock is released by its
         finalizer, and the thread ends at its next beat. Where no thread can start, the lock is
         renewed by saves alone (ensure_held renews once half a lease has passed)."""
-        interval = max(0.001, float(knobs.get("writer_lease_s")) / 4)
+        lease = float(knobs.get("writer_lease_s"))
+        interval = max(0.001, lease / 4)
+        self._renewal_lease_s = None
         try:
             threading.Thread(target=knobs.carried(_renewals), args=(weakref.ref(self), self._stop, interval),
                              name="recsave-lease", daemon=True).start()
         except RuntimeError:  # a thread limit, or a shutting-down interpreter
             log.info("%s: no thread for renewing the writer lock; saves renew it", self.path)
+            return
+        self._renewal_lease_s = lease
 
     def _renew(self) -> None:
         """renew() under the mutex."""
@@ -214,26 +237,9 @@ class WriterLock:
         _, back = self._read()
         return back is not None and back.get("token") == self.token
 
-    def _read(self):
+    def _read(self) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]:
         """(raw bytes, parsed holder or None if unparseable); (None, None) when there is no lock."""
-        for attempt in range(3):
-            try:
-                raw = self.storage.read_bytes(self.path, MAX_LOCK_BYTES)
-                break
-            except (CheckpointNotFoundError, FileNotFoundError):
-                return None, None
-            except CorruptCheckpointError as exc:  # replaced between its size and its read: another taker?
-                last = exc
-                time.sleep(0.05 * (attempt + 1))
-        else:
-            # The same error three times is the file itself (too big, not a file), not a race.
-            raise WriterLockedError(f"{self.path}: the writer lock cannot be read ({last}); if no Saver is "
-                                    f"writing {self.output_dir}, delete the lock file", path=self.path) from last
-        try:
-            holder = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            return raw, None
-        return raw, holder if isinstance(holder, dict) else None
+        return read_holder(self.storage, self.path)
 
     def _stale(self, holder: Optional[Dict[str, Any]], raw: bytes) -> Optional[str]:
         """Why the lock is abandoned, or None if its holder may be alive."""
@@ -251,6 +257,103 @@ class WriterLock:
     def _young(self) -> bool:
         """An empty lock file may be one another writer's create is still filling."""
         return self.storage.being_created(self.path)
+
+
+def read_holder(storage: Storage, path: str) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]:
+    """The lock file at `path`: (raw bytes, parsed holder or None if unparseable); (None, None) when
+    there is none. WriterLockedError when it cannot be read three times over."""
+    for attempt in range(3):
+        try:
+            raw = storage.read_bytes(path, MAX_LOCK_BYTES)
+            break
+        except (CheckpointNotFoundError, FileNotFoundError):
+            return None, None
+        except CorruptCheckpointError as exc:  # replaced between its size and its read: another taker?
+            last = exc
+            time.sleep(0.05 * (attempt + 1))
+    else:
+        # The same error three times is the file itself (too big, not a file), not a race.
+        raise WriterLockedError(f"{path}: the writer lock cannot be read ({last}); if no Saver is "
+                                f"writing its directory, delete the lock file", path=path) from last
+    try:
+        holder = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return raw, None
+    return raw, holder if isinstance(holder, dict) else None
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """Rank 0's writer lock as the other ranks of a save check it (LeaseWatch): its file, token,
+    the lease its renewals run with, when it was taken (epoch seconds) and how long before the
+    grant it was last renewed."""
+    path: str
+    token: str
+    lease_s: float
+    acquired_at: float
+    renewed_ago: float
+
+
+class LeaseWatch:
+    """A rank other than 0's check of rank 0's writer lock during one save (module docstring).
+
+    `check()` reads nothing until half a lease after rank 0's last renewal it knows of; then one
+    read of the lock file. Whether the file is rank 0's is settled by that read: its token, or a
+    lock taken after rank 0's (a writer that took it over). An older lock of another writer, or
+    none, means this rank does not see rank 0's file (per-rank local disks): no verdict then, and
+    no reads after. Once this rank saw rank 0's token there, a file that is gone or holds another
+    token means the lock was lost."""
+
+    def __init__(self, storage: Storage, grant: LeaseGrant):
+        self.storage, self.grant = storage, grant
+        self._renewed = time.monotonic() - grant.renewed_ago  # rank 0's last renewal, this rank's clock
+        self._seen = False  # a read found rank 0's token at grant.path
+        self._blind = False  # rank 0's lock file is not on this rank's storage
+
+    def check(self) -> None:
+        """Raises WriterLockedError when another writer took the lock over, or rank 0 has not
+        renewed it for three quarters of a lease (it renews every quarter: it is gone or stalled,
+        and once a whole lease passed another writer may take the lock over)."""
+        if self._blind or time.monotonic() - self._renewed < self.grant.lease_s / 2:
+            return
+        state, why = self._look()
+        if state in ("lost", "stale"):
+            raise WriterLockedError(f"{why}; this rank stops writing", path=self.grant.path)
+
+    def may_discard(self) -> bool:
+        """Whether this rank may remove its files of a failed save without rank 0's word (the
+        group broke): not when the lock is another writer's now (it may be writing the same
+        names), nor when the lock file cannot be read."""
+        if self._blind:
+            return True
+        return self._look()[0] in ("ok", "stale", "blind")
+
+    def _look(self) -> Tuple[str, str]:
+        """One read: ("ok" | "stale" | "lost" | "blind" | "unknown", why the lock is stale or lost)."""
+        path, lease = self.grant.path, self.grant.lease_s
+        try:
+            raw, holder = read_holder(self.storage, path)
+        except (OSError, WriterLockedError):  # StorageError is an OSError
+            return "unknown", ""
+        if raw is not None and holder is None:  # garbled, or being replaced
+            return "unknown", ""
+        if holder is not None and holder.get("token") == self.grant.token:
+            self._seen = True
+            renewed = holder.get("renewed_at")
+            age = max(0.0, time.time() - renewed) if isinstance(renewed, (int, float)) else 0.0
+            self._renewed = time.monotonic() - age
+            if age >= 0.75 * lease:
+                return "stale", (f"{path}: rank 0 has not renewed the writer lock for {age:.0f} s (writer_lease_s="
+                                 f"{lease:g}; it renews every quarter lease), so it is gone or stalled, and "
+                                 f"another writer may take the output dir over")
+            return "ok", ""
+        acquired = holder.get("acquired_at") if holder is not None else None
+        if self._seen or (isinstance(acquired, (int, float)) and acquired >= self.grant.acquired_at):
+            return "lost", (f"{path}: the writer lock that rank 0 held for this save is now "
+                            f"{_describe(holder) if holder is not None else 'released'}: another writer "
+                            f"took the output dir over")
+        self._blind = True
+        return "blind", ""
 
 
 def _renewals(ref: "weakref.ReferenceType[WriterLock]", stop: threading.Event, interval: float) -> None:
