@@ -302,11 +302,11 @@ def main():
             def write_then_lose_the_lock(writer, *args, **kwargs):
                 part = real_write_table(writer, *args, **kwargs)
                 take_over_the_lock(work_dir)
-                time.sleep(0.35)  # past half of the 0.6 s lease: the next table's check reads the lock
+                time.sleep(1.1)  # past half of the 2 s lease: the next table's check reads the lock
                 return part
             recsave.save.pipeline.CheckpointWriter._write_table = write_then_lose_the_lock
         # fsync off: each file is in place once written (durable ones are renamed together at the end)
-        with recsave.knobs.override(writer_lease_s=0.6, fsync=False):
+        with recsave.knobs.override(writer_lease_s=2.0, fsync=False):
             save_or_exit(saver, "ckpt_2", rank, work_dir)
     elif scenario in ("save_rank0_killed", "save_rank0_killed_taken_over"):  # once rank 1 wrote ckpt_2
         fill(model, rank, world)

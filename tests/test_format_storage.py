@@ -158,6 +158,10 @@ def test_taken_rows_refuse_bad_sources_and_leave_nothing(tmp_path):
         with pytest.raises(recsave.errors.UsageError, match="outside the 10 rows"):
             fmt.write_shards(str(tmp_path), {"x": RowSource.take(storage, torch.tensor([0, bad, 2]))})
         assert list(tmp_path.iterdir()) == []
+    # Segments are gathered and checksummed row by row: an end inside a row is refused.
+    with pytest.raises(recsave.errors.UsageError, match="must end on row boundaries \\(16 bytes\\)"):
+        fmt.write_shards(str(tmp_path), {"x": RowSource.take(storage, torch.arange(3))}, segments={"x": [8, 48]})
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_file_url_shards_are_committed_by_the_engine_like_plain_paths(tmp_path):

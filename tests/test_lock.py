@@ -375,32 +375,31 @@ def _grant(out, lease_s, token="t", acquired_at=None, renewed_ago=0.0) -> LeaseG
     return LeaseGrant(os.path.join(out, LOCK_FILE), token, lease_s, taken, renewed_ago)
 
 
-def test_a_lease_watch_reads_nothing_for_half_a_lease_then_follows_renewals(tmp_path):
-    """Another rank's check of rank 0's lock: free for half a lease after rank 0's last renewal;
-    then one read, which restarts the half lease from the renewal it finds."""
+def test_a_lease_watch_reads_once_then_nothing_for_half_a_lease_then_follows_renewals(tmp_path):
+    """Another rank's check of rank 0's lock: one read when made (does this rank see rank 0's
+    file?), then none for half a lease after rank 0's last renewal; then one read per check, which
+    restarts the half lease from the renewal it finds."""
     out = str(tmp_path / "run")
     os.makedirs(out)
     storage = _CountingStorage()
     _write_lock(out)
     watch = LeaseWatch(storage, _grant(out, 0.6))
     watch.check()
-    assert storage.lock_reads == 0
+    assert storage.lock_reads == 1
     time.sleep(0.35)
     _write_lock(out)  # rank 0 renewed
     watch.check()
-    assert storage.lock_reads == 1
+    assert storage.lock_reads == 2
     watch.check()  # half a lease after that renewal has not passed
-    assert storage.lock_reads == 1
-    # A grant made long after rank 0's last renewal: the first check reads at once.
-    LeaseWatch(storage, _grant(out, 0.6, renewed_ago=0.3)).check()
     assert storage.lock_reads == 2
 
 
 def test_a_lease_watch_stops_a_rank_once_another_writer_took_the_lock_over(tmp_path):
     out = str(tmp_path / "run")
     os.makedirs(out)
-    _write_lock(out, token="theirs", host="elsewhere", pid=77)  # taken after rank 0's (acquired 1 s ago)
+    _write_lock(out, token="ours")
     watch = LeaseWatch(LocalStorage(), _grant(out, 0.2, token="ours"))
+    _write_lock(out, token="theirs", host="elsewhere", pid=77)
     time.sleep(0.11)
     with pytest.raises(WriterLockedError, match="now held by pid 77 on host 'elsewhere'.*this rank stops writing"):
         watch.check()
@@ -412,39 +411,44 @@ def test_a_lease_watch_stops_a_rank_when_rank_0_stopped_renewing(tmp_path):
     stalled, and a whole lease lets another writer take the lock over."""
     out = str(tmp_path / "run")
     os.makedirs(out)
+    _write_lock(out)
     watch = LeaseWatch(LocalStorage(), _grant(out, 0.4))
     time.sleep(0.21)
     _write_lock(out, renewed_at=time.time() - 0.31)
-    with pytest.raises(WriterLockedError, match=r"rank 0 has not renewed the writer lock for \d+ s "
+    with pytest.raises(WriterLockedError, match=r"rank 0 has not renewed the writer lock for 0\.3 s "
                                                 r"\(writer_lease_s=0.4;"):
         watch.check()
-    assert watch.may_discard()  # still rank 0's: no other writer has begun
+    assert watch.may_discard()  # within its lease: no other writer can have begun
+    _write_lock(out, renewed_at=time.time() - 0.45)
+    assert not watch.may_discard()  # its lease ran out: another writer may begin at any moment
     _write_lock(out, renewed_at=time.time() - 0.2)  # renewed within three quarters: rank 1 goes on
     watch.check()
 
 
 def test_a_lease_watch_finds_a_lock_gone_after_it_saw_it_lost(tmp_path):
-    """A writer that took the lock over, saved and closed leaves no lock file: once this rank saw
-    rank 0's token there, that is a lost lock, not a lock it cannot see."""
+    """A writer that took the lock over, saved and closed leaves no lock file: this rank saw rank
+    0's token there when the save began, so that is a lost lock, not a lock it cannot see."""
     out = str(tmp_path / "run")
     os.makedirs(out)
     _write_lock(out)
-    watch = LeaseWatch(LocalStorage(), _grant(out, 0.2, renewed_ago=0.2))
-    watch.check()  # reads: rank 0's
+    watch = LeaseWatch(LocalStorage(), _grant(out, 0.2))
     os.remove(os.path.join(out, LOCK_FILE))
     time.sleep(0.11)
     with pytest.raises(WriterLockedError, match="is now released"):
         watch.check()
+    assert not watch.may_discard()
 
 
-@pytest.mark.parametrize("leftover", [False, True])
-def test_a_lease_watch_that_cannot_see_rank_0s_lock_lets_the_rank_write(tmp_path, leftover):
-    """Per-rank local disks: rank 0's lock file is not on this rank's disk (at most an older lock a
-    crashed job left there); rank 0's own checks guard the save, and this rank reads no more."""
+@pytest.mark.parametrize("there", ["nothing", "an older lock", "a newer lock"])
+def test_a_lease_watch_that_cannot_see_rank_0s_lock_lets_the_rank_write(tmp_path, there):
+    """Per-rank local disks: rank 0's lock file is not on this rank's disk (at most a lock another
+    job left there, before or after rank 0 took its own); rank 0's own checks guard the save, and
+    this rank reads no more."""
     out = str(tmp_path / "run")
     os.makedirs(out)
-    if leftover:
-        _write_lock(out, token="old", acquired_at=time.time() - 3600, renewed_at=time.time() - 3000)
+    if there != "nothing":
+        taken = time.time() + (-3600 if there == "an older lock" else 60)
+        _write_lock(out, token="other", acquired_at=taken, renewed_at=taken)
     storage = _CountingStorage()
     watch = LeaseWatch(storage, _grant(out, 0.2, renewed_ago=0.2))
     watch.check()

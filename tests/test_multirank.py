@@ -140,7 +140,7 @@ def test_killed_rank_leaves_previous_checkpoint_and_survivors_raise(tmp_path):
 
 def test_a_rank_stops_writing_once_another_writer_took_rank0s_lock(tmp_path):
     """Only rank 0 holds the writer lock; rank 1 checks it (as granted in the save's first exchange)
-    before each table once half a lease passed, so it never writes into a directory that a second
+    before each table once half a lease passed, so it begins no table in a directory that a second
     job's writer took over, nor removes that writer's lock or files."""
     codes, outs = run_ranks("save_taken_over", 2, tmp_path)
     assert codes == [3, 3], outs

@@ -279,12 +279,14 @@ def _split_crcs(crc_of: Dict[int, List[int]], crcs: np.ndarray, which: List[int]
     """Hands the CRCs of one engine call back to the tensors (positions `which`, counts[k] each)."""
     k = 0
     for i, n in zip(which, counts):
-        crc_of[i] = [int(c) for c in crcs[k:k + n]]
+        crc_of[i] = crcs[k:k + n].tolist()  # Python ints; a save hands back thousands a table
         k += n
 
 
-def _check_row_aligned(name: str, row_bytes: int, bounds: List[Tuple[int, int]]) -> None:
-    if any(b % row_bytes or e % row_bytes for b, e in bounds if e > b):
+def _check_row_aligned(name: str, row_bytes: int, seg: np.ndarray) -> None:
+    """`seg`: [n, 2] segment (begin, end) byte offsets; empty segments may lie anywhere."""
+    taken = seg[seg[:, 1] > seg[:, 0]]
+    if bool((taken % np.uint64(row_bytes)).any()):
         raise UsageError(f"{name!r}: checksum segments must end on row boundaries ({row_bytes} bytes) "
                          f"when its rows are taken from another tensor", key=name)
 
@@ -297,9 +299,8 @@ def _write_taken(writer: Any, sources: List[Tuple[str, RowSource, int]], layout:
         storage, rows = src.storage, src.rows
         assert storage is not None and rows is not None  # only RowSource.take sources come here
         rb = src.row_bytes
-        bounds = layout[name][0]
-        _check_row_aligned(name, rb, bounds)
-        seg = np.asarray(bounds, dtype=np.uint64).reshape(-1, 2)
+        seg = np.asarray(layout[name][0], dtype=np.uint64).reshape(-1, 2)
+        _check_row_aligned(name, rb, seg)
         first_row, count = seg[:, 0] // rb, (seg[:, 1] - seg[:, 0]) // rb
         same = np.ones(len(seg), dtype=np.uint64)
         values = (start + seg[:, 0], same * storage.data_ptr(), same * storage.shape[0], same * rb,
@@ -314,7 +315,7 @@ def _blocks(name: str, src: RowSource, bounds: List[Tuple[int, int]]
     """(rows as a tensor, the segments they hold) for consecutive blocks of about write_block_bytes,
     cut at segment ends; the next block is gathered while the caller writes the current one."""
     row_bytes = src.row_bytes
-    _check_row_aligned(name, row_bytes, bounds)
+    _check_row_aligned(name, row_bytes, np.asarray(bounds, dtype=np.uint64).reshape(-1, 2))
     limit = max(knobs.get("write_block_bytes"), row_bytes)
     plan: List[List[Tuple[int, int]]] = [[]]
     for b, e in bounds:

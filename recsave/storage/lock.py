@@ -297,18 +297,18 @@ class LeaseGrant:
 class LeaseWatch:
     """A rank other than 0's check of rank 0's writer lock during one save (module docstring).
 
-    `check()` reads nothing until half a lease after rank 0's last renewal it knows of; then one
-    read of the lock file. Whether the file is rank 0's is settled by that read: its token, or a
-    lock taken after rank 0's (a writer that took it over). An older lock of another writer, or
-    none, means this rank does not see rank 0's file (per-rank local disks): no verdict then, and
-    no reads after. Once this rank saw rank 0's token there, a file that is gone or holds another
-    token means the lock was lost."""
+    Made right after the exchange that granted it, while rank 0 holds the lock freshly renewed, it
+    reads the lock file once: rank 0's token there means this rank sees rank 0's file; another
+    lock, or none, means it does not (per-rank local disks): no verdict then, and no reads after.
+    `check()` reads nothing more until half a lease after rank 0's last renewal it knows of, then
+    once per call; a file that is gone or holds another token by then means the lock was lost."""
 
     def __init__(self, storage: Storage, grant: LeaseGrant):
         self.storage, self.grant = storage, grant
         self._renewed = time.monotonic() - grant.renewed_ago  # rank 0's last renewal, this rank's clock
         self._seen = False  # a read found rank 0's token at grant.path
         self._blind = False  # rank 0's lock file is not on this rank's storage
+        self._look(first=True)
 
     def check(self) -> None:
         """Raises WriterLockedError when another writer took the lock over, or rank 0 has not
@@ -322,33 +322,38 @@ class LeaseWatch:
 
     def may_discard(self) -> bool:
         """Whether this rank may remove its files of a failed save without rank 0's word (the
-        group broke): not when the lock is another writer's now (it may be writing the same
-        names), nor when the lock file cannot be read."""
-        if self._blind:
-            return True
-        return self._look()[0] in ("ok", "stale", "blind")
+        group broke): while the lock is rank 0's and its lease has not run out (no other writer
+        can have begun), or this rank cannot see it; not when it cannot be read."""
+        return self._blind or self._look()[0] in ("ok", "stale", "blind")
 
-    def _look(self) -> Tuple[str, str]:
-        """One read: ("ok" | "stale" | "lost" | "blind" | "unknown", why the lock is stale or lost)."""
+    def _look(self, first: bool = False) -> Tuple[str, str]:
+        """One read: ("ok" | "stale" | "lost" | "blind" | "unknown", why the lock is stale or lost);
+        "stale": not renewed for three quarters of a lease, less than a whole lease. The `first`
+        read comes while rank 0 holds the lock: any other lock there is another file."""
         path, lease = self.grant.path, self.grant.lease_s
         try:
             raw, holder = read_holder(self.storage, path)
         except (OSError, WriterLockedError):  # StorageError is an OSError
-            return "unknown", ""
-        if raw is not None and holder is None:  # garbled, or being replaced
+            raw, holder = b"", None
+        if raw is not None and holder is None:  # unreadable, garbled or being replaced: next read later
+            self._renewed = max(self._renewed, time.monotonic() - lease / 4)
             return "unknown", ""
         if holder is not None and holder.get("token") == self.grant.token:
             self._seen = True
             renewed = holder.get("renewed_at")
             age = max(0.0, time.time() - renewed) if isinstance(renewed, (int, float)) else 0.0
             self._renewed = time.monotonic() - age
-            if age >= 0.75 * lease:
-                return "stale", (f"{path}: rank 0 has not renewed the writer lock for {age:.0f} s (writer_lease_s="
-                                 f"{lease:g}; it renews every quarter lease), so it is gone or stalled, and "
-                                 f"another writer may take the output dir over")
-            return "ok", ""
+            if age < 0.75 * lease:
+                return "ok", ""
+            why = (f"{path}: rank 0 has not renewed the writer lock for {age:.1f} s (writer_lease_s={lease:g}; it "
+                   f"renews every quarter lease), so it is gone or stalled, and another writer may take the "
+                   f"output dir over")
+            return ("stale" if age < lease else "lost"), why
+        # Not rank 0's token. Seen before: taken over. A lock taken after rank 0's was too (when the
+        # first read failed). Else this rank does not see rank 0's file.
         acquired = holder.get("acquired_at") if holder is not None else None
-        if self._seen or (isinstance(acquired, (int, float)) and acquired >= self.grant.acquired_at):
+        newer = isinstance(acquired, (int, float)) and acquired >= self.grant.acquired_at
+        if self._seen or (newer and not first):
             return "lost", (f"{path}: the writer lock that rank 0 held for this save is now "
                             f"{_describe(holder) if holder is not None else 'released'}: another writer "
                             f"took the output dir over")
