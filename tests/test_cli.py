@@ -69,6 +69,31 @@ def test_gc_removes_only_leftovers(output_dir, capsys):
     assert sorted(os.listdir(output_dir)) == ["checkpoint", "ckpt_2", "ckpt_4", "notes"]
 
 
+def test_gc_leaves_a_folder_of_torch_save_files_named_like_recsaves(output_dir, capsys):
+    """`model.pt` alone is anyone's torch.save (`recsave convert --to torch` writes one): only a
+    directory holding a name only recsave writes (a shard, an io state, an index, a temporary
+    name) is a checkpoint's leftover."""
+    (output_dir / "final_model").mkdir()
+    torch.save({"w": torch.ones(2)}, output_dir / "final_model" / "model.pt")
+    assert main(["gc", str(output_dir)]) == 0
+    assert "final_model" not in capsys.readouterr().out
+    assert sorted(os.listdir(output_dir / "final_model")) == ["model.pt"]
+
+
+def test_gc_refuses_a_directory_that_is_no_output_dir(tmp_path, capsys):
+    project = tmp_path / "project"
+    (project / "best").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, project / "best" / "model.pt")
+    (project / "run7").mkdir()
+    (project / "run7" / "io_state_0.pt").write_bytes(b"x")
+    with pytest.raises(recsave.CheckpointNotFoundError, match="not a recsave output dir; nothing removed"):
+        catalog.clean_output_dir(str(project))
+    assert main(["gc", str(project)]) == 2
+    assert "not a recsave output dir" in capsys.readouterr().err
+    assert sorted(os.listdir(project)) == ["best", "run7"]
+    assert os.listdir(project / "best") == ["model.pt"]
+
+
 def test_gc_refuses_while_a_saver_holds_the_output_dir(output_dir, capsys):
     """A save in progress looks like a leftover: gc leaves the dir alone while the lock is held."""
     (output_dir / "ckpt_9").mkdir()

@@ -464,6 +464,18 @@ def test_compact_refuses_an_existing_checkpoint(chain_dir, tmp_path, capsys):
     assert "exists already" in capsys.readouterr().err
 
 
+def test_compact_refuses_a_directory_of_the_same_name_that_recsave_did_not_write(chain_dir, tmp_path):
+    """A user's folder named like the checkpoint in the target dir (a Parquet export) is refused,
+    as a save refuses one: only a leftover of an interrupted compaction is replaced."""
+    out, _ = chain_dir
+    theirs = tmp_path / "exports" / "ckpt_2"
+    theirs.mkdir(parents=True)
+    (theirs / "recsave_export.json").write_text("{}")
+    with pytest.raises(recsave.CheckpointExistsError, match="holds files recsave did not write"):
+        recsave.compact(os.path.join(out, "ckpt_2"), str(tmp_path / "exports"))
+    assert os.listdir(theirs) == ["recsave_export.json"]
+
+
 def test_a_failed_compaction_leaves_nothing_and_its_retry_works(chain_dir, tmp_path, monkeypatch):
     import recsave.tools.compact as compact_mod
 

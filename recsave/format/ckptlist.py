@@ -283,19 +283,23 @@ def _newer_order(data: bytes) -> Optional[Tuple[Optional[int], str]]:
 # Files a recsave checkpoint directory may hold (temporary names of interrupted writes included).
 _OWN_FILE = re.compile(r"(index|model\.pt|extra\.pt|io_state_count|io_state_\d+\.pt|"
                        r"sparse-\d+-\d+\.safetensors)(\.tmp-[0-9-]+)?\Z")
+# Of those, the ones only recsave writes: every save writes one before its model.pt (the shards and
+# io states of each rank come first), while a lone model.pt / extra.pt may be anyone's torch.save.
+_RECSAVE_ONLY = re.compile(r"index|io_state_count|io_state_\d+\.pt|sparse-\d+-\d+\.safetensors|.*\.tmp-[0-9-]+\Z")
 
 
 def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
     """Whether output_dir/name is a recsave checkpoint directory (committed or a crash leftover):
-    a valid id holding only files recsave writes (at least one). Anything else — other files, empty
-    directories — is left alone."""
+    a valid id holding only files recsave writes, one of them a name only recsave writes (a
+    shard, an io state, the index, a temporary name). Anything else — other files, a folder of
+    torch.save files named model.pt, empty directories — is left alone."""
     if not is_plain_name(name) or name == LIST_FILE:
         return False
     path = storage.join(output_dir, name)
     if not storage.isdir(path):
         return False
     files = storage.listdir(path)
-    return bool(files) and all(_OWN_FILE.match(f) for f in files)
+    return all(_OWN_FILE.match(f) for f in files) and any(_RECSAVE_ONLY.match(f) for f in files)
 
 
 def newer_format_version(storage: Storage, output_dir: str, name: str) -> Optional[int]:

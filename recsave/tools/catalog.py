@@ -180,6 +180,10 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
     # every committed checkpoint is kept (collect_garbage keeps damaged directories itself).
     listing = ckptlist.committed(storage, output_dir, rewrite=True)
+    if not listing.found:  # not an output dir: its folders are someone else's
+        raise CheckpointNotFoundError(f"{output_dir}: no 'checkpoint' file and no committed checkpoint (no "
+                                      f"directory with a valid index), so it is not a recsave output dir; "
+                                      f"nothing removed", path=output_dir)
     # Then the retention policy recorded in the latest index selects, as the Saver's rotation
     # does (a save interrupted before it pruned leaves more listed than the policy keeps); a
     # rebuilt list keeps every committed checkpoint.
