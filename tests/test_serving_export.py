@@ -174,6 +174,20 @@ def test_non_finite_rows_are_refused_for_int8(tmp_path):
     recsave.export_serving(ckpt, str(tmp_path / "out"), "fp16")  # floats carry NaN
 
 
+def test_values_beyond_fp16_are_refused_not_made_infinite(tmp_path):
+    """fp16 tops out at 65504: a larger finite value would load back as inf. bf16 holds it."""
+    net = Net(dim=4)
+    net.user.load_rows(torch.tensor([1, 2, 3]), torch.tensor([[0.5, 1.0, 2.0, 3.0], [1e5, -1e5, 7e4, 1.0],
+                                                              [0.0, 0.0, 0.0, 0.0]]))
+    ckpt = Saver(net, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    with pytest.raises(UsageError, match=r"table 'user': row \d of the checkpoint holds values beyond what "
+                                         r"torch.float16 can hold \(largest 100000\); export it as bf16 or fp32"):
+        recsave.export_serving(ckpt, str(tmp_path / "out"), "fp16")
+    assert not (tmp_path / "out" / "ckpt_1").exists()
+    path = recsave.export_serving(ckpt, str(tmp_path / "out"), "bf16")
+    assert bool(torch.isfinite(stored(path, "user", ("embedding",))["embedding"].float()).all())
+
+
 # --------------------------------------------------------------------------- fp16 / bf16 / fp32
 @pytest.mark.parametrize("dtype,torch_dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16),
                                                ("fp32", torch.float32)])

@@ -130,6 +130,10 @@ def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
     for required in ("id", "embedding"):
         if required not in names:
             raise _bad(path, None, f"no {required!r} column (columns: {names[:20]})", _LAYOUT)
+    if "op" in names and "step" in names and schema.field("op").type in (pa.string(), pa.large_string()):
+        # export_delta's feed (docs/FORMAT.md): upserts and deletes since another checkpoint, not a table
+        raise _bad(path, "op", "marks a delta feed (export_delta: upserts and deletes), not a table",
+                   "load the checkpoint itself or a to_parquet export of it")
     if schema.field("id").type != pa.int64():
         raise _bad(path, "id", f"is {schema.field('id').type}, expected int64",
                    "cast it, e.g. table.set_column(i, 'id', table['id'].cast(pa.int64()))")

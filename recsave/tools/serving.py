@@ -162,7 +162,7 @@ def _table_parts(src: Any, name: str, dim: int, dtype: Optional[torch.dtype], sc
         elif n == 0:
             tensors[emb] = torch.empty(0, dim, dtype=dtype)
         else:
-            tensors[emb] = RowSource(dtype, (n, dim), _caster(src, emb, c0, dtype))
+            tensors[emb] = RowSource(dtype, (n, dim), _caster(src, name, c0, dtype))
         rules = {t: segment_rule(_row_bytes(v)) for t, v in tensors.items()}
         segments: Dict[str, Any]
         if chunk.buckets is not None:  # the index names the rule
@@ -180,9 +180,20 @@ def _read(src: Any, tensor: str, a: int, b: int) -> torch.Tensor:
                         rows={tensor: [(a, b)]})[tensor]
 
 
-def _caster(src: Any, tensor: str, c0: int, dtype: torch.dtype) -> Any:
-    """fetch(a, b) of a RowSource: rows [c0 + a, c0 + b) of the source, cast to `dtype`."""
-    return lambda a, b: _read(src, tensor, c0 + a, c0 + b).to(dtype)
+def _caster(src: Any, name: str, c0: int, dtype: torch.dtype) -> Any:
+    """fetch(a, b) of a RowSource: embedding rows [c0 + a, c0 + b) of table `name`, cast to
+    `dtype`; UsageError when a finite value does not fit it (fp16 tops out at 65504)."""
+    def fetch(a: int, b: int) -> torch.Tensor:
+        rows = _read(src, f"{name}@embedding", c0 + a, c0 + b)
+        out = rows.to(dtype)
+        overflow = torch.isinf(out) & torch.isfinite(rows)
+        if bool(overflow.any()):
+            row = c0 + a + int(overflow.any(dim=1).nonzero()[0, 0])
+            raise UsageError(f"table {name!r}: row {row} of the checkpoint holds values beyond what {dtype} can hold "
+                             f"(largest {float(rows[overflow].abs().max()):g}); export it as bf16 or fp32",
+                             key=name)
+        return out
+    return fetch
 
 
 def _quantise(src: Any, name: str, c0: int, c1: int, dim: int, scale_dtype: torch.dtype
