@@ -42,6 +42,26 @@ class _StepState:
         self._manager.global_step = step
 
 
+
+def _keeping_own_step(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Bank entries with the manager's ``global_step`` extra added to ``exclude``, except where an
+    entry's ``load`` names it; anything not a list of dicts is passed on for the bank's own checks."""
+    if not isinstance(entries, (list, tuple)):
+        return entries  # type: ignore[return-value]  # refused by the Saver with ArgumentTypeError
+    out: List[Dict[str, Any]] = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            load = entry.get("load", ["*"])
+            named = load == GLOBAL_STEP or (isinstance(load, (list, tuple)) and GLOBAL_STEP in load)
+            if not named:
+                exclude = entry.get("exclude", [])
+                exclude = [exclude] if isinstance(exclude, str) else list(exclude) \
+                    if isinstance(exclude, (list, tuple)) else exclude
+                if isinstance(exclude, list):
+                    entry = {**entry, "exclude": exclude + [GLOBAL_STEP]}
+        out.append(entry)
+    return out
+
 class CheckpointManager:
     """Drives a Saver from the training loop. Checkpoint ids are ``ckpt_<global_step>``.
 
@@ -102,7 +122,7 @@ class CheckpointManager:
         self._save_interval = save_interval
         self._global_step = 0
         # (checkpoint dir, global step) of the last restore: saving that step again returns it
-        self._restored: Optional[Tuple[str, int]] = None
+        self._restored: Optional[Tuple[str, int, LoadReport]] = None  # path, step, the load's report
         # The checkpoint this manager saved at the current global step, with no step, restore or
         # load since: saving that step again returns it. (Not merely the latest listed id: after
         # restoring an earlier step and training back up to it, that id holds the abandoned branch.)
@@ -272,15 +292,13 @@ class CheckpointManager:
         return ckpt_dir
 
     def _holds_restored_state(self, ckpt_id: str) -> bool:
-        """Whether checkpoint `ckpt_id` is the one restore() loaded, at the same global step, and
-        the Saver's change baseline is still that checkpoint (no save or load since: a model-bank
-        load or a save moves it)."""
+        """Whether checkpoint `ckpt_id` is the one restore() loaded, at the same global step, with
+        no load or model-bank load of the Saver since (step() forgets the restore)."""
         if self._restored is None:
             return False
-        path, step = self._restored
+        path, step, report = self._restored
         return step == self._global_step and path.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
-            and self.saver.delta_parent is not None \
-            and self.saver.delta_parent.rstrip("/") == path.rstrip("/")
+            and self.saver.last_load is report
 
     def wait(self) -> Optional[str]:
         """Waits for the background write of an async save; returns its path (None if none was
@@ -340,7 +358,7 @@ class CheckpointManager:
             report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); the "
                                 f"checkpoint holds no global_step")
         self.last_report = report
-        self._restored = (report.checkpoints[-1], self._global_step) if report.checkpoints else None
+        self._restored = (report.checkpoints[-1], self._global_step, report) if report.checkpoints else None
         self._saved = None
         if self.async_mode != "disabled":  # the first async save after a restart finds its buffers filled
             saver.prepare_async(pinned=self.async_mode == "async_pinned")
@@ -349,11 +367,14 @@ class CheckpointManager:
     def plan_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadPlan:
         """Dry run of load_model_bank: per name, the source checkpoint and name, rows and bytes to
         read, and what stays initialised. Changes nothing."""
-        return self.saver.plan_model_bank(entries)
+        return self.saver.plan_model_bank(_keeping_own_step(entries))
 
     def load_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadReport:
         """Warm start: applies bank entries in order (the last entry wins a name). Entries with
-        ``is_dynamic: True`` are remembered for update_model_bank()."""
+        ``is_dynamic: True`` are remembered for update_model_bank(). The manager's own
+        ``global_step`` is left alone unless an entry's ``load`` names it: a source's step is
+        another job's (this job's checkpoint ids and schedules follow its own)."""
+        entries = _keeping_own_step(entries)
         plan = self.saver.plan_model_bank(entries, collective=True)
         report = self.saver.execute_plan(plan)
         self._saved = None  # the model changed: an id saved before holds other rows now

@@ -307,3 +307,23 @@ def test_a_category_word_that_also_names_a_table_warns_and_the_table_is_picked_b
     assert len(fresh.dense) == 0
     saver.load_model_bank([{"path": str(tmp_path / "src"), "load": ["[d]ense"]}])
     assert len(fresh.dense) == 5
+
+
+def test_a_managers_bank_load_keeps_its_own_global_step(tmp_path):
+    """A warm start from another manager job's checkpoint (default load: everything) must not
+    take that job's global_step: this job's checkpoint ids and schedules follow its own. Named
+    in `load`, it is taken."""
+    from helpers import make_job
+
+    other = make_job(str(tmp_path / "a"), save_interval=5, max_keep=None)
+    other.train(10)
+    other.manager.close()
+    job = make_job(str(tmp_path / "b"), save_interval=5, max_keep=None, seed=3)
+    job.train(20)
+    job.manager.load_model_bank([{"path": str(tmp_path / "a")}])
+    assert job.manager.global_step == 20
+    job.train(5)  # ckpt_25, not a refused ckpt_15
+    assert job.manager.global_step == 25
+    job.manager.load_model_bank([{"path": str(tmp_path / "a"), "load": ["sparse", "global_step"]}])
+    assert job.manager.global_step == 10
+    job.manager.close()

@@ -130,10 +130,46 @@ def test_preempted_right_after_restoring_an_older_checkpoint(tmp_path, restore_s
     with pytest.raises(Preempted) as caught:
         again.manager.check_preemption()
     assert caught.value.path.endswith("ckpt_6") and _list(out)[-1] == "ckpt_6"
+    # The damaged ckpt_8 is unlisted with it: the restart knows nothing of the fallback, and
+    # its save of step 8 would be refused as a committed checkpoint at every restart.
+    assert ("ckpt_8" in _list(out)) == (how == "rewind")
     again.manager.close()
     third = make_job(out, save_interval=2)
     assert third.manager.restore() == 6
+    if how == "fallback":
+        third.train(2)
+        assert _list(out)[-1] == "ckpt_8"
     third.manager.close()
+
+
+def test_preempted_right_after_a_rewind_with_tables_without_change_tracking(tmp_path, restore_signals):
+    """A table without take_changes (a TableLike) leaves the Saver no delta baseline after a
+    restore; the manager still knows the restored checkpoint holds the state until a load, a
+    step or a model-bank load changes it."""
+    from tablelike_table import TensorTable
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = TensorTable(4, name="t")
+            self.lin = torch.nn.Linear(2, 1)
+
+    out = str(tmp_path / "run")
+    model = Model()
+    manager = CheckpointManager(recsave.Saver(model, output_dir=out, max_keep=None), 2)
+    for _ in range(6):
+        with torch.no_grad():
+            model.lin.weight += 1
+        manager.step()
+    manager.close()
+    fresh = Model()
+    again = CheckpointManager(recsave.Saver(fresh, output_dir=out, max_keep=None), 2)
+    assert again.restore(global_step=4) == 4 and again.saver.delta_parent is None
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted) as caught:
+        again.check_preemption()
+    assert caught.value.path.endswith("ckpt_4") and _list(out) == ["ckpt_2", "ckpt_6", "ckpt_4"]
+    again.close()
 
 
 def test_handlers_chain_to_the_previous_one_and_close_restores_it(tmp_path, restore_signals):

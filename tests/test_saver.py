@@ -909,3 +909,18 @@ def test_gc_leaves_a_directory_named_like_a_temp_file(tmp_path):
     (tmp_path / "run" / "checkpoint.tmp-2").write_bytes(b"ckpt_1\n")  # an interrupted write: removed
     assert catalog.clean_output_dir(str(tmp_path / "run"))["removed_temp_files"] == ["checkpoint.tmp-2"]
     assert (tmp_path / "run" / "checkpoint.tmp-1").is_dir()
+
+
+def test_last_load_is_the_report_of_the_last_load_that_completed(tmp_path):
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.saver.save("ckpt_1")
+    fresh = make_job(out)
+    assert fresh.saver.last_load is None
+    report = fresh.saver.load()
+    assert fresh.saver.last_load is report
+    with pytest.raises(recsave.CheckpointNotFoundError):
+        fresh.saver.load(ckpt_id="ckpt_9")
+    assert fresh.saver.last_load is None  # a failed load may have changed tables
+    bank = fresh.saver.load_model_bank([{"path": out}])
+    assert fresh.saver.last_load is bank

@@ -64,6 +64,7 @@ class Saver:
         self._background = BackgroundWrite()
         self._prefill = Prefill()  # prepare_async's head start on the stager
         self._last_save: Optional[SaveInfo] = None
+        self._last_load: Optional[LoadReport] = None
         self._baseline: Optional[delta.Baseline] = None  # what the next delta is relative to
         self.last_save_kind: Optional[str] = None  # "full" or "delta": what the last save wrote
         if sparse_optim is not None:
@@ -117,6 +118,12 @@ class Saver:
     def last_save(self) -> Optional[SaveInfo]:
         """The last save of this Saver that committed (an async one once its write is done)."""
         return self._last_save
+
+    @property
+    def last_load(self) -> Optional[LoadReport]:
+        """The report of this Saver's last load or model-bank load (the object it returned); None
+        before any, and after one that failed (it may have changed some tables)."""
+        return self._last_load
 
     @property
     def concurrency(self) -> int:
@@ -414,6 +421,7 @@ class Saver:
             conf["path"] = ckpt_path
         conf.setdefault("path", self.output_dir)
         self._baseline = None  # a load changes the tables: known again only after a whole restore
+        self._last_load = None  # until this one returns: a failed load may have changed some tables
         if fallback and ckpt_id is None and not direct_path:
             damaged = self._checkpoints.damaged if conf["path"] == self.output_dir else None
             report = restore.load_with_fallback(self._target(), conf, shard_id, self._committed, damaged)
@@ -421,6 +429,7 @@ class Saver:
             report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
                                   direct_path=direct_path)
         self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
+        self._last_load = report
         return report
 
     @outside_inference_mode
@@ -460,5 +469,7 @@ class Saver:
         self._prefill.join()
         self._background.collect(consume=False)
         self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
+        self._last_load = None
         self._model_state("load")  # the model may have changed since the plan checked it
-        return execute(self._target(), plan, names)
+        self._last_load = report = execute(self._target(), plan, names)
+        return report
