@@ -152,6 +152,15 @@ def test_cli_export_since(two, tmp_path, capsys):
     assert main(["export", "--since", a, b, str(tmp_path / "f2"), "--rows-per-file", "3"]) == 2
 
 
+def test_a_source_that_is_no_checkpoint_is_named_for_what_it_is(two, tmp_path, capsys):
+    a = two[0]
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    with pytest.raises(UsageError, match=r"model.pt is a torch.save file, not a recsave checkpoint; export_delta"):
+        export_delta(str(tmp_path / "model.pt"), a, str(tmp_path / "feed"))
+    assert main(["export", str(tmp_path / "model.pt"), str(tmp_path / "pq")]) == 2
+    assert "is a torch.save file, not a recsave checkpoint; export takes" in capsys.readouterr().err
+
+
 def test_errors(two, tmp_path):
     a, b = two[0], two[1]
     with pytest.raises(ArgumentTypeError, match="out_dir"):

@@ -45,11 +45,12 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     return out
 
 
-def describe(ckpt: str) -> Dict[str, Any]:
-    """What a checkpoint holds, from its index alone."""
-    argcheck.path(ckpt, "ckpt", "describe")
+def describe(ckpt: str, tool: str = "describe") -> Dict[str, Any]:
+    """What a checkpoint holds, from its index alone. `tool`: the command named when `ckpt` is no
+    checkpoint (a CLI command describing its source first)."""
+    argcheck.path(ckpt, "ckpt", tool)
     src = open_source(ckpt)
-    require_checkpoint(src, ckpt, "describe")
+    require_checkpoint(src, ckpt, tool)
     assert isinstance(src, CheckpointSource)
     index = src.index
     shards = {n: f for n, f in index.files.items() if n.endswith(".safetensors")}

@@ -103,7 +103,7 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.since is not None:
         return _export_delta(args)
-    tables = describe(args.ckpt)["tables"]
+    tables = describe(args.ckpt, "export")["tables"]
     with Progress("export", sum(t["rows"] for n, t in tables.items() if args.tables is None or n in args.tables),
                   unit=" k rows", scale=1e3) as bar:
         manifest = to_parquet(args.ckpt, args.out_dir, args.tables, row_group_rows=args.row_group_rows,

@@ -52,13 +52,12 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
     argcheck.callback(progress, "progress", where)
     if row_group_rows < 1:
         raise UsageError(f"row_group_rows must be a positive int, got {row_group_rows!r}", key="row_group_rows")
-    from recsave.load.sources import open_source  # not at import time: sources imports tools.export
+    # not at import time: sources imports tools.export
+    from recsave.load.sources import open_source, require_checkpoint
 
     srcs = [open_source(p) for p in (old, new)]
-    for src in srcs:
-        if getattr(src, "kind", "checkpoint") not in ("checkpoint", "chain"):  # "chain": a delta checkpoint
-            raise UsageError(f"{src.ckpt_dir} is Parquet, not a recsave checkpoint; a delta feed compares two "
-                             f"checkpoints", path=src.ckpt_dir)
+    for src, path in zip(srcs, (old, new)):
+        require_checkpoint(src, path, "export_delta (a delta feed compares two checkpoints)")
     before, after = (s.contents.tables for s in srcs)
     known = list(after) + [n for n in before if n not in after]
     names = toolargs.select_tables(tables, known, f"{srcs[0].ckpt_dir} or {srcs[1].ckpt_dir}")
