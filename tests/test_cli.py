@@ -80,6 +80,20 @@ def test_gc_leaves_a_folder_of_torch_save_files_named_like_recsaves(output_dir, 
     assert sorted(os.listdir(output_dir / "final_model")) == ["model.pt"]
 
 
+def test_a_leftover_of_model_pt_alone_is_kept_by_gc_and_replaced_by_its_save(output_dir, capsys):
+    """A deletion killed part way may leave model.pt and extra.pt alone in a checkpoint's directory:
+    gc cannot tell it from a user's folder and keeps it; a save of that id replaces it."""
+    job = make_job(str(output_dir))
+    (output_dir / "ckpt_6").mkdir()
+    torch.save({}, output_dir / "ckpt_6" / "model.pt")
+    torch.save({}, output_dir / "ckpt_6" / "extra.pt")
+    assert main(["gc", str(output_dir)]) == 0
+    assert sorted(os.listdir(output_dir / "ckpt_6")) == ["extra.pt", "model.pt"]
+    job.saver.save("ckpt_6")
+    assert (output_dir / "ckpt_6" / "index").exists()
+    job.saver.close()
+
+
 def test_gc_refuses_a_directory_that_is_no_output_dir(tmp_path, capsys):
     project = tmp_path / "project"
     (project / "best").mkdir(parents=True)

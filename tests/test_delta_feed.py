@@ -95,13 +95,16 @@ def test_feed_applied_to_the_old_export_equals_the_new_export(two, tmp_path):
 def test_a_feed_is_refused_as_a_table_to_load(two, tmp_path):
     """A feed's table directory holds upserts (and deletes) since another checkpoint: loaded as a
     Parquet table it would replace the table with the changed rows alone."""
-    from recsave.errors import CorruptCheckpointError
-
     a, b = two[0], two[1]
     export_delta(a, b, str(tmp_path / "feed"))
     job = make_job(str(tmp_path / "job"))
-    with pytest.raises(CorruptCheckpointError, match="column 'op': marks a delta feed"):
+    with pytest.raises(UsageError, match="is part of an export_delta feed .*, not a table"):
         job.saver.load(str(tmp_path / "feed" / "item"), load_conf={"strict": False})
+    # A table of the user's own with `op` and `step` columns is a table.
+    t = pq.read_table(str(tmp_path / "feed" / "item" / "part-00000.parquet")).replace_schema_metadata(None)
+    (tmp_path / "mine").mkdir()
+    pq.write_table(t, str(tmp_path / "mine" / "item.parquet"))
+    job.saver.load(str(tmp_path / "mine" / "item.parquet"), load_conf={"strict": False})
 
 
 def test_an_unchanged_checkpoint_gives_an_empty_feed(two, tmp_path):

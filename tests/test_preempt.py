@@ -142,6 +142,27 @@ def test_preempted_right_after_restoring_an_older_checkpoint(tmp_path, restore_s
     third.manager.close()
 
 
+def test_a_checkpoint_loaded_whole_after_a_fallback_is_not_unlisted_as_damaged(tmp_path, restore_signals):
+    """A shard missing for a while (a network file system) makes a fallback skip ckpt_6; once a
+    load reads it whole it is intact, and a preemption's make_latest keeps it listed."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2)
+    job.train(6)
+    job.manager.close()
+    shard = next(n for n in os.listdir(os.path.join(out, "ckpt_6")) if n.startswith("sparse-"))
+    os.rename(os.path.join(out, "ckpt_6", shard), os.path.join(out, shard))
+    again = make_job(out, save_interval=2)
+    assert again.manager.restore() == 4 and "ckpt_6" in again.saver.damaged_checkpoints
+    os.rename(os.path.join(out, shard), os.path.join(out, "ckpt_6", shard))
+    assert again.manager.restore(global_step=6) == 6 and not again.saver.damaged_checkpoints
+    assert again.manager.restore(global_step=4) == 4
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted):
+        again.manager.check_preemption()
+    assert _list(out) == ["ckpt_2", "ckpt_6", "ckpt_4"]
+    again.manager.close()
+
+
 def test_preempted_right_after_a_rewind_with_tables_without_change_tracking(tmp_path, restore_signals):
     """A table without take_changes (a TableLike) leaves the Saver no delta baseline after a
     restore; the manager still knows the restored checkpoint holds the state until a load, a

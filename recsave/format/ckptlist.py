@@ -288,18 +288,23 @@ _OWN_FILE = re.compile(r"(index|model\.pt|extra\.pt|io_state_count|io_state_\d+\
 _RECSAVE_ONLY = re.compile(r"index|io_state_count|io_state_\d+\.pt|sparse-\d+-\d+\.safetensors|.*\.tmp-[0-9-]+\Z")
 
 
-def looks_like_checkpoint(storage: Storage, output_dir: str, name: str) -> bool:
+def looks_like_checkpoint(storage: Storage, output_dir: str, name: str, *, own_id: bool = False) -> bool:
     """Whether output_dir/name is a recsave checkpoint directory (committed or a crash leftover):
     a valid id holding only files recsave writes, one of them a name only recsave writes (a
     shard, an io state, the index, a temporary name). Anything else — other files, a folder of
-    torch.save files named model.pt, empty directories — is left alone."""
+    torch.save files named model.pt, empty directories — is left alone.
+
+    `own_id`: for a writer about to write checkpoint `name` itself, which replaces a leftover of
+    recsave's names alone (a deletion killed part way may leave only model.pt / extra.pt, and a
+    save of the id must not be refused for it); a scan of the output dir (gc) passes False."""
     if not is_plain_name(name) or name == LIST_FILE:
         return False
     path = storage.join(output_dir, name)
     if not storage.isdir(path):
         return False
     files = storage.listdir(path)
-    return all(_OWN_FILE.match(f) for f in files) and any(_RECSAVE_ONLY.match(f) for f in files)
+    return bool(files) and all(_OWN_FILE.match(f) for f in files) \
+        and (own_id or any(_RECSAVE_ONLY.match(f) for f in files))
 
 
 def newer_format_version(storage: Storage, output_dir: str, name: str) -> Optional[int]:

@@ -120,6 +120,17 @@ def _value_column(f: pa.Field, path: str) -> Optional[_Column]:
     return _Column(fixed, dim, native) if native is not None else None
 
 
+def _is_delta_feed(schema: pa.Schema) -> bool:
+    """Whether the file is an export_delta feed's: its `recsave.table` metadata names the two
+    checkpoints compared (`old`, `new`), which a table export's never does."""
+    raw = (schema.metadata or {}).get(b"recsave.table")
+    try:
+        meta = json.loads(raw) if raw else None
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and "old" in meta and "new" in meta
+
+
 def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
     """Value columns (`embedding` first, then slots) of a file; CorruptCheckpointError when it is
     not a recsave Parquet table."""
@@ -130,10 +141,10 @@ def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
     for required in ("id", "embedding"):
         if required not in names:
             raise _bad(path, None, f"no {required!r} column (columns: {names[:20]})", _LAYOUT)
-    if "op" in names and "step" in names and schema.field("op").type in (pa.string(), pa.large_string()):
-        # export_delta's feed (docs/FORMAT.md): upserts and deletes since another checkpoint, not a table
-        raise _bad(path, "op", "marks a delta feed (export_delta: upserts and deletes), not a table",
-                   "load the checkpoint itself or a to_parquet export of it")
+    if _is_delta_feed(schema):
+        raise UsageError(f"{path} is part of an export_delta feed (upserts and deletes since another "
+                         f"checkpoint), not a table; load the checkpoint itself or a to_parquet export of it",
+                         path=path)
     if schema.field("id").type != pa.int64():
         raise _bad(path, "id", f"is {schema.field('id').type}, expected int64",
                    "cast it, e.g. table.set_column(i, 'id', table['id'].cast(pa.int64()))")

@@ -151,6 +151,15 @@ class CheckpointWriter:
             return lambda: check_held(self._lock)
         return watch.check if watch is not None else (lambda: None)
 
+    def loaded_intact(self, paths: Iterable[str]) -> None:
+        """Checkpoints a load read whole are not damaged, whatever an earlier fallback found (a
+        file missing for a while on a network file system): no later save or make_latest unlists
+        them."""
+        for path in paths:
+            parent, name = self.storage.split(path.rstrip("/"))
+            if parent.rstrip("/") == self.output_dir.rstrip("/"):
+                self.damaged.discard(name)
+
     def fail_before_writing(self, ckpt_id: str, error: BaseException, rank: int, world: int) -> None:
         """A rank whose snapshot failed takes part in the exchange the others' write() starts with
         (its prepare step), reporting `error`: they raise RankFailedError naming it at once. It
@@ -298,7 +307,7 @@ class CheckpointWriter:
         # user's: never removed.
         if self.storage.exists(ckpt_dir):
             if self.storage.listdir(ckpt_dir) and \
-                    not ckptlist.looks_like_checkpoint(self.storage, self.output_dir, ckpt_id):
+                    not ckptlist.looks_like_checkpoint(self.storage, self.output_dir, ckpt_id, own_id=True):
                 raise CheckpointExistsError(
                     f"{ckpt_dir} exists and holds files recsave did not write; save under another id "
                     f"or move that directory away", path=ckpt_dir)

@@ -186,12 +186,15 @@ def _caster(src: Any, name: str, c0: int, dtype: torch.dtype) -> Any:
     def fetch(a: int, b: int) -> torch.Tensor:
         rows = _read(src, f"{name}@embedding", c0 + a, c0 + b)
         out = rows.to(dtype)
-        overflow = torch.isinf(out) & torch.isfinite(rows)
-        if bool(overflow.any()):
-            row = c0 + a + int(overflow.any(dim=1).nonzero()[0, 0])
-            raise UsageError(f"table {name!r}: row {row} of the checkpoint holds values beyond what {dtype} can hold "
-                             f"(largest {float(rows[overflow].abs().max()):g}); export it as bf16 or fp32",
-                             key=name)
+        # Only a cast to a narrower range can overflow; one pass over the result unless it did.
+        narrows = rows.dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(rows.dtype).max
+        if narrows and bool(torch.isinf(out).any()):
+            overflow = torch.isinf(out) & torch.isfinite(rows)
+            if bool(overflow.any()):
+                row = c0 + a + int(overflow.any(dim=1).nonzero()[0, 0])
+                hint = "export it as bf16 or fp32" if dtype == torch.float16 else "no serving dtype holds it"
+                raise UsageError(f"table {name!r}: row {row} of the checkpoint holds values beyond what {dtype} "
+                                 f"can hold (largest {float(rows[overflow].abs().max()):g}); {hint}", key=name)
         return out
     return fetch
 
