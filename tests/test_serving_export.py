@@ -188,6 +188,26 @@ def test_values_beyond_fp16_are_refused_not_made_infinite(tmp_path):
     assert bool(torch.isfinite(stored(path, "user", ("embedding",))["embedding"].float()).all())
 
 
+def test_a_killed_exports_leftover_is_replaced_by_its_retry(source, tmp_path):
+    """A killed export leaves its files without an index; the retry (under the same lock) replaces
+    them. A directory holding anything else is still refused."""
+    import shutil
+
+    ckpt, _ = source
+    done = recsave.export_serving(ckpt, str(tmp_path / "a"), "fp16")
+    leftover = tmp_path / "b" / os.path.basename(done)
+    shutil.copytree(done, leftover)
+    os.remove(leftover / "index")
+    path = recsave.export_serving(ckpt, str(tmp_path / "b"), "fp16")
+    assert index_mod.read(path).total_bytes == index_mod.read(done).total_bytes
+    theirs = tmp_path / "c" / os.path.basename(done)
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointExistsError, match="exists already"):
+        recsave.export_serving(ckpt, str(tmp_path / "c"), "fp16")
+    assert os.listdir(theirs) == ["notes.txt"]
+
+
 # --------------------------------------------------------------------------- fp16 / bf16 / fp32
 @pytest.mark.parametrize("dtype,torch_dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16),
                                                ("fp32", torch.float32)])

@@ -100,8 +100,14 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
         listed = list(ckptlist.committed(storage, out_dir, rewrite=True).ids)
         ckpt_dir = storage.join(out_dir, ckpt_id)
         if storage.exists(ckpt_dir):
-            raise CheckpointExistsError(f"{ckpt_dir} exists already; export to another out_dir or ckpt_id, "
-                                        f"or delete it first", path=ckpt_dir)
+            # A killed export's leftover (recsave's files, no index), found under the lock, goes;
+            # anything else is refused.
+            leftover = not storage.exists(storage.join(ckpt_dir, index_mod.INDEX_FILE)) and \
+                ckptlist.looks_like_checkpoint(storage, out_dir, ckpt_id, own_id=True)
+            if not leftover:
+                raise CheckpointExistsError(f"{ckpt_dir} exists already; export to another out_dir or ckpt_id, "
+                                            f"or delete it first", path=ckpt_dir)
+            storage.remove_tree(ckpt_dir)
         storage.makedirs(ckpt_dir)
         try:
             _write(src, names, SERVING_DTYPES[dtype], SCALE_DTYPES[scale_dtype], storage, ckpt_dir, lock)
