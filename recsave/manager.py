@@ -42,7 +42,6 @@ class _StepState:
         self._manager.global_step = step
 
 
-
 def _keeping_own_step(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Bank entries with the manager's ``global_step`` extra added to ``exclude``, except where an
     entry's ``load`` names it; anything not a list of dicts is passed on for the bank's own checks."""
@@ -51,16 +50,18 @@ def _keeping_own_step(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]
     out: List[Dict[str, Any]] = []
     for entry in entries:
         if isinstance(entry, dict):
-            load = entry.get("load", ["*"])
-            named = load == GLOBAL_STEP or (isinstance(load, (list, tuple)) and GLOBAL_STEP in load)
-            if not named:
-                exclude = entry.get("exclude", [])
-                exclude = [exclude] if isinstance(exclude, str) else list(exclude) \
-                    if isinstance(exclude, (list, tuple)) else exclude
-                if isinstance(exclude, list):
-                    entry = {**entry, "exclude": exclude + [GLOBAL_STEP]}
+            load, exclude = _items(entry.get("load", ["*"])), _items(entry.get("exclude", []))
+            named = isinstance(load, (list, tuple)) and GLOBAL_STEP in load
+            if not named and isinstance(exclude, (list, tuple)):
+                entry = {**entry, "exclude": [*exclude, GLOBAL_STEP]}
         out.append(entry)
     return out
+
+
+def _items(value: Any) -> Any:
+    """A `load` / `exclude` value as a list when it is one item (a string); else as given."""
+    return [value] if isinstance(value, str) else value
+
 
 class CheckpointManager:
     """Drives a Saver from the training loop. Checkpoint ids are ``ckpt_<global_step>``.

@@ -307,6 +307,14 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str, *, own_i
         and (own_id or any(_RECSAVE_ONLY.match(f) for f in files))
 
 
+def holds_foreign_files(storage: Storage, output_dir: str, name: str) -> bool:
+    """Whether output_dir/name holds files recsave did not write, which a writer of checkpoint
+    `name` (a save, a compaction) must not remove: not when it is empty or holds recsave's names
+    alone (a leftover it replaces)."""
+    return bool(storage.listdir(storage.join(output_dir, name))) and \
+        not looks_like_checkpoint(storage, output_dir, name, own_id=True)
+
+
 def newer_format_version(storage: Storage, output_dir: str, name: str) -> Optional[int]:
     """The format_version of checkpoint output_dir/name when a newer recsave wrote it (higher than
     the one this recsave reads), else None (also when it has no readable index). Such a checkpoint

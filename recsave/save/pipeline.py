@@ -306,8 +306,7 @@ class CheckpointWriter:
         # never committed: safe to replace. A directory holding files recsave does not write is the
         # user's: never removed.
         if self.storage.exists(ckpt_dir):
-            if self.storage.listdir(ckpt_dir) and \
-                    not ckptlist.looks_like_checkpoint(self.storage, self.output_dir, ckpt_id, own_id=True):
+            if ckptlist.holds_foreign_files(self.storage, self.output_dir, ckpt_id):
                 raise CheckpointExistsError(
                     f"{ckpt_dir} exists and holds files recsave did not write; save under another id "
                     f"or move that directory away", path=ckpt_dir)

@@ -163,8 +163,9 @@ def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
     paths relative to output_dir), then, on S3, the multipart uploads a killed writer left
     unfinished under output_dir, begun before this call took the lock (``aborted_uploads``: keys
     relative to output_dir; a later writer's uploads are never touched). Raises
-    CheckpointNotFoundError when output_dir does not exist, WriterLockedError (removing nothing)
-    while a Saver holds it."""
+    CheckpointNotFoundError when output_dir does not exist or is no output dir (neither a
+    `checkpoint` file nor a committed checkpoint: removing nothing), WriterLockedError (removing
+    nothing) while a Saver holds it."""
     argcheck.path(output_dir, "output_dir", "clean_output_dir")
     storage = get_storage(output_dir)
     _require_dir(storage, output_dir)  # before the lock, which would create the directory
@@ -181,10 +182,7 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
     # every committed checkpoint is kept (collect_garbage keeps damaged directories itself).
     listing = ckptlist.committed(storage, output_dir, rewrite=True)
-    if not listing.found:  # not an output dir: its folders are someone else's
-        raise CheckpointNotFoundError(f"{output_dir}: no 'checkpoint' file and no committed checkpoint (no "
-                                      f"directory with a valid index), so it is not a recsave output dir; "
-                                      f"nothing removed", path=output_dir)
+    _require_output_dir(listing, output_dir, "it is not a recsave output dir; nothing removed")
     # Then the retention policy recorded in the latest index selects, as the Saver's rotation
     # does (a save interrupted before it pruned leaves more listed than the policy keeps); a
     # rebuilt list keeps every committed checkpoint.
@@ -204,6 +202,14 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     # By the store's clock: uploads begun before the lock file was written are dead writers'.
     uploads = storage.abort_stale_uploads(output_dir, lock.path) if lock is not None else []
     return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads}
+
+
+def _require_output_dir(listing: ckptlist.Listing, output_dir: str, consequence: str) -> None:
+    """CheckpointNotFoundError unless `listing` found a `checkpoint` file or a committed checkpoint
+    (else output_dir is no output dir: its folders are someone else's)."""
+    if not listing.found:
+        raise CheckpointNotFoundError(f"{output_dir}: no 'checkpoint' file and no committed checkpoint (no "
+                                      f"directory with a valid index); {consequence}", path=output_dir)
 
 
 def _parents(storage: Storage, output_dir: str) -> Callable[[str], List[str]]:
@@ -248,9 +254,7 @@ def repair(output_dir: str) -> Dict[str, Any]:
     finally:
         if lock is not None:
             lock.release()
-    if not listing.found:
-        raise CheckpointNotFoundError(f"{output_dir}: no 'checkpoint' file and no committed checkpoint "
-                                      f"(no directory with a valid index); nothing to repair", path=output_dir)
+    _require_output_dir(listing, output_dir, "nothing to repair")
     return {"output_dir": output_dir, "file": storage.join(output_dir, ckptlist.LIST_FILE),
             "problem": listing.problem, "ids": list(listing.ids), "stale": list(listing.stale),
             "left_out": dict(listing.left_out), "rebuilt": listing.rebuilt, "rewritten": listing.rewritten}

@@ -54,8 +54,7 @@ def compact(ckpt: str, out_dir: str) -> str:
     try:
         refuse_committed()  # again under the lock: another compaction may have committed it meanwhile
         if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
-            if storage.listdir(target) and not ckptlist.looks_like_checkpoint(storage, out_dir, ckpt_id,
-                                                                                    own_id=True):
+            if ckptlist.holds_foreign_files(storage, out_dir, ckpt_id):
                 raise CheckpointExistsError(
                     f"{target} exists and holds files recsave did not write; compact into another output "
                     f"dir or move that directory away", path=target)
