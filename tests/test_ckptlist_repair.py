@@ -351,6 +351,10 @@ def test_a_save_never_removes_a_users_directory_named_like_the_id(tmp_path):
     with pytest.raises(recsave.CheckpointExistsError, match="holds files recsave did not write"):
         job.saver.save("eval")
     assert (out / "eval" / "notes.txt").read_text() == "mine"
+    (out / "notes").write_text("a file named like the id")
+    with pytest.raises(recsave.CheckpointExistsError, match="is a file or holds files recsave did not write"):
+        job.saver.save("notes")
+    assert (out / "notes").read_text() == "a file named like the id"
     (out / "empty").mkdir()  # an empty directory is a leftover (a crash right after mkdir): replaced
     job.saver.save("empty")
     assert (out / "empty" / "index").exists()

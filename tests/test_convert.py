@@ -1,4 +1,5 @@
 """recsave.convert / `recsave convert`: recsave <-> torch.save <-> DCP, exact round trips."""
+import os
 import pickle
 import uuid
 
@@ -129,6 +130,26 @@ def test_convert_refuses_bad_arguments_and_existing_outputs(tmp_path):
         recsave.convert(str(tmp_path / "job"), 5, "torch")
     assert job is not None and not (tmp_path / "x").exists()
     assert cli.main(["convert", str(tmp_path / "job"), str(tmp_path / "taken.pt"), "--to", "torch"]) == cli.EXIT_ERROR
+
+
+def test_a_directory_is_refused_as_a_torch_file_and_the_sources_output_dir_as_a_target(tmp_path):
+    """--to torch writes one file: an (empty) directory there is refused by name. --to recsave into
+    the source's own output dir would list the converted checkpoint as that job's latest: refused
+    however the path is spelt, and nothing there changes."""
+    job = _trained(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="is a directory; --to torch writes one file"):
+        recsave.convert(str(tmp_path / "job"), str(tmp_path / "empty"), "torch")
+    assert os.listdir(tmp_path / "empty") == []
+    job_dir = str(tmp_path / "job")
+    before, listed = sorted(os.listdir(job_dir)), job.saver.checkpoints()
+    for src, dst in [(job_dir, job_dir), (job_dir, job_dir + "/."), (job_dir, "file://" + job_dir),
+                     (os.path.join(job_dir, "ckpt_4"), job_dir + "/")]:
+        with pytest.raises(UsageError, match="is the output dir of"):
+            recsave.convert(src, dst, "recsave")
+    assert sorted(os.listdir(job_dir)) == before and job.saver.checkpoints() == listed
+    path = recsave.convert(job_dir, str(tmp_path / "elsewhere"), "recsave")
+    assert path == str(tmp_path / "elsewhere" / "converted")
 
 
 def test_dcp_metadata_is_a_plain_pickle_of_dcp_metadata(tmp_path):

@@ -182,3 +182,21 @@ def test_errors(two, tmp_path):
         os.makedirs(tmp_path / "z" / "user")
         (tmp_path / "z" / "user" / "f").write_text("x")
         export_delta(a, b, str(tmp_path / "z"))
+
+
+def test_a_failed_export_leaves_no_directories_it_made(two, tmp_path):
+    """A failure part way (here the progress callback raising after the first row group) removes
+    the files written and the directories the export made, and only those."""
+    a, b = two[0], two[1]
+
+    def fail(_rows: int) -> None:
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        export_delta(a, b, str(tmp_path / "new" / "feed"), progress=fail)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(RuntimeError, match="stop"):
+        export_delta(a, b, str(tmp_path / "mine"), progress=fail)
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]

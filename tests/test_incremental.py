@@ -474,6 +474,11 @@ def test_compact_refuses_a_directory_of_the_same_name_that_recsave_did_not_write
     with pytest.raises(recsave.CheckpointExistsError, match="holds files recsave did not write"):
         recsave.compact(os.path.join(out, "ckpt_2"), str(tmp_path / "exports"))
     assert os.listdir(theirs) == ["recsave_export.json"]
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "ckpt_2").write_text("a file of that name")  # never removed either
+    with pytest.raises(recsave.CheckpointExistsError, match="is a file or holds files recsave did not write"):
+        recsave.compact(os.path.join(out, "ckpt_2"), str(tmp_path / "files"))
+    assert (tmp_path / "files" / "ckpt_2").read_text() == "a file of that name"
 
 
 def test_a_failed_compaction_leaves_nothing_and_its_retry_works(chain_dir, tmp_path, monkeypatch):

@@ -183,7 +183,15 @@ def test_values_beyond_fp16_are_refused_not_made_infinite(tmp_path):
     with pytest.raises(UsageError, match=r"table 'user': row \d of the checkpoint holds values beyond what "
                                          r"torch.float16 can hold \(largest 100000\); export it as bf16 or fp32"):
         recsave.export_serving(ckpt, str(tmp_path / "out"), "fp16")
-    assert not (tmp_path / "out" / "ckpt_1").exists()
+    assert not (tmp_path / "out").exists()  # the directory the failed export made goes too
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(UsageError, match="beyond what torch.float16 can hold"):
+        recsave.export_serving(ckpt, str(tmp_path / "kept" / "a" / "b"), "fp16")
+    assert os.listdir(tmp_path / "kept") == []  # a directory that was there stays
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="beyond what torch.float16 can hold"):
+        recsave.export_serving(ckpt, str(tmp_path / "kept"), "fp16")
+    assert os.listdir(tmp_path / "kept") == ["notes.txt"]
     path = recsave.export_serving(ckpt, str(tmp_path / "out"), "bf16")
     assert bool(torch.isfinite(stored(path, "user", ("embedding",))["embedding"].float()).all())
 

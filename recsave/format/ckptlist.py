@@ -308,11 +308,13 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str, *, own_i
 
 
 def holds_foreign_files(storage: Storage, output_dir: str, name: str) -> bool:
-    """Whether output_dir/name holds files recsave did not write, which a writer of checkpoint
-    `name` (a save, a compaction) must not remove: not when it is empty or holds recsave's names
-    alone (a leftover it replaces)."""
-    return bool(storage.listdir(storage.join(output_dir, name))) and \
-        not looks_like_checkpoint(storage, output_dir, name, own_id=True)
+    """Whether output_dir/name (which exists) is a file or holds files recsave did not write: what
+    a writer of checkpoint `name` (a save, a compaction) must not remove. Not when it is an empty
+    directory or holds recsave's names alone (a leftover it replaces)."""
+    path = storage.join(output_dir, name)
+    if not storage.isdir(path):
+        return True
+    return bool(storage.listdir(path)) and not looks_like_checkpoint(storage, output_dir, name, own_id=True)
 
 
 def newer_format_version(storage: Storage, output_dir: str, name: str) -> Optional[int]:

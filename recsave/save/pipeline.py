@@ -308,8 +308,8 @@ class CheckpointWriter:
         if self.storage.exists(ckpt_dir):
             if ckptlist.holds_foreign_files(self.storage, self.output_dir, ckpt_id):
                 raise CheckpointExistsError(
-                    f"{ckpt_dir} exists and holds files recsave did not write; save under another id "
-                    f"or move that directory away", path=ckpt_dir)
+                    f"{ckpt_dir} exists and is a file or holds files recsave did not write; save under "
+                    f"another id or move it away", path=ckpt_dir)
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
         return None if self._lock is None else self._lock.grant()

@@ -56,8 +56,8 @@ def compact(ckpt: str, out_dir: str) -> str:
         if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
             if ckptlist.holds_foreign_files(storage, out_dir, ckpt_id):
                 raise CheckpointExistsError(
-                    f"{target} exists and holds files recsave did not write; compact into another output "
-                    f"dir or move that directory away", path=target)
+                    f"{target} exists and is a file or holds files recsave did not write; compact into "
+                    f"another output dir or move it away", path=target)
             storage.remove_tree(target)
         storage.makedirs(target)
         created = True

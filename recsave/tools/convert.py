@@ -22,7 +22,7 @@ import torch
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
 from recsave.format import ckptlist
-from recsave.load.sources import open_source
+from recsave.load.sources import CheckpointSource, open_source
 from recsave.load.torch_sources import TorchStateSource
 from recsave.save.pipeline import CheckpointWriter
 from recsave.save.snapshot import SaveState, TableState
@@ -65,9 +65,17 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
         raise UsageError("convert: dst must be a non-empty path")
     source = open_source(src)
     names, dense = _split(source, tables)
-    if to == "recsave":
-        return _to_recsave(source, names, dense, dst, ckpt_id or DEFAULT_CKPT_ID, concurrency)
     storage = get_storage(dst)
+    if to == "recsave":
+        if isinstance(source, CheckpointSource) and \
+                source.storage.canonical(source.storage.split(source.ckpt_dir)[0]) == storage.canonical(dst):
+            raise UsageError(f"convert: {dst} is the output dir of {source.ckpt_dir}; convert into another "
+                             f"directory (a converted checkpoint there would become the training job's "
+                             f"latest)", path=dst)
+        return _to_recsave(source, names, dense, dst, ckpt_id or DEFAULT_CKPT_ID, concurrency)
+    if to == "torch" and storage.isdir(dst):
+        raise UsageError(f"convert: {dst} is a directory; --to torch writes one file: name a file path "
+                         f"that does not exist (nothing was written)", path=dst)
     if storage.exists(dst) and (not storage.isdir(dst) or storage.listdir(dst)):
         raise UsageError(f"convert: {dst} exists; convert into a new path (nothing was written)", path=dst)
     if to == "torch":

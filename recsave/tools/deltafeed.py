@@ -25,7 +25,7 @@ from recsave.load.config import TableInfo
 from recsave.storage import Storage, get_storage
 from recsave.tables.idmap import CpuIdMap
 from recsave.tools import toolargs
-from recsave.tools.export import ArrowSink, manifest_head, remove_files
+from recsave.tools.export import ArrowSink, manifest_head
 
 __all__ = ["export_delta", "DELTA_MANIFEST", "DELTA_FORMAT", "diff_rows"]
 
@@ -42,7 +42,8 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
     a list (default: every table of either). A table only in `old` becomes deletes of all its ids,
     one only in `new` upserts of all its rows. ConfigError for an unknown table or one whose dim or
     dtype changed; UsageError when `out_dir` already holds a feed or a non-empty table directory.
-    On failure the files written are removed. `progress` gets the rows written after each row group."""
+    On failure the files written are removed, and the directories it made when empty. `progress`
+    gets the rows written after each row group."""
     where = "export_delta"
     argcheck.path(old, "old", where)
     argcheck.path(new, "new", where)
@@ -70,17 +71,18 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
     storage = get_storage(out_dir)
     manifest_path = toolargs.check_out_dir(storage, out_dir, DELTA_MANIFEST, names, "a delta feed")
     written: List[str] = []
+    created = toolargs.missing_dirs(storage, out_dir)  # removed again (when empty) on failure
     try:
         entries = {}
         for name in names:
             info = after.get(name) or before[name]
-            entries[name] = _table(srcs, name, info, storage, out_dir, written, row_group_rows, progress)
+            entries[name] = _table(srcs, name, info, storage, out_dir, written, created, row_group_rows, progress)
         manifest = {**manifest_head(DELTA_FORMAT, DELTA_FORMAT_VERSION), "step": srcs[1].step,
                     "old": {"source": srcs[0].ckpt_dir, "step": srcs[0].step},
                     "new": {"source": srcs[1].ckpt_dir, "step": srcs[1].step}, "tables": entries}
         storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
     except BaseException:
-        remove_files(storage, written)
+        toolargs.undo_writes(storage, written, created)
         raise
     return manifest
 
@@ -122,7 +124,7 @@ def _state(src: Any, name: str, info: TableInfo) -> Tuple[torch.Tensor, torch.Te
 
 
 def _table(srcs: List[Any], name: str, info: TableInfo, storage: Storage, out_dir: str, written: List[str],
-           row_group_rows: int, progress: Optional[Callable[[int], None]]) -> Dict[str, Any]:
+           created: List[str], row_group_rows: int, progress: Optional[Callable[[int], None]]) -> Dict[str, Any]:
     old_ids, old_rows = _state(srcs[0], name, info)
     new_ids, new_rows = _state(srcs[1], name, info)
     ups, dels = diff_rows(old_ids, old_rows, new_ids, new_rows)
@@ -158,7 +160,10 @@ def _table(srcs: List[Any], name: str, info: TableInfo, storage: Storage, out_di
                         progress(b - a)
 
     rel_dir = table_dir_name(name)
-    storage.makedirs(storage.join(out_dir, rel_dir))
+    table_dir = storage.join(out_dir, rel_dir)
+    if not storage.exists(table_dir):
+        created.append(table_dir)
+    storage.makedirs(table_dir)
     fname = "part-00000.parquet"
     path = storage.join(out_dir, rel_dir, fname)
     written.append(path)

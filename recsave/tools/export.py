@@ -2,7 +2,6 @@
 and the manifest are described in recsave.parquet, which also reads them back."""
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import uuid
@@ -65,7 +64,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     storage = get_storage(out_dir)
     manifest_path = toolargs.check_out_dir(storage, out_dir, MANIFEST, names, "an export")
     written: List[str] = []
-    created: List[str] = _missing_dirs(storage, out_dir)  # removed again (when empty) on failure
+    created: List[str] = toolargs.missing_dirs(storage, out_dir)  # removed again (when empty) on failure
     try:
         entries = {}
         for name in names:
@@ -75,11 +74,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
                     "tables": entries}
         storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
     except BaseException:
-        remove_files(storage, written)
-        for path in reversed(created):
-            with contextlib.suppress(Exception):
-                if not storage.listdir(path):
-                    storage.remove_tree(path)
+        toolargs.undo_writes(storage, written, created)
         raise
     return manifest
 
@@ -90,25 +85,6 @@ def manifest_head(fmt: str, version: int) -> Dict[str, Any]:
     return {"format": fmt, "format_version": version, "recsave_version": __version__,
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
             "export_id": uuid.uuid4().hex}
-
-
-def remove_files(storage: Storage, paths: Sequence[str]) -> None:
-    """Removes what a failed export wrote, as far as it can (the export's error is what matters)."""
-    for path in paths:
-        with contextlib.suppress(Exception):
-            storage.remove_file(path)
-
-
-def _missing_dirs(storage: Storage, path: str) -> List[str]:
-    """`path` and those of its parents that do not exist yet, outermost first."""
-    missing: List[str] = []
-    while not storage.exists(path):
-        missing.insert(0, path)
-        parent, name = storage.split(path)
-        if not name or parent == path:
-            break
-        path = parent
-    return missing
 
 
 def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_dir: str, written: List[str],

@@ -61,7 +61,8 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     CheckpointExistsError when `<out_dir>/<ckpt_id>` exists, UsageError for a source that is not a
     full or delta checkpoint or rows int8 cannot hold (NaN / inf). A delta is exported as the merged
     state of its chain: compacted first into a local temporary directory (room for one full
-    checkpoint), then exported from there. On failure the new directory is removed."""
+    checkpoint), then exported from there. On failure the new directory is removed, and `out_dir`
+    when it made it and nothing else is there."""
     where = "export_serving"
     argcheck.path(ckpt, "ckpt", where)
     argcheck.path(out_dir, "out_dir", where)
@@ -94,7 +95,19 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     available = src.contents.tables
     names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     ckpt_id = ckptlist.validate_id(ckpt_id if ckpt_id is not None else storage.split(src.ckpt_dir)[1])
+    created = toolargs.missing_dirs(storage, out_dir)  # removed again (when empty) on failure
     storage.makedirs(out_dir)
+    try:
+        return _export_locked(src, names, dtype, scale_dtype, storage, out_dir, ckpt_id)
+    except BaseException:
+        toolargs.undo_writes(storage, [], created)  # after the lock's release: its file is gone
+        raise
+
+
+def _export_locked(src: Any, names: List[str], dtype: str, scale_dtype: str, storage: Storage, out_dir: str,
+                   ckpt_id: str) -> str:
+    """export_serving's writes into `out_dir`, under its writer lock: the checkpoint `ckpt_id`,
+    then the list naming it."""
     lock = hold_writer_lock(None, storage, out_dir)
     try:
         listed = list(ckptlist.committed(storage, out_dir, rewrite=True).ids)

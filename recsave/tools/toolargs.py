@@ -1,7 +1,9 @@
 """Arguments shared by the export tools (tools/export.py Parquet export, tools/deltafeed.py delta
-feed, tools/serving.py serving export): the `tables` selection and a fresh output directory."""
+feed, tools/serving.py serving export): the `tables` selection, a fresh output directory, and
+undoing what a failed export wrote."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, List, Optional, Sequence
 
 from recsave.argcheck import check
@@ -43,3 +45,29 @@ def check_out_dir(storage: Storage, out_dir: str, manifest: str, names: Sequence
             raise UsageError(f"{table_dir} exists and is not empty; remove it or write to another directory "
                              f"(table {name!r} is never overwritten)", path=table_dir, key=name)
     return manifest_path
+
+
+def missing_dirs(storage: Storage, path: str) -> List[str]:
+    """`path` and those of its parents that do not exist yet, outermost first: what an export that
+    makes `path` creates, and removes again (when empty) if it fails."""
+    missing: List[str] = []
+    while not storage.exists(path):
+        missing.insert(0, path)
+        parent, name = storage.split(path)
+        if not name or parent == path:
+            break
+        path = parent
+    return missing
+
+
+def undo_writes(storage: Storage, written: Sequence[str], created: Sequence[str]) -> None:
+    """Removes what a failed export wrote, as far as it can (the export's error is what matters):
+    the files `written`, then each directory of `created` (innermost first) that is empty now, so
+    nothing another writer put there is touched."""
+    for path in written:
+        with contextlib.suppress(Exception):
+            storage.remove_file(path)
+    for path in reversed(created):
+        with contextlib.suppress(Exception):
+            if storage.exists(path) and not storage.listdir(path):
+                storage.remove_tree(path)
