@@ -129,6 +129,7 @@ class CheckpointManager:
         # restoring an earlier step and training back up to it, that id holds the abandoned branch.)
         self._saved: Optional[str] = None
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
+        self._warned_unsaved_metrics = False
         self.last_report: Optional[LoadReport] = None
         # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
         # step from the checkpoint id).
@@ -174,7 +175,8 @@ class CheckpointManager:
     def step(self, metrics: Optional[Mapping[str, float]] = None) -> Optional[str]:
         """Advances the global step; saves when it reaches a multiple of save_interval, or when
         save_interval_seconds have passed since the last save (rank 0's clock decides); returns the
-        checkpoint path then, else None. `metrics` go into the checkpoint this step saves. In an
+        checkpoint path then, else None. `metrics` go into the checkpoint this step saves (on a step
+        that does not save they are dropped, with a RuntimeWarning the first time). In an
         async mode the save is only started: training waits for the snapshot (and for the previous
         write, if it is still running).
 
@@ -191,6 +193,15 @@ class CheckpointManager:
             self._preempt(values)
         if by_steps or by_time:
             return self.save(wait=False, metrics=values)
+        if values and not self._warned_unsaved_metrics:
+            # Not kept for the next save: they describe this step's model, and keep_best would
+            # rank a later checkpoint by them.
+            self._warned_unsaved_metrics = True
+            warnings.warn(f"CheckpointManager.step: metrics {sorted(values)} were passed on global step "
+                          f"{self._global_step}, which does not save; only a saving step stores them "
+                          f"(keep_best ranks checkpoints by them). Pass them on saving steps, or call "
+                          f"save(metrics=...) after an evaluation. (Warned once per manager.)",
+                          RuntimeWarning, stacklevel=2)
         return None
 
     def check_preemption(self) -> None:

@@ -306,3 +306,22 @@ def test_rotation_keeps_a_chains_base_past_a_member_it_cannot_read(tmp_path):
     fresh = make_job(out)
     fresh.saver.load(os.path.join(out, "ckpt_4"), direct_path=True)  # the whole chain is there
     fresh.saver.close()
+
+
+def test_metrics_of_a_step_that_does_not_save_are_dropped_with_one_warning(tmp_path):
+    """Only a saving step stores metrics: on another step they would describe another model
+    state than the next checkpoint's. The manager says so once, and stores a saving step's own."""
+    import warnings
+
+    out = str(tmp_path / "run")
+    job, mgr = _manager(out)
+    job.train(1)
+    with pytest.warns(RuntimeWarning, match=r"metrics \['auc'\] were passed on global step 1, which does "
+                                            r"not save"):
+        assert mgr.step(metrics={"auc": 0.9}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = mgr.step(metrics={"auc": 0.7})
+        assert mgr.step(metrics={"auc": 0.8}) is None  # warned once per manager
+    assert read_index(path).metrics == {"auc": 0.7}
+    mgr.close()
