@@ -36,6 +36,11 @@ def live_job(tmp_path, name="live", **kw):
     return job
 
 
+def with_counts(sparse_opt, **counts):
+    """A sparse optimizer's state_dict with some tables' step counts replaced."""
+    return {**sparse_opt, "steps": {**sparse_opt["steps"], **counts}}
+
+
 def table(state, name):
     """{id: (embedding row, slot row)} of a table in a job_state()."""
     m = state["model"]
@@ -218,7 +223,9 @@ def test_category_sparse(tmp_path, saved):
         assert_table(after, name, with_slot(table(src, name), SLOT_INIT))
     assert_dense(after, before)
     assert_obj_equal(after["dense_opt"], before["dense_opt"])
-    assert after["sparse_opt"] == before["sparse_opt"] and after["reader"] == before["reader"]
+    # the step counts go with the slots: at their init, the tables count from 0 again
+    assert after["sparse_opt"] == with_counts(before["sparse_opt"], user=0, item=0)
+    assert after["reader"] == before["reader"]
 
 
 def test_category_dense(tmp_path, saved):
@@ -305,7 +312,7 @@ def test_pattern_table_with_its_slots(tmp_path, saved):
     assert_table(after, "user", table(src, "user"))
     assert_table(after, "item", table(before, "item"))
     assert_dense(after, before)
-    assert after["sparse_opt"] == before["sparse_opt"]
+    assert after["sparse_opt"] == with_counts(before["sparse_opt"], user=src["sparse_opt"]["steps"]["user"])
 
 
 def test_pattern_dense_prefix(tmp_path, saved):
@@ -333,7 +340,7 @@ def test_pattern_slot_only(tmp_path, saved):
     live, ckpt = table(before, "user"), table(src, "user")
     assert_table(after, "user", {i: (e, ckpt[i][1] if i in ckpt else s) for i, (e, s) in live.items()})
     assert_table(after, "item", table(before, "item"))
-    assert after["sparse_opt"] == before["sparse_opt"]
+    assert after["sparse_opt"] == with_counts(before["sparse_opt"], user=src["sparse_opt"]["steps"]["user"])
 
 
 def test_exclude_slots_leaves_them_at_init(tmp_path, saved):
@@ -345,7 +352,7 @@ def test_exclude_slots_leaves_them_at_init(tmp_path, saved):
     for name in ("user", "item"):
         assert_table(after, name, with_slot(table(src, name), SLOT_INIT))
     assert_dense(after, src)
-    assert after["sparse_opt"] == src["sparse_opt"]
+    assert after["sparse_opt"] == with_counts(src["sparse_opt"], user=0, item=0)  # slots at init
     assert_obj_equal(after["dense_opt"], src["dense_opt"])
     assert after["reader"] == src["reader"]
 
@@ -553,3 +560,18 @@ def test_path_output_dir_uses_latest_and_checkpoint_dir_is_itself(tmp_path):
     d = live_job(tmp_path, name="d")
     assert d.saver.load(out, ckpt_id="ckpt_2").checkpoints == [c2]
     assert_jobs_equal(job_state(d), at_2)
+
+
+def test_an_entry_that_selects_nothing_is_refused_unless_ignore_error(tmp_path, saved):
+    """load: [], exclude: ["*"] or a load its exclude cancels would succeed having loaded nothing."""
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    for conf in ({"load": []}, {"exclude": ["*"]}, {"load": ["sparse"], "exclude": ["sparse"]}):
+        with pytest.raises(ConfigError, match="selects nothing of the model to load"):
+            job.saver.load(out, load_conf=conf)
+        with pytest.raises(ConfigError, match="selects nothing of the model to load"):
+            job.saver.load_model_bank([{"path": out, **conf}])
+    assert_jobs_equal(job_state(job), before)
+    report = job.saver.load(out, load_conf={"exclude": ["*"], "ignore_error": True})
+    assert report.loaded == {} and "user" in report.skipped

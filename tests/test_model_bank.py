@@ -249,6 +249,52 @@ def test_oname_carries_the_sparse_optimizers_step_counts_with_the_slots(tmp_path
     assert renamed_opt.steps == {"u2": 10, "item": 2} and len(renamed.u2) == 2
 
 
+def _adam_trained(names_steps):
+    """A model of HashTables under SparseAdam, table n stepped names_steps[n] times."""
+    model, opt = _adam_job(list(names_steps))
+    for step in range(max(names_steps.values())):
+        loss = sum(getattr(model, n)(torch.tensor([1, 2])).sum() for n, k in names_steps.items() if step < k)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_a_partial_load_moves_the_step_counts_of_the_slots_it_loads_only(tmp_path):
+    """A count goes with its table's slots (Adam's bias correction reads it): an excluded table,
+    a table the checkpoint lacks, a table whose slots another entry loads and a table replaced with
+    its slots at init keep or take the count that matches their slots; a source table the model
+    lacks is never taken."""
+    src, src_opt = _adam_trained({"user": 6, "item": 6, "x": 6})
+    a = Saver(src, sparse_optim=src_opt, output_dir=str(tmp_path / "a")).save("ckpt_6")
+    other, other_opt = _adam_trained({"user": 9, "item": 9})
+    b = Saver(other, sparse_optim=other_opt, output_dir=str(tmp_path / "b")).save("ckpt_9")
+
+    model, opt = _adam_trained({"user": 4, "item": 3, "extra": 4})  # extra: not in a
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "t1")).load(
+        a, load_conf={"strict": False, "exclude": ["item", "item@*"]})
+    assert opt.steps == {"user": 6, "item": 3, "extra": 4}  # a's x never enters
+
+    model, opt = _adam_trained({"user": 1, "item": 1})
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "t2")).load_model_bank(
+        [{"path": a, "strict": False}, {"path": b, "load": ["user", "user@*"]}])
+    assert opt.steps == {"user": 9, "item": 6}  # user's slots are b's
+    assert torch.equal(model.user.export()[2]["adam_m"], other.user.export()[2]["adam_m"])
+
+    model, opt = _adam_trained({"user": 1, "item": 1})  # slots without the optimizer's state
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "t3")).load(
+        b, load_conf={"exclude": ["sparse_optim"]})
+    assert opt.steps == {"user": 9, "item": 9}
+
+    model, opt = _adam_trained({"user": 2, "item": 2})  # tables replaced, slots at init: from 0 again
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "t4")).load(b, load_conf={"load": ["user", "item"]})
+    assert opt.steps == {"user": 0, "item": 0}
+    model, opt = _adam_trained({"user": 2, "item": 2})  # merged rows: the live slots stay, so the counts
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "t5")).load(
+        b, load_conf={"load": ["user", "item"], "hashtable_clear": False})
+    assert opt.steps == {"user": 2, "item": 2}
+
+
 def test_an_oname_whose_model_side_matches_nothing_is_refused(tmp_path):
     """{"usr": "item"} meant {"user": "item"}: ignored, the model's user would load the source's
     user (same dim) without a word; it is a ConfigError, as a load / exclude pattern is."""
@@ -303,7 +349,8 @@ def test_a_category_word_that_also_names_a_table_warns_and_the_table_is_picked_b
         saver.load_model_bank([{"path": str(tmp_path / "src"), "exclude": ["dense"]}])
     assert len(fresh.dense) == 5  # the category excluded nothing here
     fresh.dense.clear()
-    saver.load_model_bank([{"path": str(tmp_path / "src"), "exclude": ["[d]ense"]}])
+    with pytest.raises(ConfigError, match="selects nothing of the model"):  # the class excludes the table
+        saver.load_model_bank([{"path": str(tmp_path / "src"), "exclude": ["[d]ense"]}])
     assert len(fresh.dense) == 0
     saver.load_model_bank([{"path": str(tmp_path / "src"), "load": ["[d]ense"]}])
     assert len(fresh.dense) == 5

@@ -301,6 +301,11 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
             f"{ckpt_dir}: the checkpoint lacks {len(result.missing)} selected name(s) of the model: "
             f"{result.missing[:10]}; exclude them, rename with 'oname', or set strict=False",
             path=ckpt_dir, key=result.missing[0])
+    if model_names and not result.items and not result.missing and not result.notes and not conf.ignore_error:
+        # e.g. load: [] or exclude: ["*"]: the entry would succeed having loaded nothing.
+        raise ConfigError(f"{ckpt_dir}: load {list(conf.load)} with exclude {list(conf.exclude)} selects "
+                          f"nothing of the model to load; fix load / exclude, drop the entry, or set "
+                          f"ignore_error=True", path=ckpt_dir)
     return result
 
 

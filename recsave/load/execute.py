@@ -47,12 +47,20 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
             config.recheck(p, model, src.contents)
         # Small files first: they are read and verified before any table is (rank 0 reads them
         # for every rank where they are the same files).
-        pt_files = shared_reads.read_pt_files(ex.sources, [_pt_files_needed(w) for w in won], ex.world)
+        pt_files = shared_reads.read_pt_files(ex.sources, [_pt_files_needed(s, w) for s, w in zip(ex.sources, won)],
+                                              ex.world)
         for slots_only in (False, True):
             for src, p, w in zip(ex.sources, ex.plans, won):
                 _stage_tables(target, tx, src, p, w, ex.rank, ex.world, plan, report, slots_only)
+        counts = _slot_step_counts(target, won, [p.conf.hashtable_clear for p in ex.plans], pt_files)
         for src, w, files in zip(ex.sources, won, pt_files):
-            _stage_small(target, tx, src, w, files, ex.rank, ex.world, plan, report, extra_data)
+            _stage_small(target, tx, src, w, files, ex.rank, ex.world, plan, report, extra_data, counts)
+        if counts is not None and not any(SPARSE_OPTIM in w for w in won):
+            # Slots loaded without the optimizer's state (excluded): their counts still go along.
+            optimizer = target.extras[SPARSE_OPTIM]
+            if counts != optimizer.steps:
+                tx.stage_call("sparse optimizer step counts",
+                              state_dict_change(optimizer, {**optimizer.state_dict(), "steps": counts}))
 
     # Every rank has read and verified what it needs before any rank changes its model.
     where = ", ".join(report.checkpoints) or "the model bank"
@@ -85,31 +93,45 @@ def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
     return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
 
 
-def _pt_files_needed(won: Won) -> List[str]:
-    """The .pt files of a source that the names it wins come from."""
+def _pt_files_needed(src: Any, won: Won) -> List[str]:
+    """The .pt files of a source that the names it wins come from (extra.pt also for the step
+    counts of the slots it wins, when it holds a sparse optimizer's state)."""
     files = []
     if any(cat == "dense" for cat, _ in won.values()):
         files.append("model.pt")
-    if any(cat == "extra" or name == SPARSE_OPTIM for name, (cat, _) in won.items()):
+    counts = SPARSE_OPTIM in getattr(src.contents, "extras", ()) and \
+        any(cat == "sparse_opt" for cat, _ in won.values())
+    if counts or any(cat == "extra" or name == SPARSE_OPTIM for name, (cat, _) in won.items()):
         files.append("extra.pt")
     return files
 
 
-def _optimizer_steps_renamed(state: Any, won: Won, known: Set[str]) -> Any:
-    """The sparse optimizer's state with its per-table step counts under the model's table names
-    where `oname` renamed tables: the counts go with the slots they belong to (Adam's bias
-    correction reads them). A source name used only as a rename's source, neither loaded under
-    its own name nor a table of the optimizer (`known`), is dropped, so that the apply does not
-    fail after the plan passed; every other count stays as it is."""
-    tables = {name.partition("@")[0]: source.partition("@")[0] for name, (category, source) in won.items()
-              if category in ("sparse", "sparse_opt") and name != SPARSE_OPTIM}
-    moved = {model: source for model, source in tables.items() if model != source}
-    steps = state.get("steps") if isinstance(state, dict) else None
-    if not moved or not isinstance(steps, dict):
-        return state
-    renamed = {k: v for k, v in steps.items() if k not in set(moved.values()) - set(tables) - known}
-    renamed.update({model: steps[source] for model, source in moved.items() if source in steps})
-    return {**state, "steps": renamed}
+def _slot_step_counts(target: LoadTarget, won: Sequence[Won], clears: Sequence[bool],
+                      pt_files: Sequence[Dict[str, Any]]) -> Optional[Dict[str, int]]:
+    """The sparse optimizer's per-table step counts after this load. A count goes with the slots it
+    belongs to (Adagrad's lr_decay and Adam's bias correction read it), entry by entry, the last
+    winning as for the slots: a table whose slots an entry loads takes that source's count of the
+    source table (its name before an `oname` rename); a table an entry replaces (`clears`) without
+    its slots has them at their init, so 0; every other table keeps its live count (a table the
+    load does not take or the checkpoint lacks, slots from a source without counts). Counts of
+    source tables the model lacks are never taken. None without a sparse optimizer that keeps
+    counts (`steps`)."""
+    live = getattr(target.extras.get(SPARSE_OPTIM), "steps", None)
+    if not isinstance(live, dict):
+        return None
+    counts = dict(live)
+    for w, clear, files in zip(won, clears, pt_files):
+        state = files.get("extra.pt", {}).get(SPARSE_OPTIM)
+        source_counts = state.get("steps") if isinstance(state, dict) else None
+        with_slots = {name.partition("@")[0]: source.partition("@")[0] for name, (category, source) in w.items()
+                      if category == "sparse_opt" and name != SPARSE_OPTIM}
+        for name, (category, _) in w.items():
+            if category == "sparse" and clear and name in counts and name not in with_slots:
+                counts[name] = 0
+        for table, source_table in with_slots.items():
+            if table in counts and isinstance(source_counts, dict) and source_table in source_counts:
+                counts[table] = source_counts[source_table]
+    return counts
 
 
 def _with_slots_of_reloaded_tables(only: Set[str], won: Sequence[Won], clears: Sequence[bool]) -> Set[str]:
@@ -384,7 +406,8 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
 
 
 def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, files: Dict[str, Any],
-                 rank: int, world: int, load_plan: LoadPlan, report: LoadReport, extra_data: Dict[str, Any]) -> None:
+                 rank: int, world: int, load_plan: LoadPlan, report: LoadReport, extra_data: Dict[str, Any],
+                 counts: Optional[Dict[str, int]]) -> None:
     if "extra.pt" in files:
         # What get_extra_data returns: a registered extra's state once this load applies it (under
         # the model's name, after an 'oname' rename), never one the config kept out; unregistered
@@ -398,8 +421,8 @@ def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, fi
             tx.stage_dense(name, files["model.pt"][source])
         elif cat == "extra" or name == SPARSE_OPTIM:
             state = files["extra.pt"][source]
-            if name == SPARSE_OPTIM:
-                state = _optimizer_steps_renamed(state, won, set(getattr(target.extras[name], "tables", ())))
+            if name == SPARSE_OPTIM and counts is not None and isinstance(state, dict):
+                state = {**state, "steps": counts}
             tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], state))
             extra_data[name] = state
         elif cat == "io_state":
