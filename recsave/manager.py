@@ -346,6 +346,9 @@ class CheckpointManager:
         if global_step is not None and global_step < 0:
             raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
         ckpt_id = None if global_step is None else f"ckpt_{global_step}"
+        # A save of this manager still being written in the background is listed only once done:
+        # restoring before would miss it (or find nothing and return 0, rewinding nothing).
+        saver.wait_for_pending()
 
         def committed() -> bool:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in saver.checkpoints()]

@@ -3,7 +3,9 @@
 An async save may still be writing when a script's main thread ends; Python then joins the writer
 thread, but ``concurrent.futures`` executors refuse new work from that moment ("cannot schedule
 new futures after interpreter shutdown"), which would fail the save. :func:`start` runs the work on
-a new thread instead, or here and now where no thread can be started at all.
+a new thread instead, or here and now where no thread can be started at all, or where nothing
+would wait for it: once the main thread has ended (an atexit handler, or a thread outliving the
+main one), a thread started from an atexit handler is not joined and dies with the interpreter.
 """
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ T = TypeVar("T")
 
 def start(fn: Callable[..., T], *args: Any, name: str, daemon: bool = False) -> "Future[T]":
     """Runs ``fn(*args)`` on a new thread (by default one the interpreter's exit waits for);
-    returns a Future of its result or error. If no thread can be started (a shutting-down
-    interpreter, a thread limit), runs it inline."""
+    returns a Future of its result or error. If no thread can be started (a thread limit), or the
+    main thread has ended (the interpreter is shutting down: a non-daemon thread started from an
+    atexit handler would be killed, not waited for), runs it inline."""
     future: "Future[T]" = Future()
-
+    if not daemon and not threading.main_thread().is_alive():
+        _settle(future, fn, args)
+        return future
     try:
         threading.Thread(target=_settle, args=(future, fn, args), name=name, daemon=daemon).start()
     except RuntimeError:

@@ -277,3 +277,57 @@ def test_a_write_running_when_the_script_ends_still_commits(tmp_path, delay):
     table = HashTable(16, name="big")
     Saver(torch.nn.ModuleDict({"big": table}), output_dir=out).load()
     assert len(table) == 1_500_000
+
+
+ASYNC_SAVE_AT_EXIT = """
+import atexit, sys, torch
+from recsave import HashTable, Saver
+table = HashTable(4, name="t")
+table.lookup(torch.arange(1000, dtype=torch.int64), insert=True)
+saver = Saver(torch.nn.ModuleDict({"t": table}), output_dir=sys.argv[1])
+atexit.register(lambda: saver.async_save("ckpt_1"))  # runs while the interpreter shuts down
+"""
+
+
+def test_an_async_save_started_at_interpreter_exit_still_commits(tmp_path):
+    """An atexit handler (or a thread outliving the main one) runs after the interpreter began
+    its shutdown, when executors refuse new work: the background write must still run."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-c", ASYNC_SAVE_AT_EXIT, out], env=dict(os.environ, PYTHONPATH=root),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    with open(os.path.join(out, "checkpoint")) as f:
+        assert f.read().split() == ["ckpt_1"]
+    table = HashTable(4, name="t")
+    Saver(torch.nn.ModuleDict({"t": table}), output_dir=out).load()
+    assert len(table) == 1000
+
+
+def test_restore_waits_for_a_save_still_being_written(tmp_path, monkeypatch):
+    """restore() lists the checkpoints after the pending background write is done: before, it
+    found nothing and returned 0 (the model not rewound), or refused the step being written."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=0, async_mode="async")
+    job.train(3)
+    job.manager.global_step = 3
+    at_3 = job_state(job)
+    gate = _Gate(monkeypatch)
+    job.manager.save(wait=False)
+    assert gate.started.wait(60)
+    job.train(2)
+    threading.Timer(0.3, gate.release.set).start()  # the write goes on once restore() waits
+    assert job.manager.restore() == 3
+    assert_jobs_equal(job_state(job), at_3)
+    job.train(1)
+    job.manager.global_step = 4
+    gate.started.clear()
+    gate.release.clear()
+    job.manager.save(wait=False)
+    assert gate.started.wait(60)
+    threading.Timer(0.3, gate.release.set).start()
+    assert job.manager.restore(4) == 4  # an explicit step being written is found, not refused
+    job.manager.close()

@@ -103,6 +103,22 @@ def test_cuda_save_load_round_trip_and_async_matches_sync(tmp_path, pinned):
         assert getattr(fresh, name).weight.is_cuda
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_async_pinned_save_of_tables_on_another_device_than_the_current_one(tmp_path):
+    """Tables on cuda:1 with cuda:0 current: the pinned staging must wait for cuda:1's copies
+    (torch.cuda.synchronize() alone waits for the current device only)."""
+    assert torch.cuda.current_device() == 0
+    model, opts, saver = _job("cuda:1", str(tmp_path / "sync"))
+    _train(model, opts, 4, "cuda:1")
+    sync_dir = saver.save("ckpt_4")
+    saver2 = Saver(model, opts[0], output_dir=str(tmp_path / "async"))
+    saver2.register_for_checkpointing("dense_opt", opts[1])
+    _, write = saver2.async_save("ckpt_4", pinned=True)  # fresh buffers: a missed wait writes garbage
+    _train(model, opts, 2, "cuda:1")
+    assert checkpoint_bytes(sync_dir) == checkpoint_bytes(write.result(timeout=120))
+    saver2.close()
+
+
 def test_large_cuda_table_is_gathered_in_blocks(tmp_path):
     from recsave import knobs
     table = HashTable(32, name="t", device="cuda")

@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Optional, Tuple
+
+from recsave import threads
 
 log = logging.getLogger("recsave")
 
 
 class BackgroundWrite:
-    """Runs one checkpoint write at a time on a worker thread and holds its outcome."""
+    """Runs one checkpoint write at a time on a thread of its own and holds its outcome. A plain
+    thread (recsave/threads.py), not an executor: an async save started while the interpreter
+    shuts down (from a worker thread that outlives the main one, or an atexit handler) must still
+    run, and the interpreter's exit waits for it."""
 
     def __init__(self) -> None:
-        self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Tuple[str, Future]] = None  # (ckpt_id, future) of the last write
 
     @property
@@ -22,8 +26,6 @@ class BackgroundWrite:
 
     def submit(self, ckpt_id: str, write: Callable[[], str]) -> Future:
         """Starts `write` (callers collect the previous write first)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="recsave-async-save")
         def logged() -> str:
             try:
                 return write()
@@ -34,7 +36,7 @@ class BackgroundWrite:
                           "committed checkpoint is still the latest; the error is raised by the next save, "
                           "wait() or close()", ckpt_id, type(exc).__name__, exc)
                 raise
-        future = self._executor.submit(logged)
+        future = threads.start(logged, name="recsave-async-save")
         self._pending = (ckpt_id, future)
         return future
 
@@ -62,6 +64,6 @@ class BackgroundWrite:
         return str(future.result())
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Waits for the last write's thread to end (its outcome stays for collect)."""
+        if self._pending is not None:
+            self._pending[1].exception()

@@ -314,6 +314,12 @@ class Saver:
         self._checkpoints.settle()
         return path
 
+    def wait_for_pending(self) -> None:
+        """Waits for a pending async write without taking its outcome: after a success the list
+        names its checkpoint; an error stays pending for the next save, wait() or close() to raise.
+        What a load does first; CheckpointManager.restore() too, before it lists the checkpoints."""
+        self._background.collect(consume=False)
+
     @property
     def pending_checkpoint(self) -> Optional[str]:
         """The id an async write is (or was last) writing, until wait(), the next save or a load
@@ -415,7 +421,7 @@ class Saver:
         check(direct_path, bool, "direct_path", "load")
         check(fallback, bool, "fallback", "load")
         self._prefill.join()  # it reads the tables a load replaces
-        self._background.collect(consume=False)
+        self.wait_for_pending()
         conf = dict(load_conf or {})
         if ckpt_path is not None:
             conf["path"] = ckpt_path
@@ -468,7 +474,7 @@ class Saver:
         check(plan, LoadPlan, "plan", "execute_plan", expected="a LoadPlan (from plan_model_bank)")
         names = arguments.only_names(only, plan.items)
         self._prefill.join()
-        self._background.collect(consume=False)
+        self.wait_for_pending()
         self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
         self._last_load = None
         self._model_state("load")  # the model may have changed since the plan checked it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -164,7 +164,7 @@ class Stager:
     def __init__(self, pinned: bool = False):
         self.pinned = pinned
         self._buffers: Dict[Any, torch.Tensor] = {}
-        self._device_copies = False
+        self._device_copies: Set[torch.device] = set()  # devices with non-blocking copies in flight
         self._mirrors: Dict[str, _Mirror] = {}
         self.rows_copied: Dict[str, int] = {}  # per table: rows the last capture copied
 
@@ -267,14 +267,17 @@ class Stager:
             self._buffers[key] = buf
         out = buf[:need].view(src.shape)
         out.copy_(src, non_blocking=pin)
-        self._device_copies |= src.device.type == "cuda"
+        if src.device.type == "cuda":
+            self._device_copies.add(src.device)
         return out
 
     def finish(self) -> None:
-        """Waits for the non-blocking device copies issued by stage()."""
-        if self._device_copies:
-            torch.cuda.synchronize()
-            self._device_copies = False
+        """Waits for the non-blocking device copies issued by stage(), on every device they came
+        from (torch.cuda.synchronize() alone waits for the current device only: tables on another
+        GPU would be written from buffers still filling)."""
+        for device in self._device_copies:
+            torch.cuda.synchronize(device)
+        self._device_copies.clear()
 
     def release(self) -> None:
         self._buffers.clear()
