@@ -331,3 +331,36 @@ def test_restore_waits_for_a_save_still_being_written(tmp_path, monkeypatch):
     threading.Timer(0.3, gate.release.set).start()
     assert job.manager.restore(4) == 4  # an explicit step being written is found, not refused
     job.manager.close()
+
+
+AFTER_MAIN_THREAD = """
+import sys, threading, time, torch
+from recsave import HashTable, Saver
+
+def job():
+    time.sleep(0.3)  # the main thread has ended by now: the interpreter is shutting down
+    table = HashTable(4, name="t")
+    table.lookup(torch.arange(1000, dtype=torch.int64), insert=True)
+    saver = Saver(torch.nn.ModuleDict({"t": table}), output_dir=sys.argv[1])
+    saver.async_save("ckpt_1")
+    saver.wait()
+    fresh = HashTable(4, name="t")
+    Saver(torch.nn.ModuleDict({"t": fresh}), output_dir=sys.argv[1]).load()
+    ids = torch.arange(1000, dtype=torch.int64)
+    print("loaded", len(fresh), bool(torch.equal(fresh.export(ids)[1], table.export(ids)[1])), flush=True)
+
+threading.Thread(target=job).start()
+"""
+
+
+def test_a_thread_outliving_the_main_one_saves_async_and_loads(tmp_path):
+    """Executors refuse work once the main thread has ended; a training loop on a thread of its
+    own still saves (the write runs inline) and restores (the fill runs inline)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", AFTER_MAIN_THREAD, str(tmp_path / "run")],
+                          env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.split() == ["loaded", "1000", "True"]

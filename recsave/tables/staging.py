@@ -7,14 +7,14 @@ kept apart so hashtable.py stays about lookups and gradients, as tables/lifecycl
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from recsave import knobs
+from recsave import knobs, threads
 from recsave.argcheck import check
 from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables.grads import RowGrads
@@ -161,14 +161,18 @@ class TableStaging:
                 map_ids.append(given if isinstance(ids, torch.Tensor)
                                else table._store.row_ids[:given.numel()])  # noqa: SLF001 (same class)
                 del given
-            # Leaving the pool waits for fill: nothing writes the views after this returns or raises.
-            with ThreadPoolExecutor(1, thread_name_prefix="recsave-fill") if fill else nullcontext() as pool:
-                # knob overrides are per thread: the fill thread sees this one's
-                filled = pool.submit(knobs.carried(fill), views) if pool and fill else None
+            # A plain thread (recsave/threads.py: it also runs once the main thread has ended, e.g.
+            # a restore in a thread outliving it); knob overrides are per thread: the fill thread
+            # sees this one's.
+            filled = threads.start(knobs.carried(fill), views, name="recsave-fill") if fill else None
+            try:
                 for table, ids in zip(tables, map_ids):
                     row_ids = table._read_row_ids(ids) if isinstance(ids, DeferredIds) else ids  # noqa: SLF001
                     hashed.append(row_ids)
                     distinct.append(table._rebuild_map(row_ids))  # noqa: SLF001 (same class)
+            finally:  # nothing writes the views after this returns or raises
+                if filled is not None:
+                    futures_wait([filled])
             error = filled.exception() if filled else None
             if error is not None:
                 raise error
