@@ -176,7 +176,8 @@ class CheckpointManager:
         """Advances the global step; saves when it reaches a multiple of save_interval, or when
         save_interval_seconds have passed since the last save (rank 0's clock decides); returns the
         checkpoint path then, else None. `metrics` go into the checkpoint this step saves (on a step
-        that does not save they are dropped, with a RuntimeWarning the first time). In an
+        that does not save they are dropped, with a RuntimeWarning the first time unless
+        save_interval_seconds is set). In an
         async mode the save is only started: training waits for the snapshot (and for the previous
         write, if it is still running).
 
@@ -193,9 +194,10 @@ class CheckpointManager:
             self._preempt(values)
         if by_steps or by_time:
             return self.save(wait=False, metrics=values)
-        if values and not self._warned_unsaved_metrics:
+        if values and not self._warned_unsaved_metrics and self.save_interval_seconds is None:
             # Not kept for the next save: they describe this step's model, and keep_best would
-            # rank a later checkpoint by them.
+            # rank a later checkpoint by them. (With time-based saves only step() knows whether
+            # it saves: passing metrics on every step is then the way to have them stored.)
             self._warned_unsaved_metrics = True
             warnings.warn(f"CheckpointManager.step: metrics {sorted(values)} were passed on global step "
                           f"{self._global_step}, which does not save; only a saving step stores them "

@@ -148,6 +148,14 @@ def test_a_directory_is_refused_as_a_torch_file_and_the_sources_output_dir_as_a_
         with pytest.raises(UsageError, match="is the output dir of"):
             recsave.convert(src, dst, "recsave")
     assert sorted(os.listdir(job_dir)) == before and job.saver.checkpoints() == listed
+    ckpt_dir = os.path.join(job_dir, "ckpt_4")  # inside the checkpoint: gone when it rotates away
+    inside = sorted(os.listdir(ckpt_dir))
+    for dst, to in [(ckpt_dir, "recsave"), (os.path.join(ckpt_dir, "sub"), "recsave"),
+                    (os.path.join(ckpt_dir, "flat.pt"), "torch"), (os.path.join(ckpt_dir, "dcp"), "dcp")]:
+        with pytest.raises(UsageError, match="lies in the checkpoint"):
+            recsave.convert(ckpt_dir, dst, to)
+    assert sorted(os.listdir(ckpt_dir)) == inside
+    assert recsave.convert(ckpt_dir, os.path.join(job_dir, "flat.pt"), "torch")  # beside it: a plain file
     path = recsave.convert(job_dir, str(tmp_path / "elsewhere"), "recsave")
     assert path == str(tmp_path / "elsewhere" / "converted")
 

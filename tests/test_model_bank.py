@@ -294,6 +294,39 @@ def test_a_partial_load_moves_the_step_counts_of_the_slots_it_loads_only(tmp_pat
         b, load_conf={"load": ["user", "item"], "hashtable_clear": False})
     assert opt.steps == {"user": 2, "item": 2}
 
+    # A later entry replacing a table before the slots are loaded (staging replaces every entry's
+    # tables, then loads every entry's slots): user's slots, and so its count, are a's.
+    model, opt = _adam_trained({"user": 1, "item": 1})
+    report = Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "t6")).load_model_bank(
+        [{"path": a, "strict": False}, {"path": b, "load": ["user"]}])
+    assert report.loaded["user"].checkpoint == b and report.loaded["user@adam_m"].checkpoint == a
+    assert opt.steps == {"user": 6, "item": 6}
+
+
+def test_tables_without_slots_take_their_count_with_their_rows(tmp_path):
+    """An optimizer without slots (SGD): the count goes with the table's rows."""
+    from recsave.tables.optim import SparseSGD
+
+    def trained(steps):
+        model = torch.nn.Module()
+        model.user, model.item = HashTable(4, name="user", seed=1), HashTable(4, name="item", seed=2)
+        opt = SparseSGD(model, lr=0.1)
+        for k in range(max(steps.values())):
+            sum(getattr(model, n)(torch.tensor([1, 2])).sum() for n, c in steps.items() if k < c).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    src, src_opt = trained({"user": 5, "item": 3})
+    path = Saver(src, sparse_optim=src_opt, output_dir=str(tmp_path / "src")).save("ckpt_5")
+    model, opt = trained({"user": 1, "item": 1})
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "a")).load(path)
+    assert opt.steps == {"user": 5, "item": 3}
+    model, opt = trained({"user": 1, "item": 1})
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "b")).load(
+        path, load_conf={"load": ["item"]})  # sparse_optim not loaded: the count comes along anyway
+    assert opt.steps == {"user": 1, "item": 3}
+
 
 def test_an_oname_whose_model_side_matches_nothing_is_refused(tmp_path):
     """{"usr": "item"} meant {"user": "item"}: ignored, the model's user would load the source's

@@ -325,3 +325,14 @@ def test_metrics_of_a_step_that_does_not_save_are_dropped_with_one_warning(tmp_p
         assert mgr.step(metrics={"auc": 0.8}) is None  # warned once per manager
     assert read_index(path).metrics == {"auc": 0.7}
     mgr.close()
+
+
+def test_no_warning_for_metrics_when_time_based_saves_decide_in_step(tmp_path):
+    import warnings
+
+    job = make_job(str(tmp_path / "run"), max_keep=3, save_interval=None)
+    mgr = CheckpointManager(job.saver, 0, save_interval_seconds=3600.0, save_on_preemption=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mgr.step(metrics={"auc": 0.9}) is None
+    mgr.close()

@@ -491,4 +491,6 @@ def test_the_source_output_dir_is_refused_however_it_is_spelt(source, tmp_path, 
            "symlink": str(tmp_path / "link")}[spelling]
     with pytest.raises(UsageError, match="is the output dir of"):
         recsave.export_serving(ckpt, out, "int8", ckpt_id="serving")
+    with pytest.raises(UsageError, match="lies in the checkpoint"):
+        recsave.export_serving(ckpt, os.path.join(ckpt, "serving"), "int8")
     assert sorted(os.listdir(job_dir)) == before

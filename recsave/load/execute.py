@@ -37,6 +37,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     report.step = ex.sources[-1].step if ex.sources else None
     tx = LoadTransaction(tables, dense)
     extra_data: Dict[str, Any] = {}
+    slotted = {name for name, t in tables.items() if callable(getattr(t, "slot_names", None)) and t.slot_names()}
 
     def stage() -> None:
         # A plan executed after the model changed (plan_model_bank, then execute_plan) is checked
@@ -47,20 +48,18 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
             config.recheck(p, model, src.contents)
         # Small files first: they are read and verified before any table is (rank 0 reads them
         # for every rank where they are the same files).
-        pt_files = shared_reads.read_pt_files(ex.sources, [_pt_files_needed(s, w) for s, w in zip(ex.sources, won)],
-                                              ex.world)
+        pt_files = shared_reads.read_pt_files(
+            ex.sources, [_pt_files_needed(s, w, slotted) for s, w in zip(ex.sources, won)], ex.world)
         for slots_only in (False, True):
             for src, p, w in zip(ex.sources, ex.plans, won):
                 _stage_tables(target, tx, src, p, w, ex.rank, ex.world, plan, report, slots_only)
-        counts = _slot_step_counts(target, won, [p.conf.hashtable_clear for p in ex.plans], pt_files)
+        counts = _step_counts(target, slotted, won, [p.conf.hashtable_clear for p in ex.plans], pt_files)
         for src, w, files in zip(ex.sources, won, pt_files):
             _stage_small(target, tx, src, w, files, ex.rank, ex.world, plan, report, extra_data, counts)
-        if counts is not None and not any(SPARSE_OPTIM in w for w in won):
-            # Slots loaded without the optimizer's state (excluded): their counts still go along.
-            optimizer = target.extras[SPARSE_OPTIM]
-            if counts != optimizer.steps:
-                tx.stage_call("sparse optimizer step counts",
-                              state_dict_change(optimizer, {**optimizer.state_dict(), "steps": counts}))
+        if counts is not None and not any(SPARSE_OPTIM in w for w in won) \
+                and counts != target.extras[SPARSE_OPTIM].steps:
+            # Tables or slots loaded without the optimizer's state (excluded): their counts go along.
+            tx.stage_call("sparse optimizer step counts", _steps_change(target.extras[SPARSE_OPTIM], counts))
 
     # Every rank has read and verified what it needs before any rank changes its model.
     where = ", ".join(report.checkpoints) or "the model bank"
@@ -93,45 +92,72 @@ def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
     return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
 
 
-def _pt_files_needed(src: Any, won: Won) -> List[str]:
+def _pt_files_needed(src: Any, won: Won, slotted: Set[str]) -> List[str]:
     """The .pt files of a source that the names it wins come from (extra.pt also for the step
-    counts of the slots it wins, when it holds a sparse optimizer's state)."""
+    counts of the slots it wins, or of the tables without slots, when it holds a sparse
+    optimizer's state: _step_counts)."""
     files = []
     if any(cat == "dense" for cat, _ in won.values()):
         files.append("model.pt")
-    counts = SPARSE_OPTIM in getattr(src.contents, "extras", ()) and \
-        any(cat == "sparse_opt" for cat, _ in won.values())
+    counts = SPARSE_OPTIM in getattr(src.contents, "extras", ()) and any(
+        (cat == "sparse_opt" and name != SPARSE_OPTIM) or (cat == "sparse" and name not in slotted)
+        for name, (cat, _) in won.items())
     if counts or any(cat == "extra" or name == SPARSE_OPTIM for name, (cat, _) in won.items()):
         files.append("extra.pt")
     return files
 
 
-def _slot_step_counts(target: LoadTarget, won: Sequence[Won], clears: Sequence[bool],
-                      pt_files: Sequence[Dict[str, Any]]) -> Optional[Dict[str, int]]:
-    """The sparse optimizer's per-table step counts after this load. A count goes with the slots it
-    belongs to (Adagrad's lr_decay and Adam's bias correction read it), entry by entry, the last
-    winning as for the slots: a table whose slots an entry loads takes that source's count of the
-    source table (its name before an `oname` rename); a table an entry replaces (`clears`) without
-    its slots has them at their init, so 0; every other table keeps its live count (a table the
-    load does not take or the checkpoint lacks, slots from a source without counts). Counts of
-    source tables the model lacks are never taken. None without a sparse optimizer that keeps
-    counts (`steps`)."""
+def _source_counts(files: Dict[str, Any]) -> Optional[Dict[str, int]]:
+    """The per-table step counts of a source's sparse optimizer (in its extra.pt), if read."""
+    state = files.get("extra.pt", {}).get(SPARSE_OPTIM)
+    counts = state.get("steps") if isinstance(state, dict) else None
+    return counts if isinstance(counts, dict) else None
+
+
+def _step_counts(target: LoadTarget, slotted: Set[str], won: Sequence[Won], clears: Sequence[bool],
+                 pt_files: Sequence[Dict[str, Any]]) -> Optional[Dict[str, int]]:
+    """The sparse optimizer's per-table step counts after this load. A count goes with the
+    optimizer state it belongs to (Adagrad's lr_decay and Adam's bias correction read it): the
+    slots of a table with slots (`slotted`), else the table's rows. In the order staging applies
+    them (every entry's tables, then every entry's slots; the later entry wins each):
+    - a table an entry replaces (`clears`) gets its slots at their init: count 0, unless it has no
+      slots, when it takes that source's count of the source table (its name before an `oname`
+      rename);
+    - a table whose slots an entry loads takes that source's count;
+    - every other table keeps its live count (a table the load does not take or the checkpoint
+      lacks, a merge, a source without counts).
+    Counts of source tables the model lacks are never taken. None without a sparse optimizer
+    that keeps counts (`steps`)."""
     live = getattr(target.extras.get(SPARSE_OPTIM), "steps", None)
     if not isinstance(live, dict):
         return None
     counts = dict(live)
-    for w, clear, files in zip(won, clears, pt_files):
-        state = files.get("extra.pt", {}).get(SPARSE_OPTIM)
-        source_counts = state.get("steps") if isinstance(state, dict) else None
-        with_slots = {name.partition("@")[0]: source.partition("@")[0] for name, (category, source) in w.items()
-                      if category == "sparse_opt" and name != SPARSE_OPTIM}
-        for name, (category, _) in w.items():
-            if category == "sparse" and clear and name in counts and name not in with_slots:
+    sources = [_source_counts(files) for files in pt_files]
+    for w, clear, source_counts in zip(won, clears, sources):
+        for name, (category, source) in w.items():
+            if category != "sparse" or name not in counts:
+                continue
+            if name not in slotted:
+                if source_counts is not None and source in source_counts:
+                    counts[name] = source_counts[source]
+            elif clear:
                 counts[name] = 0
-        for table, source_table in with_slots.items():
-            if table in counts and isinstance(source_counts, dict) and source_table in source_counts:
+    for w, source_counts in zip(won, sources):
+        for name, (category, source) in w.items():
+            table, source_table = name.partition("@")[0], source.partition("@")[0]
+            if category == "sparse_opt" and name != SPARSE_OPTIM and table in counts \
+                    and source_counts is not None and source_table in source_counts:
                 counts[table] = source_counts[source_table]
     return counts
+
+
+def _steps_change(optimizer: Any, counts: Dict[str, int]) -> Callable[[], Any]:
+    """Sets a sparse optimizer's per-table step counts alone (its state is not loaded)."""
+    def apply() -> Callable[[], None]:
+        before = dict(optimizer.steps)
+        optimizer.steps = dict(counts)
+        return lambda: setattr(optimizer, "steps", before)
+    return apply
 
 
 def _with_slots_of_reloaded_tables(only: Set[str], won: Sequence[Won], clears: Sequence[bool]) -> Set[str]:

@@ -29,6 +29,7 @@ from recsave.save.snapshot import SaveState, TableState
 from recsave.storage import get_storage
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS
+from recsave.tools import toolargs
 from recsave.tools.torchzip import StreamingTorchSave
 
 TARGETS = ("recsave", "torch", "dcp")
@@ -66,12 +67,10 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
     source = open_source(src)
     names, dense = _split(source, tables)
     storage = get_storage(dst)
+    if isinstance(source, CheckpointSource):
+        toolargs.refuse_source_dirs(source, storage, dst, "convert", "the converted checkpoint" if to == "recsave"
+                                    else "the conversion", output_dir=to == "recsave")
     if to == "recsave":
-        if isinstance(source, CheckpointSource) and \
-                source.storage.canonical(source.storage.split(source.ckpt_dir)[0]) == storage.canonical(dst):
-            raise UsageError(f"convert: {dst} is the output dir of {source.ckpt_dir}; convert into another "
-                             f"directory (a converted checkpoint there would become the training job's "
-                             f"latest)", path=dst)
         return _to_recsave(source, names, dense, dst, ckpt_id or DEFAULT_CKPT_ID, concurrency)
     if to == "torch" and storage.isdir(dst):
         raise UsageError(f"convert: {dst} is a directory; --to torch writes one file: name a file path "

@@ -80,9 +80,7 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     src = open_source(ckpt)
     require_checkpoint(src, ckpt, "export_serving")
     storage = get_storage(out_dir)
-    if src.storage.canonical(src.storage.split(src.ckpt_dir)[0]) == storage.canonical(out_dir):
-        raise UsageError(f"{out_dir} is the output dir of {src.ckpt_dir}; export to another directory (a "
-                         f"serving checkpoint there would become the training job's latest)", path=out_dir)
+    toolargs.refuse_source_dirs(src, storage, out_dir, where, "a serving checkpoint")
     if getattr(src, "kind", "checkpoint") == "chain":  # a delta: export the merged state of its chain
         from recsave.tools.compact import compact
         with tempfile.TemporaryDirectory(prefix="recsave-serving-") as tmp:

@@ -71,3 +71,19 @@ def undo_writes(storage: Storage, written: Sequence[str], created: Sequence[str]
         with contextlib.suppress(Exception):
             if storage.exists(path) and not storage.listdir(path):
                 storage.remove_tree(path)
+
+
+def refuse_source_dirs(src: Any, storage: Storage, dst: str, where: str, into: str,
+                       output_dir: bool = True) -> None:
+    """UsageError when `dst` (on `storage`) lies in the directory of recsave checkpoint `src`
+    (rotating the checkpoint away would delete it) or, with `output_dir` (for a writer of
+    checkpoints), is its output dir (what `where` commits there would become that training job's
+    latest). `into` names what `where` writes, for the message (e.g. "a serving checkpoint")."""
+    ckpt_dir = src.storage.canonical(src.ckpt_dir)
+    target = storage.canonical(dst)
+    if output_dir and target == src.storage.canonical(src.storage.split(src.ckpt_dir)[0]):
+        raise UsageError(f"{where}: {dst} is the output dir of {src.ckpt_dir}; write to another directory "
+                         f"({into} there would become the training job's latest)", path=dst)
+    if target == ckpt_dir or target.startswith(ckpt_dir.rstrip("/") + "/"):
+        raise UsageError(f"{where}: {dst} lies in the checkpoint {src.ckpt_dir}; write to another "
+                         f"directory (rotating that checkpoint away would delete {into})", path=dst)
