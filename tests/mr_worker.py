@@ -12,7 +12,9 @@ with WORLD ranks, change rows, save the delta ckpt_4); CKPT_ID makes ``load`` lo
 ``save_taken_over`` (a second writer takes the lock while rank 1 writes ckpt_2: rank 1 must stop),
 ``save_rank0_killed`` / ``save_rank0_killed_taken_over`` (rank 0 SIGKILLs itself once rank 1
 wrote its files of ckpt_2, the second after a second job's writer took the lock over),
-``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
+``save_as_one_process`` (every rank saves ckpt_2 with shard_num=1: refused on every rank),
+``save_bad_metric_on_one_rank``, ``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
+only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
 shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
 instead of the HashTables), ``torch_bank`` (bank-load a torch.save file and a DCP directory of
@@ -325,6 +327,26 @@ def main():
     elif scenario == "save_as_rank1":  # every rank claims to be rank 1: rank 0 must refuse
         fill(model, rank, world)
         save_or_exit(saver, "ckpt_1", rank, work_dir, shard_id=1, shard_num=world)
+    elif scenario == "save_as_one_process":  # every rank passes shard_num=1 after a full ckpt_1
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        save_or_exit(saver, "ckpt_2", rank, work_dir, shard_id=0, shard_num=1)
+    elif scenario == "save_bad_metric_on_one_rank":  # rank 1 alone passes a NaN metric (ASYNC=1: async_save)
+        fill(model, rank, world)
+        metrics = {"loss": float("nan") if rank == 1 else 0.5}
+        if os.environ.get("ASYNC") == "1":
+            try:
+                saver.async_save("ckpt_1", metrics=metrics)[1].result(timeout=120)
+            except recsave.RecsaveError as exc:
+                with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                    f.write(f"{type(exc).__name__}: {exc}")
+                os._exit(3)
+        else:
+            save_or_exit(saver, "ckpt_1", rank, work_dir, metrics=metrics)
+    elif scenario == "load_bad_shard_id":  # after save_two: rank 1 alone passes a bad shard_id, then a plain load
+        shard = {"out_of_range": 5, "other_rank": 0}[os.environ["BAD_SHARD"]]
+        attempt_then_load(lambda: saver.load(shard_id=shard if rank == 1 else None), saver, reader, work_dir,
+                          world, rank)
     elif scenario == "async_save":
         fill(model, rank, world)
         reader.position = 1000 + rank

@@ -406,6 +406,47 @@ def test_a_shard_id_other_than_the_group_rank_is_refused(tmp_path):
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
+def test_a_save_with_a_smaller_world_inside_the_group_is_refused_on_every_rank(tmp_path):
+    """shard_num=1 on every rank of 2: one rank's share would be committed as the whole
+    checkpoint (and rotation would prune the full one). Refused on every rank, nothing written."""
+    codes, outs = run_ranks("save_as_one_process", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [3, 3], outs
+    for r in (0, 1):
+        assert "UsageError: cannot save as rank 0 of 1: this process is one of the 2 ranks" in \
+            (tmp_path / f"error_{r}.txt").read_text()
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
+    assert not (tmp_path / "out" / "ckpt_2").exists()
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_save_arguments_refused_on_one_rank_fail_every_rank_at_once(tmp_path, how):
+    started = time.monotonic()
+    codes, outs = run_ranks("save_bad_metric_on_one_rank", 2, tmp_path,
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "ASYNC": "1" if how == "async_save" else "0"})
+    assert codes == [3, 3], outs
+    assert f"UsageError: {how}: metric 'loss' must be a finite" in (tmp_path / "error_1.txt").read_text()
+    text = (tmp_path / "error_0.txt").read_text()
+    assert "RankFailedError" in text and "rank 1" in text
+    assert time.monotonic() - started < 100  # not the 300 s collective timeout
+    assert not (tmp_path / "out" / "ckpt_1").exists()
+
+
+@pytest.mark.parametrize("bad", ["out_of_range", "other_rank"])
+def test_a_load_shard_id_refused_on_one_rank_fails_every_rank_at_once(tmp_path, bad):
+    """A shard_id out of range, or naming another rank of the group (both ranks would load rank
+    0's share and none rank 1's): every rank raises at once and the group stays usable."""
+    codes, outs = run_ranks("save_two", 2, tmp_path)
+    assert codes == [0, 0], outs
+    started = time.monotonic()
+    codes, outs = run_ranks("load_bad_shard_id", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300",
+                                                               "BAD_SHARD": bad})
+    assert codes == [0, 0], outs
+    assert time.monotonic() - started < 100
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"report_2_{r}.json").read_text()) == [
+            "UsageError" if r == 1 else "RankFailedError", 1]
+
+
 def _expected_after(k):
     """The global table state after delta_step 1..k of tests/mr_worker.py: {id: salt offset}."""
     from mr_worker import delta_ids

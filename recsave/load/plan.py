@@ -104,7 +104,9 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
     run alone leaves it off: it may be called on one rank only."""
     if not share_reads:
         return _plan_entries(target, entries, shard_id, ckpt_id, direct_path, require_path, False)
-    rank, world = dist.resolve(shard_id, None)
+    # The group's rank and world for the exchange: a shard_id this rank is refused (below, in the
+    # exchange) must not keep it from meeting the others.
+    rank, world = dist.resolve() if dist.initialized() else dist.resolve(shard_id, None)
     plan = dist.run_everywhere("planning the load", lambda: _plan_entries(
         target, entries, shard_id, ckpt_id, direct_path, require_path, True), world, rank=rank)
     assert plan is not None
@@ -113,8 +115,10 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
 
 def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_id: Optional[int],
                   ckpt_id: Optional[str], direct_path: bool, require_path: bool, share_reads: bool) -> LoadPlan:
-    rank, world = dist.resolve(shard_id, None)
+    group_world = dist.resolve()[1] if dist.initialized() else None
     try:
+        dist.require_own_rank(shard_id, "load")
+        rank, world = dist.resolve(shard_id, None)
         # The model's own checks too: a rank whose model is refused must still meet the others.
         tables, dense = contents.model_state(target.model)
         contents.check_names(tables, dense, set(target.extras), set(target.io_states), "load")
@@ -122,9 +126,9 @@ def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_i
         confs = [config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
                               require_path=True) for i, entry in enumerate(entries)]
     except BaseException as exc:
-        if not share_reads:
+        if not share_reads or group_world is None:
             raise
-        fail_before_sharing(exc, world)  # the others go on to open_sources' broadcast: meet them there
+        fail_before_sharing(exc, group_world)  # the others go on to open_sources' broadcast: meet them there
     entry_of = [i for i, conf in enumerate(confs) if not conf.skip]
     openings = [(cast(str, confs[i].path), ckpt_id, direct_path) for i in entry_of]
     sources = open_sources(openings, world) if share_reads else [open_source(*o) for o in openings]

@@ -97,6 +97,15 @@ class Taken:
     changes: Dict[str, TableChanges]
 
 
+def join_take_exchange(world: int, why: str) -> None:
+    """For a rank whose save fails before its snapshot (its arguments refused): takes part in
+    take()'s exchange of the ranks' reasons against a delta, as a rank with reason `why`, so that
+    the ranks' next collective is the write's first exchange, where that rank meets them with its
+    error (CheckpointWriter.fail_before_writing)."""
+    if dist.collective(world):
+        dist.gather_objects((why, set()), world)
+
+
 def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremental: bool, storage: Storage,
          output_dir: str, rank: int, world: int, want: Collection[str] = (),
          known: Optional[CommittedIndex] = None) -> Taken:

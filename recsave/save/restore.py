@@ -33,13 +33,17 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
     an output dir other than the Saver's) so that the next save of such an id replaces it."""
     path = conf["path"]
     st = get_storage(path)
-    rank, world = dist.resolve(shard_id, None)
+    rank, world = dist.resolve() if dist.initialized() else dist.resolve(shard_id, None)
     # Every rank looks at its own storage (per-rank copies of an output dir): a rank that fails to
-    # read its list must not go on to the loads' collectives alone. One exchange of a few bytes: any
-    # rank's failure raises on all. (Copies that list different ids are the loads' to reconcile: a
-    # checkpoint one rank lacks fails on it as damage, and every rank skips it alike.)
-    found = dist.run_everywhere(f"listing the checkpoints of {path}", lambda: _candidates(st, path, committed),
-                                world, rank=rank)
+    # read its list (or whose shard_id is refused) must not go on to the loads' collectives alone.
+    # One exchange of a few bytes: any rank's failure raises on all. (Copies that list different
+    # ids are the loads' to reconcile: a checkpoint one rank lacks fails on it as damage, and every
+    # rank skips it alike.)
+
+    def candidates() -> Tuple[str, Tuple[str, ...]]:
+        dist.require_own_rank(shard_id, "load")
+        return _candidates(st, path, committed)
+    found = dist.run_everywhere(f"listing the checkpoints of {path}", candidates, world, rank=rank)
     assert found is not None  # every rank ran _candidates
     kind, listed = found
     if kind != "output dir":  # a checkpoint directory, or not an output dir: loaded (or refused) as given

@@ -215,8 +215,7 @@ class Saver:
         """
         start = time.monotonic()
         check(incremental, bool, "incremental", "save")
-        rank, world = arguments.save_args("save", ckpt_id, shard_id, shard_num)
-        values = retention.check_metrics("save", metrics)
+        rank, world, values = self._save_args("save", ckpt_id, shard_id, shard_num, metrics)
         self._prefill.join()  # the save moves the change baseline a prefill records
         self._background.collect(consume=True)
         state, after = self._capture(ckpt_id, rank, world, None, incremental)
@@ -224,6 +223,26 @@ class Saver:
         elapsed = time.monotonic() - start
         self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values, state.parent is not None)
         return path
+
+    def _save_args(self, where: str, ckpt_id: Any, shard_id: Any, shard_num: Any, metrics: Any
+                   ) -> Tuple[int, int, Optional[Dict[str, float]]]:
+        """(rank, world, metrics) of a save, checked. Inside a process group of several ranks, a
+        rank whose arguments are refused meets the others at their write's first exchange with
+        its error first (they raise RankFailedError at once, not at the collective timeout)."""
+        try:
+            rank, world = arguments.save_args(where, ckpt_id, shard_id, shard_num)
+            return rank, world, retention.check_metrics(where, metrics)
+        except Exception as exc:
+            group_rank, group_world = dist.resolve() if dist.initialized() else (0, 1)
+            if dist.collective(group_world):
+                # The others' collectives until their write's first exchange: the async mode's
+                # group (made on the calling thread), then the snapshot's vote on a delta.
+                with contextlib.suppress(Exception):
+                    if where == "async_save":
+                        dist.recsave_group()
+                    delta.join_take_exchange(group_world, f"a rank's {where} arguments were refused")
+                self._checkpoints.fail_before_writing(str(ckpt_id), exc, group_rank, group_world)
+            raise
 
     def make_latest(self, ckpt_id: str) -> str:
         """Lists committed checkpoint `ckpt_id` as the latest (last in the `checkpoint` file), so that
@@ -275,8 +294,7 @@ class Saver:
         start = time.monotonic()
         check(pinned, bool, "pinned", "async_save")
         check(incremental, bool, "incremental", "async_save")
-        rank, world = arguments.save_args("async_save", ckpt_id, shard_id, shard_num)
-        values = retention.check_metrics("async_save", metrics)
+        rank, world, values = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics)
         self._background.collect(consume=True)
         if dist.collective(world):
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread

@@ -63,10 +63,29 @@ def resolve(shard_id: Optional[int] = None, shard_num: Optional[int] = None) -> 
     return rank, world
 
 
+def require_own_rank(shard_id: Optional[int], where: str) -> None:
+    """Inside a process group of several ranks each process is its group rank: a `shard_id` naming
+    another would have two processes take the same share and none the other's (UsageError)."""
+    if shard_id is not None and initialized() and torch_dist.get_world_size() > 1 \
+            and shard_id != torch_dist.get_rank():
+        raise UsageError(f"{where}: shard_id={shard_id}, but this process is rank {torch_dist.get_rank()} of "
+                         f"the torch.distributed process group of {torch_dist.get_world_size()}; pass "
+                         f"shard_id={torch_dist.get_rank()} or none")
+
+
 def require_group_for_save(rank: int, world_size: int) -> None:
     """A save by one of several ranks needs the process group: without it each rank would gather
-    only its own part and rank 0 would commit an index missing the others. Loads do not need it (a
-    rank reads its own buckets)."""
+    only its own part and rank 0 would commit an index missing the others. Inside a group of
+    several ranks a save is one of all of them: a smaller world (shard_num=1 on every rank) would
+    commit one rank's share as the whole checkpoint and prune the last full one. Loads do not need
+    the group (a rank reads its own buckets)."""
+    if initialized() and torch_dist.get_world_size() > 1 and world_size != torch_dist.get_world_size():
+        raise UsageError(
+            f"cannot save as rank {rank} of {world_size}: this process is one of the "
+            f"{torch_dist.get_world_size()} ranks of the torch.distributed process group, and a save "
+            f"there is one of all of them (each writes its share); pass shard_num="
+            f"{torch_dist.get_world_size()} or none. To save a model one process holds whole, save it "
+            f"from a process without a process group")
     if world_size > 1 and not collective(world_size):
         group = (f"the torch.distributed process group has {torch_dist.get_world_size()} rank(s)"
                  if initialized() else "no torch.distributed process group is initialised")
