@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -244,6 +246,25 @@ def test_tables_with_the_tensor_id_map_save_async_like_sync(tmp_path):
     assert torch.equal(sa["adagrad_acc"], sc["adagrad_acc"])
 
 
+def run_script(script: str, *args: str, **env: str) -> "subprocess.CompletedProcess[str]":
+    """`script` run by a new interpreter with recsave importable from this checkout; it must exit
+    0 without a traceback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=dict(os.environ, PYTHONPATH=root, **env),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+def assert_one_checkpoint_of_rows(out: str, dim: int, name: str, rows: int) -> None:
+    """`out` lists ckpt_1 alone, and it loads a table `name` of `rows` rows."""
+    with open(os.path.join(out, "checkpoint")) as f:
+        assert f.read().split() == ["ckpt_1"]
+    table = HashTable(dim, name=name)
+    Saver(torch.nn.ModuleDict({name: table}), output_dir=out).load()
+    assert len(table) == rows
+
+
 EXIT_DURING_WRITE = """
 import sys, time, torch
 from recsave import HashTable, Saver
@@ -263,20 +284,9 @@ def test_a_write_running_when_the_script_ends_still_commits(tmp_path, delay):
     """The script's main thread ends while the background write runs (early, in the middle, at
     the fsyncs): Python joins the writer, which must still finish and commit (no executor may
     refuse its work at shutdown)."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path / "run")
-    env = dict(os.environ, RECSAVE_FSYNC="1", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", EXIT_DURING_WRITE, out, str(delay)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    with open(os.path.join(out, "checkpoint")) as f:
-        assert f.read().split() == ["ckpt_1"]
-    table = HashTable(16, name="big")
-    Saver(torch.nn.ModuleDict({"big": table}), output_dir=out).load()
-    assert len(table) == 1_500_000
+    run_script(EXIT_DURING_WRITE, out, str(delay), RECSAVE_FSYNC="1")
+    assert_one_checkpoint_of_rows(out, 16, "big", 1_500_000)
 
 
 ASYNC_SAVE_AT_EXIT = """
@@ -292,19 +302,9 @@ atexit.register(lambda: saver.async_save("ckpt_1"))  # runs while the interprete
 def test_an_async_save_started_at_interpreter_exit_still_commits(tmp_path):
     """An atexit handler (or a thread outliving the main one) runs after the interpreter began
     its shutdown, when executors refuse new work: the background write must still run."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path / "run")
-    proc = subprocess.run([sys.executable, "-c", ASYNC_SAVE_AT_EXIT, out], env=dict(os.environ, PYTHONPATH=root),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    with open(os.path.join(out, "checkpoint")) as f:
-        assert f.read().split() == ["ckpt_1"]
-    table = HashTable(4, name="t")
-    Saver(torch.nn.ModuleDict({"t": table}), output_dir=out).load()
-    assert len(table) == 1000
+    run_script(ASYNC_SAVE_AT_EXIT, out)
+    assert_one_checkpoint_of_rows(out, 4, "t", 1000)
 
 
 def test_restore_waits_for_a_save_still_being_written(tmp_path, monkeypatch):
@@ -356,11 +356,5 @@ threading.Thread(target=job).start()
 def test_a_thread_outliving_the_main_one_saves_async_and_loads(tmp_path):
     """Executors refuse work once the main thread has ended; a training loop on a thread of its
     own still saves (the write runs inline) and restores (the fill runs inline)."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", AFTER_MAIN_THREAD, str(tmp_path / "run")],
-                          env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    proc = run_script(AFTER_MAIN_THREAD, str(tmp_path / "run"))
     assert proc.stdout.split() == ["loaded", "1000", "True"]
