@@ -358,3 +358,21 @@ def test_a_thread_outliving_the_main_one_saves_async_and_loads(tmp_path):
     own still saves (the write runs inline) and restores (the fill runs inline)."""
     proc = run_script(AFTER_MAIN_THREAD, str(tmp_path / "run"))
     assert proc.stdout.split() == ["loaded", "1000", "True"]
+
+
+def test_an_async_save_of_a_committed_id_is_refused_at_the_call(tmp_path):
+    """One process: the refusal comes at async_save (as it does at save), not from the
+    background write at the next save / wait / close; the committed checkpoint stays."""
+    from recsave.errors import CheckpointExistsError
+
+    out = str(tmp_path / "run")
+    job = make_job(out)
+    job.train(2)
+    job.saver.save("ckpt_2")
+    before = checkpoint_bytes(os.path.join(out, "ckpt_2"))
+    job.train(1)
+    with pytest.raises(CheckpointExistsError, match="is a committed checkpoint already"):
+        job.saver.async_save("ckpt_2")
+    assert job.saver.pending_checkpoint is None and job.saver.wait() is None
+    assert checkpoint_bytes(os.path.join(out, "ckpt_2")) == before
+    job.saver.close()

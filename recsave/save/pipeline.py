@@ -297,11 +297,7 @@ class CheckpointWriter:
             ckptlist.write(self.storage, self.output_dir, [i for i in listed_ids if i != ckpt_id])
             listed_ids.remove(ckpt_id)
         self.damaged.discard(ckpt_id)
-        listed = ckpt_id in listed_ids
-        if listed and self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
-            raise CheckpointExistsError(
-                f"{ckpt_dir} is a committed checkpoint already; save under another id or delete it first",
-                path=ckpt_dir)
+        self._refuse_committed(ckpt_dir, ckpt_id, listed_ids)
         # A leftover of a crashed save (no index, or an index that never made it into the list) was
         # never committed: safe to replace. A directory holding files recsave does not write is the
         # user's: never removed.
@@ -313,6 +309,20 @@ class CheckpointWriter:
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
         return None if self._lock is None else self._lock.grant()
+
+    def _refuse_committed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
+        if ckpt_id in listed_ids and ckpt_id not in self.damaged \
+                and self.storage.exists(self.storage.join(ckpt_dir, index_mod.INDEX_FILE)):
+            raise CheckpointExistsError(
+                f"{ckpt_dir} is a committed checkpoint already; save under another id or delete it first",
+                path=ckpt_dir)
+
+    def refuse_committed_early(self, ckpt_id: str) -> None:
+        """CheckpointExistsError now when `ckpt_id` is committed already (listed, with its index,
+        not found damaged): for an async save of one process, which would otherwise learn it only
+        from its background write (that write checks again, under the writer lock)."""
+        ids = ckptlist.committed(self.storage, self.output_dir, warned=self.list_warnings).ids
+        self._refuse_committed(self.storage.join(self.output_dir, ckpt_id), ckpt_id, ids)
 
     def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int, made: "_Made",
                           fence: Callable[[], None]) -> Tuple[IndexPart, Dict[str, Tuple[int, int]]]:

@@ -296,6 +296,8 @@ class Saver:
         check(incremental, bool, "incremental", "async_save")
         rank, world, values = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics)
         self._background.collect(consume=True)
+        if world == 1:  # several ranks learn it together, in the write's first exchange
+            self._checkpoints.refuse_committed_early(ckpt_id)
         if dist.collective(world):
             dist.recsave_group()  # creating the group is itself a collective: do it on the calling thread
         self._prefill.join()
