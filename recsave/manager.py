@@ -184,16 +184,18 @@ class CheckpointManager:
         After a preemption signal on any rank, every rank saves, waits for the commit and raises
         Preempted. With several ranks, one small all_reduce per call carries rank 0's time decision
         and the preemption flags (none when only save_interval is used and save_on_preemption is off)."""
-        values = retention.check_metrics("CheckpointManager.step", metrics)
+        values, refused = self._metrics("CheckpointManager.step", metrics)
         self._global_step += 1
         self._restored = None  # trained since: the restored checkpoint no longer holds the state
         self._saved = None
         by_steps = bool(self._save_interval) and self._global_step % self._save_interval == 0
         by_time, preempt = self._agree()
         if preempt:
-            self._preempt(values)
+            self._preempt(metrics if refused is not None else values)
         if by_steps or by_time:
-            return self.save(wait=False, metrics=values)
+            return self.save(wait=False, metrics=metrics if refused is not None else values)
+        if refused is not None:  # no save: nothing collective follows
+            raise refused
         if values and not self._warned_unsaved_metrics and self.save_interval_seconds is None:
             # Not kept for the next save: they describe this step's model, and keep_best would
             # rank a later checkpoint by them. (With time-based saves only step() knows whether
@@ -225,7 +227,7 @@ class CheckpointManager:
                                      f"CheckpointManager step {self._global_step}: agreeing on a save")
         return bool(agreed[0]), bool(agreed[1])
 
-    def _preempt(self, metrics: Optional[Dict[str, float]]) -> None:
+    def _preempt(self, metrics: Any) -> None:
         self.preempted = True
         try:  # a failed earlier background write must not cost the state the preemption save keeps
             self.wait()
@@ -252,15 +254,29 @@ class CheckpointManager:
         In an async mode, `wait` (default) waits until it is committed — the save at the end of
         training; with wait=False it returns once the snapshot is taken."""
         check(wait, bool, "wait", "CheckpointManager.save")
-        values = retention.check_metrics("CheckpointManager.save", metrics)
+        values, refused = self._metrics("CheckpointManager.save", metrics)
         try:
-            return self._save(wait, values)
+            # Metrics refused on this rank only go on to the Saver, whose check meets the other
+            # ranks in their first exchange (they raise at once, not at the collective timeout).
+            return self._save(wait, values if refused is None else metrics)
         finally:
             # The interval runs from the end of this save (its snapshot, in an async mode): from
             # its start, a save longer than save_interval_seconds would make every step save.
             self._last_save_at = self.clock()
 
-    def _save(self, wait: bool, values: Optional[Dict[str, float]]) -> str:
+    @staticmethod
+    def _metrics(where: str, metrics: Any) -> Tuple[Optional[Dict[str, float]], Optional[Exception]]:
+        """(checked metrics, None), or with several ranks in a process group (None, the refusal):
+        a rank that raised here alone would leave the others waiting in their next collective for
+        the collective timeout. Alone the refusal is raised at once."""
+        try:
+            return retention.check_metrics(where, metrics), None
+        except (ArgumentTypeError, UsageError) as exc:
+            if not (dist.initialized() and dist.resolve()[1] > 1):
+                raise
+            return None, exc
+
+    def _save(self, wait: bool, values: Any) -> str:
         saver = self.saver
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)

@@ -12,7 +12,11 @@ with WORLD ranks, change rows, save the delta ckpt_4); CKPT_ID makes ``load`` lo
 ``save_taken_over`` (a second writer takes the lock while rank 1 writes ckpt_2: rank 1 must stop),
 ``save_rank0_killed`` / ``save_rank0_killed_taken_over`` (rank 0 SIGKILLs itself once rank 1
 wrote its files of ckpt_2, the second after a second job's writer took the lock over),
-``save_as_one_process`` (every rank saves ckpt_2 with shard_num=1: refused on every rank),
+``save_as_one_process`` (every rank saves ckpt_2 with shard_num=1: refused on every rank; its
+tables are partitioned, or with UNPARTITIONED=1 only their ids tell), ``save_replicated_alone``
+(every rank holds every id, rank 0 alone saves with shard_num=1), ``async_then_bad_metric``
+(rank 1 refuses its second async_save while rank 0's first write still runs),
+``manager_bad_metric`` (rank 1 passes a NaN metric to CheckpointManager.step on a saving step),
 ``save_bad_metric_on_one_rank``, ``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
 only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
@@ -330,7 +334,54 @@ def main():
     elif scenario == "save_as_one_process":  # every rank passes shard_num=1 after a full ckpt_1
         fill(model, rank, world)
         saver.save("ckpt_1")
+        if os.environ.get("UNPARTITIONED") == "1":  # the ids alone tell the share
+            for table in (model.user, model.item):
+                table.set_partition(0, 1)
         save_or_exit(saver, "ckpt_2", rank, work_dir, shard_id=0, shard_num=1)
+    elif scenario == "async_then_bad_metric":  # ckpt_1's write still running on rank 0 when rank 1 refuses
+        from recsave.save import pipeline
+        slow_prepare = pipeline.CheckpointWriter._prepare_dir
+
+        def prepare(self, ckpt_dir, ckpt_id):
+            if ckpt_id == "ckpt_1" and rank == 0:
+                time.sleep(2)
+            return slow_prepare(self, ckpt_dir, ckpt_id)
+        pipeline.CheckpointWriter._prepare_dir = prepare
+        fill(model, rank, world)
+        saver.async_save("ckpt_1")
+        outcome = []
+        try:
+            saver.async_save("ckpt_2", metrics={"loss": float("nan") if rank == 1 else 0.5})
+            saver.wait()  # collects the write's outcome (raises its error)
+            outcome.append("saved")
+        except recsave.RecsaveError as exc:
+            outcome.append(type(exc).__name__)
+        saver.save("ckpt_3")  # the group still lines up
+        outcome.append(saver.checkpoints()[-1].rsplit("/", 1)[-1])
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    elif scenario == "manager_bad_metric":  # rank 1 alone passes a NaN metric on a saving step
+        mgr = recsave.CheckpointManager(saver, 2)
+        fill(model, rank, world)
+        outcome = [mgr.step() is None]
+        try:
+            mgr.step(metrics={"loss": float("nan") if rank == 1 else 0.5})
+            outcome.append("saved")
+        except recsave.RecsaveError as exc:
+            outcome.append(type(exc).__name__)
+        mgr.step()
+        outcome.append(mgr.step().rsplit("/", 1)[-1])  # step 4 saves: the ranks are in step
+        mgr.close()
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    elif scenario == "save_replicated_alone":  # every rank holds every id; rank 0 alone saves
+        ids = global_ids()
+        for salt, table in ((0.0, model.user), (100.0, model.item)):
+            table.load_rows(ids, expected_rows(ids, salt), {"adagrad_acc": expected_rows(ids, salt + 0.5)})
+        if rank == 0:
+            saver.save("ckpt_1", shard_id=0, shard_num=1)
+        dist.barrier()
+        saver.close()
     elif scenario == "save_bad_metric_on_one_rank":  # rank 1 alone passes a NaN metric (ASYNC=1: async_save)
         fill(model, rank, world)
         metrics = {"loss": float("nan") if rank == 1 else 0.5}

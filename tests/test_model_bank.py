@@ -326,6 +326,10 @@ def test_tables_without_slots_take_their_count_with_their_rows(tmp_path):
     Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "b")).load(
         path, load_conf={"load": ["item"]})  # sparse_optim not loaded: the count comes along anyway
     assert opt.steps == {"user": 1, "item": 3}
+    model, opt = trained({"user": 2, "item": 2})
+    Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "c")).load(
+        path, load_conf={"hashtable_clear": False})  # a merge: the live rows stay, so do the counts
+    assert opt.steps == {"user": 2, "item": 2}
 
 
 def test_an_oname_whose_model_side_matches_nothing_is_refused(tmp_path):

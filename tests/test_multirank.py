@@ -10,7 +10,7 @@ import pytest
 import torch
 from mr_worker import expected_rows, global_ids, listing
 
-from recsave import partition
+from recsave import Saver, partition
 from recsave.format import read_index
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -406,16 +406,36 @@ def test_a_shard_id_other_than_the_group_rank_is_refused(tmp_path):
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
-def test_a_save_with_a_smaller_world_inside_the_group_is_refused_on_every_rank(tmp_path):
+@pytest.mark.parametrize("unpartitioned", ["0", "1"])
+def test_a_ranks_share_saved_with_shard_num_1_is_refused(tmp_path, unpartitioned):
     """shard_num=1 on every rank of 2: one rank's share would be committed as the whole
-    checkpoint (and rotation would prune the full one). Refused on every rank, nothing written."""
-    codes, outs = run_ranks("save_as_one_process", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    checkpoint (and rotation would prune the full one). Each rank refuses its share (partitioned,
+    or told by its ids alone), at once, and nothing is written."""
+    started = time.monotonic()
+    codes, outs = run_ranks("save_as_one_process", 2, tmp_path,
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "UNPARTITIONED": unpartitioned})
     assert codes == [3, 3], outs
+    assert time.monotonic() - started < 100
     for r in (0, 1):
-        assert "UsageError: cannot save as rank 0 of 1: this process is one of the 2 ranks" in \
-            (tmp_path / f"error_{r}.txt").read_text()
+        text = (tmp_path / f"error_{r}.txt").read_text()
+        assert "UsageError: table 'user' is this rank's share of a model sharded over the 2 ranks" in text, text
+        assert (f"its ids are all rank {r}'s" if unpartitioned == "1" else f"partitioned as rank {r} of 2") in text
     assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1"]
     assert not (tmp_path / "out" / "ckpt_2").exists()
+
+
+def test_a_replicated_model_is_saved_by_one_rank_alone(tmp_path):
+    """Every rank holds every id: rank 0 saves it with shard_num=1 while rank 1 takes no part
+    (no collective), and the checkpoint holds every row."""
+    codes, outs = run_ranks("save_replicated_alone", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "60"})
+    assert codes == [0, 0], outs
+    from mr_worker import Model
+
+    model = Model()
+    Saver(model, output_dir=str(tmp_path / "out")).load()
+    ids = global_ids()
+    assert len(model.user) == ids.numel()
+    assert torch.equal(model.user.export(ids)[1], expected_rows(ids, 0.0))
 
 
 @pytest.mark.parametrize("how", ["save", "async_save"])
@@ -429,6 +449,30 @@ def test_save_arguments_refused_on_one_rank_fail_every_rank_at_once(tmp_path, ho
     assert "RankFailedError" in text and "rank 1" in text
     assert time.monotonic() - started < 100  # not the 300 s collective timeout
     assert not (tmp_path / "out" / "ckpt_1").exists()
+
+
+def test_a_refusal_while_the_previous_async_write_runs_keeps_the_ranks_in_step(tmp_path):
+    """Rank 1 refuses its second async_save while rank 0's first write is still running: it must
+    first wait for its own first write, as rank 0 does, else its collectives overlap that
+    write's. Both raise at once; ckpt_1 commits and the next save of every rank lines up."""
+    started = time.monotonic()
+    codes, outs = run_ranks("async_then_bad_metric", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    assert time.monotonic() - started < 100
+    assert json.loads((tmp_path / "report_2_0.json").read_text()) == ["RankFailedError", "ckpt_3"]
+    assert json.loads((tmp_path / "report_2_1.json").read_text()) == ["UsageError", "ckpt_3"]
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1", "ckpt_3"]
+
+
+def test_a_managers_metric_refused_on_one_rank_fails_every_rank_at_once(tmp_path):
+    """CheckpointManager.step checks the metrics before its own exchange: a refusal on one rank
+    goes on to the save's exchanges, so every rank raises at once and the next steps line up."""
+    started = time.monotonic()
+    codes, outs = run_ranks("manager_bad_metric", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    assert time.monotonic() - started < 100
+    assert json.loads((tmp_path / "report_2_0.json").read_text()) == [True, "RankFailedError", "ckpt_4"]
+    assert json.loads((tmp_path / "report_2_1.json").read_text()) == [True, "UsageError", "ckpt_4"]
 
 
 @pytest.mark.parametrize("bad", ["out_of_range", "other_rank"])

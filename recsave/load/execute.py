@@ -137,10 +137,12 @@ def _step_counts(target: LoadTarget, slotted: Set[str], won: Sequence[Won], clea
         for name, (category, source) in w.items():
             if category != "sparse" or name not in counts:
                 continue
+            if not clear:  # a merge: the live rows (and slots) stay, so does the count
+                continue
             if name not in slotted:
                 if source_counts is not None and source in source_counts:
                     counts[name] = source_counts[source]
-            elif clear:
+            else:
                 counts[name] = 0
     for w, source_counts in zip(won, sources):
         for name, (category, source) in w.items():

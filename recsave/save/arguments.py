@@ -4,7 +4,7 @@ anything is written or changed (ArgumentTypeError for a wrong type, UsageError f
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Optional, Set, Tuple
+from typing import Any, Collection, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -13,7 +13,9 @@ from recsave.argcheck import fail as type_error
 from recsave.errors import UsageError
 from recsave.format import ckptlist
 from recsave.load import contents
+from recsave.save.snapshot import ids_by_row
 from recsave.storage import dist
+from recsave.tables import partition
 
 
 def save_args(where: str, ckpt_id: Any, shard_id: Any, shard_num: Any) -> Tuple[int, int]:
@@ -65,3 +67,34 @@ def only_names(only: Any, planned: Collection[str]) -> Optional[Set[str]]:
         raise UsageError(f"execute_plan: only names {', '.join(odd)} that the plan does not load; it "
                          f"loads {sorted(planned)}", key="only")
     return names
+
+
+_SHARE_MIN_IDS = 64  # fewer ids may all fall in one rank's buckets by chance (2 ranks: 2^-64 at 64)
+
+
+def refuse_rank_shares(tables: Mapping[str, Any], num_buckets: int) -> None:
+    """For a save of world 1 by a process of a torch.distributed group of several ranks (one
+    process saving a model it holds whole, e.g. replicated tables; the other ranks take no part):
+    UsageError for a table that is evidently this rank's share of a sharded model, which would be
+    committed as the whole table (and rotation would prune the last full checkpoint): one a
+    multi-rank save or load partitioned, or one of at least 64 ids all in the buckets this group
+    rank owns."""
+    if not dist.initialized():
+        return
+    rank, world = dist.resolve()
+    if world <= 1:
+        return
+    for name, table in tables.items():
+        part = getattr(table, "partition", None)
+        why = f"it is partitioned as rank {part[0]} of {part[1]}" if isinstance(part, tuple) and part[1] > 1 else None
+        if why is None:
+            ids = ids_by_row(table)[0].reshape(-1).cpu()
+            if ids.numel() >= _SHARE_MIN_IDS and bool((partition.owner_of(ids, world, num_buckets) == rank).all()):
+                why = f"its ids are all rank {rank}'s"
+        if why is not None:
+            raise UsageError(
+                f"table {name!r} is this rank's share of a model sharded over the {world} ranks of the "
+                f"process group ({why}), and a save with shard_num=1 would commit "
+                f"it as the whole table; save from every rank with shard_num={world} or none. A model "
+                f"each rank holds whole (replicated tables) may be saved by one rank with shard_num=1",
+                key=name)

@@ -234,9 +234,13 @@ class Saver:
             return rank, world, retention.check_metrics(where, metrics)
         except Exception as exc:
             group_rank, group_world = dist.resolve() if dist.initialized() else (0, 1)
-            if dist.collective(group_world):
-                # The others' collectives until their write's first exchange: the async mode's
-                # group (made on the calling thread), then the snapshot's vote on a delta.
+            alone = isinstance(shard_num, int) and shard_num != group_world  # the others take no part
+            if dist.collective(group_world) and not alone:
+                # What the others do before their first collective: a pending write's error
+                # (raised here as there, without collectives), then their collectives until the
+                # write's first exchange: the async mode's group, the snapshot's vote on a delta.
+                self._prefill.join()
+                self._background.collect(consume=True)
                 with contextlib.suppress(Exception):
                     if where == "async_save":
                         dist.recsave_group()
@@ -371,6 +375,8 @@ class Saver:
         if world > 1:
             for table in tables.values():
                 table.set_partition(rank, world, self.num_buckets)
+        else:
+            arguments.refuse_rank_shares(tables, self.num_buckets)
         # Tables whose host copy from this Saver's last async save is still at their change
         # baseline: only the rows changed since need copying (knob stage_changed_rows).
         mirrored: List[str] = []

@@ -75,17 +75,9 @@ def require_own_rank(shard_id: Optional[int], where: str) -> None:
 
 def require_group_for_save(rank: int, world_size: int) -> None:
     """A save by one of several ranks needs the process group: without it each rank would gather
-    only its own part and rank 0 would commit an index missing the others. Inside a group of
-    several ranks a save is one of all of them: a smaller world (shard_num=1 on every rank) would
-    commit one rank's share as the whole checkpoint and prune the last full one. Loads do not need
-    the group (a rank reads its own buckets)."""
-    if initialized() and torch_dist.get_world_size() > 1 and world_size != torch_dist.get_world_size():
-        raise UsageError(
-            f"cannot save as rank {rank} of {world_size}: this process is one of the "
-            f"{torch_dist.get_world_size()} ranks of the torch.distributed process group, and a save "
-            f"there is one of all of them (each writes its share); pass shard_num="
-            f"{torch_dist.get_world_size()} or none. To save a model one process holds whole, save it "
-            f"from a process without a process group")
+    only its own part and rank 0 would commit an index missing the others. (A save of world 1
+    inside a larger group is one process saving alone: arguments.refuse_rank_shares.) Loads do
+    not need the group (a rank reads its own buckets)."""
     if world_size > 1 and not collective(world_size):
         group = (f"the torch.distributed process group has {torch_dist.get_world_size()} rank(s)"
                  if initialized() else "no torch.distributed process group is initialised")
