@@ -229,6 +229,11 @@ class CheckpointManager:
 
     def _preempt(self, metrics: Any) -> None:
         self.preempted = True
+        try:  # the last chance to save: refused metrics are dropped, not the save
+            retention.check_metrics("CheckpointManager.step", metrics)
+        except (ArgumentTypeError, UsageError) as exc:
+            logging.getLogger("recsave").warning("recsave: the preemption save drops its metrics (%s)", exc)
+            metrics = None
         try:  # a failed earlier background write must not cost the state the preemption save keeps
             self.wait()
         except Exception as exc:
@@ -258,7 +263,7 @@ class CheckpointManager:
         try:
             # Metrics refused on this rank only go on to the Saver, whose check meets the other
             # ranks in their first exchange (they raise at once, not at the collective timeout).
-            return self._save(wait, values if refused is None else metrics)
+            return self._save(wait, values if refused is None else metrics, refused)
         finally:
             # The interval runs from the end of this save (its snapshot, in an async mode): from
             # its start, a save longer than save_interval_seconds would make every step save.
@@ -276,25 +281,33 @@ class CheckpointManager:
                 raise
             return None, exc
 
-    def _save(self, wait: bool, values: Any) -> str:
+    def _save(self, wait: bool, values: Any, refused: Optional[Exception] = None) -> str:
+        """save(); `values` are the metrics, unchecked when this rank refused them (`refused`): the
+        Saver refuses them again in step with the other ranks, and a return without saving
+        (this step's checkpoint exists) raises `refused` after the steps every rank takes."""
         saver = self.saver
+
+        def unsaved(path: str) -> str:
+            if refused is not None:
+                raise refused
+            return path
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
         if saver.pending_checkpoint == ckpt_id == self._saved:  # written in the background already
             if wait:
                 self.wait()
-            return ckpt_dir
+            return unsaved(ckpt_dir)
         if saver.pending_checkpoint is not None:  # async_save would wait for it too; the policy needs its chain
             self.wait()
         if self._holds_restored_state(ckpt_id):
             # Restored from it and neither stepped, saved nor loaded since: it holds this state.
             # Listed last, a restart resumes from it, not from a branch the restore left. (Before
             # the `latest` check: every rank takes this path together, make_latest is collective.)
-            return saver.make_latest(ckpt_id)
+            return unsaved(saver.make_latest(ckpt_id))
         latest = saver.latest_checkpoint()
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id == self._saved \
                 and ckpt_id not in saver.damaged_checkpoints:
-            return latest
+            return unsaved(latest)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
             policy.evict_rows(saver.model, self.evict)
         incremental, why = False, "full_every is None"

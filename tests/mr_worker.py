@@ -17,6 +17,7 @@ tables are partitioned, or with UNPARTITIONED=1 only their ids tell), ``save_rep
 (every rank holds every id, rank 0 alone saves with shard_num=1), ``async_then_bad_metric``
 (rank 1 refuses its second async_save while rank 0's first write still runs),
 ``manager_bad_metric`` (rank 1 passes a NaN metric to CheckpointManager.step on a saving step),
+``preempt_bad_metric`` (the same on the step where rank 0's preemption signal makes every rank save),
 ``save_bad_metric_on_one_rank``, ``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
 only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
@@ -360,17 +361,33 @@ def main():
         outcome.append(saver.checkpoints()[-1].rsplit("/", 1)[-1])
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)
-    elif scenario == "manager_bad_metric":  # rank 1 alone passes a NaN metric on a saving step
-        mgr = recsave.CheckpointManager(saver, 2)
+    elif scenario == "manager_bad_metric":  # rank 1 alone passes a NaN metric on saving step 2 (ASYNC=1: async mode)
+        mgr = recsave.CheckpointManager(saver, 2, async_mode="async" if os.environ.get("ASYNC") == "1" else "disabled")
         fill(model, rank, world)
-        outcome = [mgr.step() is None]
+        outcome = []
+        for step in range(1, 7):  # every rank catches what it gets and goes on training
+            try:
+                path = mgr.step(metrics={"loss": float("nan") if rank == 1 else 0.5} if step == 2 else None)
+                outcome.append("none" if path is None else "saved:" + path.rsplit("/", 1)[-1])
+            except recsave.RecsaveError as exc:
+                outcome.append(type(exc).__name__)
+        mgr.close()
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    elif scenario == "preempt_bad_metric":  # rank 0 preempted, rank 1 passes a NaN metric on that step
+        mgr = recsave.CheckpointManager(saver, 100)
+        fill(model, rank, world)
+        mgr.step()
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        outcome = []
         try:
             mgr.step(metrics={"loss": float("nan") if rank == 1 else 0.5})
-            outcome.append("saved")
+            outcome.append("none")
+        except recsave.Preempted as exc:
+            outcome.append("Preempted:" + exc.path.rsplit("/", 1)[-1])
         except recsave.RecsaveError as exc:
             outcome.append(type(exc).__name__)
-        mgr.step()
-        outcome.append(mgr.step().rsplit("/", 1)[-1])  # step 4 saves: the ranks are in step
         mgr.close()
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)

@@ -464,15 +464,32 @@ def test_a_refusal_while_the_previous_async_write_runs_keeps_the_ranks_in_step(t
     assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1", "ckpt_3"]
 
 
-def test_a_managers_metric_refused_on_one_rank_fails_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_managers_metric_refused_on_one_rank_keeps_the_ranks_in_step(tmp_path, mode):
     """CheckpointManager.step checks the metrics before its own exchange: a refusal on one rank
-    goes on to the save's exchanges, so every rank raises at once and the next steps line up."""
+    goes on to the save's exchanges. Every rank learns of it at the same step (at once when saving
+    synchronously; from the failed write at the next save in the async mode), and the later steps
+    line up (ckpt_6)."""
     started = time.monotonic()
-    codes, outs = run_ranks("manager_bad_metric", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    codes, outs = run_ranks("manager_bad_metric", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300",
+                                                                "ASYNC": "1" if mode == "async" else "0"})
     assert codes == [0, 0], outs
     assert time.monotonic() - started < 100
-    assert json.loads((tmp_path / "report_2_0.json").read_text()) == [True, "RankFailedError", "ckpt_4"]
-    assert json.loads((tmp_path / "report_2_1.json").read_text()) == [True, "UsageError", "ckpt_4"]
+    for rank, error in ((0, "RankFailedError"), (1, "UsageError")):
+        expected = ["none", error, "none", "saved:ckpt_4", "none", "saved:ckpt_6"] if mode == "disabled" else \
+            ["none", "saved:ckpt_2", "none", error, "none", "saved:ckpt_6"]
+        assert json.loads((tmp_path / f"report_2_{rank}.json").read_text()) == expected
+
+
+def test_a_preemption_save_drops_metrics_refused_on_one_rank(tmp_path):
+    """The preemption save is the job's last: a metric refused on one rank costs the metrics (a
+    warning), not the save. Every rank saves ckpt_2 and raises Preempted."""
+    codes, outs = run_ranks("preempt_bad_metric", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"report_2_{rank}.json").read_text()) == ["Preempted:ckpt_2"]
+    assert "the preemption save drops its metrics" in outs[1]
+    assert read_index(str(tmp_path / "out" / "ckpt_2")).metrics == {"loss": 0.5}  # rank 0's, as always
 
 
 @pytest.mark.parametrize("bad", ["out_of_range", "other_rank"])

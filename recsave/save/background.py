@@ -19,6 +19,11 @@ class BackgroundWrite:
     def __init__(self) -> None:
         self._pending: Optional[Tuple[str, Future]] = None  # (ckpt_id, future) of the last write
 
+    def pending_future(self) -> Future:
+        """The future of the last write (one is pending)."""
+        assert self._pending is not None
+        return self._pending[1]
+
     @property
     def pending_id(self) -> Optional[str]:
         """The id being written (or written last), until collected."""
@@ -37,6 +42,16 @@ class BackgroundWrite:
                           "wait() or close()", ckpt_id, type(exc).__name__, exc)
                 raise
         future = threads.start(logged, name="recsave-async-save")
+        self._pending = (ckpt_id, future)
+        return future
+
+    def fail(self, ckpt_id: str, error: BaseException) -> Future:
+        """Records (and returns) a write of `ckpt_id` that failed with `error` without running:
+        what the other ranks hold once their write learnt of this rank's refusal, so that this
+        rank's write future, next save, wait() or close() raise it as theirs do, with no collective
+        (the ranks stay in step)."""
+        future: Future = Future()
+        future.set_exception(error)
         self._pending = (ckpt_id, future)
         return future
 

@@ -215,7 +215,9 @@ class Saver:
         """
         start = time.monotonic()
         check(incremental, bool, "incremental", "save")
-        rank, world, values = self._save_args("save", ckpt_id, shard_id, shard_num, metrics)
+        args = self._save_args("save", ckpt_id, shard_id, shard_num, metrics)
+        assert args is not None  # a save's refusal is raised
+        rank, world, values = args
         self._prefill.join()  # the save moves the change baseline a prefill records
         self._background.collect(consume=True)
         state, after = self._capture(ckpt_id, rank, world, None, incremental)
@@ -225,16 +227,17 @@ class Saver:
         return path
 
     def _save_args(self, where: str, ckpt_id: Any, shard_id: Any, shard_num: Any, metrics: Any
-                   ) -> Tuple[int, int, Optional[Dict[str, float]]]:
+                   ) -> Optional[Tuple[int, int, Optional[Dict[str, float]]]]:
         """(rank, world, metrics) of a save, checked. Inside a process group of several ranks, a
         rank whose arguments are refused meets the others at their write's first exchange with
-        its error first (they raise RankFailedError at once, not at the collective timeout)."""
+        its error first (they raise RankFailedError at once, not at the collective timeout); for
+        async_save it then holds a write failed with its error, as they do, and gets None."""
         try:
             rank, world = arguments.save_args(where, ckpt_id, shard_id, shard_num)
             return rank, world, retention.check_metrics(where, metrics)
         except Exception as exc:
             group_rank, group_world = dist.resolve() if dist.initialized() else (0, 1)
-            alone = isinstance(shard_num, int) and shard_num != group_world  # the others take no part
+            alone = shard_num is not None and shard_num != group_world  # the others take no part
             if dist.collective(group_world) and not alone:
                 # What the others do before their first collective: a pending write's error
                 # (raised here as there, without collectives), then their collectives until the
@@ -246,6 +249,11 @@ class Saver:
                         dist.recsave_group()
                     delta.join_take_exchange(group_world, f"a rank's {where} arguments were refused")
                 self._checkpoints.fail_before_writing(str(ckpt_id), exc, group_rank, group_world)
+                if where == "async_save":
+                    # The others learn of it from their write (its future, the next save, wait()
+                    # or close()): so does this rank, from a write that failed with it.
+                    self._background.fail(str(ckpt_id), exc)
+                    return None
             raise
 
     def make_latest(self, ckpt_id: str) -> str:
@@ -298,7 +306,12 @@ class Saver:
         start = time.monotonic()
         check(pinned, bool, "pinned", "async_save")
         check(incremental, bool, "incremental", "async_save")
-        rank, world, values = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics)
+        args = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics)
+        done: Future = Future()
+        done.set_result(None)  # staging is done on this thread, before returning
+        if args is None:  # refused here, in step with the other ranks: its write failed with it
+            return done, self._background.pending_future()
+        rank, world, values = args
         self._background.collect(consume=True)
         if world == 1:  # several ranks learn it together, in the write's first exchange
             self._checkpoints.refuse_committed_early(ckpt_id)
@@ -309,8 +322,7 @@ class Saver:
             self._stager = Stager(pinned)
         state, after = self._capture(ckpt_id, rank, world, self._stager, incremental)
         staged_rows = sum(self._stager.rows_copied.values())
-        stage_future: Future = Future()
-        stage_future.set_result(None)  # staging is done on this thread, before returning
+        stage_future = done
         write = knobs.carried(self._write)
         stall = time.monotonic() - start
         self._baseline = None  # until the write succeeds (the next save collects it first)
