@@ -402,15 +402,19 @@ def main():
     elif scenario == "save_bad_metric_on_one_rank":  # rank 1 alone passes a NaN metric (ASYNC=1: async_save)
         fill(model, rank, world)
         metrics = {"loss": float("nan") if rank == 1 else 0.5}
+        if os.environ.get("BAD") == "flag":  # a wrong type of a flag instead (checked before the rank's arguments)
+            metrics, flag = {"loss": 0.5}, ("yes" if rank == 1 else False)
+        else:
+            flag = False
         if os.environ.get("ASYNC") == "1":
             try:
-                saver.async_save("ckpt_1", metrics=metrics)[1].result(timeout=120)
+                saver.async_save("ckpt_1", metrics=metrics, pinned=flag)[1].result(timeout=120)
             except recsave.RecsaveError as exc:
                 with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
                     f.write(f"{type(exc).__name__}: {exc}")
                 os._exit(3)
         else:
-            save_or_exit(saver, "ckpt_1", rank, work_dir, metrics=metrics)
+            save_or_exit(saver, "ckpt_1", rank, work_dir, metrics=metrics, incremental=flag)
     elif scenario == "load_bad_shard_id":  # after save_two: rank 1 alone passes a bad shard_id, then a plain load
         shard = {"out_of_range": 5, "other_rank": 0}[os.environ["BAD_SHARD"]]
         attempt_then_load(lambda: saver.load(shard_id=shard if rank == 1 else None), saver, reader, work_dir,

@@ -438,13 +438,18 @@ def test_a_replicated_model_is_saved_by_one_rank_alone(tmp_path):
     assert torch.equal(model.user.export(ids)[1], expected_rows(ids, 0.0))
 
 
+@pytest.mark.parametrize("bad", ["metric", "flag"])
 @pytest.mark.parametrize("how", ["save", "async_save"])
-def test_save_arguments_refused_on_one_rank_fail_every_rank_at_once(tmp_path, how):
+def test_save_arguments_refused_on_one_rank_fail_every_rank_at_once(tmp_path, how, bad):
     started = time.monotonic()
     codes, outs = run_ranks("save_bad_metric_on_one_rank", 2, tmp_path,
-                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "ASYNC": "1" if how == "async_save" else "0"})
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "ASYNC": "1" if how == "async_save" else "0",
+                             "BAD": bad})
     assert codes == [3, 3], outs
-    assert f"UsageError: {how}: metric 'loss' must be a finite" in (tmp_path / "error_1.txt").read_text()
+    flag = "pinned" if how == "async_save" else "incremental"
+    expected = f"UsageError: {how}: metric 'loss' must be a finite" if bad == "metric" else \
+        f"ArgumentTypeError: {how}: {flag} must be"
+    assert expected in (tmp_path / "error_1.txt").read_text(), (tmp_path / "error_1.txt").read_text()
     text = (tmp_path / "error_0.txt").read_text()
     assert "RankFailedError" in text and "rank 1" in text
     assert time.monotonic() - started < 100  # not the 300 s collective timeout

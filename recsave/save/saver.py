@@ -214,8 +214,7 @@ class Saver:
         `metrics` (name -> float; rank 0's count) are stored in the index, for keep_best.
         """
         start = time.monotonic()
-        check(incremental, bool, "incremental", "save")
-        args = self._save_args("save", ckpt_id, shard_id, shard_num, metrics)
+        args = self._save_args("save", ckpt_id, shard_id, shard_num, metrics, incremental=incremental)
         assert args is not None  # a save's refusal is raised
         rank, world, values = args
         self._prefill.join()  # the save moves the change baseline a prefill records
@@ -226,18 +225,21 @@ class Saver:
         self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values, state.parent is not None)
         return path
 
-    def _save_args(self, where: str, ckpt_id: Any, shard_id: Any, shard_num: Any, metrics: Any
-                   ) -> Optional[Tuple[int, int, Optional[Dict[str, float]]]]:
+    def _save_args(self, where: str, ckpt_id: Any, shard_id: Any, shard_num: Any, metrics: Any,
+                   **flags: Any) -> Optional[Tuple[int, int, Optional[Dict[str, float]]]]:
         """(rank, world, metrics) of a save, checked. Inside a process group of several ranks, a
         rank whose arguments are refused meets the others at their write's first exchange with
         its error first (they raise RankFailedError at once, not at the collective timeout); for
         async_save it then holds a write failed with its error, as they do, and gets None."""
         try:
+            for name, value in flags.items():  # incremental, pinned
+                check(value, bool, name, where)
             rank, world = arguments.save_args(where, ckpt_id, shard_id, shard_num)
             return rank, world, retention.check_metrics(where, metrics)
         except Exception as exc:
             group_rank, group_world = dist.resolve() if dist.initialized() else (0, 1)
-            alone = shard_num is not None and shard_num != group_world  # the others take no part
+            # shard_num=1 in a larger group: a process saving alone, the others take no part
+            alone = shard_num is not None and shard_num == 1 and group_world != 1
             if dist.collective(group_world) and not alone:
                 # What the others do before their first collective: a pending write's error
                 # (raised here as there, without collectives), then their collectives until the
@@ -304,9 +306,8 @@ class Saver:
         changed rows only, for a delta: `incremental` as in save()).
         """
         start = time.monotonic()
-        check(pinned, bool, "pinned", "async_save")
-        check(incremental, bool, "incremental", "async_save")
-        args = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics)
+        args = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics, incremental=incremental,
+                               pinned=pinned)
         done: Future = Future()
         done.set_result(None)  # staging is done on this thread, before returning
         if args is None:  # refused here, in step with the other ranks: its write failed with it
