@@ -569,9 +569,13 @@ def main():
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump({"position": reader.position}, f)
     elif scenario == "load_other_ids":  # rank r loads ckpt_<r + 1>: a mix of two checkpoints
-        fill(model, rank, world, offset=50.0)
+        fill(model, rank, world, offset=50.0)  # OTHER_NAMES=1: the same checkpoint, rank 0 excluding user
+        other_names = os.environ.get("OTHER_NAMES") == "1"
         try:
-            saver.load(ckpt_id=f"ckpt_{rank + 1}")
+            if other_names:
+                saver.load(ckpt_id="ckpt_2", load_conf={"exclude": ["user", "user@*"]} if rank == 0 else None)
+            else:
+                saver.load(ckpt_id=f"ckpt_{rank + 1}")
         except recsave.RecsaveError as exc:
             with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")

@@ -272,15 +272,23 @@ def test_a_fallback_load_skips_a_checkpoint_damaged_in_one_ranks_share_on_every_
             assert torch.equal(got["values"], expected_rows(got["ids"], salt)), (r, name)
 
 
-def test_ranks_loading_different_checkpoints_are_refused_and_change_nothing(tmp_path):
+@pytest.mark.parametrize("differ", ["checkpoints", "names"])
+def test_ranks_loading_different_checkpoints_are_refused_and_change_nothing(tmp_path, differ):
+    """Ranks loading other checkpoints, or other names of one (rank 0 excluding the sharded table
+    user: half of it would be restored), are refused on every rank before any model changes."""
     codes, outs = run_ranks("save_two", 2, tmp_path)
     assert codes == [0, 0], outs
-    codes, outs = run_ranks("load_other_ids", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    codes, outs = run_ranks("load_other_ids", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300",
+                                                            "OTHER_NAMES": "1" if differ == "names" else "0"})
     assert codes == [0, 0], outs
     for r in range(2):
         text = (tmp_path / f"error_{r}.txt").read_text()
-        assert text.startswith("UsageError: reading ") and "the ranks disagree on the checkpoints loaded: " \
-            "rank 0 has [('ckpt_1', 1)], rank 1 [('ckpt_2', 2)]" in text, text
+        assert text.startswith("UsageError: reading ") and "the ranks disagree on the checkpoints and names " \
+            "loaded: rank 0 has ([('ckpt_" in text, text
+        if differ == "checkpoints":
+            assert "rank 0 has [('ckpt_1', 1)]" in text.replace("([", "[") and "rank 1 ([('ckpt_2', 2)]" in text
+        else:
+            assert "'item@adagrad_acc', 'reader', 'sparse_optim']), rank 1 ([('ckpt_2', 2)], ['dense.bias'" in text
         got = torch.load(tmp_path / f"user_2_{r}.pt", weights_only=True)
         assert torch.equal(got["values"], expected_rows(got["ids"], 50.0))  # the live rows, untouched
 

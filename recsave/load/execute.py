@@ -65,9 +65,13 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     where = ", ".join(report.checkpoints) or "the model bank"
     try:
         # Every rank must load the same checkpoints (by id: per-rank output dirs differ in path),
-        # else each would apply its share of another one; agreed in this exchange, no extra round.
+        # else each would apply its share of another one, and the same names (a sharded table
+        # loaded on some ranks only would be half restored, dense replicas would diverge); agreed
+        # in this exchange, no extra round.
         ids = [(src.ckpt_dir.rstrip("/").rsplit("/", 1)[-1], src.step) for src in ex.sources]
-        dist.run_everywhere(f"reading {where}", stage, ex.world, agree=("the checkpoints loaded", ids))
+        names = sorted({name for w in won for name in w})
+        dist.run_everywhere(f"reading {where}", stage, ex.world,
+                            agree=("the checkpoints and names loaded", (ids, names)))
         try:
             dist.run_everywhere(f"applying the load of {where}", tx.apply, ex.world)
         except BaseException:
