@@ -322,7 +322,8 @@ def test_last_save_and_one_log_line_per_commit(tmp_path, caplog):
     assert mgr.last_save is None
     with caplog.at_level(logging.INFO, logger="recsave"):
         job.train(2)
-        mgr.step(metrics={"auc": 0.75})  # step 3: no save
+        with pytest.warns(RuntimeWarning, match="which does not save"):
+            mgr.step(metrics={"auc": 0.75})  # step 3: no save
         job.train(1)  # step 4 saves (without metrics)
     lines = [r.getMessage() for r in caplog.records if "committed" in r.getMessage()]
     assert len(lines) == 2 and "ckpt_2" in lines[0] and "ckpt_4" in lines[1]
