@@ -221,7 +221,7 @@ class CheckpointManager:
         interval = self.save_interval_seconds if time_check else None
         if interval is None and not self.save_on_preemption:
             return False, False
-        rank, world = dist.resolve() if dist.initialized() else (0, 1)  # alone: its own clock decides
+        rank, world = dist.group()  # alone: its own clock decides
         due = interval is not None and rank == 0 and self.clock() - self._last_save_at >= interval
         agreed = dist.max_over_ranks([int(due), int(self._preemption.is_set)], world,
                                      f"CheckpointManager step {self._global_step}: agreeing on a save")
@@ -277,7 +277,7 @@ class CheckpointManager:
         try:
             return retention.check_metrics(where, metrics), None
         except (ArgumentTypeError, UsageError) as exc:
-            if not (dist.initialized() and dist.resolve()[1] > 1):
+            if dist.group()[1] <= 1:
                 raise
             return None, exc
 
@@ -391,7 +391,7 @@ class CheckpointManager:
 
         # Each rank reads its own list: one that fails (or lacks the step) raises on every rank at
         # once, and the ranks agree whether there is anything to restore before any load starts.
-        rank, world = dist.resolve() if dist.initialized() else (0, 1)
+        rank, world = dist.group()
         found = dist.run_everywhere("listing the checkpoints to restore", committed, world, rank=rank,
                                     agree_on_result="whether there is a checkpoint to restore")
         if not found:

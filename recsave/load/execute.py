@@ -138,16 +138,15 @@ def _step_counts(target: LoadTarget, slotted: Set[str], won: Sequence[Won], clea
     counts = dict(live)
     sources = [_source_counts(files) for files in pt_files]
     for w, clear, source_counts in zip(won, clears, sources):
+        if not clear:  # a merge: the live rows (and slots) stay, so do the counts
+            continue
         for name, (category, source) in w.items():
             if category != "sparse" or name not in counts:
                 continue
-            if not clear:  # a merge: the live rows (and slots) stay, so does the count
-                continue
-            if name not in slotted:
-                if source_counts is not None and source in source_counts:
-                    counts[name] = source_counts[source]
-            else:
+            if name in slotted:
                 counts[name] = 0
+            elif source_counts is not None and source in source_counts:
+                counts[name] = source_counts[source]
     for w, source_counts in zip(won, sources):
         for name, (category, source) in w.items():
             table, source_table = name.partition("@")[0], source.partition("@")[0]

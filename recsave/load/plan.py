@@ -104,9 +104,7 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
     run alone leaves it off: it may be called on one rank only."""
     if not share_reads:
         return _plan_entries(target, entries, shard_id, ckpt_id, direct_path, require_path, False)
-    # The group's rank and world for the exchange: a shard_id this rank is refused (below, in the
-    # exchange) must not keep it from meeting the others.
-    rank, world = dist.resolve() if dist.initialized() else dist.resolve(shard_id, None)
+    rank, world = dist.resolve_for_exchange(shard_id)
     plan = dist.run_everywhere("planning the load", lambda: _plan_entries(
         target, entries, shard_id, ckpt_id, direct_path, require_path, True), world, rank=rank)
     assert plan is not None
@@ -115,7 +113,6 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
 
 def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_id: Optional[int],
                   ckpt_id: Optional[str], direct_path: bool, require_path: bool, share_reads: bool) -> LoadPlan:
-    group_world = dist.resolve()[1] if dist.initialized() else None
     try:
         dist.require_own_rank(shard_id, "load")
         rank, world = dist.resolve(shard_id, None)
@@ -126,9 +123,9 @@ def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_i
         confs = [config.parse(entry, where=f"model bank entry {i}" if require_path else "load_conf",
                               require_path=True) for i, entry in enumerate(entries)]
     except BaseException as exc:
-        if not share_reads or group_world is None:
+        if not share_reads:
             raise
-        fail_before_sharing(exc, group_world)  # the others go on to open_sources' broadcast: meet them there
+        fail_before_sharing(exc, dist.group()[1])  # the others go on to open_sources' broadcast: meet them there
     entry_of = [i for i, conf in enumerate(confs) if not conf.skip]
     openings = [(cast(str, confs[i].path), ckpt_id, direct_path) for i in entry_of]
     sources = open_sources(openings, world) if share_reads else [open_source(*o) for o in openings]

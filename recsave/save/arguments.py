@@ -79,9 +79,7 @@ def refuse_rank_shares(tables: Mapping[str, Any], num_buckets: int) -> None:
     committed as the whole table (and rotation would prune the last full checkpoint): one a
     multi-rank save or load partitioned, or one of at least 64 ids all in the buckets this group
     rank owns."""
-    if not dist.initialized():
-        return
-    rank, world = dist.resolve()
+    rank, world = dist.group()
     if world <= 1:
         return
     for name, table in tables.items():

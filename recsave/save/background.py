@@ -45,15 +45,14 @@ class BackgroundWrite:
         self._pending = (ckpt_id, future)
         return future
 
-    def fail(self, ckpt_id: str, error: BaseException) -> Future:
-        """Records (and returns) a write of `ckpt_id` that failed with `error` without running:
+    def fail(self, ckpt_id: str, error: BaseException) -> None:
+        """Records a write of `ckpt_id` that failed with `error` without running:
         what the other ranks hold once their write learnt of this rank's refusal, so that this
         rank's write future, next save, wait() or close() raise it as theirs do, with no collective
         (the ranks stay in step)."""
         future: Future = Future()
         future.set_exception(error)
         self._pending = (ckpt_id, future)
-        return future
 
     def collect(self, consume: bool) -> Optional[str]:
         """Waits for the write. With `consume` its result is collected: the path is returned or its

@@ -33,7 +33,7 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
     an output dir other than the Saver's) so that the next save of such an id replaces it."""
     path = conf["path"]
     st = get_storage(path)
-    rank, world = dist.resolve() if dist.initialized() else dist.resolve(shard_id, None)
+    rank, world = dist.resolve_for_exchange(shard_id)
     # Every rank looks at its own storage (per-rank copies of an output dir): a rank that fails to
     # read its list (or whose shard_id is refused) must not go on to the loads' collectives alone.
     # One exchange of a few bytes: any rank's failure raises on all. (Copies that list different

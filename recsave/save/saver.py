@@ -237,7 +237,7 @@ class Saver:
             rank, world = arguments.save_args(where, ckpt_id, shard_id, shard_num)
             return rank, world, retention.check_metrics(where, metrics)
         except Exception as exc:
-            group_rank, group_world = dist.resolve() if dist.initialized() else (0, 1)
+            group_rank, group_world = dist.group()
             # shard_num=1 in a larger group: a process saving alone, the others take no part
             alone = shard_num is not None and shard_num == 1 and group_world != 1
             if dist.collective(group_world) and not alone:

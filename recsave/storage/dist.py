@@ -183,6 +183,19 @@ def group_rank() -> int:
     return torch_dist.get_rank() if initialized() else 0
 
 
+def group() -> Tuple[int, int]:
+    """(rank, world size) of this process in torch.distributed's default group; (0, 1) without one
+    (the environment's RANK / WORLD_SIZE do not count: no collective can run without a group)."""
+    return (torch_dist.get_rank(), torch_dist.get_world_size()) if initialized() else (0, 1)
+
+
+def resolve_for_exchange(shard_id: Optional[int]) -> Tuple[int, int]:
+    """(rank, world size) an exchange runs with: the process group's when one is up (a shard_id
+    this rank is refused, checked inside the exchange, must not keep it from meeting the others),
+    else resolve(shard_id) (no collectives run)."""
+    return group() if initialized() else resolve(shard_id, None)
+
+
 def broadcast_from_rank0(obj: Any, world_size: int) -> Any:
     """Rank 0's `obj` on every rank (`obj` itself without collectives); the root is the group's
     rank 0 whatever shard_id a caller passed. One broadcast over recsave's group: gloo's is a

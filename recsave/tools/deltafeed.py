@@ -160,10 +160,7 @@ def _table(srcs: List[Any], name: str, info: TableInfo, storage: Storage, out_di
                         progress(b - a)
 
     rel_dir = table_dir_name(name)
-    table_dir = storage.join(out_dir, rel_dir)
-    if not storage.exists(table_dir):
-        created.append(table_dir)
-    storage.makedirs(table_dir)
+    toolargs.make_dir(storage, storage.join(out_dir, rel_dir), created)
     fname = "part-00000.parquet"
     path = storage.join(out_dir, rel_dir, fname)
     written.append(path)

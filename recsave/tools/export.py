@@ -121,9 +121,7 @@ def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_di
         metadata={b"recsave.table": json.dumps(table_meta).encode()})
     rel_dir = table_dir_name(name)
     table_dir = storage.join(out_dir, rel_dir)
-    if not storage.exists(table_dir):
-        created.append(table_dir)
-    storage.makedirs(table_dir)
+    toolargs.make_dir(storage, table_dir, created)
     per_file = rows_per_file or max(n, 1)
     files = []
     for part, first in enumerate(range(0, max(n, 1), per_file)):

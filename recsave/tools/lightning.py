@@ -157,7 +157,7 @@ class RecsaveCallback(pl.Callback):
     def _preempted_in_validation(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != "fit" or trainer.sanity_checking or not self.manager.save_on_preemption:
             return  # (trainer.validate() outside a fit has nothing of a fit to save)
-        if dist.initialized() and dist.resolve()[1] > 1:
+        if dist.group()[1] > 1:
             # check_preemption is a collective: ranks may run different numbers of validation
             # batches, and a mismatched collective would hang the fit. Several ranks rely on the
             # training loop's check (Lightning broadcasts rank 0's SIGTERM there).

@@ -60,6 +60,14 @@ def missing_dirs(storage: Storage, path: str) -> List[str]:
     return missing
 
 
+def make_dir(storage: Storage, path: str, created: List[str]) -> None:
+    """Makes directory `path` (and its parents), adding it to `created` when it is new: what
+    undo_writes removes again (when empty) if the export fails."""
+    if not storage.exists(path):
+        created.append(path)
+    storage.makedirs(path)
+
+
 def undo_writes(storage: Storage, written: Sequence[str], created: Sequence[str]) -> None:
     """Removes what a failed export wrote, as far as it can (the export's error is what matters):
     the files `written`, then each directory of `created` (innermost first) that is empty now, so
