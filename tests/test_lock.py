@@ -406,7 +406,7 @@ def test_a_lease_watch_stops_a_rank_once_another_writer_took_the_lock_over(tmp_p
     assert not watch.may_discard()  # its files may have the names the new writer writes
 
 
-def test_a_lease_watch_stops_a_rank_when_rank_0_stopped_renewing(tmp_path):
+def test_a_lease_watch_stops_a_rank_when_rank_0_stopped_renewing(tmp_path, monkeypatch):
     """Rank 0 renews every quarter lease: three quarters without a renewal mean it is gone or
     stalled, and a whole lease lets another writer take the lock over."""
     out = str(tmp_path / "run")
@@ -414,11 +414,14 @@ def test_a_lease_watch_stops_a_rank_when_rank_0_stopped_renewing(tmp_path):
     _write_lock(out)
     watch = LeaseWatch(LocalStorage(), _grant(out, 0.4))
     time.sleep(0.21)
-    _write_lock(out, renewed_at=time.time() - 0.31)
-    with pytest.raises(WriterLockedError, match=r"rank 0 has not renewed the writer lock for 0\.3 s "
-                                                r"\(writer_lease_s=0.4;"):
-        watch.check()
-    assert watch.may_discard()  # within its lease: no other writer can have begun
+    now = time.time()
+    _write_lock(out, renewed_at=now - 0.31)
+    with monkeypatch.context() as m:  # the lock's age exactly 0.31 s when read, however busy the machine
+        m.setattr(time, "time", lambda: now)
+        with pytest.raises(WriterLockedError, match=r"rank 0 has not renewed the writer lock for 0\.3 s "
+                                                    r"\(writer_lease_s=0.4;"):
+            watch.check()
+        assert watch.may_discard()  # within its lease: no other writer can have begun
     _write_lock(out, renewed_at=time.time() - 0.45)
     assert not watch.may_discard()  # its lease ran out: another writer may begin at any moment
     _write_lock(out, renewed_at=time.time() - 0.2)  # renewed within three quarters: rank 1 goes on
