@@ -128,6 +128,7 @@ class CheckpointManager:
         # load since: saving that step again returns it. (Not merely the latest listed id: after
         # restoring an earlier step and training back up to it, that id holds the abandoned branch.)
         self._saved: Optional[str] = None
+        self._loads_at_save = 0  # saver.loads_started when _saved was set: a Saver load since forgets it
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
         self._warned_unsaved_metrics = False
         self.last_report: Optional[LoadReport] = None
@@ -250,8 +251,8 @@ class CheckpointManager:
 
     def save(self, wait: bool = True, metrics: Optional[Mapping[str, float]] = None) -> str:
         """Saves ``ckpt_<global_step>`` now; returns its path. If this manager saved this step (or is
-        writing it in the background) with no step(), restore, model-bank load or change of
-        global_step since, returns it without saving again; any other committed checkpoint of this
+        writing it in the background) with no step(), restore, load (the Saver's own loads too) or
+        change of global_step since, returns it without saving again; any other committed checkpoint of this
         step (e.g. after restoring an earlier step and training back up to it, the latest listed
         one too) raises CheckpointExistsError. `metrics` (name -> float) are stored in its index
         (keep_best).
@@ -293,7 +294,7 @@ class CheckpointManager:
             return path
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
-        if saver.pending_checkpoint == ckpt_id == self._saved:  # written in the background already
+        if saver.pending_checkpoint == ckpt_id and self._saved_here(ckpt_id):  # written in the background already
             if wait:
                 self.wait()
             return unsaved(ckpt_dir)
@@ -305,7 +306,7 @@ class CheckpointManager:
             # the `latest` check: every rank takes this path together, make_latest is collective.)
             return unsaved(saver.make_latest(ckpt_id))
         latest = saver.latest_checkpoint()
-        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id == self._saved \
+        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id and self._saved_here(ckpt_id) \
                 and ckpt_id not in saver.damaged_checkpoints:
             return unsaved(latest)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
@@ -318,6 +319,7 @@ class CheckpointManager:
         logging.getLogger("recsave").debug("recsave: %s is %s (%s)", ckpt_id,
                                            "a delta" if incremental else "full", why)
         self._saved = ckpt_id  # before: a save that fails after its commit point is committed still
+        self._loads_at_save = saver.loads_started
         if self.async_mode == "disabled":
             try:
                 return saver.save(ckpt_id, metrics=values, incremental=incremental)
@@ -333,6 +335,12 @@ class CheckpointManager:
         if wait:
             self.wait()
         return ckpt_dir
+
+    def _saved_here(self, ckpt_id: str) -> bool:
+        """Whether this manager saved `ckpt_id` at the current step with no step, restore or load
+        since: a load through the Saver itself (Saver.load, load_model_bank, execute_plan) counts
+        too, though the manager never sees it."""
+        return ckpt_id == self._saved and self.saver.loads_started == self._loads_at_save
 
     def _holds_restored_state(self, ckpt_id: str) -> bool:
         """Whether checkpoint `ckpt_id` is the one restore() loaded, at the same global step, with

@@ -14,7 +14,8 @@ with WORLD ranks, change rows, save the delta ckpt_4); CKPT_ID makes ``load`` lo
 wrote its files of ckpt_2, the second after a second job's writer took the lock over),
 ``save_as_one_process`` (every rank saves ckpt_2 with shard_num=1: refused on every rank; its
 tables are partitioned, or with UNPARTITIONED=1 only their ids tell), ``save_replicated_alone``
-(every rank holds every id, rank 0 alone saves with shard_num=1), ``async_then_bad_metric``
+(every rank holds every id, rank 0 alone saves with shard_num=1; then every rank loads it alone
+with shard_num=1, rank 1 before rank 0, and with the group), ``async_then_bad_metric``
 (rank 1 refuses its second async_save while rank 0's first write still runs),
 ``manager_bad_metric`` (rank 1 passes a NaN metric to CheckpointManager.step on a saving step),
 ``preempt_bad_metric`` (the same on the step where rank 0's preemption signal makes every rank save),
@@ -399,6 +400,27 @@ def main():
             saver.save("ckpt_1", shard_id=0, shard_num=1)
         dist.barrier()
         saver.close()
+        # Every rank loads it back: alone (shard_num=1, whole tables, no collective; rank 1 first,
+        # so a collective would hang) and with the group (its share of every table).
+        if rank == 1:
+            dist.barrier()
+        rows = {}
+        for how, kwargs in (("alone", {"shard_num": 1}), ("bank_alone", {"shard_num": 1}), ("group", {})):
+            fresh = Model()
+            reader = Saver(fresh, output_dir=saver.output_dir)
+            if how == "bank_alone":
+                reader.load_model_bank([{"path": saver.output_dir, "load": ["user"]}], **kwargs)
+            else:
+                reader.load(**kwargs)
+            if how == "bank_alone" and rank == 0:
+                dist.barrier()
+            ids = fresh.user.export()[0]
+            values = fresh.user.export(ids)[1]
+            rows[how] = [len(fresh.user), len(fresh.item),
+                         bool(torch.equal(values, expected_rows(ids, 0.0))), sorted(ids.tolist())]
+            reader.close()
+        with open(os.path.join(work_dir, f"loaded_{rank}.json"), "w") as f:
+            json.dump(rows, f)
     elif scenario == "save_bad_metric_on_one_rank":  # rank 1 alone passes a NaN metric (ASYNC=1: async_save)
         fill(model, rank, world)
         metrics = {"loss": float("nan") if rank == 1 else 0.5}

@@ -96,3 +96,20 @@ def test_load_with_rank_env_and_no_group_reads_this_ranks_share(committed, monke
     assert "t" in report.loaded
     assert fresh.t.partition[:2] == (1, 2)
     assert 0 < len(fresh.t) < 50
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_load_alone_with_rank_env_reads_whole_tables(committed, monkeypatch, fallback):
+    """shard_num=1: this process loads as rank 0 of 1 whatever RANK / WORLD_SIZE say (replicas)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    whole = _model()
+    fresh = torch.nn.Module()
+    fresh.t = HashTable(4, name="t", seed=9)
+    fresh.lin = torch.nn.Linear(2, 2)
+    report = Saver(fresh, output_dir=str(committed)).load(shard_num=1, fallback=fallback)
+    assert "t" in report.loaded
+    assert fresh.t.partition is None
+    ids = torch.arange(50)
+    assert sorted(fresh.t.export()[0].tolist()) == ids.tolist()
+    assert torch.equal(fresh.t.export(ids)[1], whole.t.export(ids)[1])

@@ -444,6 +444,19 @@ def test_a_replicated_model_is_saved_by_one_rank_alone(tmp_path):
     ids = global_ids()
     assert len(model.user) == ids.numel()
     assert torch.equal(model.user.export(ids)[1], expected_rows(ids, 0.0))
+    # Loaded back inside the group: with shard_num=1 each rank alone restores the whole tables
+    # (every id, exact rows, no collective); without it each rank takes its share.
+    every = sorted(ids.tolist())
+    shares = []
+    for r in range(2):
+        loaded = json.loads((tmp_path / f"loaded_{r}.json").read_text())
+        assert loaded["alone"] == [ids.numel(), ids.numel(), True, every]
+        assert loaded["bank_alone"][0] == ids.numel() and loaded["bank_alone"][2:] == [True, every]
+        assert loaded["bank_alone"][1] == 0  # the bank entry loads "user" only
+        mine = sorted(ids[partition.owner_of(ids, 2) == r].tolist())
+        assert loaded["group"][0] == len(mine) and loaded["group"][2:] == [True, mine]
+        shares += mine
+    assert sorted(shares) == every
 
 
 @pytest.mark.parametrize("bad", ["metric", "flag"])

@@ -604,6 +604,37 @@ def test_saving_the_step_just_saved_again_returns_it(tmp_path):
         job.manager.close()
 
 
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+@pytest.mark.parametrize("how", ["load", "load_model_bank", "failed_load"])
+def test_a_load_through_the_saver_after_a_save_is_not_taken_for_the_saved_state(tmp_path, restore_signals,
+                                                                                  mode, how):
+    """An autosave at step 2, then a load through the Saver itself (not the manager): save() and
+    the preemption save at step 2 must not return ckpt_2 as if it held the loaded state (a
+    restart would restore the rows from before the load): they refuse to overwrite it. A failed
+    load counts too (it may have changed some tables)."""
+    bank = make_job(str(tmp_path / "bank"), save_interval=2, seed=9)
+    bank.train(2)
+    bank.manager.close()
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, async_mode=mode)
+    job.train(2)
+    job.manager.wait()
+    if how == "load":
+        job.saver.load(str(tmp_path / "bank"), load_conf={"load": ["sparse"]})
+    elif how == "load_model_bank":
+        job.saver.load_model_bank([{"path": str(tmp_path / "bank"), "load": ["sparse"]}])
+    else:
+        with pytest.raises(recsave.CheckpointNotFoundError):
+            job.saver.load(str(tmp_path / "nothing"))
+    with pytest.raises(recsave.CheckpointExistsError):
+        job.manager.save()
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(recsave.CheckpointExistsError):
+        job.manager.check_preemption()
+    assert _list(out) == ["ckpt_2"]
+    job.manager.close()
+
+
 def test_a_save_that_failed_after_its_commit_point_is_returned_by_the_retry(tmp_path, monkeypatch):
     """The save of ckpt_2 raises after its list was written (here: the store answers the list's
     write with an error after it took it): ckpt_2 is committed and holds this state, so save()

@@ -93,7 +93,7 @@ class LoadPlan:
 
 def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard_id: Optional[int] = None,
                  ckpt_id: Optional[str] = None, direct_path: bool = False,
-                 require_path: bool = False, share_reads: bool = False) -> LoadPlan:
+                 require_path: bool = False, share_reads: bool = False, alone: bool = False) -> LoadPlan:
     """Resolves config entries against the target's model into a LoadPlan (a dry run).
 
     `share_reads`: every rank of the process group plans this load together (a load that is
@@ -101,21 +101,28 @@ def plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], *, shard
     planning ends with one exchange of every rank's outcome: a rank failing alone here (its own
     copy of an index damaged) makes every rank raise, with every rank's failure known to each
     (a fallback load then decides alike), instead of one going on into the next collective. A dry
-    run alone leaves it off: it may be called on one rank only."""
-    if not share_reads:
-        return _plan_entries(target, entries, shard_id, ckpt_id, direct_path, require_path, False)
+    run alone leaves it off: it may be called on one rank only.
+
+    `alone`: this process loads as rank 0 of 1 whatever its group (Saver.load's shard_num=1):
+    whole tables, no collective, the others take no part."""
+    if not share_reads or alone:
+        return _plan_entries(target, entries, shard_id, ckpt_id, direct_path, require_path, False, alone)
     rank, world = dist.resolve_for_exchange(shard_id)
     plan = dist.run_everywhere("planning the load", lambda: _plan_entries(
-        target, entries, shard_id, ckpt_id, direct_path, require_path, True), world, rank=rank)
+        target, entries, shard_id, ckpt_id, direct_path, require_path, True, False), world, rank=rank)
     assert plan is not None
     return plan
 
 
 def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_id: Optional[int],
-                  ckpt_id: Optional[str], direct_path: bool, require_path: bool, share_reads: bool) -> LoadPlan:
+                  ckpt_id: Optional[str], direct_path: bool, require_path: bool, share_reads: bool,
+                  alone: bool) -> LoadPlan:
     try:
-        dist.require_own_rank(shard_id, "load")
-        rank, world = dist.resolve(shard_id, None)
+        if alone:
+            rank, world = 0, 1
+        else:
+            dist.require_own_rank(shard_id, "load")
+            rank, world = dist.resolve(shard_id, None)
         # The model's own checks too: a rank whose model is refused must still meet the others.
         tables, dense = contents.model_state(target.model)
         contents.check_names(tables, dense, set(target.extras), set(target.io_states), "load")

@@ -29,6 +29,23 @@ def save_args(where: str, ckpt_id: Any, shard_id: Any, shard_num: Any) -> Tuple[
     return rank, world
 
 
+def load_alone(where: str, shard_id: Any, shard_num: Any) -> bool:
+    """Checks a load's `shard_num`: None (the world is the process group's, or RANK / WORLD_SIZE)
+    or 1, this process loading alone: whole tables (every bucket), no collective, so that each
+    rank of a group can restore replicated tables, e.g. a checkpoint one rank saved alone."""
+    check(shard_num, int, "shard_num", where, optional=True)
+    if shard_num is None:
+        return False
+    if shard_num != 1:
+        raise UsageError(f"{where}: shard_num={shard_num!r}; a load takes its world size from the process "
+                         f"group (or RANK / WORLD_SIZE): pass shard_num=1 to load whole tables in this "
+                         f"process alone, or no shard_num", key="shard_num")
+    if shard_id not in (None, 0):
+        raise UsageError(f"{where}: shard_id={shard_id!r} with shard_num=1; a process loading alone is "
+                         f"rank 0 of 1: pass shard_id=0 or none", key="shard_id")
+    return True
+
+
 def registered_name(name: Any, model: torch.nn.Module, taken: Collection[str]) -> None:
     """`name` may be registered: a non-empty str without '@', not in `taken` (the names registered
     already) and not a table or parameter name of `model`."""

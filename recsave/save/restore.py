@@ -26,14 +26,16 @@ _DAMAGE = (CorruptCheckpointError, CheckpointNotFoundError, FormatVersionError)
 
 
 def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optional[int],
-                       committed: Callable[[str], ckptlist.Listing], damaged: Optional[Set[str]]) -> LoadReport:
+                       committed: Callable[[str], ckptlist.Listing], damaged: Optional[Set[str]],
+                       alone: bool = False) -> LoadReport:
     """Loads the newest loadable committed checkpoint of the output dir conf["path"], warning (at
     the caller of Saver.load) about each one skipped. `committed(path)` lists an output dir's
     committed checkpoints; the ids found damaged are added to `damaged` (None: not recorded, for
-    an output dir other than the Saver's) so that the next save of such an id replaces it."""
+    an output dir other than the Saver's) so that the next save of such an id replaces it.
+    `alone`: this process loads whole tables as rank 0 of 1, with no collective (shard_num=1)."""
     path = conf["path"]
     st = get_storage(path)
-    rank, world = dist.resolve_for_exchange(shard_id)
+    rank, world = (0, 1) if alone else dist.resolve_for_exchange(shard_id)
     # Every rank looks at its own storage (per-rank copies of an output dir): a rank that fails to
     # read its list (or whose shard_id is refused) must not go on to the loads' collectives alone.
     # One exchange of a few bytes: any rank's failure raises on all. (Copies that list different
@@ -41,17 +43,18 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
     # rank skips it alike.)
 
     def candidates() -> Tuple[str, Tuple[str, ...]]:
-        dist.require_own_rank(shard_id, "load")
+        if not alone:
+            dist.require_own_rank(shard_id, "load")
         return _candidates(st, path, committed)
     found = dist.run_everywhere(f"listing the checkpoints of {path}", candidates, world, rank=rank)
     assert found is not None  # every rank ran _candidates
     kind, listed = found
     if kind != "output dir":  # a checkpoint directory, or not an output dir: loaded (or refused) as given
-        return load_entries(target, [conf], shard_id=shard_id)
+        return load_entries(target, [conf], shard_id=shard_id, alone=alone)
     ids = list(listed)
     for n, ckpt_id in enumerate(reversed(ids)):
         try:
-            return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id)
+            return load_entries(target, [conf], shard_id=shard_id, ckpt_id=ckpt_id, alone=alone)
         except (*_DAMAGE, RankFailedError) as exc:
             # With several ranks one rank may find damage in its share while the others learn of it
             # as RankFailedError: every rank skips, or every rank raises, on the same facts (all
@@ -72,7 +75,7 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
             warnings.warn(f"{st.join(path, ckpt_id)} cannot be loaded ({type(exc).__name__}: {exc}); "
                           f"falling back to the previous committed checkpoint "
                           f"{st.join(path, ids[-n - 2])}", RuntimeWarning, stacklevel=3)
-    return load_entries(target, [conf], shard_id=shard_id)  # no ids: raises not found
+    return load_entries(target, [conf], shard_id=shard_id, alone=alone)  # no ids: raises not found
 
 
 def _candidates(st: Storage, path: str, committed: Callable[[str], ckptlist.Listing]

@@ -22,7 +22,7 @@ class SaveInfo:
     ckpt_id: str
     path: str
     step: Optional[int]
-    kind: str  # "full"
+    kind: str  # "full" or "delta"
     bytes: int
     seconds: float
     stall_seconds: float

@@ -65,6 +65,7 @@ class Saver:
         self._prefill = Prefill()  # prepare_async's head start on the stager
         self._last_save: Optional[SaveInfo] = None
         self._last_load: Optional[LoadReport] = None
+        self._loads_started = 0
         self._baseline: Optional[delta.Baseline] = None  # what the next delta is relative to
         self.last_save_kind: Optional[str] = None  # "full" or "delta": what the last save wrote
         if sparse_optim is not None:
@@ -124,6 +125,12 @@ class Saver:
         """The report of this Saver's last load or model-bank load (the object it returned); None
         before any, and after one that failed (it may have changed some tables)."""
         return self._last_load
+
+    @property
+    def loads_started(self) -> int:
+        """How many loads and model-bank loads this Saver has begun (failed ones too): when it
+        changes, the model may hold other state than a checkpoint saved before."""
+        return self._loads_started
 
     @property
     def concurrency(self) -> int:
@@ -444,7 +451,7 @@ class Saver:
     @outside_inference_mode
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
              load_conf: Optional[Dict[str, Any]] = None, shard_id: Optional[int] = None,
-             direct_path: bool = False, fallback: bool = False) -> LoadReport:
+             direct_path: bool = False, fallback: bool = False, shard_num: Optional[int] = None) -> LoadReport:
         """Loads a checkpoint into the model and the registered objects.
 
         `ckpt_path` is an output dir (its latest checkpoint, or `ckpt_id`) or, with `direct_path`,
@@ -452,13 +459,18 @@ class Saver:
         (docs/API.md, "Load / model-bank config"). With `fallback`, when the latest checkpoint of an
         output dir is corrupt or incomplete, the previous committed one is loaded instead (and so
         on), with a warning naming the bad one. A pending async write is waited for first (its
-        error, if any, stays for the next save / wait / close)."""
+        error, if any, stays for the next save / wait / close).
+
+        Inside a process group each rank loads its share of every table (the buckets it owns)
+        together with the others. `shard_num=1` loads in this process alone instead: whole tables,
+        no collective (e.g. replicated tables, or a checkpoint one rank saved alone)."""
         check(ckpt_path, str, "ckpt_path", "load", optional=True)
         check(ckpt_id, str, "ckpt_id", "load", optional=True)
         check(load_conf, dict, "load_conf", "load", optional=True)
         check(shard_id, int, "shard_id", "load", optional=True)
         check(direct_path, bool, "direct_path", "load")
         check(fallback, bool, "fallback", "load")
+        alone = arguments.load_alone("load", shard_id, shard_num)
         self._prefill.join()  # it reads the tables a load replaces
         self.wait_for_pending()
         conf = dict(load_conf or {})
@@ -467,12 +479,13 @@ class Saver:
         conf.setdefault("path", self.output_dir)
         self._baseline = None  # a load changes the tables: known again only after a whole restore
         self._last_load = None  # until this one returns: a failed load may have changed some tables
+        self._loads_started += 1
         if fallback and ckpt_id is None and not direct_path:
             damaged = self._checkpoints.damaged if conf["path"] == self.output_dir else None
-            report = restore.load_with_fallback(self._target(), conf, shard_id, self._committed, damaged)
+            report = restore.load_with_fallback(self._target(), conf, shard_id, self._committed, damaged, alone)
         else:
             report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
-                                  direct_path=direct_path)
+                                  direct_path=direct_path, alone=alone)
         self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
         self._checkpoints.loaded_intact(report.checkpoints)
         self._last_load = report
@@ -480,31 +493,37 @@ class Saver:
 
     @outside_inference_mode
     def load_by_config(self, ckpt_path: str, load_conf: Optional[Dict[str, Any]] = None,
-                       shard_id: Optional[int] = None) -> LoadReport:
-        """Loads `ckpt_path` (checkpoint dir or output dir) as selected by `load_conf`."""
+                       shard_id: Optional[int] = None, shard_num: Optional[int] = None) -> LoadReport:
+        """Loads `ckpt_path` (checkpoint dir or output dir) as selected by `load_conf`
+        (`shard_num=1`: whole tables, this process alone, as in `load`)."""
         check(ckpt_path, str, "ckpt_path", "load_by_config")
         if not ckpt_path:
             raise CheckpointNotFoundError(f"ckpt_path must name a checkpoint, got {ckpt_path!r}")
-        return self.load(ckpt_path, load_conf=load_conf, shard_id=shard_id)
+        return self.load(ckpt_path, load_conf=load_conf, shard_id=shard_id, shard_num=shard_num)
 
     @outside_inference_mode
-    def load_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None) -> LoadReport:
-        """Applies bank entries in order; for a name given by several entries the last one wins."""
-        return self.execute_plan(self.plan_model_bank(entries, shard_id=shard_id, collective=True))
+    def load_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None,
+                        shard_num: Optional[int] = None) -> LoadReport:
+        """Applies bank entries in order; for a name given by several entries the last one wins
+        (`shard_num=1`: whole tables, this process alone, as in `load`)."""
+        return self.execute_plan(self.plan_model_bank(entries, shard_id=shard_id, collective=True,
+                                                      shard_num=shard_num))
 
     def plan_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None, *,
-                        collective: bool = False) -> LoadPlan:
+                        collective: bool = False, shard_num: Optional[int] = None) -> LoadPlan:
         """Dry run of load_model_bank: resolves every entry and lists, per name, the source, rows and
         bytes to read, and what stays initialised. Reads only indexes; changes nothing.
 
         `collective=True` when every rank of the process group makes this call (to execute the
         plan, as load_model_bank does): rank 0 then reads each index once and broadcasts it. Off,
-        each rank reads its own, and a dry run on one rank alone waits for no other."""
+        each rank reads its own, and a dry run on one rank alone waits for no other. `shard_num=1`
+        plans whole tables for this process alone (no collective, whatever `collective` says)."""
         check(entries, (list, tuple), "entries", "plan_model_bank", expected="a list of entry dicts")
         check(shard_id, int, "shard_id", "plan_model_bank", optional=True)
         check(collective, bool, "collective", "plan_model_bank")
+        alone = arguments.load_alone("plan_model_bank", shard_id, shard_num)
         return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True,
-                            share_reads=collective)
+                            share_reads=collective, alone=alone)
 
     @outside_inference_mode
     def execute_plan(self, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
@@ -516,6 +535,7 @@ class Saver:
         self.wait_for_pending()
         self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
         self._last_load = None
+        self._loads_started += 1
         self._model_state("load")  # the model may have changed since the plan checked it
         self._last_load = report = execute(self._target(), plan, names)
         return report
