@@ -609,9 +609,10 @@ def test_a_delta_of_this_savers_checkpoint_parses_no_index(tmp_path, monkeypatch
     assert_same(state, restored(out, "c").state(), "c")
 
 
-def test_a_parent_index_rewritten_since_is_read_again(tmp_path):
-    """Other bytes in the parent's index than this Saver committed (a repair, a copy over it): the
-    delta parses them and records their CRC32C; a parent whose index no longer reads saves full."""
+def test_a_parent_index_rewritten_since_makes_the_next_save_full(tmp_path):
+    """Other bytes in the parent's index than this Saver committed (another writer saved the id
+    again, or a copy over it): a delta of it could restore rows this model never had, so the save
+    is full; so is one whose parent's index no longer reads."""
     out = str(tmp_path / "out")
     job = Job(out)
     job.step()
@@ -625,12 +626,14 @@ def test_a_parent_index_rewritten_since_is_read_again(tmp_path):
         f.write(rewritten)
     job.step(batch=4)
     job.saver.save("b", incremental=True)
-    assert job.saver.last_save_kind == "delta"
-    b = index_mod.read(os.path.join(out, "b"))
-    assert (b.parent.id, b.base) == ("a", "a")
-    assert b.parent.crc32c == chain.index_crc(job.saver.storage, os.path.join(out, "a")) != 0
+    assert job.saver.last_save_kind == "full"
+    assert index_mod.read(os.path.join(out, "b")).parent is None
     assert_same(job.state(), restored(out, "b").state(), "b")
-    b_path = os.path.join(out, "b", index_mod.INDEX_FILE)  # the next delta's parent
+    job.step(batch=4)
+    job.saver.save("b2", incremental=True)  # b is this Saver's own: a delta of it
+    assert job.saver.last_save_kind == "delta"
+    assert_same(job.state(), restored(out, "b2").state(), "b2")
+    b_path = os.path.join(out, "b2", index_mod.INDEX_FILE)  # the next delta's parent
     with open(b_path, "wb") as f:
         f.write(json.dumps({"magic": "not an index"}).encode())
     job.step(batch=4)

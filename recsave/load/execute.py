@@ -15,6 +15,7 @@ from recsave.load import config, contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport, table_rows_read
+from recsave.load.sources import opened_dirs
 from recsave.load.transaction import LoadTransaction, io_state_change, state_dict_change
 from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
@@ -35,6 +36,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
                         missing=list(plan.missing), unexpected=list(plan.unexpected), notes=list(plan.notes))
     report.step = ex.sources[-1].step if ex.sources else None
+    report.opened = [d for src in ex.sources for d in opened_dirs(src) if d]
     tx = LoadTransaction(tables, dense)
     extra_data: Dict[str, Any] = {}
     slotted = {name for name, t in tables.items() if callable(getattr(t, "slot_names", None)) and t.slot_names()}

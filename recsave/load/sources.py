@@ -183,6 +183,13 @@ class CheckpointSource:
         return self.index.file(fname).size
 
 
+def opened_dirs(src: Any) -> List[str]:
+    """The checkpoint directories a source opened: a delta's whole chain (base first), else its own."""
+    if isinstance(src, ChainSource):
+        return [m.ckpt_dir for m in src.members]
+    return [src.ckpt_dir]
+
+
 def sub_ranges(ranges: Sequence[Tuple[int, int]], a: int, b: int) -> List[Tuple[int, int]]:
     """Rows [a, b) of the concatenation of `ranges`, as ranges of the same rows."""
     out, pos = [], 0

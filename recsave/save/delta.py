@@ -10,7 +10,7 @@ from typing import Callable, Collection, Dict, List, Mapping, NamedTuple, Option
 
 import torch
 
-from recsave.errors import RecsaveError
+from recsave.errors import RecsaveError, WriterLockedError
 from recsave.format import chain
 from recsave.format import index as index_mod
 from recsave.format.records import KIND_DELTA, KIND_FULL, Index, Parent, version_for
@@ -80,8 +80,12 @@ def _parent_problem(storage: Storage, parent_dir: str, known: Optional[Committed
     committed and full or a delta (a serving export restored from is no chain member). An index
     this process committed (a full or a delta) and whose bytes are unchanged needs no parse."""
     try:
-        if known is not None and chain.index_crc(storage, parent_dir) == known.crc32c:
-            return None
+        if known is not None:
+            if chain.index_crc(storage, parent_dir) == known.crc32c:
+                return None
+            # Another writer saved this id again (this Saver closed, or its lock was taken over):
+            # a delta of the new index would restore rows this model never had.
+            return f"the parent {parent_dir} was saved again by another writer since this Saver committed it"
         kind = index_mod.read(parent_dir, storage).kind
     except RecsaveError as exc:
         return f"the parent {parent_dir} cannot be read ({type(exc).__name__})"
@@ -185,8 +189,12 @@ def as_delta(storage: Storage, output_dir: str, index: Index, parent_id: str,
     with bucket ranges: records.version_for). `known`: what this process committed as the
     parent's index, taken when the bytes there still match it."""
     parent_dir = storage.join(output_dir, parent_id)
-    crc = chain.index_crc(storage, parent_dir) if known is not None else None
-    if known is not None and crc == known.crc32c:
+    if known is not None:
+        crc = chain.index_crc(storage, parent_dir)
+        if crc != known.crc32c:
+            raise WriterLockedError(
+                f"{parent_dir} was saved again by another writer while this delta of it was being "
+                f"saved; nothing was committed: save again (the next save is full)", path=parent_dir)
         base = known.base
     else:
         parent, crc = chain.read_with_crc(storage, parent_dir)

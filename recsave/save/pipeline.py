@@ -179,7 +179,7 @@ class CheckpointWriter:
         as committed); no file is written or deleted. Returns its path."""
         def relist() -> None:
             self._pruner.join()  # this writer's last deletion; a dropped writer's, acquire() waits for
-            self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
+            self._hold_lock()
             ids = ckptlist.committed(self.storage, self.output_dir, warned=self.list_warnings).ids
             if ckpt_id not in ids:
                 raise CheckpointNotFoundError(f"{self.output_dir}: no committed checkpoint {ckpt_id} to list as the "
@@ -282,7 +282,7 @@ class CheckpointWriter:
 
     def _prepare_dir(self, ckpt_dir: str, ckpt_id: str) -> Optional[LeaseGrant]:
         self._pruner.join()  # the last save's pruned directories are gone before this one looks
-        self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
+        self._hold_lock()
         newer = ckptlist.newer_format_version(self.storage, self.output_dir, ckpt_id)
         if newer is not None:  # intact, only unreadable here: never replaced, listed or not
             raise CheckpointExistsError(
@@ -292,6 +292,8 @@ class CheckpointWriter:
         # is written (docs/FORMAT.md section 5).
         listed_ids = list(ckptlist.committed(self.storage, self.output_dir, rewrite=True,
                                              warned=self.list_warnings).ids)
+        if ckpt_id not in listed_ids or ckpt_id in self.damaged:  # a listed one is refused below
+            self._refuse_needed(ckpt_dir, ckpt_id, listed_ids)  # before unlisting or replacing anything
         if ckpt_id in self.damaged and ckpt_id in listed_ids:
             # A fallback restore skipped this damaged checkpoint: unlist it, then write it anew.
             ckptlist.write(self.storage, self.output_dir, [i for i in listed_ids if i != ckpt_id])
@@ -309,6 +311,30 @@ class CheckpointWriter:
             self.storage.remove_tree(ckpt_dir)
         self.storage.makedirs(self.output_dir)
         return None if self._lock is None else self._lock.grant()
+
+    def _refuse_needed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
+        """CheckpointExistsError when the directory a save would replace (a damaged or unlisted
+        checkpoint) is a chain member of a listed checkpoint not found damaged: replacing it would
+        make that one unloadable (docs/FORMAT.md section 10)."""
+        if not self.storage.exists(ckpt_dir):
+            return
+        others = [i for i in listed_ids if i != ckpt_id and i not in self.damaged]
+        needing = [i for i in others if ckpt_id in chain.needed_by(self.storage, self.output_dir, [i], self.depends_on)]
+        if needing:
+            raise CheckpointExistsError(
+                f"{ckpt_dir} is a delta chain member of the committed checkpoint(s) {', '.join(needing)}: "
+                f"replacing it would make them unloadable; save under another id, or delete "
+                f"{', '.join(needing)} first", path=ckpt_dir)
+
+    def _hold_lock(self) -> None:
+        """Takes (or renews) the writer lock. Taken anew (after close(), or lost), what this writer
+        remembers of other checkpoints' indexes (their parents, steps, metrics) may be stale:
+        another writer may have saved those ids again meanwhile, so it is read again."""
+        anew = self._lock is None or not self._lock.held
+        self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
+        if anew:
+            self._parents_of.clear()
+            self._facts.clear()
 
     def _refuse_committed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
         if ckpt_id in listed_ids and ckpt_id not in self.damaged \

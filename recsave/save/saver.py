@@ -487,7 +487,7 @@ class Saver:
             report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
                                   direct_path=direct_path, alone=alone)
         self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
-        self._checkpoints.loaded_intact(report.checkpoints)
+        self._checkpoints.loaded_intact(report.opened)  # a delta's chain members too
         self._last_load = report
         return report
 

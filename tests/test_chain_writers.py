@@ -1,0 +1,196 @@
+"""Delta chains across writers and damage marks: a save never replaces a checkpoint a listed delta
+builds on, and a Saver never writes a delta of a parent another writer has saved again since (its
+remembered parents, steps and metrics are read again once its writer lock is taken anew)."""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from recsave import CheckpointExistsError, HashTable, Saver
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.t = HashTable(4, name="t", seed=seed)
+        self.lin = torch.nn.Linear(2, 1)
+
+
+def _set(model: _Model, ids, value: float) -> None:
+    ids = torch.tensor(ids, dtype=torch.int64)
+    rows = model.t.lookup(ids, insert=True)
+    with torch.no_grad():
+        model.t.weight[rows] = value
+    model.t.mark_changed(ids)
+
+
+def _state(model: _Model):
+    ids = torch.sort(model.t.ids()).values
+    return {int(i): float(v[0]) for i, v in zip(ids, model.t.export(ids)[1])}
+
+
+def _restored(out: str, ckpt_id: str):
+    model = _Model(seed=99)
+    saver = Saver(model, output_dir=out, max_keep=None)
+    saver.load(ckpt_id=ckpt_id)
+    saver.close()
+    return _state(model)
+
+
+def _listed(out: str):
+    with open(os.path.join(out, "checkpoint")) as f:
+        return f.read().split()
+
+
+def _chain_a_b_c(out: str):
+    """a (full), b (delta of a), c (delta of b); then b's shard goes missing and a fallback load
+    of a fresh Saver skips c and b (both marked damaged), loads a, and the shard comes back."""
+    model = _Model()
+    saver = Saver(model, output_dir=out, max_keep=None)
+    _set(model, [1, 2, 3], 1.0)
+    saver.save("a")
+    _set(model, [2], 2.0)
+    saver.save("b", incremental=True)
+    _set(model, [3], 3.0)
+    saver.save("c", incremental=True)
+    expected = _state(model)
+    saver.close()
+    shard = glob.glob(os.path.join(out, "b", "sparse-*"))[0]
+    os.rename(shard, shard + ".away")  # a network file system's hiccup
+    again = Saver(_Model(seed=5), output_dir=out, max_keep=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        again.load(fallback=True)
+    assert sorted(again.damaged_checkpoints) == ["b", "c"]
+    os.rename(shard + ".away", shard)
+    return again, expected
+
+
+@pytest.mark.parametrize("then", ["save_b", "make_latest_c"])
+def test_a_load_of_a_delta_clears_the_damage_marks_of_its_whole_chain(tmp_path, then):
+    out = str(tmp_path / "out")
+    saver, expected = _chain_a_b_c(out)
+    saver.load(ckpt_id="c")  # reads c's chain whole, b included
+    assert _state(saver.model) == expected
+    assert saver.damaged_checkpoints == set()
+    if then == "make_latest_c":  # b stays listed: c needs it
+        saver.make_latest("c")
+        assert _listed(out) == ["a", "b", "c"]
+    with pytest.raises(CheckpointExistsError):
+        saver.save("b")
+    saver.close()
+    assert _restored(out, "c") == expected
+
+
+def test_an_unlisted_checkpoint_a_listed_delta_needs_is_never_replaced(tmp_path):
+    """b left out of the `checkpoint` list (edited by hand) while listed c builds on it: a save of
+    id b is refused instead of taking b for a crashed save's leftover and replacing it."""
+    out = str(tmp_path / "out")
+    model = _Model()
+    saver = Saver(model, output_dir=out, max_keep=None)
+    _set(model, [1, 2, 3], 1.0)
+    saver.save("a")
+    _set(model, [2], 2.0)
+    saver.save("b", incremental=True)
+    _set(model, [3], 3.0)
+    saver.save("c", incremental=True)
+    expected = _state(model)
+    with open(os.path.join(out, "checkpoint"), "w") as f:
+        f.write("a\nc\n")
+    with pytest.raises(CheckpointExistsError, match="delta chain member of the committed checkpoint"):
+        saver.save("b")
+    saver.close()
+    assert _listed(out) == ["a", "c"]
+    assert _restored(out, "c") == expected
+
+
+def test_a_saver_never_writes_a_delta_of_a_parent_another_writer_saved_again(tmp_path):
+    """s1 saves a and x, and closes; s2 rewinds to a and saves x anew; s1's next incremental save
+    must not be a delta of the new x (it would restore rows s1 never had): it is full."""
+    out = str(tmp_path / "out")
+    m1 = _Model()
+    s1 = Saver(m1, output_dir=out, max_keep=None)
+    _set(m1, [1, 2], 1.0)
+    s1.save("a")
+    _set(m1, [1], 5.0)
+    s1.save("x")
+    s1.close()
+    m2 = _Model()
+    s2 = Saver(m2, output_dir=out, max_keep=None)
+    s2.load(ckpt_id="a")
+    shutil.rmtree(os.path.join(out, "x"))
+    _set(m2, [2, 3], 7.0)
+    s2.save("x")
+    s2.close()
+    _set(m1, [2], 9.0)
+    s1.save("c", incremental=True)
+    assert s1.last_save_kind == "full"
+    s1.close()
+    assert _restored(out, "c") == {1: 5.0, 2: 9.0}
+
+
+def test_rotation_reads_parents_again_once_its_lock_is_taken_anew(tmp_path):
+    """s1 remembers x as a full checkpoint; s2 (max_keep=1) prunes it and saves x anew as a delta
+    of b. s1's next save with max_keep=2 keeps x, and so must keep b (the new x needs it): every
+    listed checkpoint loads."""
+    out = str(tmp_path / "out")
+    m1 = _Model()
+    s1 = Saver(m1, output_dir=out, max_keep=None)
+    _set(m1, [1, 2], 1.0)
+    s1.save("a")
+    _set(m1, [1], 5.0)
+    s1.save("x")
+    s1.close()
+    m2 = _Model()
+    s2 = Saver(m2, output_dir=out, max_keep=1)
+    s2.load(ckpt_id="a")
+    _set(m2, [2], 7.0)
+    s2.save("b", incremental=True)  # rotation prunes x
+    s2.wait()
+    _set(m2, [3], 8.0)
+    s2.save("x", incremental=True)  # x is now a delta of b
+    x_state = _state(m2)
+    s2.close()
+    s1.max_keep = 2
+    _set(m1, [4], 9.0)
+    s1.save("c", incremental=True)
+    assert s1.last_save_kind == "full"  # its parent x is another writer's now
+    s1.close()
+    assert _listed(out) == ["a", "b", "x", "c"]  # max_keep's two, and the chain the new x needs
+    assert _restored(out, "x") == x_state
+    assert _restored(out, "c") == {1: 5.0, 2: 1.0, 4: 9.0}
+
+
+def test_a_parent_saved_again_during_a_delta_save_fails_it_and_commits_nothing(tmp_path, monkeypatch):
+    """The parent is replaced after the save decided on a delta (here: its check is skipped):
+    the commit finds the parent's index changed, raises WriterLockedError and writes nothing."""
+    import recsave.save.delta as delta
+    from recsave import WriterLockedError
+
+    out = str(tmp_path / "out")
+    m1 = _Model()
+    s1 = Saver(m1, output_dir=out, max_keep=None)
+    _set(m1, [1, 2], 1.0)
+    s1.save("x")
+    s1.close()
+    m2 = _Model()
+    s2 = Saver(m2, output_dir=out, max_keep=None)
+    shutil.rmtree(os.path.join(out, "x"))
+    _set(m2, [3], 7.0)
+    s2.save("x")
+    s2.close()
+    monkeypatch.setattr(delta, "_parent_problem", lambda *args: None)
+    _set(m1, [2], 9.0)
+    with pytest.raises(WriterLockedError, match="saved again by another writer"):
+        s1.save("c", incremental=True)
+    assert _listed(out) == ["x"] and not os.path.exists(os.path.join(out, "c"))
+    monkeypatch.undo()
+    s1.save("c", incremental=True)  # the failed save forgot its baseline: full
+    assert s1.last_save_kind == "full"
+    s1.close()
+    assert _restored(out, "c") == {1: 1.0, 2: 9.0}
