@@ -194,3 +194,50 @@ def test_a_parent_saved_again_during_a_delta_save_fails_it_and_commits_nothing(t
     assert s1.last_save_kind == "full"
     s1.close()
     assert _restored(out, "c") == {1: 1.0, 2: 9.0}
+
+
+def test_a_saver_restored_from_a_checkpoint_another_writer_saved_again_saves_full(tmp_path):
+    """s1 restores x whole (its next delta's parent); s2 replaces x; s1's incremental save must
+    not be a delta of s2's x: it is full, and restores s1's rows."""
+    out = str(tmp_path / "out")
+    m0 = _Model()
+    s0 = Saver(m0, output_dir=out, max_keep=None)
+    _set(m0, [1, 2], 1.0)
+    s0.save("x")
+    s0.close()
+    m1 = _Model()
+    s1 = Saver(m1, output_dir=out, max_keep=None)
+    s1.load(ckpt_id="x")
+    assert s1.delta_parent is not None and s1.delta_parent.endswith("x")
+    m2 = _Model()
+    s2 = Saver(m2, output_dir=out, max_keep=None)
+    shutil.rmtree(os.path.join(out, "x"))
+    _set(m2, [3], 7.0)
+    s2.save("x")
+    s2.close()
+    _set(m1, [2], 9.0)
+    s1.save("c", incremental=True)
+    assert s1.last_save_kind == "full"
+    s1.close()
+    assert _restored(out, "c") == {1: 1.0, 2: 9.0}
+
+
+def test_a_saver_restored_from_its_own_checkpoint_still_saves_deltas(tmp_path):
+    out = str(tmp_path / "out")
+    m0 = _Model()
+    s0 = Saver(m0, output_dir=out, max_keep=None)
+    _set(m0, [1, 2], 1.0)
+    s0.save("a")
+    _set(m0, [2], 2.0)
+    s0.save("b", incremental=True)
+    s0.close()
+    m1 = _Model()
+    s1 = Saver(m1, output_dir=out, max_keep=None)
+    s1.load(ckpt_id="b")
+    _set(m1, [3], 3.0)
+    s1.save("c", incremental=True)
+    assert s1.last_save_kind == "delta"
+    s1.close()
+    from recsave.format import read_index
+    assert (read_index(os.path.join(out, "c")).parent.id, read_index(os.path.join(out, "c")).base) == ("b", "a")
+    assert _restored(out, "c") == {1: 1.0, 2: 2.0, 3: 3.0}

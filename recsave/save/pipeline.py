@@ -17,12 +17,13 @@ from recsave.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
+    RecsaveError,
     UsageError,
 )
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
-from recsave.format.records import IndexPart, Meta, Partition, Retention
+from recsave.format.records import KIND_DELTA, KIND_FULL, IndexPart, Meta, Partition, Retention
 from recsave.format.writer import write_shards
 from recsave.load import contents
 from recsave.save import delta
@@ -446,6 +447,18 @@ class CheckpointWriter:
         self._parents_of[ckpt_id] = chain.needs_of(index)
         self._publish(ckpt_id)
         return index.total_bytes
+
+    def remember_restored(self, ckpt_id: str) -> None:
+        """After a whole restore from `ckpt_id` (the next delta's parent), on the rank that commits:
+        its index's CRC32C and base as they are now, so that a delta save notices another writer
+        saving that id again, as it does for its own commits."""
+        try:
+            index, crc = chain.read_with_crc(self.storage, self.storage.join(self.output_dir, ckpt_id))
+        except RecsaveError:  # unknown: the delta save reads the parent itself and decides
+            return
+        if index.kind in (KIND_FULL, KIND_DELTA):
+            self._committed[ckpt_id] = delta.CommittedIndex(crc, index.base if index.is_delta and index.base
+                                                            else ckpt_id)
 
     def committed_index(self, ckpt_id: str) -> Optional[delta.CommittedIndex]:
         """What this writer committed as `ckpt_id`'s index (None: not known here; rank 0 only)."""

@@ -487,6 +487,8 @@ class Saver:
             report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
                                   direct_path=direct_path, alone=alone)
         self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
+        if self._baseline is not None and dist.group()[0] == 0:
+            self._checkpoints.remember_restored(self._baseline.ckpt_id)
         self._checkpoints.loaded_intact(report.opened)  # a delta's chain members too
         self._last_load = report
         return report
