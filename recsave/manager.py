@@ -294,7 +294,8 @@ class CheckpointManager:
             return path
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
-        if saver.pending_checkpoint == ckpt_id and self._saved_here(ckpt_id):  # written in the background already
+        saved_here = self._saved_here(ckpt_id)
+        if saver.pending_checkpoint == ckpt_id and saved_here:  # written in the background already
             if wait:
                 self.wait()
             return unsaved(ckpt_dir)
@@ -306,8 +307,7 @@ class CheckpointManager:
             # the `latest` check: every rank takes this path together, make_latest is collective.)
             return unsaved(saver.make_latest(ckpt_id))
         latest = saver.latest_checkpoint()
-        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id and self._saved_here(ckpt_id) \
-                and ckpt_id not in saver.damaged_checkpoints:
+        if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id and saved_here:
             return unsaved(latest)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
             policy.evict_rows(saver.model, self.evict)
@@ -323,8 +323,9 @@ class CheckpointManager:
         if self.async_mode == "disabled":
             try:
                 return saver.save(ckpt_id, metrics=values, incremental=incremental)
-            except CheckpointExistsError:  # refused before writing anything: another state's id
-                self._saved = None
+            except BaseException as exc:
+                if _refused_as_existing(exc):  # refused before writing anything: another state's id
+                    self._saved = None
                 raise
         try:  # (it raises the previous write's error first, if that failed)
             saver.async_save(ckpt_id, pinned=self.async_mode == "async_pinned", metrics=values,
@@ -338,9 +339,15 @@ class CheckpointManager:
 
     def _saved_here(self, ckpt_id: str) -> bool:
         """Whether this manager saved `ckpt_id` at the current step with no step, restore or load
-        since: a load through the Saver itself (Saver.load, load_model_bank, execute_plan) counts
-        too, though the manager never sees it."""
-        return ckpt_id == self._saved and self.saver.loads_started == self._loads_at_save
+        since (a load through the Saver itself counts too: Saver.load, load_model_bank,
+        execute_plan), and no fallback load found it damaged since. With several ranks they agree
+        (one all_reduce, only when the id is the one saved, as it is on every rank): a rank may
+        have loaded alone (shard_num=1)."""
+        if ckpt_id != self._saved:
+            return False
+        changed = self.saver.loads_started != self._loads_at_save or ckpt_id in self.saver.damaged_checkpoints
+        return not dist.max_over_ranks([int(changed)], dist.group()[1],
+                                       f"CheckpointManager: agreeing whether {ckpt_id} holds the state")[0]
 
     def _holds_restored_state(self, ckpt_id: str) -> bool:
         """Whether checkpoint `ckpt_id` is the one restore() loaded, at the same global step, with
@@ -481,3 +488,12 @@ def _incremental_settings(full_every: Any, rebase_ratio: Any, evict: Any) -> Tup
                                  f"got {value!r}", key="evict")
         evict = dict(evict)
     return full_every, rebase_ratio, evict
+
+
+def _refused_as_existing(exc: BaseException) -> bool:
+    """Whether a save failed because its id is committed already, on this rank or on another
+    (which this rank learns as RankFailedError carrying each rank's error classes)."""
+    if isinstance(exc, CheckpointExistsError):
+        return True
+    failures = getattr(exc, "rank_failures", None) or {}
+    return any(CheckpointExistsError.__name__ in kinds for kinds in failures.values())

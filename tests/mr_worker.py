@@ -18,6 +18,8 @@ tables are partitioned, or with UNPARTITIONED=1 only their ids tell), ``save_rep
 with shard_num=1, rank 1 before rank 0, and with the group), ``async_then_bad_metric``
 (rank 1 refuses its second async_save while rank 0's first write still runs),
 ``manager_bad_metric`` (rank 1 passes a NaN metric to CheckpointManager.step on a saving step),
+``manager_save_after_saver_load`` (an autosave, a load through the Saver by every rank or, with
+LOAD=alone, by rank 0 alone with shard_num=1, then CheckpointManager.save twice),
 ``preempt_bad_metric`` (the same on the step where rank 0's preemption signal makes every rank save),
 ``save_bad_metric_on_one_rank``, ``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
 only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
@@ -370,6 +372,23 @@ def main():
             try:
                 path = mgr.step(metrics={"loss": float("nan") if rank == 1 else 0.5} if step == 2 else None)
                 outcome.append("none" if path is None else "saved:" + path.rsplit("/", 1)[-1])
+            except recsave.RecsaveError as exc:
+                outcome.append(type(exc).__name__)
+        mgr.close()
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    elif scenario == "manager_save_after_saver_load":  # autosave, then a Saver load (LOAD=alone: rank 0 only)
+        mgr = recsave.CheckpointManager(saver, 2, save_on_preemption=False)
+        fill(model, rank, world)
+        mgr.step()
+        mgr.step()  # autosave ckpt_2
+        if os.environ.get("LOAD") == "group" or rank == 0:
+            kwargs = {"shard_num": 1} if os.environ.get("LOAD") == "alone" else {}
+            saver.load(load_conf={"load": ["dense"]}, **kwargs)
+        outcome = []
+        for _ in range(2):  # the second save must not take the first's refusal for a save
+            try:
+                outcome.append("saved:" + mgr.save().rsplit("/", 1)[-1])
             except recsave.RecsaveError as exc:
                 outcome.append(type(exc).__name__)
         mgr.close()

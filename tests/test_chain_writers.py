@@ -241,3 +241,41 @@ def test_a_saver_restored_from_its_own_checkpoint_still_saves_deltas(tmp_path):
     from recsave.format import read_index
     assert (read_index(os.path.join(out, "c")).parent.id, read_index(os.path.join(out, "c")).base) == ("b", "a")
     assert _restored(out, "c") == {1: 1.0, 2: 2.0, 3: 3.0}
+
+
+@pytest.mark.parametrize("writer_lock", [True, False])
+def test_rotation_reads_no_index_again_while_the_saver_holds_the_dir(tmp_path, monkeypatch, writer_lock):
+    """What a writer remembers of other checkpoints is dropped only when it takes the directory
+    anew (after close()), with the writer_lock knob on or off: not on every save."""
+    from recsave import knobs
+    from recsave.format import chain
+
+    reads = []
+    real = chain.parent_ids
+    monkeypatch.setattr(chain, "parent_ids", lambda *args: reads.append(args[-1]) or real(*args))
+    model = _Model()
+    out = str(tmp_path / "out")
+    with knobs.override(writer_lock=writer_lock):
+        saver = Saver(model, output_dir=out, max_keep=2)
+        for i in range(5):
+            _set(model, [i], float(i))
+            saver.save(f"ckpt_{i}")
+        assert reads == []
+        saver.close()
+        saver.save("ckpt_5")  # taken anew: the kept ckpt_4's parents are read again
+        assert reads == ["ckpt_4"]
+        saver.close()
+
+
+def test_a_partial_load_of_a_delta_keeps_the_marks_of_a_parent_damaged_for_good(tmp_path):
+    """b's shard is gone for good: a load of c's dense part alone reads none of b, so b stays
+    marked damaged, and a save of id b replaces it (c cannot be loaded whole anyway)."""
+    out = str(tmp_path / "out")
+    saver, _ = _chain_a_b_c(out)
+    os.remove(glob.glob(os.path.join(out, "b", "sparse-*"))[0])
+    report = saver.load(ckpt_id="c", load_conf={"load": ["lin*"]})
+    assert report.chains_read == []
+    assert saver.damaged_checkpoints == {"b"}
+    saver.save("b")
+    saver.close()
+    assert _listed(out)[-1] == "b"

@@ -432,6 +432,21 @@ def test_a_ranks_share_saved_with_shard_num_1_is_refused(tmp_path, unpartitioned
     assert not (tmp_path / "out" / "ckpt_2").exists()
 
 
+@pytest.mark.parametrize("load", ["group", "alone"])
+def test_a_manager_save_after_a_saver_load_refuses_on_every_rank_at_once(tmp_path, load):
+    """After an autosave of ckpt_2, a load through the Saver (by the group, or by rank 0 alone):
+    CheckpointManager.save at step 2 must not return ckpt_2 on any rank; the ranks agree, the
+    refusal reaches every rank at once (rank 0: CheckpointExistsError, rank 1: RankFailedError),
+    twice over, and no rank waits for the collective timeout."""
+    started = time.monotonic()
+    codes, outs = run_ranks("manager_save_after_saver_load", 2, tmp_path,
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "LOAD": load})
+    assert codes == [0, 0], outs
+    assert time.monotonic() - started < 120
+    reports = [json.loads((tmp_path / f"report_2_{r}.json").read_text()) for r in range(2)]
+    assert reports == [["CheckpointExistsError"] * 2, ["RankFailedError"] * 2], outs
+
+
 def test_a_replicated_model_is_saved_by_one_rank_alone(tmp_path):
     """Every rank holds every id: rank 0 saves it with shard_num=1 while rank 1 takes no part
     (no collective), and the checkpoint holds every row."""

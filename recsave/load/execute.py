@@ -15,7 +15,7 @@ from recsave.load import config, contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport, table_rows_read
-from recsave.load.sources import opened_dirs
+from recsave.load.sources import chain_dirs
 from recsave.load.transaction import LoadTransaction, io_state_change, state_dict_change
 from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
@@ -36,7 +36,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
                         missing=list(plan.missing), unexpected=list(plan.unexpected), notes=list(plan.notes))
     report.step = ex.sources[-1].step if ex.sources else None
-    report.opened = [d for src in ex.sources for d in opened_dirs(src) if d]
+    report.chains_read = [d for src, w in zip(ex.sources, won) if _reads_every_table(src, w) for d in chain_dirs(src)]
     tx = LoadTransaction(tables, dense)
     extra_data: Dict[str, Any] = {}
     slotted = {name for name, t in tables.items() if callable(getattr(t, "slot_names", None)) and t.slot_names()}
@@ -96,6 +96,14 @@ def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
     """Plans and executes config entries in order; the last entry wins a name. Every rank of a
     process group takes part: rank 0 reads each index once for all (load/shared_reads.py)."""
     return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
+
+
+def _reads_every_table(src: Any, won: Won) -> bool:
+    """Whether the names `won` from `src` cover each of its tables with all their columns."""
+    read: Dict[str, Set[str]] = {}
+    for src_table, columns in table_columns(won).values():
+        read.setdefault(src_table, set()).update(columns.values())
+    return all({"embedding", *info.slots} <= read.get(name, set()) for name, info in src.contents.tables.items())
 
 
 def _pt_files_needed(src: Any, won: Won, slotted: Set[str]) -> List[str]:

@@ -46,8 +46,9 @@ class LoadReport:
     notes: List[str] = field(default_factory=list)        # why names were skipped / set otherwise
     rows_read: int = 0
     bytes_read: int = 0
-    # Every checkpoint directory the load opened: a delta's chain members (base first) before it.
-    opened: List[str] = field(default_factory=list)
+    # The chain members (base first, the delta last) of each delta whose every table the load
+    # read, with all their columns: every member's shards of them were read.
+    chains_read: List[str] = field(default_factory=list)
 
     def names(self, category: Optional[str] = None) -> List[str]:
         return sorted(n for n, item in self.loaded.items() if category is None or item.category == category)

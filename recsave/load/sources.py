@@ -183,11 +183,9 @@ class CheckpointSource:
         return self.index.file(fname).size
 
 
-def opened_dirs(src: Any) -> List[str]:
-    """The checkpoint directories a source opened: a delta's whole chain (base first), else its own."""
-    if isinstance(src, ChainSource):
-        return [m.ckpt_dir for m in src.members]
-    return [src.ckpt_dir]
+def chain_dirs(src: Any) -> List[str]:
+    """A delta source's chain members, base first (itself last); [] for any other source."""
+    return [m.ckpt_dir for m in src.members] if isinstance(src, ChainSource) else []
 
 
 def sub_ranges(ranges: Sequence[Tuple[int, int]], a: int, b: int) -> List[Tuple[int, int]]:

@@ -194,7 +194,7 @@ def as_delta(storage: Storage, output_dir: str, index: Index, parent_id: str,
         if crc != known.crc32c:
             raise WriterLockedError(
                 f"{parent_dir} was saved again by another writer while this delta of it was being "
-                f"saved; nothing was committed: save again (the next save is full)", path=parent_dir)
+                f"saved; nothing was committed (this Saver's next save is full)", path=parent_dir)
         base = known.base
     else:
         parent, crc = chain.read_with_crc(storage, parent_dir)

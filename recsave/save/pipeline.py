@@ -90,6 +90,7 @@ class CheckpointWriter:
         self.damaged: Set[str] = set()
         self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
+        self._holding = False  # _hold_lock since the last close(): remembered indexes are current
         self._warned_newer: Set[str] = set()
         self._pruner = Pruner(storage, output_dir)  # rotation's deletions, off the save's path
 
@@ -264,12 +265,14 @@ class CheckpointWriter:
         except BaseException:
             if self._pruner.running():
                 self._lock = None  # the thread's reference keeps it held; its finalizer releases it
+                self._holding = False
             else:
                 self._release_lock()
             raise
         self._release_lock()
 
     def _release_lock(self) -> None:
+        self._holding = False
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -315,9 +318,10 @@ class CheckpointWriter:
 
     def _refuse_needed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
         """CheckpointExistsError when the directory a save would replace (a damaged or unlisted
-        checkpoint) is a chain member of a listed checkpoint not found damaged: replacing it would
-        make that one unloadable (docs/FORMAT.md section 10)."""
-        if not self.storage.exists(ckpt_dir):
+        checkpoint) looks intact and is a chain member of a listed checkpoint not found damaged:
+        replacing it would make that one unloadable (docs/FORMAT.md section 10). One whose index
+        or files are gone may be replaced: what builds on it cannot be loaded anyway."""
+        if not self._looks_intact(ckpt_dir):  # damaged for good: what builds on it is lost already
             return
         others = [i for i in listed_ids if i != ckpt_id and i not in self.damaged]
         needing = [i for i in others if ckpt_id in chain.needed_by(self.storage, self.output_dir, [i], self.depends_on)]
@@ -327,15 +331,27 @@ class CheckpointWriter:
                 f"replacing it would make them unloadable; save under another id, or delete "
                 f"{', '.join(needing)} first", path=ckpt_dir)
 
+    def _looks_intact(self, ckpt_dir: str) -> bool:
+        """Whether ckpt_dir's index reads and every file it lists is there with its size (a quick
+        look, not a verification of the bytes)."""
+        try:
+            index = index_mod.read(ckpt_dir, self.storage)
+            return all(self.storage.exists(self.storage.join(ckpt_dir, name))
+                       and self.storage.size(self.storage.join(ckpt_dir, name)) == entry.size
+                       for name, entry in index.files.items())
+        except (RecsaveError, OSError):
+            return False
+
     def _hold_lock(self) -> None:
         """Takes (or renews) the writer lock. Taken anew (after close(), or lost), what this writer
         remembers of other checkpoints' indexes (their parents, steps, metrics) may be stale:
         another writer may have saved those ids again meanwhile, so it is read again."""
-        anew = self._lock is None or not self._lock.held
+        anew = not self._holding or (self._lock is not None and not self._lock.held)
         self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
         if anew:
             self._parents_of.clear()
             self._facts.clear()
+        self._holding = True  # until close(): also with the writer_lock knob off (no lock object)
 
     def _refuse_committed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
         if ckpt_id in listed_ids and ckpt_id not in self.damaged \

@@ -489,7 +489,7 @@ class Saver:
         self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
         if self._baseline is not None and dist.group()[0] == 0:
             self._checkpoints.remember_restored(self._baseline.ckpt_id)
-        self._checkpoints.loaded_intact(report.opened)  # a delta's chain members too
+        self._checkpoints.loaded_intact(report.checkpoints + report.chains_read)
         self._last_load = report
         return report
 
