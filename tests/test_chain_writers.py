@@ -47,9 +47,27 @@ def _listed(out: str):
         return f.read().split()
 
 
-def _chain_a_b_c(out: str):
-    """a (full), b (delta of a), c (delta of b); then b's shard goes missing and a fallback load
-    of a fresh Saver skips c and b (both marked damaged), loads a, and the shard comes back."""
+def _another_writer_saves_again(out: str, ckpt_id: str, ids, value: float, load=None) -> None:
+    """A second Saver (restored from `load`, if given) deletes `ckpt_id` and saves it anew."""
+    model = _Model()
+    saver = Saver(model, output_dir=out, max_keep=None)
+    if load is not None:
+        saver.load(ckpt_id=load)
+    shutil.rmtree(os.path.join(out, ckpt_id))
+    _set(model, ids, value)
+    saver.save(ckpt_id)
+    saver.close()
+
+
+def _next_delta_save_is_full(saver: Saver, model: _Model, ids, value: float) -> None:
+    _set(model, ids, value)
+    saver.save("c", incremental=True)
+    assert saver.last_save_kind == "full"
+    saver.close()
+
+
+def _save_a_b_c(out: str):
+    """a (full), b (delta of a), c (delta of b); returns the Saver (open) and c's state."""
     model = _Model()
     saver = Saver(model, output_dir=out, max_keep=None)
     _set(model, [1, 2, 3], 1.0)
@@ -58,7 +76,25 @@ def _chain_a_b_c(out: str):
     saver.save("b", incremental=True)
     _set(model, [3], 3.0)
     saver.save("c", incremental=True)
-    expected = _state(model)
+    return saver, _state(model)
+
+
+def _save_a_x(out: str):
+    """a = {1: 1, 2: 1} and x = {1: 5, 2: 1}, both full; the Saver closed (its lock released)."""
+    model = _Model()
+    saver = Saver(model, output_dir=out, max_keep=None)
+    _set(model, [1, 2], 1.0)
+    saver.save("a")
+    _set(model, [1], 5.0)
+    saver.save("x")
+    saver.close()
+    return saver, model
+
+
+def _chain_a_b_c(out: str):
+    """_save_a_b_c; then b's shard goes missing and a fallback load of a fresh Saver skips c and
+    b (both marked damaged), loads a, and the shard comes back."""
+    saver, expected = _save_a_b_c(out)
     saver.close()
     shard = glob.glob(os.path.join(out, "b", "sparse-*"))[0]
     os.rename(shard, shard + ".away")  # a network file system's hiccup
@@ -91,15 +127,7 @@ def test_an_unlisted_checkpoint_a_listed_delta_needs_is_never_replaced(tmp_path)
     """b left out of the `checkpoint` list (edited by hand) while listed c builds on it: a save of
     id b is refused instead of taking b for a crashed save's leftover and replacing it."""
     out = str(tmp_path / "out")
-    model = _Model()
-    saver = Saver(model, output_dir=out, max_keep=None)
-    _set(model, [1, 2, 3], 1.0)
-    saver.save("a")
-    _set(model, [2], 2.0)
-    saver.save("b", incremental=True)
-    _set(model, [3], 3.0)
-    saver.save("c", incremental=True)
-    expected = _state(model)
+    saver, expected = _save_a_b_c(out)
     with open(os.path.join(out, "checkpoint"), "w") as f:
         f.write("a\nc\n")
     with pytest.raises(CheckpointExistsError, match="delta chain member of the committed checkpoint"):
@@ -113,24 +141,9 @@ def test_a_saver_never_writes_a_delta_of_a_parent_another_writer_saved_again(tmp
     """s1 saves a and x, and closes; s2 rewinds to a and saves x anew; s1's next incremental save
     must not be a delta of the new x (it would restore rows s1 never had): it is full."""
     out = str(tmp_path / "out")
-    m1 = _Model()
-    s1 = Saver(m1, output_dir=out, max_keep=None)
-    _set(m1, [1, 2], 1.0)
-    s1.save("a")
-    _set(m1, [1], 5.0)
-    s1.save("x")
-    s1.close()
-    m2 = _Model()
-    s2 = Saver(m2, output_dir=out, max_keep=None)
-    s2.load(ckpt_id="a")
-    shutil.rmtree(os.path.join(out, "x"))
-    _set(m2, [2, 3], 7.0)
-    s2.save("x")
-    s2.close()
-    _set(m1, [2], 9.0)
-    s1.save("c", incremental=True)
-    assert s1.last_save_kind == "full"
-    s1.close()
+    s1, m1 = _save_a_x(out)
+    _another_writer_saves_again(out, "x", [2, 3], 7.0, load="a")
+    _next_delta_save_is_full(s1, m1, [2], 9.0)
     assert _restored(out, "c") == {1: 5.0, 2: 9.0}
 
 
@@ -139,13 +152,7 @@ def test_rotation_reads_parents_again_once_its_lock_is_taken_anew(tmp_path):
     of b. s1's next save with max_keep=2 keeps x, and so must keep b (the new x needs it): every
     listed checkpoint loads."""
     out = str(tmp_path / "out")
-    m1 = _Model()
-    s1 = Saver(m1, output_dir=out, max_keep=None)
-    _set(m1, [1, 2], 1.0)
-    s1.save("a")
-    _set(m1, [1], 5.0)
-    s1.save("x")
-    s1.close()
+    s1, m1 = _save_a_x(out)
     m2 = _Model()
     s2 = Saver(m2, output_dir=out, max_keep=1)
     s2.load(ckpt_id="a")
@@ -157,10 +164,7 @@ def test_rotation_reads_parents_again_once_its_lock_is_taken_anew(tmp_path):
     x_state = _state(m2)
     s2.close()
     s1.max_keep = 2
-    _set(m1, [4], 9.0)
-    s1.save("c", incremental=True)
-    assert s1.last_save_kind == "full"  # its parent x is another writer's now
-    s1.close()
+    _next_delta_save_is_full(s1, m1, [4], 9.0)  # its parent x is another writer's now
     assert _listed(out) == ["a", "b", "x", "c"]  # max_keep's two, and the chain the new x needs
     assert _restored(out, "x") == x_state
     assert _restored(out, "c") == {1: 5.0, 2: 1.0, 4: 9.0}
@@ -173,53 +177,30 @@ def test_a_parent_saved_again_during_a_delta_save_fails_it_and_commits_nothing(t
     from recsave import WriterLockedError
 
     out = str(tmp_path / "out")
-    m1 = _Model()
-    s1 = Saver(m1, output_dir=out, max_keep=None)
-    _set(m1, [1, 2], 1.0)
-    s1.save("x")
-    s1.close()
-    m2 = _Model()
-    s2 = Saver(m2, output_dir=out, max_keep=None)
-    shutil.rmtree(os.path.join(out, "x"))
-    _set(m2, [3], 7.0)
-    s2.save("x")
-    s2.close()
+    s1, m1 = _save_a_x(out)
+    _another_writer_saves_again(out, "x", [3], 7.0)
     monkeypatch.setattr(delta, "_parent_problem", lambda *args: None)
     _set(m1, [2], 9.0)
     with pytest.raises(WriterLockedError, match="saved again by another writer"):
         s1.save("c", incremental=True)
-    assert _listed(out) == ["x"] and not os.path.exists(os.path.join(out, "c"))
+    assert _listed(out) == ["a", "x"] and not os.path.exists(os.path.join(out, "c"))
     monkeypatch.undo()
-    s1.save("c", incremental=True)  # the failed save forgot its baseline: full
-    assert s1.last_save_kind == "full"
-    s1.close()
-    assert _restored(out, "c") == {1: 1.0, 2: 9.0}
+    _next_delta_save_is_full(s1, m1, [2], 9.0)  # the failed save forgot its baseline
+    assert _restored(out, "c") == {1: 5.0, 2: 9.0}
 
 
 def test_a_saver_restored_from_a_checkpoint_another_writer_saved_again_saves_full(tmp_path):
     """s1 restores x whole (its next delta's parent); s2 replaces x; s1's incremental save must
     not be a delta of s2's x: it is full, and restores s1's rows."""
     out = str(tmp_path / "out")
-    m0 = _Model()
-    s0 = Saver(m0, output_dir=out, max_keep=None)
-    _set(m0, [1, 2], 1.0)
-    s0.save("x")
-    s0.close()
+    _save_a_x(out)
     m1 = _Model()
     s1 = Saver(m1, output_dir=out, max_keep=None)
     s1.load(ckpt_id="x")
     assert s1.delta_parent is not None and s1.delta_parent.endswith("x")
-    m2 = _Model()
-    s2 = Saver(m2, output_dir=out, max_keep=None)
-    shutil.rmtree(os.path.join(out, "x"))
-    _set(m2, [3], 7.0)
-    s2.save("x")
-    s2.close()
-    _set(m1, [2], 9.0)
-    s1.save("c", incremental=True)
-    assert s1.last_save_kind == "full"
-    s1.close()
-    assert _restored(out, "c") == {1: 1.0, 2: 9.0}
+    _another_writer_saves_again(out, "x", [3], 7.0)
+    _next_delta_save_is_full(s1, m1, [2], 9.0)
+    assert _restored(out, "c") == {1: 5.0, 2: 9.0}
 
 
 def test_a_saver_restored_from_its_own_checkpoint_still_saves_deltas(tmp_path):
