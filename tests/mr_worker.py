@@ -18,7 +18,8 @@ tables are partitioned, or with UNPARTITIONED=1 only their ids tell), ``save_rep
 with shard_num=1, rank 1 before rank 0, and with the group), ``async_then_bad_metric``
 (rank 1 refuses its second async_save while rank 0's first write still runs),
 ``manager_bad_metric`` (rank 1 passes a NaN metric to CheckpointManager.step on a saving step),
-``manager_save_after_saver_load`` (an autosave, a load through the Saver by every rank or, with
+``manager_async_snapshot_fails`` (an async manager whose autosave's snapshot fails on rank 1, then
+save() twice), ``manager_save_after_saver_load`` (an autosave, a load through the Saver by every rank or, with
 LOAD=alone, by rank 0 alone with shard_num=1, then CheckpointManager.save twice),
 ``preempt_bad_metric`` (the same on the step where rank 0's preemption signal makes every rank save),
 ``save_bad_metric_on_one_rank``, ``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
@@ -391,6 +392,24 @@ def main():
                 outcome.append("saved:" + mgr.save().rsplit("/", 1)[-1])
             except recsave.RecsaveError as exc:
                 outcome.append(type(exc).__name__)
+        mgr.close()
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    elif scenario == "manager_async_snapshot_fails":  # rank 1's io state refused at step 2's async autosave
+        mgr = recsave.CheckpointManager(saver, 2, async_mode="async", save_on_preemption=False)
+        fill(model, rank, world)
+        mgr.step()
+        good = reader.dump_io_state
+        if rank == 1:
+            reader.dump_io_state = lambda: {"position": datetime.datetime(2026, 1, 1)}  # not weights_only-safe
+        outcome = []
+        for call in (mgr.step, mgr.save, mgr.save):  # rank 1's state is fixed after the autosave
+            try:
+                path = call()
+                outcome.append("none" if path is None else "saved:" + path.rsplit("/", 1)[-1])
+            except recsave.RecsaveError as exc:
+                outcome.append(type(exc).__name__)
+            reader.dump_io_state = good
         mgr.close()
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)

@@ -123,16 +123,24 @@ def test_a_load_of_a_delta_clears_the_damage_marks_of_its_whole_chain(tmp_path, 
     assert _restored(out, "c") == expected
 
 
-def test_an_unlisted_checkpoint_a_listed_delta_needs_is_never_replaced(tmp_path):
+@pytest.mark.parametrize("shard_away", [False, True])
+def test_an_unlisted_checkpoint_a_listed_delta_needs_is_never_replaced(tmp_path, shard_away):
     """b left out of the `checkpoint` list (edited by hand) while listed c builds on it: a save of
-    id b is refused instead of taking b for a crashed save's leftover and replacing it."""
+    id b is refused instead of taking b for a crashed save's leftover and replacing it, also while
+    one of its shard files is away (only the index tells: with per-rank disks rank 0 never holds
+    the other ranks' shards, and a file missing for a while is no proof of loss)."""
     out = str(tmp_path / "out")
     saver, expected = _save_a_b_c(out)
     with open(os.path.join(out, "checkpoint"), "w") as f:
         f.write("a\nc\n")
+    shard = glob.glob(os.path.join(out, "b", "sparse-*"))[0]
+    if shard_away:
+        os.rename(shard, shard + ".away")
     with pytest.raises(CheckpointExistsError, match="delta chain member of the committed checkpoint"):
         saver.save("b")
     saver.close()
+    if shard_away:
+        os.rename(shard + ".away", shard)
     assert _listed(out) == ["a", "c"]
     assert _restored(out, "c") == expected
 
@@ -249,14 +257,56 @@ def test_rotation_reads_no_index_again_while_the_saver_holds_the_dir(tmp_path, m
 
 
 def test_a_partial_load_of_a_delta_keeps_the_marks_of_a_parent_damaged_for_good(tmp_path):
-    """b's shard is gone for good: a load of c's dense part alone reads none of b, so b stays
-    marked damaged, and a save of id b replaces it (c cannot be loaded whole anyway)."""
+    """b's shard is gone for good: a load of c's dense part alone reads none of b's shards (nor
+    c's), so both stay marked damaged, and a save of id b replaces it (c cannot be loaded whole
+    anyway)."""
     out = str(tmp_path / "out")
     saver, _ = _chain_a_b_c(out)
     os.remove(glob.glob(os.path.join(out, "b", "sparse-*"))[0])
     report = saver.load(ckpt_id="c", load_conf={"load": ["lin*"]})
-    assert report.chains_read == []
-    assert saver.damaged_checkpoints == {"b"}
+    assert report.read_whole == []
+    assert saver.damaged_checkpoints == {"b", "c"}
     saver.save("b")
     saver.close()
     assert _listed(out)[-1] == "b"
+
+
+def test_a_re_save_between_a_restore_and_its_end_is_noticed(tmp_path, monkeypatch):
+    """Another writer saves x again after the restore read x's index, before the restore returns:
+    the CRC the Saver keeps is that of the bytes the load read, so the next save is full."""
+    from recsave.save import restore
+
+    out = str(tmp_path / "out")
+    _save_a_x(out)
+    real = restore.baseline_after_load
+
+    def racing(*args, **kwargs):
+        baseline = real(*args, **kwargs)
+        _another_writer_saves_again(out, "x", [3], 7.0)
+        return baseline
+    monkeypatch.setattr(restore, "baseline_after_load", racing)
+    m1 = _Model()
+    s1 = Saver(m1, output_dir=out, max_keep=None)
+    s1.load(ckpt_id="x")
+    monkeypatch.undo()
+    _next_delta_save_is_full(s1, m1, [2], 9.0)
+    assert _restored(out, "c") == {1: 5.0, 2: 9.0}
+
+
+def test_a_partial_load_clears_no_damage_mark_not_even_its_own(tmp_path):
+    """c's shard is gone for good: a fallback load marks c damaged; a load of c's dense part alone
+    reads none of its shards, so c stays marked, and a save of id c replaces it."""
+    out = str(tmp_path / "out")
+    saver, _ = _save_a_b_c(out)
+    saver.close()
+    os.remove(glob.glob(os.path.join(out, "c", "sparse-*"))[0])
+    again = Saver(_Model(seed=5), output_dir=out, max_keep=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        again.load(fallback=True)
+    assert again.damaged_checkpoints == {"c"}
+    report = again.load(ckpt_id="c", load_conf={"load": ["lin*"]})
+    assert report.read_whole == [] and again.damaged_checkpoints == {"c"}
+    again.save("c")
+    again.close()
+    assert _listed(out) == ["a", "b", "c"]

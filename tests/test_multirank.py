@@ -432,6 +432,21 @@ def test_a_ranks_share_saved_with_shard_num_1_is_refused(tmp_path, unpartitioned
     assert not (tmp_path / "out" / "ckpt_2").exists()
 
 
+def test_an_async_snapshot_failing_on_one_rank_keeps_the_managers_in_step(tmp_path):
+    """Rank 1's snapshot fails in an async autosave: its async_save returns a failed write as rank
+    0's does (not an error at the call), so both managers hold the same pending id; the next
+    save() raises on both at once (rank 1 its error, rank 0 RankFailedError), and the one after
+    saves on both."""
+    started = time.monotonic()
+    codes, outs = run_ranks("manager_async_snapshot_fails", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300"})
+    assert codes == [0, 0], outs
+    assert time.monotonic() - started < 120
+    reports = [json.loads((tmp_path / f"report_2_{r}.json").read_text()) for r in range(2)]
+    assert reports == [["saved:ckpt_2", "RankFailedError", "saved:ckpt_2"],
+                       ["saved:ckpt_2", "UsageError", "saved:ckpt_2"]], outs
+    assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_2"]
+
+
 @pytest.mark.parametrize("load", ["group", "alone"])
 def test_a_manager_save_after_a_saver_load_refuses_on_every_rank_at_once(tmp_path, load):
     """After an autosave of ckpt_2, a load through the Saver (by the group, or by rank 0 alone):

@@ -534,13 +534,18 @@ def read_bytes(storage: Storage, path: str) -> bytes:
 def read(directory: str, storage: Optional[Storage] = None) -> Index:
     """Reads and validates `<directory>/index` (through `storage`, by default the one of
     `directory`), refusing one over the ``max_index_bytes`` knob before reading it."""
+    return parse(*read_raw(directory, storage))
+
+
+def read_raw(directory: str, storage: Optional[Storage] = None) -> Tuple[bytes, str]:
+    """The bytes of `<directory>/index` and their path, unparsed (read's first half: a caller
+    that needs their CRC32C too); CheckpointNotFoundError naming the directory without one."""
     storage = storage or get_storage(directory)
     path = storage.join(directory, INDEX_FILE)
     try:
-        data = read_bytes(storage, path)
+        return read_bytes(storage, path), path
     except CheckpointNotFoundError:
         raise _no_index(directory, path) from None
-    return parse(data, path)
 
 
 def _no_index(directory: str, path: str) -> CheckpointNotFoundError:

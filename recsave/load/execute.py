@@ -11,11 +11,12 @@ import torch
 
 from recsave import knobs
 from recsave.errors import ConfigError
+from recsave.format.records import KIND_DELTA, KIND_FULL
 from recsave.load import config, contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
-from recsave.load.report import LoadedItem, LoadReport, table_rows_read
-from recsave.load.sources import chain_dirs
+from recsave.load.report import IndexRead, LoadedItem, LoadReport, table_rows_read
+from recsave.load.sources import CheckpointSource, chain_dirs
 from recsave.load.transaction import LoadTransaction, io_state_change, state_dict_change
 from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
@@ -36,7 +37,9 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
                         missing=list(plan.missing), unexpected=list(plan.unexpected), notes=list(plan.notes))
     report.step = ex.sources[-1].step if ex.sources else None
-    report.chains_read = [d for src, w in zip(ex.sources, won) if _reads_every_table(src, w) for d in chain_dirs(src)]
+    report.indexes_read = {src.ckpt_dir: read for src in ex.sources if (read := _index_read(src)) is not None}
+    report.read_whole = [d for src, w in zip(ex.sources, won) if _reads_every_table(src, w)
+                         for d in chain_dirs(src) or [src.ckpt_dir]]
     tx = LoadTransaction(tables, dense)
     extra_data: Dict[str, Any] = {}
     slotted = {name for name, t in tables.items() if callable(getattr(t, "slot_names", None)) and t.slot_names()}
@@ -96,6 +99,14 @@ def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
     """Plans and executes config entries in order; the last entry wins a name. Every rank of a
     process group takes part: rank 0 reads each index once for all (load/shared_reads.py)."""
     return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
+
+
+def _index_read(src: Any) -> Optional[IndexRead]:
+    """What a load read of a full or delta checkpoint's index (None for other sources)."""
+    if not isinstance(src, CheckpointSource) or src.index_crc is None or src.index.kind not in (KIND_FULL, KIND_DELTA):
+        return None
+    base = src.index.base if src.index.is_delta and src.index.base else src.storage.split(src.ckpt_dir.rstrip("/"))[1]
+    return IndexRead(src.index_crc, base)
 
 
 def _reads_every_table(src: Any, won: Won) -> bool:

@@ -33,6 +33,14 @@ def table_rows_read(items: Mapping[str, _TableItem]) -> int:
     return sum(reads.values())
 
 
+@dataclass(frozen=True)
+class IndexRead:
+    """A checkpoint index as a load read it: the CRC32C of its bytes and its chain's base (its own
+    id for a full checkpoint), what a delta of that checkpoint records of its parent."""
+    crc32c: int
+    base: str
+
+
 @dataclass
 class LoadReport:
     """Returned by Saver.load / load_by_config and CheckpointManager.load_model_bank / restore."""
@@ -46,9 +54,11 @@ class LoadReport:
     notes: List[str] = field(default_factory=list)        # why names were skipped / set otherwise
     rows_read: int = 0
     bytes_read: int = 0
-    # The chain members (base first, the delta last) of each delta whose every table the load
-    # read, with all their columns: every member's shards of them were read.
-    chains_read: List[str] = field(default_factory=list)
+    # The checkpoints whose every table the load read with all its columns (and, for a delta,
+    # every member of its chain, base first: each member's shards of them were read).
+    read_whole: List[str] = field(default_factory=list)
+    # Checkpoint directory -> what the load read of its index (full and delta checkpoints).
+    indexes_read: Dict[str, "IndexRead"] = field(default_factory=dict)
 
     def names(self, category: Optional[str] = None) -> List[str]:
         return sorted(n for n, item in self.loaded.items() if category is None or item.category == category)

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from recsave import _C
 from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UsageError
 from recsave.format import chain, ckptlist, plainstate, torchio
 from recsave.format import index as index_mod
@@ -25,10 +26,11 @@ class CheckpointSource:
 
     kind = "checkpoint"
 
-    def __init__(self, storage: Storage, ckpt_dir: str, index: Index):
+    def __init__(self, storage: Storage, ckpt_dir: str, index: Index, index_crc: Optional[int] = None):
         self.storage = storage
         self.ckpt_dir = ckpt_dir
         self.index = index
+        self.index_crc = index_crc  # CRC32C of the index bytes parsed (None: not known)
         self.contents: Contents = contents.of_index(index, ckpt_dir)
         self._checked: Dict[str, CheckedHeader] = {}  # shard files checked once for all reads
 
@@ -206,8 +208,8 @@ class ChainSource(CheckpointSource):
 
     kind = "chain"
 
-    def __init__(self, storage: Storage, ckpt_dir: str, index: Index):
-        super().__init__(storage, ckpt_dir, index)
+    def __init__(self, storage: Storage, ckpt_dir: str, index: Index, index_crc: Optional[int] = None):
+        super().__init__(storage, ckpt_dir, index, index_crc)
         self.members = chain.resolve(storage, ckpt_dir, index)
 
     @property
@@ -344,7 +346,8 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here (no 'checkpoint' file, no index, no Parquet, no "
             f"torch.save file, no DCP .metadata); check the path, or save a checkpoint first", path=path)
-    index = index_mod.read(ckpt_dir, storage)
+    data, index_path = index_mod.read_raw(ckpt_dir, storage)
+    index, crc = index_mod.parse(data, index_path), int(_C.crc32c(data))
     if index.is_delta:
-        return ChainSource(storage, ckpt_dir, index)
-    return CheckpointSource(storage, ckpt_dir, index)
+        return ChainSource(storage, ckpt_dir, index, crc)
+    return CheckpointSource(storage, ckpt_dir, index, crc)

@@ -23,7 +23,7 @@ from recsave.errors import (
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.commits import DeferredCommits
-from recsave.format.records import KIND_DELTA, KIND_FULL, IndexPart, Meta, Partition, Retention
+from recsave.format.records import IndexPart, Meta, Partition, Retention
 from recsave.format.writer import write_shards
 from recsave.load import contents
 from recsave.save import delta
@@ -318,27 +318,24 @@ class CheckpointWriter:
 
     def _refuse_needed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
         """CheckpointExistsError when the directory a save would replace (a damaged or unlisted
-        checkpoint) looks intact and is a chain member of a listed checkpoint not found damaged:
-        replacing it would make that one unloadable (docs/FORMAT.md section 10). One whose index
-        or files are gone may be replaced: what builds on it cannot be loaded anyway."""
-        if not self._looks_intact(ckpt_dir):  # damaged for good: what builds on it is lost already
+        checkpoint) is a chain member of a listed checkpoint not found damaged, and its index still
+        reads: replacing it would make that one unloadable (docs/FORMAT.md section 10). Files
+        are not looked at (rank 0's disk need not hold the other ranks' shards, and one missing for
+        a while is no proof of loss); one whose index is gone or damaged may be replaced."""
+        if not self.storage.exists(ckpt_dir):
             return
         others = [i for i in listed_ids if i != ckpt_id and i not in self.damaged]
         needing = [i for i in others if ckpt_id in chain.needed_by(self.storage, self.output_dir, [i], self.depends_on)]
-        if needing:
+        if needing and self._index_reads(ckpt_dir):
             raise CheckpointExistsError(
                 f"{ckpt_dir} is a delta chain member of the committed checkpoint(s) {', '.join(needing)}: "
                 f"replacing it would make them unloadable; save under another id, or delete "
                 f"{', '.join(needing)} first", path=ckpt_dir)
 
-    def _looks_intact(self, ckpt_dir: str) -> bool:
-        """Whether ckpt_dir's index reads and every file it lists is there with its size (a quick
-        look, not a verification of the bytes)."""
+    def _index_reads(self, ckpt_dir: str) -> bool:
         try:
-            index = index_mod.read(ckpt_dir, self.storage)
-            return all(self.storage.exists(self.storage.join(ckpt_dir, name))
-                       and self.storage.size(self.storage.join(ckpt_dir, name)) == entry.size
-                       for name, entry in index.files.items())
+            index_mod.read(ckpt_dir, self.storage)
+            return True
         except (RecsaveError, OSError):
             return False
 
@@ -464,17 +461,12 @@ class CheckpointWriter:
         self._publish(ckpt_id)
         return index.total_bytes
 
-    def remember_restored(self, ckpt_id: str) -> None:
+    def remember_restored(self, ckpt_id: str, crc32c: int, base: str) -> None:
         """After a whole restore from `ckpt_id` (the next delta's parent), on the rank that commits:
-        its index's CRC32C and base as they are now, so that a delta save notices another writer
-        saving that id again, as it does for its own commits."""
-        try:
-            index, crc = chain.read_with_crc(self.storage, self.storage.join(self.output_dir, ckpt_id))
-        except RecsaveError:  # unknown: the delta save reads the parent itself and decides
-            return
-        if index.kind in (KIND_FULL, KIND_DELTA):
-            self._committed[ckpt_id] = delta.CommittedIndex(crc, index.base if index.is_delta and index.base
-                                                            else ckpt_id)
+        the CRC32C of the index bytes the load parsed and the chain's base, so that a delta save
+        notices another writer saving that id again (also since the load read it), as it does
+        for its own commits."""
+        self._committed[ckpt_id] = delta.CommittedIndex(crc32c, base)
 
     def committed_index(self, ckpt_id: str) -> Optional[delta.CommittedIndex]:
         """What this writer committed as `ckpt_id`'s index (None: not known here; rank 0 only)."""

@@ -328,7 +328,16 @@ class Saver:
         self._prefill.join()
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
-        state, after = self._capture(ckpt_id, rank, world, self._stager, incremental)
+        try:
+            state, after = self._capture(ckpt_id, rank, world, self._stager, incremental)
+        except Exception as exc:
+            if not dist.collective(world):
+                raise
+            # As a refused argument (_save_args): the other ranks' writes fail with it in their
+            # first exchange; this rank's write holds it too, so that every rank raises it from
+            # the same call (write future, next save, wait, close) and they stay in step.
+            self._background.fail(ckpt_id, exc)
+            return done, self._background.pending_future()
         staged_rows = sum(self._stager.rows_copied.values())
         stage_future = done
         write = knobs.carried(self._write)
@@ -487,9 +496,13 @@ class Saver:
             report = load_entries(self._target(), [conf], shard_id=shard_id, ckpt_id=ckpt_id,
                                   direct_path=direct_path, alone=alone)
         self._baseline = restore.baseline_after_load(self.model, report, conf, self.storage, self.output_dir)
-        if self._baseline is not None and dist.group()[0] == 0:
-            self._checkpoints.remember_restored(self._baseline.ckpt_id)
-        self._checkpoints.loaded_intact(report.checkpoints + report.chains_read)
+        if self._baseline is not None:
+            read = report.indexes_read.get(report.checkpoints[0])
+            if read is None:  # not a full or delta checkpoint read here: no delta builds on it
+                self._baseline = None
+            elif dist.group()[0] == 0:
+                self._checkpoints.remember_restored(self._baseline.ckpt_id, read.crc32c, read.base)
+        self._checkpoints.loaded_intact(report.read_whole)
         self._last_load = report
         return report
 
