@@ -307,7 +307,9 @@ class Saver:
         tensors with `pinned`), and hands the copy to a background thread that writes and commits
         it. Training may change the model at once: the checkpoint holds the state at the call.
         `stage_future` is done on return; `write_future` yields the checkpoint path, or the error
-        of the write, which is also raised by the next save / async_save, wait() or close(). Every
+        of the write, which is also raised by the next save / async_save, wait() or close(). In a
+        process group an argument or snapshot refused on this rank becomes its write's error too
+        (the other ranks' writes fail with it), so that every rank raises from the same call. Every
         rank calls async_save in the same order (the writes run collectives on recsave's group).
         The host copy costs memory of about the size of the tables and dense tensors (of the
         changed rows only, for a delta: `incremental` as in save()).
@@ -328,10 +330,13 @@ class Saver:
         self._prefill.join()
         if self._stager is None or self._stager.pinned != pinned:
             self._stager = Stager(pinned)
+        met_group: List[BaseException] = []
         try:
-            state, after = self._capture(ckpt_id, rank, world, self._stager, incremental)
+            state, after = self._capture(ckpt_id, rank, world, self._stager, incremental, met_group)
         except Exception as exc:
-            if not dist.collective(world):
+            # Only a failure the other ranks learnt of (the snapshot's, at the write's first
+            # exchange): one before it leaves them in an exchange this rank never joined.
+            if not dist.collective(world) or exc not in met_group:
                 raise
             # As a refused argument (_save_args): the other ranks' writes fail with it in their
             # first exchange; this rank's write holds it too, so that every rank raises it from
@@ -397,9 +402,10 @@ class Saver:
         tables, dense = self._model_state("prepare_async")
         self._prefill.start(self._stager, tables, dense)
 
-    def _capture(self, ckpt_id: str, rank: int, world: int, stager: Optional[Stager],
-                 incremental: bool) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
-        """The snapshot, and the next delta's baseline once it commits (given its id)."""
+    def _capture(self, ckpt_id: str, rank: int, world: int, stager: Optional[Stager], incremental: bool,
+                 met_group: Optional[List[BaseException]] = None) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
+        """The snapshot, and the next delta's baseline once it commits (given its id). A snapshot
+        error reported to the other ranks (at the write's first exchange) is added to `met_group`."""
         tables, dense = self._model_state("save")
         if world > 1:
             for table in tables.values():
@@ -427,6 +433,8 @@ class Saver:
             # error, so that they raise RankFailedError naming it now, not after the collective
             # timeout (the snapshot checks an io state or extra that only this rank refuses).
             self._checkpoints.fail_before_writing(ckpt_id, exc, rank, world)
+            if met_group is not None:
+                met_group.append(exc)  # the other ranks know of it now
             raise
 
     def close(self) -> None:
