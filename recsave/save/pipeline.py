@@ -296,7 +296,8 @@ class CheckpointWriter:
         # is written (docs/FORMAT.md section 5).
         listed_ids = list(ckptlist.committed(self.storage, self.output_dir, rewrite=True,
                                              warned=self.list_warnings).ids)
-        if ckpt_id not in listed_ids or ckpt_id in self.damaged:  # a listed one is refused below
+        exists = self.storage.exists(ckpt_dir)  # one look: a remote store answers each with a request
+        if exists and (ckpt_id not in listed_ids or ckpt_id in self.damaged):  # a listed one: refused below
             self._refuse_needed(ckpt_dir, ckpt_id, listed_ids)  # before unlisting or replacing anything
         if ckpt_id in self.damaged and ckpt_id in listed_ids:
             # A fallback restore skipped this damaged checkpoint: unlist it, then write it anew.
@@ -307,7 +308,7 @@ class CheckpointWriter:
         # A leftover of a crashed save (no index, or an index that never made it into the list) was
         # never committed: safe to replace. A directory holding files recsave does not write is the
         # user's: never removed.
-        if self.storage.exists(ckpt_dir):
+        if exists:
             if ckptlist.holds_foreign_files(self.storage, self.output_dir, ckpt_id):
                 raise CheckpointExistsError(
                     f"{ckpt_dir} exists and is a file or holds files recsave did not write; save under "
@@ -317,13 +318,12 @@ class CheckpointWriter:
         return None if self._lock is None else self._lock.grant()
 
     def _refuse_needed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
-        """CheckpointExistsError when the directory a save would replace (a damaged or unlisted
-        checkpoint) is a chain member of a listed checkpoint not found damaged, and its index still
-        reads: replacing it would make that one unloadable (docs/FORMAT.md section 10). Files
-        are not looked at (rank 0's disk need not hold the other ranks' shards, and one missing for
-        a while is no proof of loss); one whose index is gone or damaged may be replaced."""
-        if not self.storage.exists(ckpt_dir):
-            return
+        """CheckpointExistsError when the existing directory a save would replace (a damaged or
+        unlisted checkpoint) is a chain member of a listed checkpoint not found damaged, and its
+        index still reads: replacing it would make that one unloadable (docs/FORMAT.md section
+        10). Files are not looked at (rank 0's disk need not hold the other ranks' shards, and one
+        missing for a while is no proof of loss); one whose index is gone or damaged may be
+        replaced."""
         others = [i for i in listed_ids if i != ckpt_id and i not in self.damaged]
         needing = [i for i in others if ckpt_id in chain.needed_by(self.storage, self.output_dir, [i], self.depends_on)]
         if needing and self._index_reads(ckpt_dir):
