@@ -310,6 +310,8 @@ class CheckpointManager:
         if latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id and saved_here:
             return unsaved(latest)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
+            if dist.group()[1] <= 1:  # a refused save must not have evicted rows first (one process:
+                saver.refuse_committed(ckpt_id)  # several ranks learn of a refusal together, later)
             policy.evict_rows(saver.model, self.evict)
         incremental, why = False, "full_every is None"
         if self.full_every is not None:

@@ -5,7 +5,7 @@ import os
 import pytest
 from helpers import assert_jobs_equal, job_state, make_job, tables_of
 
-from recsave import CheckpointManager
+from recsave import CheckpointExistsError, CheckpointManager
 from recsave.errors import ArgumentTypeError, UsageError
 from recsave.format import index as index_mod
 from recsave.save.policy import wants_delta
@@ -137,3 +137,19 @@ def test_settings_are_checked(tmp_path):
         CheckpointManager(job.saver, 1, evict={"older": 1})
     with pytest.raises(ArgumentTypeError):
         CheckpointManager(job.saver, 1, full_every="2")
+
+
+def test_a_refused_save_evicts_nothing(tmp_path):
+    """A save refused because its id is committed (here: global_step set back to a saved step
+    after more training) raises before the eviction: the rows it would have dropped stay."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=3, max_keep=None,
+                   manager_kw={"full_every": 10, "evict": {"older_than_steps": 1}})
+    job.train(3)
+    job.train(2)
+    before = {n: sorted(t.ids().tolist()) for n, t in tables_of(job.model).items()}
+    job.manager.global_step = 3
+    with pytest.raises(CheckpointExistsError):
+        job.manager.save()
+    assert {n: sorted(t.ids().tolist()) for n, t in tables_of(job.model).items()} == before
+    job.manager.close()

@@ -126,6 +126,15 @@ class Saver:
         before any, and after one that failed (it may have changed some tables)."""
         return self._last_load
 
+    def refuse_committed(self, ckpt_id: str) -> None:
+        """CheckpointExistsError now when `ckpt_id` is a committed checkpoint of output_dir
+        (listed, with its index, not found damaged): what a save of it checks before writing, for
+        a caller that must know before it changes the model (CheckpointManager's evict). One
+        process's view: with several ranks the save's own check, agreed in its first exchange,
+        is the one that counts."""
+        ckptlist.validate_id(ckpt_id)
+        self._checkpoints.refuse_committed_early(ckpt_id)
+
     @property
     def loads_started(self) -> int:
         """How many loads and model-bank loads this Saver has begun (failed ones too): when it
