@@ -201,6 +201,25 @@ def test_rotation_prunes_earlier_checkpoints_and_keeps_unrelated_objects(remote)
     assert second.saver.checkpoints() == [f"{out}/ckpt_4", f"{out}/ckpt_5"]
 
 
+def test_rotation_in_a_dir_named_like_a_glob_deletes_only_its_own_checkpoints(remote):
+    """fsspec's rm expands patterns: rotation in run[ab] removed runa's checkpoint too (and left
+    its own, without its index). Each pattern character is taken as itself now."""
+    other = make_job(f"{remote}/runa", max_keep=None)
+    other.train(1)
+    other.saver.save("ckpt_1")
+    other.saver.close()
+    for name in ("run[ab]", "run*", "run?"):
+        job = make_job(f"{remote}/{name}", max_keep=1)
+        job.train(1)
+        job.saver.save("ckpt_1")
+        job.train(1)
+        job.saver.save("ckpt_2")
+        job.saver.close()
+        assert _ls(f"{remote}/{name}") == ["checkpoint", "ckpt_2"]
+    assert _ls(f"{remote}/runa") == ["checkpoint", "ckpt_1"]
+    make_job(f"{remote}/runa").saver.load()
+
+
 def test_uncommitted_leftover_is_not_latest_and_is_removed(remote):
     out = f"{remote}/run"
     job = make_job(out, max_keep=3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from concurrent.futures import Future
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
@@ -111,8 +112,9 @@ class FsspecStorage(Storage):
 
     # ------------------------------------------------------------------------------------- removal
     def remove_tree(self, path: str) -> None:
+        # fs.rm expands glob patterns: an output dir named run[ab] would match runa's objects too.
         with contextlib.suppress(FileNotFoundError):
-            retry.call("removing", path, lambda: self.fs.rm(path, recursive=True))
+            retry.call("removing", path, lambda: self.fs.rm(_literal(path), recursive=True))
 
     def remove_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -319,3 +321,12 @@ def _creates_exclusively(fs: Any) -> bool:
 
 def _accepts_refresh(fs: Any) -> bool:
     return getattr(fs, "protocol", None) in ("s3", "s3a", ("s3", "s3a"), "gcs", "gs", ("gcs", "gs"))
+
+
+def _literal(path: str) -> str:
+    """`path` as a glob pattern matching only itself: its `*`, `?` and `[` in brackets (fsspec's
+    rm, like the other calls that take patterns, expands them)."""
+    return _GLOB_MAGIC.sub(r"[\1]", path)
+
+
+_GLOB_MAGIC = re.compile(r"([*?[])")
