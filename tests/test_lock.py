@@ -650,3 +650,42 @@ def test_a_lock_changing_under_a_read_is_a_writer_lock_error(tmp_path, times):
     with pytest.raises(WriterLockedError, match=match):  # never CorruptCheckpointError
         contender.acquire()
     holder.release()
+
+
+def test_a_writer_frozen_past_its_lease_after_its_index_neither_lists_nor_prunes(tmp_path, monkeypatch):
+    """Writer A stalls (both threads, as under SIGSTOP) right after writing ckpt_1's index, longer
+    than its lease; B takes the stale lock over and commits ckpt_2 and ckpt_3. A's save must fail
+    with WriterLockedError, not list ckpt_1 over B's list nor prune B's checkpoints."""
+    from recsave.format import index as index_mod
+
+    out = str(tmp_path / "out")
+    lease = 0.5
+    with knobs.override(writer_lease_s=lease):
+        a = make_job(out, max_keep=2, seed=1)
+        a.train(1)
+        a.saver.save("ckpt_0")
+        b = make_job(out, max_keep=2, seed=2)
+        b.train(1)
+        real = index_mod.write_bytes
+
+        def stalled(ckpt_dir, data, storage=None):
+            real(ckpt_dir, data, storage=storage)
+            if ckpt_dir.endswith("ckpt_1"):
+                with a.saver._checkpoints._lock._mutex:  # noqa: SLF001 (A's renewals stall too)
+                    time.sleep(2 * lease)
+                    b.saver.save("ckpt_2")
+                    b.train(1)
+                    b.saver.save("ckpt_3")
+        monkeypatch.setattr(index_mod, "write_bytes", stalled)
+        a.train(1)
+        with pytest.raises(WriterLockedError, match="the index of ckpt_1 was written, but this Saver lost"):
+            a.saver.save("ckpt_1")
+        monkeypatch.undo()
+        assert open(os.path.join(out, "checkpoint")).read().split() == ["ckpt_2", "ckpt_3"]
+        live = job_state(b)
+        b.saver.close()
+        fresh = make_job(out, max_keep=2, seed=3)
+        fresh.saver.load()
+        assert_jobs_equal(job_state(fresh), live)
+        a.saver.close()  # a lost lock is not released (the file is B's)
+        fresh.saver.close()

@@ -19,6 +19,7 @@ from recsave.errors import (
     FormatVersionError,
     RecsaveError,
     UsageError,
+    WriterLockedError,
 )
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
@@ -477,6 +478,7 @@ class CheckpointWriter:
         retention selection (format/retention.py) does not keep and leftovers of crashed saves.
         Never deletes the checkpoint just written."""
         st, out = self.storage, self.output_dir
+        self._still_held_for_listing(ckpt_id)  # the listing below may rewrite the list
         listing = ckptlist.committed(st, out, rewrite=True, warned=self.list_warnings, being_written=ckpt_id)
         ids: List[str] = [i for i in listing.ids if i != ckpt_id] + [ckpt_id]
         try:
@@ -491,11 +493,13 @@ class CheckpointWriter:
             del self._facts[gone]
         for gone in set(self._committed) - set(keep):
             del self._committed[gone]
+        self._still_held_for_listing(ckpt_id)
         ckptlist.write(st, out, keep)
         # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
         # The checkpoint is committed and listed: a failure to prune is the next save's to retry.
         # Pruned directories are moved aside here and deleted on a thread (save/pruning.py).
         try:
+            check_held(self._lock)  # a writer that took the lock over meanwhile owns what is here now
             ckptlist.collect_garbage(st, out, keep, self.depends_on,
                                      remove=functools.partial(self._pruner.remove, lock=self._lock))
         except Exception as exc:  # not only OSError: raising would report a committed save as failed
@@ -504,6 +508,19 @@ class CheckpointWriter:
                           RuntimeWarning, stacklevel=2)
         finally:
             self._pruner.start(self._lock)
+
+    def _still_held_for_listing(self, ckpt_id: str) -> None:
+        """WriterLockedError, before the list is written, when this writer no longer holds the lock
+        (frozen past its lease since the index, and taken over): its list would drop the new
+        holder's checkpoints and its rotation delete them. Free while the lease is fresh
+        (check_held renews only after half a lease)."""
+        try:
+            check_held(self._lock)
+        except WriterLockedError as exc:
+            raise WriterLockedError(
+                f"{self.output_dir}: the index of {ckpt_id} was written, but this Saver lost the writer lock "
+                f"before listing it ({exc}); {ckpt_id} is not listed, and the writer holding the lock now "
+                f"may remove it: save again", path=self.storage.join(self.output_dir, ckpt_id)) from exc
 
     def _fact(self, ckpt_id: str) -> Tuple[Optional[int], Optional[Mapping[str, float]]]:
         """(step, metrics) of a committed checkpoint, from its index (read once: indexes never
