@@ -671,7 +671,7 @@ def test_a_writer_frozen_past_its_lease_after_its_index_neither_lists_nor_prunes
         def stalled(ckpt_dir, data, storage=None):
             real(ckpt_dir, data, storage=storage)
             if ckpt_dir.endswith("ckpt_1"):
-                with a.saver._checkpoints._lock._mutex:  # noqa: SLF001 (A's renewals stall too)
+                with a.saver._checkpoints._lock._mutex:  # A's renewals stall too
                     time.sleep(2 * lease)
                     b.saver.save("ckpt_2")
                     b.train(1)
@@ -689,3 +689,32 @@ def test_a_writer_frozen_past_its_lease_after_its_index_neither_lists_nor_prunes
         assert_jobs_equal(job_state(fresh), live)
         a.saver.close()  # a lost lock is not released (the file is B's)
         fresh.saver.close()
+
+
+def test_a_forked_child_does_not_save_under_its_parents_lock(tmp_path):
+    """The parent holds the lock; a child forked from it saving into the same dir must wait for
+    the lock like any other process (WriterLockedError here), not renew the parent's holding as
+    its own, which left the lock with the child's pid, takeable once the child exited."""
+    out = str(tmp_path / "out")
+    job = make_job(out, max_keep=None)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    before = _lock(out)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code, never return into pytest
+        code = 1
+        try:
+            job.train(1)
+            job.saver.save("ckpt_child")
+        except WriterLockedError:
+            code = 0
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _lock(out)["pid"] == os.getpid() and _lock(out)["token"] == before["token"]
+    assert not os.path.exists(os.path.join(out, "ckpt_child"))
+    job.train(1)
+    job.saver.save("ckpt_2")  # the parent's holding is intact
+    job.saver.close()

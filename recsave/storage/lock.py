@@ -85,6 +85,13 @@ class WriterLock:
     # ------------------------------------------------------------------------------------ public
     def acquire(self) -> None:
         """Takes the lock (or renews it if held): raises WriterLockedError naming the holder."""
+        if self.held and os.getpid() != self._owner:
+            # A forked child's copy of its parent's holding: the parent holds the lock, not this
+            # process, which takes it like any other (and so waits for the parent to release it).
+            self.held = False
+            self.token = uuid.uuid4().hex
+            self._mutex = threading.Lock()  # the parent's may have been held at the fork
+            self._finalizer.detach()
         if self.held:
             self.renew()
             return
@@ -121,7 +128,12 @@ class WriterLock:
         self._start_renewals()
 
     def renew(self) -> None:
-        """Refreshes renewed_at; raises WriterLockedError if another writer took the lock over."""
+        """Refreshes renewed_at; raises WriterLockedError if another writer took the lock over (or
+        this is a forked child's copy of its parent's holding)."""
+        if os.getpid() != self._owner:
+            raise WriterLockedError(f"{self.path}: this process (pid {os.getpid()}) is a fork of the writer "
+                                    f"holding the lock (pid {self._owner}); a child does not hold it",
+                                    path=self.path)
         with self._mutex:
             self._renew()
 
