@@ -67,7 +67,7 @@ def test_second_saver_on_the_same_dir_is_refused_until_the_first_closes(tmp_path
     first.saver.save("ckpt_2")
     holder = _lock(out)
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
-    assert set(holder) == {"host", "pid", "token", "acquired_at", "renewed_at"}
+    assert set(holder) == {"host", "pid", "token", "acquired_at", "renewed_at", "pid_space"}
 
     second = make_job(out)
     second.train(3)
@@ -129,6 +129,28 @@ def test_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     assert f"process {dead} on this host is dead" in line.getMessage() and f"pid {dead}" in line.getMessage()
     assert _lock(out)["pid"] == os.getpid()
     job.saver.close()
+
+
+@pytest.mark.parametrize("pid_space", ["another-boot:4026531836", None])
+def test_a_dead_pid_of_another_pid_space_is_not_taken_for_a_dead_holder(tmp_path, pid_space):
+    """A holder with this hostname but another boot or pid namespace (a container sharing the
+    host's name), or an older writer that recorded none: its pid says nothing about it here, so its
+    fresh lease holds."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a pid that is dead here
+    record = {"host": socket.gethostname(), "pid": proc.pid, "token": "theirs", "acquired_at": time.time(),
+              "renewed_at": time.time()}
+    if pid_space is not None:
+        record["pid_space"] = pid_space
+    with open(os.path.join(out, LOCK_FILE), "w") as f:
+        json.dump(record, f)
+    job = make_job(out)
+    job.train(1)
+    with pytest.raises(WriterLockedError, match="is being written by another Saver"):
+        job.saver.save("ckpt_1")
+    assert _lock(out)["token"] == "theirs"
 
 
 def test_another_live_process_blocks_us(tmp_path):

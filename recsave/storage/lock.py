@@ -1,15 +1,17 @@
 """One writer per output directory: a lease file ``<output_dir>/.recsave-writer.lock``.
 
-The file holds JSON ``{"host", "pid", "token", "acquired_at", "renewed_at"}`` (times in seconds since
-the epoch). A Saver takes it on its first save (rank 0 only), renews it on every save and on a
-daemon thread every quarter ``writer_lease_s`` while it holds it, and releases it when closed,
-garbage-collected or at interpreter exit (those two make one attempt, on a helper thread for
-remote storage; exit waits for it at most ``lock_release_timeout_s``, so a gone endpoint cannot
-hang the interpreter; the lock is then taken over as stale later). A lock is stale, and taken over
-with one INFO line on the ``recsave`` logger naming the dead holder (expected after a crash), when
-its process is dead on this host or when it was not renewed for ``writer_lease_s`` seconds. The
-file is created with ``Storage.create_exclusive``: O_EXCL locally; on object stores (no exclusive
-create) written and read back, which is best effort.
+The file holds JSON ``{"host", "pid", "token", "acquired_at", "renewed_at", "pid_space"}`` (times in
+seconds since the epoch; ``pid_space``: the boot id and pid namespace, so that a pid is read as this
+process's only where it means the same process). A Saver takes it on its first save (rank 0 only),
+renews it on every save and on a daemon thread every quarter ``writer_lease_s`` while it holds it,
+and releases it when closed, garbage-collected or at interpreter exit (those two make one attempt,
+on a helper thread for remote storage; exit waits for it at most ``lock_release_timeout_s``, so a
+gone endpoint cannot hang the interpreter; the lock is then taken over as stale later). A lock is
+stale, and taken over with one INFO line on the ``recsave`` logger naming the dead holder (expected
+after a crash), when its process is dead on this host (same hostname, boot and pid namespace) or
+when it was not renewed for ``writer_lease_s`` seconds. The file is created with
+``Storage.create_exclusive``: O_EXCL locally; on object stores (no exclusive create) written and
+read back, which is best effort.
 
 The renewals on the thread keep a live holder's lock however long a save or the training between
 saves takes, so the lease can be short: a crashed holder on another host (whose pid cannot be
@@ -50,6 +52,17 @@ log = logging.getLogger("recsave")
 
 LOCK_FILE = ".recsave-writer.lock"
 MAX_LOCK_BYTES = 64 << 10
+
+
+def _pid_space() -> Optional[str]:
+    """This process's pid space: the boot id and the pid namespace (None where unknown: then no
+    dead-pid shortcut is taken, only the lease decides)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -234,7 +247,7 @@ class WriterLock:
 
     def _record(self, now: float) -> Dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
-                "acquired_at": self._acquired_at, "renewed_at": now}
+                "acquired_at": self._acquired_at, "renewed_at": now, "pid_space": _pid_space()}
 
     def _create(self, record: Dict[str, Any]) -> bool:
         """Creates the lock file if absent; whether this call created it."""
@@ -262,7 +275,10 @@ class WriterLock:
         if isinstance(renewed, (int, float)) and time.time() - renewed > lease:
             return f"not renewed for {time.time() - renewed:.0f} s > writer_lease_s={lease:g}"
         pid = holder.get("pid")
-        if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+        # A pid means this process's pid only on the same host (hostname), boot and pid namespace:
+        # containers sharing a hostname have pid spaces of their own.
+        if holder.get("host") == socket.gethostname() and holder.get("pid_space") == _pid_space() \
+                and isinstance(pid, int) and not _pid_alive(pid):
             return f"process {pid} on this host is dead"
         return None
 
