@@ -740,3 +740,41 @@ def test_a_forked_child_does_not_save_under_its_parents_lock(tmp_path):
     job.train(1)
     job.saver.save("ckpt_2")  # the parent's holding is intact
     job.saver.close()
+
+
+def test_local_replace_exclusive_lets_one_racer_in_and_keeps_a_file_it_did_not_expect(tmp_path):
+    """The stale-lock takeover's primitive on local disk: it replaces only a file holding the
+    expected bytes, puts back one that did not, and of two racing takers (threads, both reading
+    the same stale lock) at most one acquires, in every one of 300 trials."""
+    st = LocalStorage()
+    path = str(tmp_path / "f")
+    assert st.replace_exclusive(path, b"old", b"new") is False  # nothing there
+    with open(path, "wb") as f:
+        f.write(b"old")
+    assert st.replace_exclusive(path, b"old", b"mine") is True
+    assert st.replace_exclusive(path, b"old", b"theirs") is False  # it holds "mine" now: put back
+    assert open(path, "rb").read() == b"mine" and os.listdir(tmp_path) == ["f"]
+
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    stale = json.dumps({"host": "elsewhere", "pid": 1, "token": "dead", "acquired_at": 0, "renewed_at": 0})
+    for _ in range(300):
+        with open(os.path.join(out, LOCK_FILE), "w") as f:
+            f.write(stale)
+        locks, won = [WriterLock(st, out), WriterLock(st, out)], []
+        barrier = threading.Barrier(2)
+
+        def take(lock):
+            barrier.wait()
+            try:
+                lock.acquire()
+                won.append(lock)
+            except WriterLockedError:
+                pass
+        threads = [threading.Thread(target=take, args=(lock,)) for lock in locks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1
+        won[0].release()

@@ -201,6 +201,12 @@ class Storage(abc.ABC):
         Exclusive on local disk (O_EXCL); on object stores best effort (absent, put, read back:
         the last of two racing writers wins, and the other one sees that)."""
 
+    def replace_exclusive(self, path: str, expected: bytes, data: bytes) -> Optional[bool]:
+        """Replaces the file at `path` with `data` if it holds `expected`, exclusively: of callers
+        racing to replace the same file, at most one gets True. None where the storage cannot
+        (object stores: the caller writes and reads back, best effort)."""
+        return None
+
     @abc.abstractmethod
     def being_created(self, path: str) -> bool:
         """Whether the (empty) file at `path` may be one that :meth:`create_exclusive` is still

@@ -180,6 +180,29 @@ class LocalStorage(Storage):
             f.write(data)
         return True
 
+    def replace_exclusive(self, path: str, expected: bytes, data: bytes) -> Optional[bool]:
+        # The rename takes the file away from the other racers (theirs fails), then it is created
+        # anew with O_EXCL. A file that no longer held `expected` goes back where it was (unless
+        # a new one is there already: then its holder learns of the loss at its next renewal).
+        aside = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise os_error(exc, path, "replacing") from exc
+        try:
+            with open(aside, "rb") as f:
+                held = f.read(len(expected) + 1)
+            if held != expected:
+                with contextlib.suppress(OSError):
+                    os.link(aside, path)
+                return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(aside)
+        return self.create_exclusive(path, data)
+
     def being_created(self, path: str) -> bool:
         try:
             st = os.stat(path)

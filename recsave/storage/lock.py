@@ -255,6 +255,9 @@ class WriterLock:
 
     def _replace(self, old_raw: bytes, record: Dict[str, Any]) -> bool:
         """Overwrites a stale lock, if it still holds `old_raw`; whether we hold the lock now."""
+        exclusive = self.storage.replace_exclusive(self.path, old_raw, _dumps(record))
+        if exclusive is not None:  # local: one taker of racing ones wins
+            return exclusive
         raw, _ = self._read()
         if raw is not None and raw != old_raw:
             return False

@@ -227,6 +227,11 @@ class FsspecStorage(Storage):
         except (CheckpointNotFoundError, CorruptCheckpointError):  # removed, or another's bigger one
             return False
 
+    def replace_exclusive(self, path: str, expected: bytes, data: bytes) -> Optional[bool]:
+        if self._local is not None:
+            return self._local.replace_exclusive(self._local_path(path), expected, data)
+        return None
+
     def being_created(self, path: str) -> bool:
         if self._local is not None:
             return self._local.being_created(self._local_path(path))
