@@ -764,17 +764,19 @@ def test_local_replace_exclusive_lets_one_racer_in_and_keeps_a_file_it_did_not_e
         locks, won = [WriterLock(st, out), WriterLock(st, out)], []
         barrier = threading.Barrier(2)
 
-        def take(lock):
-            barrier.wait()
-            try:
-                lock.acquire()
-                won.append(lock)
-            except WriterLockedError:
-                pass
-        threads = [threading.Thread(target=take, args=(lock,)) for lock in locks]
+        threads = [threading.Thread(target=_take_lock, args=(lock, barrier, won)) for lock in locks]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         assert len(won) == 1
         won[0].release()
+
+
+def _take_lock(lock, barrier, won):
+    barrier.wait()
+    try:
+        lock.acquire()
+        won.append(lock)
+    except WriterLockedError:
+        pass
