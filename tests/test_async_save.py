@@ -376,3 +376,32 @@ def test_an_async_save_of_a_committed_id_is_refused_at_the_call(tmp_path):
     assert job.saver.pending_checkpoint is None and job.saver.wait() is None
     assert checkpoint_bytes(os.path.join(out, "ckpt_2")) == before
     job.saver.close()
+
+
+def test_a_child_forked_during_an_async_write_closes_without_waiting_for_it(tmp_path, monkeypatch):
+    """The write's thread is the parent's: a child forked while it runs holds no pending write,
+    so its close() returns at once (it waited forever on a future no thread of its own would
+    finish); the parent's write commits as usual."""
+    out = str(tmp_path / "out")
+    job = make_job(out, max_keep=None)
+    job.train(1)
+    go = threading.Event()
+    real = saver_mod.CheckpointWriter.write
+
+    def held_back(self, *args, **kwargs):
+        go.wait(30)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(saver_mod.CheckpointWriter, "write", held_back)
+    _, write = job.saver.async_save("ckpt_1")
+    pid = os.fork()
+    if pid == 0:
+        import signal
+        signal.alarm(10)  # a hang ends the child with SIGALRM
+        code = 0 if job.saver.pending_checkpoint is None else 4
+        job.saver.close()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    go.set()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert write.result(timeout=60) == os.path.join(out, "ckpt_1")
+    job.saver.close()

@@ -745,7 +745,8 @@ def test_a_forked_child_does_not_save_under_its_parents_lock(tmp_path):
 def test_local_replace_exclusive_lets_one_racer_in_and_keeps_a_file_it_did_not_expect(tmp_path):
     """The stale-lock takeover's primitive on local disk: it replaces only a file holding the
     expected bytes, puts back one that did not, and of two racing takers (threads, both reading
-    the same stale lock) at most one acquires, in every one of 300 trials."""
+    the same stale lock) exactly one acquires, in every one of 300 trials, with 2 and with 4
+    racers (with 3 or more a loser moving the winner's fresh file aside once let a third in)."""
     st = LocalStorage()
     path = str(tmp_path / "f")
     assert st.replace_exclusive(path, b"old", b"new") is False  # nothing there
@@ -758,11 +759,12 @@ def test_local_replace_exclusive_lets_one_racer_in_and_keeps_a_file_it_did_not_e
     out = str(tmp_path / "run")
     os.makedirs(out)
     stale = json.dumps({"host": "elsewhere", "pid": 1, "token": "dead", "acquired_at": 0, "renewed_at": 0})
-    for _ in range(300):
+    for trial in range(300):
         with open(os.path.join(out, LOCK_FILE), "w") as f:
             f.write(stale)
-        locks, won = [WriterLock(st, out), WriterLock(st, out)], []
-        barrier = threading.Barrier(2)
+        racers = 2 if trial % 2 else 4
+        locks, won = [WriterLock(st, out) for _ in range(racers)], []
+        barrier = threading.Barrier(racers)
 
         threads = [threading.Thread(target=_take_lock, args=(lock, barrier, won)) for lock in locks]
         for t in threads:
@@ -780,3 +782,45 @@ def _take_lock(lock, barrier, won):
         won.append(lock)
     except WriterLockedError:
         pass
+
+
+def test_a_forked_child_releasing_its_copy_neither_blocks_nor_frees_the_parents_lock(tmp_path):
+    """The parent's renewal thread may hold the lock's mutex at the fork (held here on purpose):
+    the child's close() must return at once and leave the lock file to the parent."""
+    out = str(tmp_path / "out")
+    job = make_job(out, max_keep=None)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    lock = job.saver._checkpoints._lock  # the holding the child gets a copy of
+    with lock._mutex:
+        pid = os.fork()
+        if pid == 0:
+            import signal
+            signal.alarm(10)  # a deadlock ends the child with SIGALRM
+            job.saver.close()
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _lock(out)["pid"] == os.getpid()
+    job.train(1)
+    job.saver.save("ckpt_2")
+    job.saver.close()
+
+
+def test_no_pid_space_known_here_takes_no_dead_pid_shortcut(tmp_path, monkeypatch):
+    """Where this process's pid space cannot be read (no /proc/self/ns), a same-host dead pid
+    proves nothing either: the holder's fresh lease holds."""
+    import recsave.storage.lock as lock_mod
+
+    monkeypatch.setattr(lock_mod, "_pid_space", lambda: None)
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    with open(os.path.join(out, LOCK_FILE), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": proc.pid, "token": "theirs", "acquired_at": time.time(),
+                   "renewed_at": time.time()}, f)
+    job = make_job(out)
+    job.train(1)
+    with pytest.raises(WriterLockedError, match="is being written by another Saver"):
+        job.saver.save("ckpt_1")

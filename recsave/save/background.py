@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future
 from typing import Callable, Optional, Tuple
 
@@ -18,15 +19,25 @@ class BackgroundWrite:
 
     def __init__(self) -> None:
         self._pending: Optional[Tuple[str, Future]] = None  # (ckpt_id, future) of the last write
+        self._pid = os.getpid()  # a forked child's copy: the write's thread is the parent's only
+
+    def _forgotten_in_child(self) -> None:
+        """In a process forked while a write was pending: that write is the parent's (its thread
+        does not exist here, its future would never finish), so this copy holds none."""
+        if os.getpid() != self._pid:
+            self._pending = None
+            self._pid = os.getpid()
 
     def pending_future(self) -> Future:
         """The future of the last write (one is pending)."""
+        self._forgotten_in_child()
         assert self._pending is not None
         return self._pending[1]
 
     @property
     def pending_id(self) -> Optional[str]:
         """The id being written (or written last), until collected."""
+        self._forgotten_in_child()
         return self._pending[0] if self._pending is not None else None
 
     def submit(self, ckpt_id: str, write: Callable[[], str]) -> Future:
@@ -58,6 +69,7 @@ class BackgroundWrite:
         """Waits for the write. With `consume` its result is collected: the path is returned or its
         error raised, with a note naming the write. Without, a success is forgotten and an error
         stays pending for the next collect(consume=True). None when nothing was pending."""
+        self._forgotten_in_child()
         if self._pending is None:
             return None
         ckpt_id, future = self._pending
@@ -79,5 +91,6 @@ class BackgroundWrite:
 
     def shutdown(self) -> None:
         """Waits for the last write's thread to end (its outcome stays for collect)."""
+        self._forgotten_in_child()
         if self._pending is not None:
             self._pending[1].exception()

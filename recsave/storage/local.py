@@ -3,6 +3,7 @@ files read and written by the C++ engine's parallel positional I/O."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import stat
@@ -181,27 +182,26 @@ class LocalStorage(Storage):
         return True
 
     def replace_exclusive(self, path: str, expected: bytes, data: bytes) -> Optional[bool]:
-        # The rename takes the file away from the other racers (theirs fails), then it is created
-        # anew with O_EXCL. A file that no longer held `expected` goes back where it was (unless
-        # a new one is there already: then its holder learns of the loss at its next renewal).
-        aside = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        # Racing replacers take turns under an flock of the directory (released when the process
+        # dies): each compares, then replaces by an atomic rename, so the file never disappears
+        # and a creator's O_EXCL can never slip in between.
         try:
-            os.rename(path, aside)
-        except FileNotFoundError:
-            return False
+            guard = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
         except OSError as exc:
             raise os_error(exc, path, "replacing") from exc
         try:
-            with open(aside, "rb") as f:
-                held = f.read(len(expected) + 1)
-            if held != expected:
-                with contextlib.suppress(OSError):
-                    os.link(aside, path)
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            try:
+                with open(path, "rb") as f:
+                    held = f.read(len(expected) + 1)
+            except FileNotFoundError:
                 return False
+            if held != expected:
+                return False
+            self.write_atomic(path, data)
+            return True
         finally:
-            with contextlib.suppress(OSError):
-                os.remove(aside)
-        return self.create_exclusive(path, data)
+            os.close(guard)
 
     def being_created(self, path: str) -> bool:
         try:

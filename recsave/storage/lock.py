@@ -199,7 +199,13 @@ class WriterLock:
         return True
 
     def release(self) -> None:
-        """Deletes the lock file if it is still ours (with the usual io_retries). Idempotent."""
+        """Deletes the lock file if it is still ours (with the usual io_retries). Idempotent. In a
+        forked child it only forgets the parent's holding (the parent's renewal thread may have
+        held the mutex at the fork)."""
+        if os.getpid() != self._owner:
+            self.held = False
+            self._finalizer.detach()
+            return
         self._stop.set()
         with self._mutex:
             self.held = False
@@ -280,7 +286,8 @@ class WriterLock:
         pid = holder.get("pid")
         # A pid means this process's pid only on the same host (hostname), boot and pid namespace:
         # containers sharing a hostname have pid spaces of their own.
-        if holder.get("host") == socket.gethostname() and holder.get("pid_space") == _pid_space() \
+        space = _pid_space()
+        if holder.get("host") == socket.gethostname() and space is not None and holder.get("pid_space") == space \
                 and isinstance(pid, int) and not _pid_alive(pid):
             return f"process {pid} on this host is dead"
         return None

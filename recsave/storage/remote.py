@@ -112,9 +112,29 @@ class FsspecStorage(Storage):
 
     # ------------------------------------------------------------------------------------- removal
     def remove_tree(self, path: str) -> None:
-        # fs.rm expands glob patterns: an output dir named run[ab] would match runa's objects too.
+        if _GLOB_MAGIC.search(path) is not None:
+            self._remove_tree_one_by_one(path)
+            return
         with contextlib.suppress(FileNotFoundError):
-            retry.call("removing", path, lambda: self.fs.rm(_literal(path), recursive=True))
+            retry.call("removing", path, lambda: self.fs.rm(path, recursive=True))
+
+    def _remove_tree_one_by_one(self, path: str) -> None:
+        """remove_tree of a path holding `*`, `?` or `[`: fsspec's rm expands patterns (a directory
+        named run[ab] would match runa too), and escaping them is not honoured by every fsspec
+        release, so what find lists under it is removed file by file (such names are rare)."""
+        try:
+            found = retry.call("listing", path, lambda: self.fs.find(path, withdirs=True, detail=True))
+        except FileNotFoundError:
+            return
+        files = [p for p, info in found.items() if info.get("type") != "directory"]
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                retry.call("removing", name, functools.partial(self.fs.rm_file, name))
+        # Pseudo-directories (memory://, directory markers), deepest first; stores without them
+        # have nothing to remove.
+        for name in sorted([p for p in found if p not in files] + [self._local_path(path)], key=len, reverse=True):
+            with contextlib.suppress(OSError, ValueError):
+                self.fs.rmdir(name)
 
     def remove_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -328,10 +348,4 @@ def _accepts_refresh(fs: Any) -> bool:
     return getattr(fs, "protocol", None) in ("s3", "s3a", ("s3", "s3a"), "gcs", "gs", ("gcs", "gs"))
 
 
-def _literal(path: str) -> str:
-    """`path` as a glob pattern matching only itself: its `*`, `?` and `[` in brackets (fsspec's
-    rm, like the other calls that take patterns, expands them)."""
-    return _GLOB_MAGIC.sub(r"[\1]", path)
-
-
-_GLOB_MAGIC = re.compile(r"([*?[])")
+_GLOB_MAGIC = re.compile(r"[*?[]")  # what fsspec's glob-expanding calls (rm) take for patterns
