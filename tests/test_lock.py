@@ -824,3 +824,25 @@ def test_no_pid_space_known_here_takes_no_dead_pid_shortcut(tmp_path, monkeypatc
     job.train(1)
     with pytest.raises(WriterLockedError, match="is being written by another Saver"):
         job.saver.save("ckpt_1")
+
+
+def test_a_stale_lock_is_taken_over_where_the_directory_cannot_be_flocked(tmp_path, monkeypatch):
+    """NFS emulates flock with byte-range locks, which a directory opened for reading cannot take
+    (EBADF): the takeover falls back to write and read back instead of failing every time."""
+    import errno
+
+    import recsave.storage.local as local_mod
+
+    def refused(fd, op):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+    monkeypatch.setattr(local_mod.fcntl, "flock", refused)
+    assert LocalStorage().replace_exclusive(str(tmp_path / "x"), b"a", b"b") is None
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    with open(os.path.join(out, LOCK_FILE), "w") as f:
+        json.dump({"host": "elsewhere", "pid": 1, "token": "dead", "acquired_at": 0, "renewed_at": 0}, f)
+    job = make_job(out)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    assert _lock(out)["pid"] == os.getpid()
+    job.saver.close()

@@ -184,13 +184,16 @@ class LocalStorage(Storage):
     def replace_exclusive(self, path: str, expected: bytes, data: bytes) -> Optional[bool]:
         # Racing replacers take turns under an flock of the directory (released when the process
         # dies): each compares, then replaces by an atomic rename, so the file never disappears
-        # and a creator's O_EXCL can never slip in between.
+        # and a creator's O_EXCL can never slip in between. Where the directory cannot be flocked
+        # (NFS emulates flock with byte-range locks, which a directory opened for reading cannot
+        # take), None: the caller's best effort (write, read back).
         try:
             guard = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
         except OSError as exc:
             raise os_error(exc, path, "replacing") from exc
         try:
-            fcntl.flock(guard, fcntl.LOCK_EX)
+            if not _flock_within(guard, _GUARD_WAIT_S):
+                return False  # another replacer holds it that long: it is taking the file over
             try:
                 with open(path, "rb") as f:
                     held = f.read(len(expected) + 1)
@@ -200,8 +203,10 @@ class LocalStorage(Storage):
                 return False
             self.write_atomic(path, data)
             return True
+        except _FlockUnsupported:
+            return None
         finally:
-            os.close(guard)
+            os.close(guard)  # releases the flock
 
     def being_created(self, path: str) -> bool:
         try:
@@ -209,3 +214,26 @@ class LocalStorage(Storage):
         except OSError:
             return False
         return st.st_size == 0 and time.time() - st.st_mtime < _CREATING_S
+
+
+_GUARD_WAIT_S = 5.0  # how long replace_exclusive waits for another replacer's turn
+
+
+class _FlockUnsupported(Exception):
+    """The file system refuses flock on a directory."""
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    """flock(fd, LOCK_EX), waiting at most `seconds` (False then); _FlockUnsupported where the
+    file system refuses it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        except OSError as exc:
+            raise _FlockUnsupported() from exc
