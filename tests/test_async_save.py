@@ -405,3 +405,35 @@ def test_a_child_forked_during_an_async_write_closes_without_waiting_for_it(tmp_
     assert os.waitstatus_to_exitcode(status) == 0
     assert write.result(timeout=60) == os.path.join(out, "ckpt_1")
     job.saver.close()
+
+
+def test_a_child_forked_while_pruning_runs_does_not_wait_for_it(tmp_path, monkeypatch):
+    """Rotation's deletion runs on a thread of the parent: a child forked meanwhile (a data
+    loader worker after a save) waits for none in wait() / close()."""
+    from recsave.storage.local import LocalStorage
+
+    out = str(tmp_path / "out")
+    job = make_job(out, max_keep=1)
+    go = threading.Event()
+    real = LocalStorage.remove_tree
+
+    def held_back(self, path):
+        go.wait(30)
+        return real(self, path)
+    monkeypatch.setattr(LocalStorage, "remove_tree", held_back)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    job.train(1)
+    job.saver.save("ckpt_2")  # prunes ckpt_1 on a thread, held back
+    pid = os.fork()
+    if pid == 0:
+        import signal
+        signal.alarm(10)  # a hang ends the child with SIGALRM
+        job.saver.wait()
+        job.saver.close()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    go.set()
+    assert os.waitstatus_to_exitcode(status) == 0
+    job.saver.close()
+    assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_2"]

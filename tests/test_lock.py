@@ -846,3 +846,27 @@ def test_a_stale_lock_is_taken_over_where_the_directory_cannot_be_flocked(tmp_pa
     job.saver.save("ckpt_1")
     assert _lock(out)["pid"] == os.getpid()
     job.saver.close()
+
+
+def test_a_stale_lock_is_taken_over_while_something_else_flocks_the_directory(tmp_path):
+    """`flock <output_dir> python train.py` (a launcher's idiom) holds the directory's flock for
+    the job's life: the takeover waits a bounded while, then falls back to write and read back,
+    instead of blocking forever on the job's own launcher."""
+    import fcntl
+
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    with open(os.path.join(out, LOCK_FILE), "w") as f:
+        json.dump({"host": "elsewhere", "pid": 1, "token": "dead", "acquired_at": 0, "renewed_at": 0}, f)
+    held = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        job = make_job(out)
+        job.train(1)
+        started = time.monotonic()
+        job.saver.save("ckpt_1")
+        assert time.monotonic() - started < 30
+        assert _lock(out)["pid"] == os.getpid()
+        job.saver.close()
+    finally:
+        os.close(held)

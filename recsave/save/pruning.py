@@ -39,6 +39,14 @@ class Pruner:
         self._moved = False  # remove() moved something aside since the last start()
         self._in_place: List[str] = []  # directories remove() left to delete where they are
         self._deleting: Optional["Future[None]"] = None
+        self._pid = os.getpid()  # a forked child's copy: the deleting thread is the parent's only
+
+    def _forgotten_in_child(self) -> None:
+        """In a process forked while a deletion ran: it is the parent's (its thread does not exist
+        here, its future would never finish), so this copy waits for none."""
+        if os.getpid() != self._pid:
+            self._deleting = None
+            self._pid = os.getpid()
 
     def remove(self, path: str, lock: Optional[WriterLock] = None) -> None:
         """Takes `path` out of the output dir: moved aside, else its index deleted now and the rest
@@ -101,6 +109,7 @@ class Pruner:
         """Waits for the deletion started last; a failure is a warning (the next collection
         removes what is left). Interrupted (KeyboardInterrupt), it still counts as running: the
         next join() waits for it again."""
+        self._forgotten_in_child()
         deleting = self._deleting
         if deleting is None:
             return
@@ -113,4 +122,5 @@ class Pruner:
 
     def running(self) -> bool:
         """Whether the deletion started last is still running."""
+        self._forgotten_in_child()
         return self._deleting is not None and not self._deleting.done()

@@ -186,14 +186,17 @@ class LocalStorage(Storage):
         # dies): each compares, then replaces by an atomic rename, so the file never disappears
         # and a creator's O_EXCL can never slip in between. Where the directory cannot be flocked
         # (NFS emulates flock with byte-range locks, which a directory opened for reading cannot
-        # take), None: the caller's best effort (write, read back).
+        # take) or stays flocked by something else, None: the caller's best effort (write, read
+        # back).
         try:
             guard = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
         except OSError as exc:
             raise os_error(exc, path, "replacing") from exc
         try:
             if not _flock_within(guard, _GUARD_WAIT_S):
-                return False  # another replacer holds it that long: it is taking the file over
+                # Held that long: not by a racing replacer (they hold it for one write), but by
+                # something else (a launcher's `flock <dir> python train.py`, a frozen process).
+                return None
             try:
                 with open(path, "rb") as f:
                     held = f.read(len(expected) + 1)
@@ -216,7 +219,7 @@ class LocalStorage(Storage):
         return st.st_size == 0 and time.time() - st.st_mtime < _CREATING_S
 
 
-_GUARD_WAIT_S = 5.0  # how long replace_exclusive waits for another replacer's turn
+_GUARD_WAIT_S = 2.0  # how long replace_exclusive waits for another replacer's turn
 
 
 class _FlockUnsupported(Exception):
