@@ -9,9 +9,10 @@ main one), a thread started from an atexit handler is not joined and dies with t
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Tuple, TypeVar
+from typing import Any, Callable, Generic, Optional, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -52,3 +53,19 @@ def _settle(future: "Future[T]", fn: Callable[..., T], args: Tuple[Any, ...]) ->
         future.set_result(fn(*args))
     except BaseException as exc:  # handed to whoever waits on the future
         future.set_exception(exc)
+
+
+class ThisProcess(Generic[T]):
+    """A value that belongs to the process that set it, e.g. the future of one of its threads: in a
+    process forked since, it reads None (that thread does not exist there, and waiting on its
+    future would never end) until set there."""
+
+    def __init__(self) -> None:
+        self._value: Optional[T] = None
+        self._pid = os.getpid()
+
+    def get(self) -> Optional[T]:
+        return self._value if os.getpid() == self._pid else None
+
+    def set(self, value: Optional[T]) -> None:
+        self._value, self._pid = value, os.getpid()

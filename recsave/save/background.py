@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import Future
 from typing import Callable, Optional, Tuple
 
@@ -18,27 +17,21 @@ class BackgroundWrite:
     run, and the interpreter's exit waits for it."""
 
     def __init__(self) -> None:
-        self._pending: Optional[Tuple[str, Future]] = None  # (ckpt_id, future) of the last write
-        self._pid = os.getpid()  # a forked child's copy: the write's thread is the parent's only
-
-    def _forgotten_in_child(self) -> None:
-        """In a process forked while a write was pending: that write is the parent's (its thread
-        does not exist here, its future would never finish), so this copy holds none."""
-        if os.getpid() != self._pid:
-            self._pending = None
-            self._pid = os.getpid()
+        # (ckpt_id, future) of the last write; a forked child's copy holds none (the write's
+        # thread is the parent's)
+        self._pending: threads.ThisProcess[Tuple[str, Future]] = threads.ThisProcess()
 
     def pending_future(self) -> Future:
         """The future of the last write (one is pending)."""
-        self._forgotten_in_child()
-        assert self._pending is not None
-        return self._pending[1]
+        pending = self._pending.get()
+        assert pending is not None
+        return pending[1]
 
     @property
     def pending_id(self) -> Optional[str]:
         """The id being written (or written last), until collected."""
-        self._forgotten_in_child()
-        return self._pending[0] if self._pending is not None else None
+        pending = self._pending.get()
+        return pending[0] if pending is not None else None
 
     def submit(self, ckpt_id: str, write: Callable[[], str]) -> Future:
         """Starts `write` (callers collect the previous write first)."""
@@ -53,7 +46,7 @@ class BackgroundWrite:
                           "wait() or close()", ckpt_id, type(exc).__name__, exc)
                 raise
         future = threads.start(logged, name="recsave-async-save")
-        self._pending = (ckpt_id, future)
+        self._pending.set((ckpt_id, future))
         return future
 
     def fail(self, ckpt_id: str, error: BaseException) -> None:
@@ -63,22 +56,22 @@ class BackgroundWrite:
         (the ranks stay in step)."""
         future: Future = Future()
         future.set_exception(error)
-        self._pending = (ckpt_id, future)
+        self._pending.set((ckpt_id, future))
 
     def collect(self, consume: bool) -> Optional[str]:
         """Waits for the write. With `consume` its result is collected: the path is returned or its
         error raised, with a note naming the write. Without, a success is forgotten and an error
         stays pending for the next collect(consume=True). None when nothing was pending."""
-        self._forgotten_in_child()
-        if self._pending is None:
+        pending = self._pending.get()
+        if pending is None:
             return None
-        ckpt_id, future = self._pending
+        ckpt_id, future = pending
         exc = future.exception()
         if not consume:
             if exc is None:
-                self._pending = None
+                self._pending.set(None)
             return None
-        self._pending = None
+        self._pending.set(None)
         if exc is not None:
             note = (f"(raised by the background write of async_save({ckpt_id!r}); the previous "
                     f"committed checkpoint is still the latest)")
@@ -91,6 +84,6 @@ class BackgroundWrite:
 
     def shutdown(self) -> None:
         """Waits for the last write's thread to end (its outcome stays for collect)."""
-        self._forgotten_in_child()
-        if self._pending is not None:
-            self._pending[1].exception()
+        pending = self._pending.get()
+        if pending is not None:
+            pending[1].exception()

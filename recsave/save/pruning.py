@@ -38,15 +38,8 @@ class Pruner:
         self.root = storage.join(output_dir, PRUNED_DIR)
         self._moved = False  # remove() moved something aside since the last start()
         self._in_place: List[str] = []  # directories remove() left to delete where they are
-        self._deleting: Optional["Future[None]"] = None
-        self._pid = os.getpid()  # a forked child's copy: the deleting thread is the parent's only
-
-    def _forgotten_in_child(self) -> None:
-        """In a process forked while a deletion ran: it is the parent's (its thread does not exist
-        here, its future would never finish), so this copy waits for none."""
-        if os.getpid() != self._pid:
-            self._deleting = None
-            self._pid = os.getpid()
+        # The deletion started last; a forked child's copy waits for none (its thread is the parent's).
+        self._deleting: threads.ThisProcess["Future[None]"] = threads.ThisProcess()
 
     def remove(self, path: str, lock: Optional[WriterLock] = None) -> None:
         """Takes `path` out of the output dir: moved aside, else its index deleted now and the rest
@@ -101,16 +94,16 @@ class Pruner:
                 held.clear()  # a dropped Saver's lock is released here, before the future is done
 
         lock_path = held[0].path if held else None  # (the thread may have cleared `held` already)
-        self._deleting = threads.start(knobs.carried(delete), name="recsave-prune")
+        deleting = threads.start(knobs.carried(delete), name="recsave-prune")
+        self._deleting.set(deleting)
         if lock_path is not None:
-            busy_until(lock_path, self._deleting)
+            busy_until(lock_path, deleting)
 
     def join(self) -> None:
         """Waits for the deletion started last; a failure is a warning (the next collection
         removes what is left). Interrupted (KeyboardInterrupt), it still counts as running: the
         next join() waits for it again."""
-        self._forgotten_in_child()
-        deleting = self._deleting
+        deleting = self._deleting.get()
         if deleting is None:
             return
         try:
@@ -118,9 +111,9 @@ class Pruner:
         except Exception as exc:
             warnings.warn(f"{self.root}: deleting pruned checkpoints failed ({exc}); the next save removes "
                           f"what is left", RuntimeWarning, stacklevel=2)
-        self._deleting = None
+        self._deleting.set(None)
 
     def running(self) -> bool:
         """Whether the deletion started last is still running."""
-        self._forgotten_in_child()
-        return self._deleting is not None and not self._deleting.done()
+        deleting = self._deleting.get()
+        return deleting is not None and not deleting.done()
