@@ -326,7 +326,8 @@ class CheckpointManager:
             try:
                 return saver.save(ckpt_id, metrics=values, incremental=incremental)
             except BaseException as exc:
-                if _refused_as_existing(exc):  # refused before writing anything: another state's id
+                # Refused before writing anything, on this rank or another: another state's id.
+                if dist.failed_anywhere_with(exc, (CheckpointExistsError,)):
                     self._saved = None
                 raise
         try:  # (it raises the previous write's error first, if that failed)
@@ -490,12 +491,3 @@ def _incremental_settings(full_every: Any, rebase_ratio: Any, evict: Any) -> Tup
                                  f"got {value!r}", key="evict")
         evict = dict(evict)
     return full_every, rebase_ratio, evict
-
-
-def _refused_as_existing(exc: BaseException) -> bool:
-    """Whether a save failed because its id is committed already, on this rank or on another
-    (which this rank learns as RankFailedError carrying each rank's error classes)."""
-    if isinstance(exc, CheckpointExistsError):
-        return True
-    failures = getattr(exc, "rank_failures", None) or {}
-    return any(CheckpointExistsError.__name__ in kinds for kinds in failures.values())

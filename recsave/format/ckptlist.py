@@ -261,6 +261,12 @@ def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False)
         return IndexState("damaged", why=str(exc))
 
 
+def holds_valid_index(storage: Storage, output_dir: str, name: str) -> bool:
+    """Whether checkpoint directory output_dir/name holds an index that validates (or is sealed
+    intact, as rotation asks: a large index is not parsed) or was written by a newer recsave."""
+    return _index_state(storage, storage.join(output_dir, name), intact_is_valid=True).kind in ("valid", "newer")
+
+
 def damaged(storage: Storage, output_dir: str, name: str) -> Optional[str]:
     """Why checkpoint directory output_dir/name holds a damaged index (one that exists but does not
     validate), else None. Such a directory is never deleted by rotation or gc (section 1)."""

@@ -17,7 +17,6 @@ from recsave.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
-    RecsaveError,
     UsageError,
     WriterLockedError,
 )
@@ -319,26 +318,19 @@ class CheckpointWriter:
         return None if self._lock is None else self._lock.grant()
 
     def _refuse_needed(self, ckpt_dir: str, ckpt_id: str, listed_ids: Sequence[str]) -> None:
-        """CheckpointExistsError when the existing directory a save would replace (a damaged or
-        unlisted checkpoint) is a chain member of a listed checkpoint not found damaged, and its
-        index still reads: replacing it would make that one unloadable (docs/FORMAT.md section
-        10). Files are not looked at (rank 0's disk need not hold the other ranks' shards, and one
-        missing for a while is no proof of loss); one whose index is gone or damaged may be
-        replaced."""
+        """CheckpointExistsError when the existing directory a save would replace (a damaged or unlisted
+        checkpoint) is a chain member of a listed checkpoint not found damaged, and its index is
+        still valid (sealed intact, as rotation checks it): replacing it would make that one
+        unloadable (docs/FORMAT.md section 10). Files are not looked at (rank 0's disk need not hold
+        the other ranks' shards, and one missing for a while is no proof of loss); one whose index
+        is gone or damaged may be replaced."""
         others = [i for i in listed_ids if i != ckpt_id and i not in self.damaged]
         needing = [i for i in others if ckpt_id in chain.needed_by(self.storage, self.output_dir, [i], self.depends_on)]
-        if needing and self._index_reads(ckpt_dir):
+        if needing and ckptlist.holds_valid_index(self.storage, self.output_dir, ckpt_id):
             raise CheckpointExistsError(
                 f"{ckpt_dir} is a delta chain member of the committed checkpoint(s) {', '.join(needing)}: "
                 f"replacing it would make them unloadable; save under another id, or delete "
                 f"{', '.join(needing)} first", path=ckpt_dir)
-
-    def _index_reads(self, ckpt_dir: str) -> bool:
-        try:
-            index_mod.read(ckpt_dir, self.storage)
-            return True
-        except (RecsaveError, OSError):
-            return False
 
     def _hold_lock(self) -> None:
         """Takes (or renews) the writer lock. Taken anew (after close(), or lost), what this writer

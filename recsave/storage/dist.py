@@ -275,3 +275,13 @@ def failed_only_with(exc: BaseException, kinds: Tuple[type, ...]) -> bool:
     if not recorded:
         return isinstance(exc, kinds)
     return all(names.intersection(mro) for mro in recorded.values())
+
+
+def failed_anywhere_with(exc: BaseException, kinds: Tuple[type, ...]) -> bool:
+    """Whether `exc` is of `kinds`, or (as raised by run_everywhere) records a failure of that kind
+    on some rank (`rank_failures`)."""
+    if isinstance(exc, kinds):
+        return True
+    names = {k.__name__ for k in kinds}
+    recorded = getattr(exc, "rank_failures", None) or {}
+    return any(names.intersection(mro) for mro in recorded.values())
