@@ -7,6 +7,7 @@ import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import Reader, make_job
@@ -210,3 +211,29 @@ def test_meta_is_validated_at_parse_time():
             bad["meta"] = change
         with pytest.raises(CorruptCheckpointError, match=message):
             index_mod.validate(bad, what)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "uniform_tail", "empty", "explicit", "explicit_empty", "buckets"])
+def test_segment_arrays_list_the_checked_segments(kind):
+    """A whole-tensor read plans from Chunk.segment_arrays: the same (begin, end, crc32c) triples as
+    checked_segments, for every way a chunk describes its segments."""
+    from recsave.format.segments import BucketSegments
+    base = {"file": "f", "offset": 0}
+    chunk = {
+        "uniform": fmt.Chunk(**base, length=96, crc32c=(1, 2, 3), segment_bytes=32),
+        "uniform_tail": fmt.Chunk(**base, length=70, crc32c=(1, 2, 3), segment_bytes=32),
+        "empty": fmt.Chunk(**base, length=0, crc32c=(7,), segment_bytes=32),
+        "explicit": fmt.Chunk(**base, length=32, crc32c=(4, 5, 6), segments=(5, 16, 32)),
+        "explicit_empty": fmt.Chunk(**base, length=0, crc32c=(9,), segments=(0,)),
+        "buckets": fmt.Chunk(**base, length=8 * 40, crc32c=(), rows=(0, 40),
+                             buckets=fmt.BucketRange(0, (0, 3, 3, 20, 21, 40)),
+                             bucket_segments=BucketSegments(step=64, min_bytes=16)),
+    }[kind]
+    if kind == "buckets":  # one CRC per segment, as an index holds them
+        chunk = dataclasses.replace(chunk, crc32c=tuple(range(10, 10 + len(chunk.segment_bounds()))))
+        assert len(chunk.crc32c) > 3
+    begins, ends, crcs = chunk.segment_arrays()
+    assert (begins.dtype, ends.dtype, crcs.dtype) == (np.uint64, np.uint64, np.uint32)
+    expected = list(chunk.checked_segments())
+    assert list(zip(begins.tolist(), ends.tolist(), crcs.tolist())) == expected
+    assert len(expected) == len(chunk.crc32c) and expected[-1][1] == chunk.length

@@ -4,7 +4,7 @@ output tensors, elsewhere bounded ranged requests)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -19,11 +19,13 @@ from recsave.storage import Storage, get_storage
 
 @dataclass
 class FileReads:
-    """Byte ranges to read from one shard file into raw destination addresses."""
+    """Byte ranges to read from one shard file into raw destination addresses: single ranges
+    (`add`) and arrays of them (`add_array`, a whole chunk's segments at once)."""
     offsets: List[int] = field(default_factory=list)
     addresses: List[int] = field(default_factory=list)
     lengths: List[int] = field(default_factory=list)
     crcs: List[int] = field(default_factory=list)
+    arrays: List[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def add(self, offset: int, address: int, length: int, crc: int) -> None:
         self.offsets.append(offset)
@@ -31,9 +33,23 @@ class FileReads:
         self.lengths.append(length)
         self.crcs.append(crc)
 
+    def add_array(self, offsets: np.ndarray, addresses: np.ndarray, lengths: np.ndarray, crcs: np.ndarray) -> None:
+        """Ranges as uint64 offsets, addresses and lengths and uint32 CRCs of equal length."""
+        self.arrays.append((offsets, addresses, lengths, crcs))
+
+    def columns(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(offsets, addresses, lengths, crcs) of every range, as the shard reader takes them."""
+        single = (np.asarray(self.offsets, dtype=np.uint64), np.asarray(self.addresses, dtype=np.uint64),
+                  np.asarray(self.lengths, dtype=np.uint64), np.asarray(self.crcs, dtype=np.uint32))
+        if not self.arrays:
+            return single
+        parts = [single, *self.arrays]
+        return cast(Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                    tuple(np.concatenate([p[k] for p in parts]) for k in range(4)))
+
     @property
     def nbytes(self) -> int:
-        return sum(self.lengths)
+        return sum(self.lengths) + sum(int(a[2].sum()) for a in self.arrays)
 
 
 def check_listed_file(ckpt_dir: str, fname: str, index: Index,
@@ -116,9 +132,8 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
                 if checked is not None:
                     checked[fname] = known
             _check_header(known, path, fname, index, wanted)
-            shard.read(np.asarray(reads.offsets, dtype=np.uint64), np.asarray(reads.addresses, dtype=np.uint64),
-                       np.asarray(reads.lengths, dtype=np.uint64),
-                       np.asarray(reads.crcs, dtype=np.uint32) if verify else None, threads)
+            offsets, addresses, lengths, crcs = reads.columns()
+            shard.read(offsets, addresses, lengths, crcs if verify else None, threads)
         finally:
             shard.close()
         total += reads.nbytes
@@ -155,9 +170,9 @@ def _plan_whole(name: str, entry: TensorEntry, out: torch.Tensor, plans: Dict[st
     row_bytes = _row_bytes(out)
     for chunk in entry.chunks:
         dest = out.data_ptr() + chunk.first_row * row_bytes
-        reads = plans.setdefault(chunk.file, FileReads())
-        for b, e, crc in chunk.checked_segments():
-            reads.add(chunk.offset + b, dest + b, e - b, crc)
+        begins, ends, crcs = chunk.segment_arrays()
+        plans.setdefault(chunk.file, FileReads()).add_array(
+            begins + np.uint64(chunk.offset), begins + np.uint64(dest), ends - begins, crcs)
 
 
 def _destination(given: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, name: str) -> torch.Tensor:

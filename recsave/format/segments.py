@@ -10,6 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Dict, Sequence, Tuple
 
+import numpy as np
+
 from recsave import _C
 
 
@@ -49,7 +51,12 @@ def ends(row_starts: Tuple[int, ...], row_bytes: int, rule: BucketSegments) -> T
     at a bucket boundary, a cut once the segment holds `min_bytes` (or the chunk ends there); a
     last cut at the chunk's end. One pass in the engine (csrc/core/segment_rule.cc): a save and an
     index read take it for every table, over thousands of buckets."""
-    return tuple(_C.bucket_segment_ends(row_starts, row_bytes, rule.step, rule.min_bytes).tolist())
+    return tuple(end_array(row_starts, row_bytes, rule).tolist())
+
+
+def end_array(row_starts: Tuple[int, ...], row_bytes: int, rule: BucketSegments) -> np.ndarray:
+    """ends(...) as an int64 array: a read plan takes thousands of them without a Python int each."""
+    return _C.bucket_segment_ends(row_starts, row_bytes, rule.step, rule.min_bytes)
 
 
 def count(row_starts: Sequence[int], row_bytes: int, rule: BucketSegments) -> int:
