@@ -19,6 +19,16 @@ MAX_CHAIN = 100_000  # a cycle of parents is damage, never followed for ever
 
 
 @dataclass(frozen=True)
+class IndexIdentity:
+    """What a delta records of its parent's index: the CRC32C of its bytes and its chain's base
+    (the checkpoint's own id for a full one). A load reports it of each index it read, and a writer
+    keeps it of each it committed: while the bytes on disk still have that CRC, a delta save takes
+    these instead of parsing the parent's index again (a few ms a save at 4096 buckets a table)."""
+    crc32c: int
+    base: str
+
+
+@dataclass(frozen=True)
 class Member:
     """One checkpoint of a chain: its directory, id and index."""
     ckpt_dir: str

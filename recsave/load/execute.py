@@ -11,11 +11,12 @@ import torch
 
 from recsave import knobs
 from recsave.errors import ConfigError
+from recsave.format.chain import IndexIdentity
 from recsave.format.records import KIND_DELTA, KIND_FULL
 from recsave.load import config, contents, merge, shared_reads
 from recsave.load.config import SPARSE_OPTIM, Plan
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
-from recsave.load.report import IndexRead, LoadedItem, LoadReport, table_rows_read
+from recsave.load.report import LoadedItem, LoadReport, table_rows_read
 from recsave.load.sources import CheckpointSource, chain_dirs
 from recsave.load.transaction import LoadTransaction, io_state_change, state_dict_change
 from recsave.storage import dist
@@ -101,12 +102,12 @@ def load_entries(target: LoadTarget, entries: Any, **kwargs: Any) -> LoadReport:
     return execute(target, plan_entries(target, entries, share_reads=True, **kwargs))
 
 
-def _index_read(src: Any) -> Optional[IndexRead]:
+def _index_read(src: Any) -> Optional[IndexIdentity]:
     """What a load read of a full or delta checkpoint's index (None for other sources)."""
     if not isinstance(src, CheckpointSource) or src.index_crc is None or src.index.kind not in (KIND_FULL, KIND_DELTA):
         return None
     base = src.index.base if src.index.is_delta and src.index.base else src.storage.split(src.ckpt_dir.rstrip("/"))[1]
-    return IndexRead(src.index_crc, base)
+    return IndexIdentity(src.index_crc, base)
 
 
 def _reads_every_table(src: Any, won: Won) -> bool:

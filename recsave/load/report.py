@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Protocol, Tuple
 
+from recsave.format.chain import IndexIdentity
+
 
 @dataclass
 class LoadedItem:
@@ -33,14 +35,6 @@ def table_rows_read(items: Mapping[str, _TableItem]) -> int:
     return sum(reads.values())
 
 
-@dataclass(frozen=True)
-class IndexRead:
-    """A checkpoint index as a load read it: the CRC32C of its bytes and its chain's base (its own
-    id for a full checkpoint), what a delta of that checkpoint records of its parent."""
-    crc32c: int
-    base: str
-
-
 @dataclass
 class LoadReport:
     """Returned by Saver.load / load_by_config and CheckpointManager.load_model_bank / restore."""
@@ -58,7 +52,7 @@ class LoadReport:
     # every member of its chain, base first: each member's shards of them were read).
     read_whole: List[str] = field(default_factory=list)
     # Checkpoint directory -> what the load read of its index (full and delta checkpoints).
-    indexes_read: Dict[str, "IndexRead"] = field(default_factory=dict)
+    indexes_read: Dict[str, IndexIdentity] = field(default_factory=dict)
 
     def names(self, category: Optional[str] = None) -> List[str]:
         return sorted(n for n, item in self.loaded.items() if category is None or item.category == category)

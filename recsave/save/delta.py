@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, List, Mapping, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Collection, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -37,14 +37,6 @@ class Baseline:
                    {n: tuple(t.slot_names()) for n, t in tables.items()})
 
 
-class CommittedIndex(NamedTuple):
-    """What a delta records of a parent this process committed: the CRC32C of the parent's index
-    bytes and its chain's base. While the bytes on disk still have that CRC, a delta save takes
-    these instead of parsing the parent's index again (a few ms a save at 4096 buckets a table)."""
-    crc32c: int
-    base: str
-
-
 def tracks_changes(table: TableLike) -> bool:
     """Whether the table has HashTable's change tracking (a TableLike need not)."""
     return all(callable(getattr(table, m, None)) for m in ("take_changes", "reset_changes"))
@@ -56,7 +48,7 @@ def _epoch(table: TableLike) -> int:
 
 
 def why_full(tables: Mapping[str, TableLike], baseline: Optional[Baseline], storage: Storage,
-             output_dir: str, rank: int = 0, known: Optional[CommittedIndex] = None) -> Optional[str]:
+             output_dir: str, rank: int = 0, known: Optional[chain.IndexIdentity] = None) -> Optional[str]:
     """Why this rank cannot save a delta (None: it can), before the changes are taken. `known`: what
     this process committed as the baseline's index, if it did."""
     if baseline is None:
@@ -75,7 +67,7 @@ def why_full(tables: Mapping[str, TableLike], baseline: Optional[Baseline], stor
     return _parent_problem(storage, storage.join(output_dir, baseline.ckpt_id), known) if rank == 0 else None
 
 
-def _parent_problem(storage: Storage, parent_dir: str, known: Optional[CommittedIndex]) -> Optional[str]:
+def _parent_problem(storage: Storage, parent_dir: str, known: Optional[chain.IndexIdentity]) -> Optional[str]:
     """Why the checkpoint in parent_dir cannot be a delta's parent (None: it can): it must be
     committed and full or a delta (a serving export restored from is no chain member). An index
     this process committed (a full or a delta) and whose bytes are unchanged needs no parse."""
@@ -112,7 +104,7 @@ def join_take_exchange(world: int, why: str) -> None:
 
 def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremental: bool, storage: Storage,
          output_dir: str, rank: int, world: int, want: Collection[str] = (),
-         known: Optional[CommittedIndex] = None) -> Taken:
+         known: Optional[chain.IndexIdentity] = None) -> Taken:
     """Moves every table's change baseline to now (a full save too, so the next delta is relative to
     it) and returns what the save writes. Every rank takes part (one small collective when
     several): all write a delta or all a full, and a table cleared on one rank is written whole, and
@@ -184,7 +176,7 @@ def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -
 
 
 def as_delta(storage: Storage, output_dir: str, index: Index, parent_id: str,
-             known: Optional[CommittedIndex] = None) -> Index:
+             known: Optional[chain.IndexIdentity] = None) -> Index:
     """The index as a delta of checkpoint `parent_id` (kind, parent, base; format_version 2, or 3
     with bucket ranges: records.version_for). `known`: what this process committed as the
     parent's index, taken when the bytes there still match it."""

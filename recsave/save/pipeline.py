@@ -86,7 +86,7 @@ class CheckpointWriter:
                                                                             self._parents_of)
         self.last_bytes = 0  # bytes of the last committed checkpoint this rank knows of (write())
         self._facts: Dict[str, Tuple[Optional[int], Optional[Mapping[str, float]]]] = {}  # id -> step, metrics
-        self._committed: Dict[str, delta.CommittedIndex] = {}  # id -> its index, as this process wrote it
+        self._committed: Dict[str, chain.IndexIdentity] = {}  # id -> its index, as this process wrote it
         self.damaged: Set[str] = set()
         self.list_warnings: Set[str] = set()  # rebuilt-list warnings given already (ckptlist.committed)
         self._lock: Optional[WriterLock] = None
@@ -447,21 +447,21 @@ class CheckpointWriter:
         renewed(self._lock)
         data = index_mod.dumps(index)
         index_mod.write_bytes(ckpt_dir, data, storage=st)
-        self._committed[ckpt_id] = delta.CommittedIndex(int(_C.crc32c(data)), index.base or ckpt_id)
+        self._committed[ckpt_id] = chain.IndexIdentity(int(_C.crc32c(data)), index.base or ckpt_id)
         self._facts[ckpt_id] = (index.step, index.metrics)
         # What rotation asks of the new checkpoint is known: reading its index back costs a parse.
         self._parents_of[ckpt_id] = chain.needs_of(index)
         self._publish(ckpt_id)
         return index.total_bytes
 
-    def remember_restored(self, ckpt_id: str, crc32c: int, base: str) -> None:
+    def remember_restored(self, ckpt_id: str, read: chain.IndexIdentity) -> None:
         """After a whole restore from `ckpt_id` (the next delta's parent), on the rank that commits:
-        the CRC32C of the index bytes the load parsed and the chain's base, so that a delta save
+        the index the load parsed (its bytes' CRC32C, its chain's base), so that a delta save
         notices another writer saving that id again (also since the load read it), as it does
         for its own commits."""
-        self._committed[ckpt_id] = delta.CommittedIndex(crc32c, base)
+        self._committed[ckpt_id] = read
 
-    def committed_index(self, ckpt_id: str) -> Optional[delta.CommittedIndex]:
+    def committed_index(self, ckpt_id: str) -> Optional[chain.IndexIdentity]:
         """What this writer committed as `ckpt_id`'s index (None: not known here; rank 0 only)."""
         return self._committed.get(ckpt_id)
 

@@ -518,7 +518,7 @@ class Saver:
             if read is None:  # not a full or delta checkpoint read here: no delta builds on it
                 self._baseline = None
             elif dist.group()[0] == 0:
-                self._checkpoints.remember_restored(self._baseline.ckpt_id, read.crc32c, read.base)
+                self._checkpoints.remember_restored(self._baseline.ckpt_id, read)
         self._checkpoints.loaded_intact(report.read_whole)
         self._last_load = report
         return report
