@@ -456,6 +456,11 @@ def main():
             values = fresh.user.export(ids)[1]
             rows[how] = [len(fresh.user), len(fresh.item),
                          bool(torch.equal(values, expected_rows(ids, 0.0))), sorted(ids.tolist())]
+            if how == "group":  # the group load made each table this rank's shard; alone again: whole
+                reader.load(shard_num=1)
+                ids = fresh.user.export()[0]
+                rows["group_then_alone"] = [len(fresh.user), len(fresh.item), fresh.user.partition,
+                                            bool(torch.equal(fresh.user.export(ids)[1], expected_rows(ids, 0.0)))]
             reader.close()
         with open(os.path.join(work_dir, f"loaded_{rank}.json"), "w") as f:
             json.dump(rows, f)

@@ -247,3 +247,36 @@ def test_rollback_runs_every_undo_step_and_names_the_one_that_failed():
         tx.apply()
     assert undone == ["b", "a"]  # newest first, and b's undo ran although a's failed after it
     assert "c refused its state" in str(exc.value.__context__)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_load_in_one_process_makes_a_shard_whole_again(tmp_path, fails):
+    """A table left the shard of rank 0 of 2 (by an earlier multi-rank save or load) takes a
+    one-process load whole: every id of the checkpoint, no longer partitioned. A load that fails
+    after staging leaves it the shard it was, with its rows."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = HashTable(4, name="user")
+
+    src = M()
+    src.user(torch.arange(100))
+    source = recsave.Saver(src, output_dir=str(tmp_path / "a"))
+    source.register_for_checkpointing("stubborn", _Refuses())
+    source.save("ckpt_1")
+    model = M()
+    model.user.set_partition(0, 2)
+    mine = torch.arange(100)[recsave.partition.owner_of(torch.arange(100), 2) == 0]
+    model.user(mine)
+    before = model.user.export(mine)[1].clone()
+    saver = recsave.Saver(model, output_dir=str(tmp_path / "t"))
+    if fails:  # its state is refused once every table is staged
+        saver.register_for_checkpointing("stubborn", _Refuses())
+        with pytest.raises(RuntimeError, match="refusing this state"):
+            saver.load_model_bank([{"path": str(tmp_path / "a")}])
+        assert model.user.partition == (0, 2, 4096) and len(model.user) == mine.numel()
+        assert torch.equal(model.user.export(mine)[1], before)
+        return
+    saver.load_model_bank([{"path": str(tmp_path / "a"), "exclude": ["stubborn"]}])
+    assert model.user.partition is None and len(model.user) == 100
+    assert torch.equal(model.user.export(torch.arange(100))[1], src.user.export(torch.arange(100))[1])

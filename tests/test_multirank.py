@@ -485,6 +485,8 @@ def test_a_replicated_model_is_saved_by_one_rank_alone(tmp_path):
         assert loaded["bank_alone"][1] == 0  # the bank entry loads "user" only
         mine = sorted(ids[partition.owner_of(ids, 2) == r].tolist())
         assert loaded["group"][0] == len(mine) and loaded["group"][2:] == [True, mine]
+        # Loading alone after that: whole tables again, no longer the rank's shard.
+        assert loaded["group_then_alone"] == [ids.numel(), ids.numel(), None, True]
         shares += mine
     assert sorted(shares) == every
 

@@ -224,8 +224,7 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         if has_embedding == slots_only:
             continue
         keep_rows = not (has_embedding and plan.conf.hashtable_clear)
-        table = tx.table(table_name, keep_rows=keep_rows,
-                         partition=(rank, world, src.num_buckets) if world > 1 else None)
+        table = tx.table(table_name, keep_rows=keep_rows, partition=(rank, world, src.num_buckets))
         # row metadata, for tables that keep it (a TableLike need not)
         keeps_meta = has_embedding and callable(getattr(table, "meta_columns", None))
         meta = src.meta_columns(src_table) if keeps_meta else []

@@ -35,10 +35,12 @@ class LoadTransaction:
     def table(self, name: str, *, keep_rows: bool, partition: Optional[Tuple[int, int, int]] = None) -> Any:
         """The scratch table standing for model table `name`: empty (with the live table's config
         and slots), or a copy of its rows with `keep_rows` (merges and slot-only loads). Later
-        entries of the same load get the same scratch, holding what earlier entries staged."""
+        entries of the same load get the same scratch, holding what earlier entries staged.
+        `partition`: the load's (rank, world size, buckets); the table becomes that shard, or
+        whole with a world of 1 (a shard an earlier multi-rank save or load made, loading alone)."""
         if name not in self._scratch:
             scratch = self._tables[name].new_like(copy_rows=keep_rows)
-            if partition is not None:
+            if partition is not None and (partition[1] > 1 or scratch.partition is not None):
                 scratch.set_partition(*partition)
                 self._partitions[name] = partition
             self._scratch[name] = scratch
