@@ -10,6 +10,7 @@ import torch
 from helpers import assert_jobs_equal, assert_obj_equal, job_state, make_job, same_bits, train
 
 from recsave import CheckpointManager, CheckpointNotFoundError, ConfigError, HashTable, Saver, ShapeMismatchError
+from recsave.optim import SparseAdagrad
 
 SLOT = "adagrad_acc"
 SLOT_INIT = 0.1  # make_job's SparseAdagrad initial_accumulator_value
@@ -371,6 +372,41 @@ def test_oname_swaps_two_tables_with_their_slots(tmp_path, saved):
     assert_table(after, "item", table(src, "user"))
     assert_dense(after, before)
 
+
+
+def test_a_pattern_naming_only_a_renamed_source_selects_what_loads_from_it(tmp_path):
+    """`exclude: ["user@*"]` with `oname: {"u": "user"}`, where the model has no `user`: the
+    pattern names the source of `u`, so `u`'s slots stay out (they were loaded, silently, while
+    patterns named model names only); `load: ["user"]` takes `u`."""
+    class One(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.add_module(name, HashTable(4, name=name))
+
+    src = One("user")
+    opt = SparseAdagrad(src, lr=0.1)
+    src.user(torch.arange(10)).sum().backward()
+    opt.step()
+    Saver(src, sparse_optim=opt, output_dir=str(tmp_path / "a")).save("ckpt_1")
+    dst = One("u")
+    saver = Saver(dst, sparse_optim=SparseAdagrad(dst, lr=0.1), output_dir=str(tmp_path / "t"))
+    report = saver.load_model_bank([{"path": str(tmp_path / "a"), "oname": {"u": "user"}, "exclude": ["user@*"]}])
+    assert "u" in report.loaded and f"u@{SLOT}" not in report.loaded and f"u@{SLOT}" in report.skipped
+    assert len(dst.u) == 10 and float(dst.u.slot(SLOT)[:10].abs().sum()) == 0.0
+    report = saver.load_model_bank([{"path": str(tmp_path / "a"), "oname": {"u": "user"}, "load": ["user"]}])
+    assert sorted(report.loaded) == ["u"] and report.loaded["u"].source == "user"
+
+
+def test_a_pattern_naming_a_model_name_keeps_to_the_model_side(tmp_path, saved):
+    """With user and item swapped, `exclude: ["user@*"]` names the model's user@ slots (which load
+    from item@), not item@'s slots whose source is user@."""
+    out, _, src = saved
+    job = live_job(tmp_path)
+    report = job.saver.load(out, load_conf={"load": ["sparse", "sparse_opt"], "exclude": ["sparse_optim", "user@*"],
+                                            "oname": [{"user": "item"}, {"item": "user"}]})
+    assert sorted(report.loaded) == ["item", f"item@{SLOT}", "user"]
+    assert report.loaded[f"item@{SLOT}"].source == f"user@{SLOT}"
+    assert_table(job_state(job), "user", with_slot(table(src, "item"), SLOT_INIT))
 
 def test_oname_renames_a_dense_prefix(tmp_path, saved):
     out, _, src = saved

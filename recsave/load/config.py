@@ -268,13 +268,23 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
                     f"ignore_error=True (model names e.g. {sorted(model_names)[:8]})", path=ckpt_dir, key=model_pat)
     _warn_category_names(conf, model_names, ckpt_names, ckpt_dir)
     used_sources = set()
+    # A pattern names model names; one that names none (the check above accepts checkpoint names)
+    # names the sources of renamed ones instead, so that it is never accepted and then ignored.
+    names_model = {i: i in CATEGORIES or any(fnmatch.fnmatchcase(n, i) for n in model_names)
+                   for i in conf.load + conf.exclude}
+
+    def hits(item: str, name: str, src: str, category: str) -> bool:
+        if names_model[item]:
+            return _matches(item, name, category)
+        return src != name and _matches(item, src, category)
+
     for name, category in sorted(model_names.items()):
-        selected = any(_matches(i, name, category) for i in conf.load) and \
-            not any(_matches(i, name, category) for i in conf.exclude)
+        src = source_name(name, category, conf)
+        selected = any(hits(i, name, src, category) for i in conf.load) and \
+            not any(hits(i, name, src, category) for i in conf.exclude)
         if not selected:
             result.skipped.append(name)
             continue
-        src = source_name(name, category, conf)
         if not ckpt.holds(src, category):
             if name in model.optional:  # e.g. the manager's global_step in a plain Saver's checkpoint
                 result.skipped.append(name)
