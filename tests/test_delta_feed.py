@@ -100,10 +100,18 @@ def test_a_feed_is_refused_as_a_table_to_load(two, tmp_path):
     job = make_job(str(tmp_path / "job"))
     with pytest.raises(UsageError, match="is part of an export_delta feed .*, not a table"):
         job.saver.load(str(tmp_path / "feed" / "item"), load_conf={"strict": False})
-    # A table of the user's own with `op` and `step` columns is a table.
+    # Rewritten without its metadata (a pandas or Spark round trip drops it) the feed is still
+    # refused, by its string `op` and integer `step` columns; renamed, they are a table's columns.
     t = pq.read_table(str(tmp_path / "feed" / "item" / "part-00000.parquet")).replace_schema_metadata(None)
     (tmp_path / "mine").mkdir()
     pq.write_table(t, str(tmp_path / "mine" / "item.parquet"))
+    before = table_state(job.model.item)
+    with pytest.raises(UsageError, match="string 'op' and integer 'step' columns"):
+        job.saver.load(str(tmp_path / "mine" / "item.parquet"), load_conf={"strict": False})
+    after = table_state(job.model.item)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    pq.write_table(t.rename_columns(["kind" if n == "op" else n for n in t.schema.names]),
+                   str(tmp_path / "mine" / "item.parquet"))
     job.saver.load(str(tmp_path / "mine" / "item.parquet"), load_conf={"strict": False})
 
 

@@ -122,13 +122,23 @@ def _value_column(f: pa.Field, path: str) -> Optional[_Column]:
 
 def _is_delta_feed(schema: pa.Schema) -> bool:
     """Whether the file is an export_delta feed's: its `recsave.table` metadata names the two
-    checkpoints compared (`old`, `new`), which a table export's never does."""
+    checkpoints compared (`old`, `new`), which a table export's never does; or, where a rewrite
+    (pandas, Spark) dropped the metadata, it has the feed's string `op` and integer `step` columns.
+    Loaded as a table, a feed would replace the table with its few changed rows."""
     raw = (schema.metadata or {}).get(b"recsave.table")
     try:
         meta = json.loads(raw) if raw else None
     except ValueError:
+        meta = None
+    if isinstance(meta, dict) and "old" in meta and "new" in meta:
+        return True
+    names = schema.names
+    if "op" not in names or "step" not in names:
         return False
-    return isinstance(meta, dict) and "old" in meta and "new" in meta
+    op = schema.field("op").type
+    if pa.types.is_dictionary(op):
+        op = op.value_type
+    return (pa.types.is_string(op) or pa.types.is_large_string(op)) and pa.types.is_integer(schema.field("step").type)
 
 
 def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
@@ -143,8 +153,9 @@ def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
             raise _bad(path, None, f"no {required!r} column (columns: {names[:20]})", _LAYOUT)
     if _is_delta_feed(schema):
         raise UsageError(f"{path} is part of an export_delta feed (upserts and deletes since another "
-                         f"checkpoint), not a table; load the checkpoint itself or a to_parquet export of it",
-                         path=path)
+                         f"checkpoint: its metadata, or its string 'op' and integer 'step' columns, say so), "
+                         f"not a table; load the checkpoint itself or a to_parquet export of it (a table "
+                         f"with such columns: drop or rename them)", path=path)
     if schema.field("id").type != pa.int64():
         raise _bad(path, "id", f"is {schema.field('id').type}, expected int64",
                    "cast it, e.g. table.set_column(i, 'id', table['id'].cast(pa.int64()))")
