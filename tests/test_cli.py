@@ -1,4 +1,5 @@
 """The `recsave` command line: ls, inspect, verify, gc (export is in test_export.py)."""
+import contextlib
 import json
 import os
 import subprocess
@@ -68,6 +69,31 @@ def test_gc_removes_only_leftovers(output_dir, capsys):
     assert "removed 1 directory: ckpt_9" in capsys.readouterr().out
     assert sorted(os.listdir(output_dir)) == ["checkpoint", "ckpt_2", "ckpt_4", "notes"]
 
+
+
+@pytest.mark.parametrize("by", ["gc", "save"])
+@pytest.mark.parametrize("list_file", ["lost", "intact"])
+def test_a_sealed_index_that_does_not_validate_is_never_pruned(output_dir, capsys, by, list_file):
+    """ckpt_2's index sealed intact but refused by this reader (a partition scheme it does not know,
+    as a newer or faulty writer may write): with the `checkpoint` file lost, the rebuilt list
+    leaves it out as damaged; with the file intact it is unlisted. Neither gc nor a save's
+    rotation deletes it (it is not a pruned checkpoint, whose seal is enough)."""
+    raw = read_index_json(output_dir / "ckpt_2")
+    raw["partition"]["scheme"] = "mix128"
+    write_index_json(output_dir / "ckpt_2", raw)
+    if list_file == "lost":
+        os.remove(output_dir / "checkpoint")
+    else:
+        (output_dir / "checkpoint").write_text("ckpt_4\n")
+    if by == "gc":
+        main(["gc", str(output_dir)])
+    else:
+        job = make_job(str(output_dir), max_keep=1)
+        with pytest.warns(RuntimeWarning) if list_file == "lost" else contextlib.nullcontext():
+            job.saver.save("ckpt_6")
+        job.saver.close()
+    assert (output_dir / "ckpt_2" / "index").exists()
+    assert recsave.format.ckptlist.damaged(LocalStorage(), str(output_dir), "ckpt_2") is not None
 
 def test_gc_leaves_a_folder_of_torch_save_files_named_like_recsaves(output_dir, capsys):
     """`model.pt` alone is anyone's torch.save (`recsave convert --to torch` writes one): only a

@@ -6,7 +6,7 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
@@ -342,7 +342,7 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
 
 def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
                     parents_of: Optional[Callable[[str], Iterable[str]]] = None,
-                    remove: Optional[Callable[[str], None]] = None) -> List[str]:
+                    remove: Optional[Callable[[str], None]] = None, pruned: Collection[str] = ()) -> List[str]:
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
     crashed saves) through `remove` (default storage.remove_tree); returns their names. Other
     files and directories, checkpoints written by a newer recsave (newer_format_version) and
@@ -350,7 +350,12 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     after `recsave repair` named them) are never touched, nor are the chain members a kept delta
     checkpoint needs (format/chain.py; `parents_of` as in chain.needed_by). A PRUNED_DIR left by a
     process that died while deleting goes first (named among the removed). The caller holds the
-    writer lock."""
+    writer lock.
+
+    `pruned`: the ids the list held that retention dropped. Their indexes validated when they
+    were listed, so one sealed intact goes without a parse (a large index costs seconds); any
+    other directory's index is parsed in full first: sealed is not valid (an index a newer
+    writer or a faulty one wrote, left out of a rebuilt list as damaged)."""
     remove = remove or storage.remove_tree
     names = storage.listdir(output_dir)
     removed = []
@@ -364,7 +369,7 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     for name in candidates:
         # One read of the index decides: only a leftover without one, or an unkept valid one, goes.
         if name not in needed and _index_state(storage, storage.join(output_dir, name),
-                                               intact_is_valid=True).kind in ("none", "valid"):
+                                               intact_is_valid=name in pruned).kind in ("none", "valid"):
             remove(storage.join(output_dir, name))
             removed.append(name)
     return removed

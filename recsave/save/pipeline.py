@@ -493,7 +493,8 @@ class CheckpointWriter:
         try:
             check_held(self._lock)  # a writer that took the lock over meanwhile owns what is here now
             ckptlist.collect_garbage(st, out, keep, self.depends_on,
-                                     remove=functools.partial(self._pruner.remove, lock=self._lock))
+                                     remove=functools.partial(self._pruner.remove, lock=self._lock),
+                                     pruned=set(ids) - set(keep))
         except Exception as exc:  # not only OSError: raising would report a committed save as failed
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({type(exc).__name__}: {exc}); "
                           f"{ckpt_id} is committed and listed, the next save prunes again",

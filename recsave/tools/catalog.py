@@ -196,7 +196,7 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     def remove(path: str) -> None:  # a directory another writer may be saving into is not ours
         check_held(lock)
         storage.remove_tree(path)
-    dirs = ckptlist.collect_garbage(storage, output_dir, keep, remove=remove)
+    dirs = ckptlist.collect_garbage(storage, output_dir, keep, remove=remove, pruned=set(listing.ids) - set(keep))
     check_held(lock)
     temps = ckptlist.remove_temp_files(storage, output_dir)
     # By the store's clock: uploads begun before the lock file was written are dead writers'.
