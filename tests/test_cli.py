@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -220,10 +221,41 @@ def test_ls_json(output_dir, capsys):
     assert [c["id"] for c in doc["checkpoints"]] == ["ckpt_2", "ckpt_4"]
     assert [c["step"] for c in doc["checkpoints"]] == [2, 4]
     for c in doc["checkpoints"]:
-        assert sorted(c) == ["age_s", "bytes", "created_at", "id", "kept", "metrics", "path", "step"]
+        assert sorted(c) == ["age_s", "bytes", "created_at", "damaged", "id", "kept", "metrics", "path", "problem",
+                             "step"]
+        assert c["problem"] is None and c["damaged"] is False
         assert c["path"] == str(output_dir / c["id"]) and c["bytes"] > 0
         assert c["kept"] == ["latest"] and c["metrics"] is None
 
+
+
+@pytest.mark.parametrize("how", ["gone", "damaged", "newer"])
+def test_ls_reports_a_listed_checkpoint_it_cannot_read_on_its_line(output_dir, capsys, how):
+    """ckpt_2 listed but its directory removed, its index garbled, or written by a newer recsave:
+    ls still lists ckpt_4, names the problem on ckpt_2's line, and exits 1 for damage (0 for a
+    newer checkpoint, which is intact); verify of the newer one raises FormatVersionError (2)."""
+    if how == "gone":
+        shutil.rmtree(output_dir / "ckpt_2")
+    elif how == "damaged":
+        (output_dir / "ckpt_2" / "index").write_bytes(b"{garbage")
+    else:
+        raw = read_index_json(output_dir / "ckpt_2")
+        raw["format_version"] = 5
+        write_index_json(output_dir / "ckpt_2", raw)
+    code = 0 if how == "newer" else 1
+    assert main(["ls", str(output_dir)]) == code
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("ckpt_2 ") and ("recsave repair" in lines[1]) == (how != "newer")
+    assert lines[2].startswith("ckpt_4 ") and "latest" in lines[2]
+    assert main(["ls", "--json", str(output_dir)]) == code
+    first, second = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert first["id"] == "ckpt_2" and first["step"] is None and first["damaged"] == (how != "newer")
+    assert ("upgrade recsave" in first["problem"]) == (how == "newer")
+    assert second["id"] == "ckpt_4" and second["step"] == 4 and second["problem"] is None
+    if how == "newer":
+        assert main(["verify", str(output_dir / "ckpt_2")]) == 2
+        with pytest.raises(recsave.FormatVersionError):
+            catalog.verify(str(output_dir / "ckpt_2"))
 
 @pytest.mark.parametrize("argv,says", [
     (["ls", "--json"], "the following arguments are required: OUTPUT_DIR"),

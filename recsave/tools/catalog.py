@@ -9,7 +9,13 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from recsave import _C, argcheck, knobs
-from recsave.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, RecsaveError
+from recsave.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    RecsaveError,
+)
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_shard_header
@@ -23,8 +29,10 @@ from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
 
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds,
-    metrics (None when the save recorded none) and kept (why retention keeps it: "latest",
-    "every_n_steps", "best", "needed by <id>"; format/retention.py). Raises
+    metrics (None when the save recorded none), kept (why retention keeps it: "latest",
+    "every_n_steps", "best", "needed by <id>"; format/retention.py), and problem: None, or why a
+    listed id's index cannot be read (gone or damaged: `damaged` True, `recsave repair` drops or
+    names it; written by a newer recsave: `damaged` False), its other fields then None. Raises
     CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
     argcheck.path(output_dir, "output_dir", "list_checkpoints")
     storage = get_storage(output_dir)
@@ -35,13 +43,20 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     reasons = retention.recorded(storage, output_dir, ids, _parents(storage, output_dir))
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
-        index = index_mod.read(path, storage)
+        entry: Dict[str, Any] = {"id": ckpt_id, "path": path, "step": None, "created_at": None, "age_s": None,
+                                 "bytes": None, "metrics": None, "kept": reasons.get(ckpt_id, []),
+                                 "problem": None, "damaged": False}
+        try:  # one listed id gone or unreadable here is reported on its line, not for the whole listing
+            index = index_mod.read(path, storage)
+        except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError) as exc:
+            entry.update(problem=" ".join(str(exc).split()), damaged=not isinstance(exc, FormatVersionError))
+            out.append(entry)
+            continue
         created = ckptlist.commit_time(index.created_at)  # any ISO-8601 UTC form (-inf: not one)
         age = now.timestamp() - created if created != float("-inf") else None
-        out.append({"id": ckpt_id, "path": path, "step": index.step, "created_at": index.created_at,
-                    "age_s": age, "bytes": _own_bytes(storage, path, index),
-                    "metrics": None if index.metrics is None else dict(index.metrics),
-                    "kept": reasons.get(ckpt_id, [])})
+        entry.update(step=index.step, created_at=index.created_at, age_s=age, bytes=_own_bytes(storage, path, index),
+                     metrics=None if index.metrics is None else dict(index.metrics))
+        out.append(entry)
     return out
 
 
@@ -92,8 +107,10 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
     """Checks every file and every checksum of a checkpoint, reading in bounded chunks. Returns the
     problems found (empty: the checkpoint is intact). `on_start(total_bytes)` and `progress(bytes)`
     report progress. A path that holds no checkpoint at all (missing, or no index, `checkpoint` file
-    or checkpoint file in it) raises CheckpointNotFoundError, a Parquet export UsageError: neither is
-    damage. An unreadable index, or a checkpoint directory without one, is a problem found."""
+    or checkpoint file in it) raises CheckpointNotFoundError, a Parquet export UsageError, one (or
+    a chain member) written by a newer recsave FormatVersionError: none of them is damage (a script
+    deleting what verify finds damaged must not delete an intact checkpoint it cannot read). An
+    unreadable index, or a checkpoint directory without one, is a problem found."""
     argcheck.path(ckpt, "ckpt", "verify")
     argcheck.callback(progress, "progress", "verify")
     argcheck.callback(on_start, "on_start", "verify")
@@ -104,6 +121,8 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         if not _recsave_files_at(storage, ckpt):
             raise
         return [str(exc)]
+    except FormatVersionError:
+        raise
     except RecsaveError as exc:
         return [str(exc)]
     require_checkpoint(src, ckpt, "verify")
