@@ -215,6 +215,39 @@ def test_repair_exits_1_for_stale_entries_and_2_when_nothing_is_there(run, tmp_p
     assert "nowhere" in capsys.readouterr().err
 
 
+
+def test_repair_drops_a_list_whose_every_id_is_gone(tmp_path, capsys):
+    """Every listed checkpoint's directory removed: nothing to rebuild from, yet the ids are stale.
+    repair drops them (an empty list), says so and exits 1 (it said "fine" and exited 0)."""
+    out = tmp_path / "run"
+    job = _two_saved(out)
+    job.saver.close()
+    shutil.rmtree(out / "ckpt_1")
+    shutil.rmtree(out / "ckpt_2")
+    assert cli_main(["repair", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "lists no checkpoint whose index exists: ckpt_1, ckpt_2; rewrote it without them: none" in text
+    assert "dropped ckpt_1, ckpt_2" in text and _list_file(str(out)) == b""
+    assert cli_main(["repair", "--json", str(out)]) == 0  # now it is only empty, nothing stale
+    assert json.loads(capsys.readouterr().out)["stale"] == []
+
+
+def test_repair_of_a_lost_list_with_only_a_damaged_directory_exits_1_in_text_and_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=None)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    job.saver.close()
+    (out / "ckpt_1" / "index").write_bytes(b"{garbage")
+    os.remove(_list_path(str(out)))
+    assert cli_main(["repair", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "is missing; left as it is, nothing to rebuild it from: none" in text and "left out ckpt_1: " in text
+    assert cli_main(["repair", "--json", str(out)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["problem"] == "is missing" and list(doc["left_out"]) == ["ckpt_1"]
+    assert (out / "ckpt_1" / "index").read_bytes() == b"{garbage"
+
 def test_garbled_file_error_points_to_repair(run):
     out, _ = run
     _damage(out, "bad_line")

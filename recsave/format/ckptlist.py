@@ -140,8 +140,14 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
         _warn(f"{path}: {problem}; dropped them; rewrote the file", warn, None)
         return Listing(ids, True, problem, stale, rewritten=True)
     ids, left_out = rebuild(storage, output_dir, skip=being_written)
-    if not ids and not garbled:  # nothing to rebuild from: the file stands (loads report what is missing)
-        return Listing(listed, bool(listed or left_out) or problem != "is missing", left_out=left_out)
+    if not ids and not garbled:  # nothing to rebuild from
+        found = bool(listed or left_out) or problem != "is missing"
+        if not (rewrite and listed):  # the file stands (loads report what is missing)
+            return Listing(listed, found, problem if found else None, left_out=left_out)
+        # Every listed id is gone: a writer drops them, as it drops some (max_keep slots).
+        write(storage, output_dir, [])
+        _warn(f"{path}: {problem}; dropped them; rewrote the file", warn, None)
+        return Listing([], True, problem, list(listed), left_out, rewritten=True)
     stale = [i for i in listed if i not in ids and i not in left_out]
     if rewrite:
         write(storage, output_dir, ids)

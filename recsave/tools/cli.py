@@ -316,11 +316,12 @@ def _repair(args: argparse.Namespace) -> int:
         _print_json(r)
         return code
     ids = ", ".join(r["ids"]) or "none"
-    if r["problem"] is None:
+    if r["problem"] is None and code == EXIT_OK:
         print(f"{r['file']}: fine, lists {len(r['ids'])} checkpoint(s): {ids}")
         return EXIT_OK
-    how = "rebuilt from the indexes" if r["rebuilt"] else "rewrote it without them"
-    print(f"{r['file']}: {r['problem']}; {how}: {ids}")
+    how = ("rebuilt from the indexes" if r["rebuilt"] else "rewrote it without them" if r["rewritten"]
+           else "left as it is, nothing to rebuild it from")
+    print(f"{r['file']}: {r['problem'] or 'fine'}; {how}: {ids}")
     if r["stale"]:
         print(f"  dropped {', '.join(r['stale'])}: directory or index gone")
     for name, why in r["left_out"].items():
