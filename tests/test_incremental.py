@@ -481,6 +481,19 @@ def test_compact_refuses_a_directory_of_the_same_name_that_recsave_did_not_write
     assert (tmp_path / "files" / "ckpt_2").read_text() == "a file of that name"
 
 
+
+@pytest.mark.parametrize("into", ["another checkpoint", "the source"])
+def test_compact_refuses_an_out_dir_that_is_or_lies_in_a_checkpoint(chain_dir, into):
+    """Compacting into another checkpoint's directory (or into the source's) would write a
+    `checkpoint` file and a checkpoint into it; refused before anything is written."""
+    out, _ = chain_dir
+    target = os.path.join(out, "ckpt_0") if into == "another checkpoint" else os.path.join(out, "ckpt_2", "sub")
+    before = {d: sorted(os.listdir(os.path.join(out, d))) for d in ("ckpt_0", "ckpt_2")}
+    with pytest.raises(recsave.UsageError, match="is a checkpoint directory" if into == "another checkpoint"
+                       else "lies in the checkpoint"):
+        recsave.compact(os.path.join(out, "ckpt_2"), target)
+    assert {d: sorted(os.listdir(os.path.join(out, d))) for d in ("ckpt_0", "ckpt_2")} == before
+
 def test_a_failed_compaction_leaves_nothing_and_its_retry_works(chain_dir, tmp_path, monkeypatch):
     import recsave.tools.compact as compact_mod
 

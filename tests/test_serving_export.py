@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from helpers import read_index_json, write_index_json
 from safetensors import safe_open
 
 import recsave
+import recsave.tools.compact
 from recsave import HashTable, Saver, partition
 from recsave.errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, FormatVersionError, UsageError
 from recsave.format import index as index_mod
@@ -439,6 +441,21 @@ def test_a_delta_exports_the_merged_state_of_its_chain(tmp_path):
         a, b = stored(via_delta, table, ("id", "embedding")), stored(via_full, table, ("id", "embedding"))
         assert torch.equal(a["id"], b["id"]) and torch.equal(a["embedding"], b["embedding"])
     assert sorted(stored(via_delta, "user", ("id",))["id"].tolist()) == sorted(uid[:390].tolist())
+    # A delta's bad table, bad id or existing target is refused before its chain is compacted,
+    # naming the source, not the temporary copy.
+    with pytest.raises(ConfigError, match=f"no table.*'nope'.*{re.escape(delta)}"):
+        recsave.export_serving(delta, str(tmp_path / "serve_bad"), "fp32", tables=["nope"])
+    with pytest.raises(CheckpointExistsError, match="exists already"):
+        recsave.export_serving(delta, str(tmp_path / "serve_delta"), "fp32")
+    compacted = []
+    real = recsave.tools.compact.compact
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recsave.tools.compact, "compact", lambda *a, **k: compacted.append(a) or real(*a, **k))
+        with pytest.raises(UsageError):
+            recsave.export_serving(delta, str(tmp_path / "serve_bad"), "fp32", ckpt_id="../x")
+        with pytest.raises(ConfigError):
+            recsave.export_serving(delta, str(tmp_path / "serve_bad"), "fp32", tables=["nope"])
+    assert compacted == [] and not os.path.exists(tmp_path / "serve_bad")
 
 
 def test_int8_rows_of_a_small_range_keep_the_bound():

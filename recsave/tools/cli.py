@@ -227,7 +227,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import describe
 
-    d = describe(args.ckpt)
+    d = describe(args.ckpt, tool="inspect")
     if args.json:
         _print_json(d)
         return EXIT_OK

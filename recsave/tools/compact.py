@@ -23,6 +23,7 @@ from recsave.storage.lock import WriterLock, check_held, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS
+from recsave.tools import toolargs
 
 
 def compact(ckpt: str, out_dir: str) -> str:
@@ -41,6 +42,10 @@ def compact(ckpt: str, out_dir: str) -> str:
                          f"checkpoints", path=src.ckpt_dir)
     ckpt_id = ckptlist.validate_id(src.storage.split(src.ckpt_dir)[1])  # not `checkpoint`, the lock, ...
     storage = get_storage(out_dir)
+    toolargs.refuse_source_dirs(src, storage, out_dir, "compact", "the compacted checkpoint", output_dir=False)
+    if storage.exists(storage.join(out_dir, index_mod.INDEX_FILE)):
+        raise UsageError(f"compact: {out_dir} is a checkpoint directory; give an output dir (the compacted "
+                         f"checkpoint goes into <out_dir>/{ckpt_id})", path=out_dir)
     target = storage.join(out_dir, ckpt_id)
 
     def refuse_committed() -> None:

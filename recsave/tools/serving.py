@@ -81,18 +81,24 @@ def export_serving(ckpt: str, out_dir: str, dtype: str = "int8", tables: Optiona
     require_checkpoint(src, ckpt, "export_serving")
     storage = get_storage(out_dir)
     toolargs.refuse_source_dirs(src, storage, out_dir, where, "a serving checkpoint")
-    if getattr(src, "kind", "checkpoint") == "chain":  # a delta: export the merged state of its chain
-        from recsave.tools.compact import compact
-        with tempfile.TemporaryDirectory(prefix="recsave-serving-") as tmp:
-            full = compact(src.ckpt_dir, tmp)  # (same id: the export keeps the delta's id)
-            return export_serving(full, out_dir, dtype, tables, scale_dtype=scale_dtype, ckpt_id=ckpt_id)
-    if getattr(src, "kind", "checkpoint") != "checkpoint" or src.index.kind != KIND_FULL:
+    kind = getattr(src, "kind", "checkpoint")
+    if kind != "chain" and (kind != "checkpoint" or src.index.kind != KIND_FULL):
         raise UsageError(f"{src.ckpt_dir} is not a full or delta recsave checkpoint (it is "
                          f"{getattr(src.index, 'kind', 'Parquet')}); export from a checkpoint a Saver wrote",
                          path=src.ckpt_dir)
-    available = src.contents.tables
-    names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
+    # Checked before a delta's chain is compacted (a full checkpoint's worth of temporary space):
+    # errors name the source, not the temporary copy.
+    names = toolargs.select_tables(tables, list(src.contents.tables), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     ckpt_id = ckptlist.validate_id(ckpt_id if ckpt_id is not None else storage.split(src.ckpt_dir)[1])
+    if kind == "chain":  # a delta: export the merged state of its chain
+        target = storage.join(out_dir, ckpt_id)
+        if storage.exists(storage.join(target, index_mod.INDEX_FILE)):  # checked again under the lock
+            raise CheckpointExistsError(f"{target} exists already; export to another out_dir or ckpt_id, "
+                                        f"or delete it first", path=target)
+        from recsave.tools.compact import compact
+        with tempfile.TemporaryDirectory(prefix="recsave-serving-") as tmp:
+            full = compact(src.ckpt_dir, tmp)  # (same id: the export keeps the delta's id)
+            return export_serving(full, out_dir, dtype, names, scale_dtype=scale_dtype, ckpt_id=ckpt_id)
     created = toolargs.missing_dirs(storage, out_dir)  # removed again (when empty) on failure
     storage.makedirs(out_dir)
     try:
