@@ -4,7 +4,7 @@ output tensors, elsewhere bounded ranged requests)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -147,10 +147,24 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     return out
 
 
-def _covering_segments(entry: TensorEntry, ranges: List[tuple], row_bytes: int):
-    """For each row range and each chunk it touches: (chunk, segment begin, segment end, wanted begin,
-    wanted end, output byte offset of the wanted begin) for every checksum segment covering rows of
-    the range. Offsets are relative to the chunk."""
+@dataclass(frozen=True)
+class _Covering:
+    """The checksum segments of one chunk that cover rows of one wanted range: their begins and ends
+    (uint64, bytes relative to the chunk) and CRC32Cs, the wanted bytes [want_b, want_e) of the
+    chunk, and the output byte offset where want_b lands."""
+    chunk: Chunk
+    begins: np.ndarray
+    ends: np.ndarray
+    crcs: np.ndarray
+    want_b: int
+    want_e: int
+    dest_off: int
+
+
+def _coverings(entry: TensorEntry, ranges: List[tuple], row_bytes: int) -> Iterator[_Covering]:
+    """A _Covering for each row range and each chunk it touches, in output order. The covering
+    segments are found by bisection: a chunk holds thousands of bucket segments, a reader of
+    another world size wants a slice of them."""
     dest_row = 0
     for start, stop in ranges:
         for chunk in entry.chunks:
@@ -159,10 +173,11 @@ def _covering_segments(entry: TensorEntry, ranges: List[tuple], row_bytes: int):
             if lo >= hi:
                 continue
             want_b, want_e = (lo - c0) * row_bytes, (hi - c0) * row_bytes
-            dest_off = (dest_row + lo - start) * row_bytes
-            for b, e, crc in chunk.checked_segments():
-                if e > want_b and b < want_e:
-                    yield chunk, b, e, crc, want_b, want_e, dest_off
+            begins, ends, crcs = chunk.segment_arrays()
+            first = int(np.searchsorted(ends, want_b, side="right"))  # the first segment ending past want_b
+            stop_at = int(np.searchsorted(begins, want_e, side="left"))  # the first beginning at want_e or later
+            yield _Covering(chunk, begins[first:stop_at], ends[first:stop_at], crcs[first:stop_at], want_b, want_e,
+                            (dest_row + lo - start) * row_bytes)
         dest_row += stop - start
 
 
@@ -203,16 +218,21 @@ def _plan_rows(name: str, entry: TensorEntry, dtype: torch.dtype, ranges: List[t
     if row_bytes == 0:
         return out
     out_bytes = out.reshape(-1).view(torch.uint8)
-    for chunk, b, e, crc, want_b, want_e, dest_off in _covering_segments(entry, ranges, row_bytes):
-        reads = plans.setdefault(chunk.file, FileReads())
-        if want_b <= b and e <= want_e:  # the whole segment is wanted: read in place
-            reads.add(chunk.offset + b, out.data_ptr() + dest_off + b - want_b, e - b, crc)
-        else:
+    for cov in _coverings(entry, ranges, row_bytes):
+        reads = plans.setdefault(cov.chunk.file, FileReads())
+        inside = (cov.begins >= cov.want_b) & (cov.ends <= cov.want_e)  # wanted whole: read in place
+        begins, ends = cov.begins[inside], cov.ends[inside]
+        if len(begins):
+            reads.add_array(begins + np.uint64(cov.chunk.offset),
+                            (begins - np.uint64(cov.want_b)) + np.uint64(out.data_ptr() + cov.dest_off),
+                            ends - begins, cov.crcs[inside])
+        for k in np.flatnonzero(~inside).tolist():  # at most the two at the range's ends
+            b, e, crc = int(cov.begins[k]), int(cov.ends[k]), int(cov.crcs[k])
             buf = torch.empty(e - b, dtype=torch.uint8)
             scratch.append(buf)
-            reads.add(chunk.offset + b, buf.data_ptr(), e - b, crc)
-            s, t = max(b, want_b), min(e, want_e)
-            copies.append((out_bytes, dest_off + s - want_b, buf, s - b, t - s))
+            reads.add(cov.chunk.offset + b, buf.data_ptr(), e - b, crc)
+            s, t = max(b, cov.want_b), min(e, cov.want_e)
+            copies.append((out_bytes, cov.dest_off + s - cov.want_b, buf, s - b, t - s))
     return out
 
 
@@ -228,7 +248,7 @@ def bytes_to_read(index: Index, name: str, ranges: Optional[List[tuple]] = None)
         row_bytes *= d
     if not shape or row_bytes == 0:
         return 0
-    return sum(e - b for _chunk, b, e, *_rest in _covering_segments(entry, ranges, row_bytes))
+    return sum(int((cov.ends - cov.begins).sum()) for cov in _coverings(entry, ranges, row_bytes))
 
 
 def _row_bytes(t: torch.Tensor) -> int:
