@@ -229,18 +229,19 @@ def test_ls_json(output_dir, capsys):
 
 
 
-@pytest.mark.parametrize("how", ["gone", "damaged", "newer"])
+@pytest.mark.parametrize("how", ["gone", "damaged", "version_0", "newer"])
 def test_ls_reports_a_listed_checkpoint_it_cannot_read_on_its_line(output_dir, capsys, how):
-    """ckpt_2 listed but its directory removed, its index garbled, or written by a newer recsave:
-    ls still lists ckpt_4, names the problem on ckpt_2's line, and exits 1 for damage (0 for a
-    newer checkpoint, which is intact); verify of the newer one raises FormatVersionError (2)."""
+    """ckpt_2 listed but its directory removed, its index garbled or of a version no recsave
+    writes (0), or written by a newer recsave (5): ls still lists ckpt_4, names the problem on
+    ckpt_2's line, and exits 1 for damage (0 for a newer checkpoint, which is intact); verify of the
+    newer one raises FormatVersionError (2), of version 0 reports damage (1)."""
     if how == "gone":
         shutil.rmtree(output_dir / "ckpt_2")
     elif how == "damaged":
         (output_dir / "ckpt_2" / "index").write_bytes(b"{garbage")
     else:
         raw = read_index_json(output_dir / "ckpt_2")
-        raw["format_version"] = 5
+        raw["format_version"] = 5 if how == "newer" else 0
         write_index_json(output_dir / "ckpt_2", raw)
     code = 0 if how == "newer" else 1
     assert main(["ls", str(output_dir)]) == code
@@ -250,12 +251,16 @@ def test_ls_reports_a_listed_checkpoint_it_cannot_read_on_its_line(output_dir, c
     assert main(["ls", "--json", str(output_dir)]) == code
     first, second = json.loads(capsys.readouterr().out)["checkpoints"]
     assert first["id"] == "ckpt_2" and first["step"] is None and first["damaged"] == (how != "newer")
-    assert ("upgrade recsave" in first["problem"]) == (how == "newer")
+    assert ("upgrade recsave" in first["problem"]) == (how in ("newer", "version_0"))
     assert second["id"] == "ckpt_4" and second["step"] == 4 and second["problem"] is None
     if how == "newer":
         assert main(["verify", str(output_dir / "ckpt_2")]) == 2
         with pytest.raises(recsave.FormatVersionError):
             catalog.verify(str(output_dir / "ckpt_2"))
+    if how == "version_0":
+        assert main(["verify", str(output_dir / "ckpt_2")]) == 1
+        (problem,) = catalog.verify(str(output_dir / "ckpt_2"))
+        assert "format_version 0" in problem
 
 @pytest.mark.parametrize("argv,says", [
     (["ls", "--json"], "the following arguments are required: OUTPUT_DIR"),

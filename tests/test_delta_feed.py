@@ -106,10 +106,21 @@ def test_a_feed_is_refused_as_a_table_to_load(two, tmp_path):
     (tmp_path / "mine").mkdir()
     pq.write_table(t, str(tmp_path / "mine" / "item.parquet"))
     before = table_state(job.model.item)
-    with pytest.raises(UsageError, match="string 'op' and integer 'step' columns"):
+    with pytest.raises(UsageError, match="string 'op' and numeric 'step' columns"):
         job.saver.load(str(tmp_path / "mine" / "item.parquet"), load_conf={"strict": False})
     after = table_state(job.model.item)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    # As other tools write it back: `op` as view strings (polars), `step` as float64 (pandas,
+    # where the feed's steps are null) or of type null.
+    rewrites = [("step", pa.float64()), ("step", pa.null())]
+    if hasattr(pa, "string_view"):
+        rewrites.append(("op", pa.string_view()))
+    for column, type_ in rewrites:
+        i = t.schema.get_field_index(column)
+        values = pa.nulls(len(t), type_) if pa.types.is_null(type_) else t.column(column).cast(type_)
+        pq.write_table(t.set_column(i, column, values), str(tmp_path / "mine" / "item.parquet"))
+        with pytest.raises(UsageError, match="is part of an export_delta feed"):
+            job.saver.load(str(tmp_path / "mine" / "item.parquet"), load_conf={"strict": False})
     pq.write_table(t.rename_columns(["kind" if n == "op" else n for n in t.schema.names]),
                    str(tmp_path / "mine" / "item.parquet"))
     job.saver.load(str(tmp_path / "mine" / "item.parquet"), load_conf={"strict": False})

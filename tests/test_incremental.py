@@ -482,15 +482,15 @@ def test_compact_refuses_a_directory_of_the_same_name_that_recsave_did_not_write
 
 
 
-@pytest.mark.parametrize("into", ["another checkpoint", "the source"])
+@pytest.mark.parametrize("into", ["ckpt_0", "ckpt_0/sub/deeper", "ckpt_2/sub"])
 def test_compact_refuses_an_out_dir_that_is_or_lies_in_a_checkpoint(chain_dir, into):
-    """Compacting into another checkpoint's directory (or into the source's) would write a
-    `checkpoint` file and a checkpoint into it; refused before anything is written."""
+    """Compacting into another checkpoint's directory, a folder inside one, or the source's, would
+    write a `checkpoint` file and a checkpoint into it (that checkpoint then holds files recsave
+    did not write: its job's rotation and gc never delete it); refused before anything is written."""
     out, _ = chain_dir
-    target = os.path.join(out, "ckpt_0") if into == "another checkpoint" else os.path.join(out, "ckpt_2", "sub")
+    target = os.path.join(out, *into.split("/"))
     before = {d: sorted(os.listdir(os.path.join(out, d))) for d in ("ckpt_0", "ckpt_2")}
-    with pytest.raises(recsave.UsageError, match="is a checkpoint directory" if into == "another checkpoint"
-                       else "lies in the checkpoint"):
+    with pytest.raises(recsave.UsageError, match="lies in the checkpoint"):
         recsave.compact(os.path.join(out, "ckpt_2"), target)
     assert {d: sorted(os.listdir(os.path.join(out, d))) for d in ("ckpt_0", "ckpt_2")} == before
 

@@ -249,11 +249,12 @@ def test_rollback_runs_every_undo_step_and_names_the_one_that_failed():
     assert "c refused its state" in str(exc.value.__context__)
 
 
-@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("fails", [False, True, "slots_only"])
 def test_a_load_in_one_process_makes_a_shard_whole_again(tmp_path, fails):
     """A table left the shard of rank 0 of 2 (by an earlier multi-rank save or load) takes a
     one-process load whole: every id of the checkpoint, no longer partitioned. A load that fails
-    after staging leaves it the shard it was, with its rows."""
+    after staging leaves it the shard it was, with its rows; so does a load of its slots alone
+    (its rows stay the shard's)."""
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -270,6 +271,15 @@ def test_a_load_in_one_process_makes_a_shard_whole_again(tmp_path, fails):
     model.user(mine)
     before = model.user.export(mine)[1].clone()
     saver = recsave.Saver(model, output_dir=str(tmp_path / "t"))
+    if fails == "slots_only":
+        model.user.add_slot("acc")
+        src.user.add_slot("acc", 0.5)
+        recsave.Saver(src, output_dir=str(tmp_path / "b")).save("ckpt_1")
+        saver.load_model_bank([{"path": str(tmp_path / "b"), "load": ["sparse_opt"]}])
+        assert model.user.partition == (0, 2, 4096) and len(model.user) == mine.numel()
+        assert torch.equal(model.user.export(mine)[1], before)
+        assert float(model.user.export(mine)[2]["acc"].min()) == 0.5
+        return
     if fails:  # its state is refused once every table is staged
         saver.register_for_checkpointing("stubborn", _Refuses())
         with pytest.raises(RuntimeError, match="refusing this state"):

@@ -224,7 +224,9 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
         if has_embedding == slots_only:
             continue
         keep_rows = not (has_embedding and plan.conf.hashtable_clear)
-        table = tx.table(table_name, keep_rows=keep_rows, partition=(rank, world, src.num_buckets))
+        # A load of a table's rows in one process makes a shard whole; slots alone leave it as it is.
+        table = tx.table(table_name, keep_rows=keep_rows,
+                         partition=(rank, world, src.num_buckets) if world > 1 or has_embedding else None)
         # row metadata, for tables that keep it (a TableLike need not)
         keeps_meta = has_embedding and callable(getattr(table, "meta_columns", None))
         meta = src.meta_columns(src_table) if keeps_meta else []

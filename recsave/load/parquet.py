@@ -123,7 +123,7 @@ def _value_column(f: pa.Field, path: str) -> Optional[_Column]:
 def _is_delta_feed(schema: pa.Schema) -> bool:
     """Whether the file is an export_delta feed's: its `recsave.table` metadata names the two
     checkpoints compared (`old`, `new`), which a table export's never does; or, where a rewrite
-    (pandas, Spark) dropped the metadata, it has the feed's string `op` and integer `step` columns.
+    (pandas, Spark) dropped the metadata, it has the feed's string `op` and numeric `step` columns.
     Loaded as a table, a feed would replace the table with its few changed rows."""
     raw = (schema.metadata or {}).get(b"recsave.table")
     try:
@@ -135,10 +135,15 @@ def _is_delta_feed(schema: pa.Schema) -> bool:
     names = schema.names
     if "op" not in names or "step" not in names:
         return False
-    op = schema.field("op").type
+    op, step = schema.field("op").type, schema.field("step").type
     if pa.types.is_dictionary(op):
         op = op.value_type
-    return (pa.types.is_string(op) or pa.types.is_large_string(op)) and pa.types.is_integer(schema.field("step").type)
+    stringy = pa.types.is_string(op) or pa.types.is_large_string(op) or \
+        getattr(pa.types, "is_string_view", lambda _: False)(op)  # view strings: polars, newer Arrow
+    # A feed's `step` is int64, null where the checkpoint id has no step; pandas turns an integer
+    # column with nulls into float64, and an all-null one may come back as type null.
+    numeric = pa.types.is_integer(step) or pa.types.is_floating(step) or pa.types.is_null(step)
+    return stringy and numeric
 
 
 def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
@@ -153,7 +158,7 @@ def _parse_schema(schema: pa.Schema, path: str) -> Dict[str, _Column]:
             raise _bad(path, None, f"no {required!r} column (columns: {names[:20]})", _LAYOUT)
     if _is_delta_feed(schema):
         raise UsageError(f"{path} is part of an export_delta feed (upserts and deletes since another "
-                         f"checkpoint: its metadata, or its string 'op' and integer 'step' columns, say so), "
+                         f"checkpoint: its metadata, or its string 'op' and numeric 'step' columns, say so), "
                          f"not a table; load the checkpoint itself or a to_parquet export of it (a table "
                          f"with such columns: drop or rename them)", path=path)
     if schema.field("id").type != pa.int64():

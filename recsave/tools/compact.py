@@ -43,9 +43,6 @@ def compact(ckpt: str, out_dir: str) -> str:
     ckpt_id = ckptlist.validate_id(src.storage.split(src.ckpt_dir)[1])  # not `checkpoint`, the lock, ...
     storage = get_storage(out_dir)
     toolargs.refuse_source_dirs(src, storage, out_dir, "compact", "the compacted checkpoint", output_dir=False)
-    if storage.exists(storage.join(out_dir, index_mod.INDEX_FILE)):
-        raise UsageError(f"compact: {out_dir} is a checkpoint directory; give an output dir (the compacted "
-                         f"checkpoint goes into <out_dir>/{ckpt_id})", path=out_dir)
     target = storage.join(out_dir, ckpt_id)
 
     def refuse_committed() -> None:

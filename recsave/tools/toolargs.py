@@ -8,6 +8,8 @@ from typing import Any, List, Optional, Sequence
 
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
+from recsave.format import ckptlist
+from recsave.format.index import INDEX_FILE
 from recsave.load.arrow import table_dir_name
 from recsave.storage import Storage
 
@@ -95,3 +97,20 @@ def refuse_source_dirs(src: Any, storage: Storage, dst: str, where: str, into: s
     if target == ckpt_dir or target.startswith(ckpt_dir.rstrip("/") + "/"):
         raise UsageError(f"{where}: {dst} lies in the checkpoint {src.ckpt_dir}; write to another "
                          f"directory (rotating that checkpoint away would delete {into})", path=dst)
+    host = _checkpoint_holding(storage, target)
+    if host is not None:  # another checkpoint: its job's rotation and gc would never delete it again
+        raise UsageError(f"{where}: {dst} is or lies in the checkpoint {host}; write to another directory "
+                         f"({into} there would make {host} hold files recsave did not write)", path=dst)
+
+
+def _checkpoint_holding(storage: Storage, path: str) -> Optional[str]:
+    """The nearest of `path` and its parents that is a recsave checkpoint directory (holds a valid
+    index, or one a newer recsave wrote), else None."""
+    for _ in range(256):  # deeper than any real path; a storage whose split never ends stops here
+        parent, name = storage.split(path.rstrip("/"))
+        if storage.exists(storage.join(path, INDEX_FILE)) and ckptlist.holds_valid_index(storage, parent, name):
+            return path
+        if not parent or parent.rstrip("/") == path.rstrip("/"):
+            return None
+        path = parent
+    return None
