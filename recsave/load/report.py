@@ -35,6 +35,8 @@ def table_rows_read(items: Mapping[str, _TableItem]) -> int:
     return sum(reads.values())
 
 
+IndexRead = IndexIdentity  # its name in LoadReport.indexes_read before 8369b58
+
 @dataclass
 class LoadReport:
     """Returned by Saver.load / load_by_config and CheckpointManager.load_model_bank / restore."""

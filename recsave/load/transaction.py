@@ -39,8 +39,11 @@ class LoadTransaction:
         `partition`: the load's (rank, world size, buckets); the table becomes that shard, or
         whole with a world of 1 (a shard an earlier multi-rank save or load made, loading alone)."""
         if name not in self._scratch:
-            scratch = self._tables[name].new_like(copy_rows=keep_rows)
-            if partition is not None and (partition[1] > 1 or scratch.partition is not None):
+            live = self._tables[name]
+            scratch = live.new_like(copy_rows=keep_rows)
+            # (the live table's partition too: a TableLike's new_like need not copy it)
+            if partition is not None and (partition[1] > 1 or live.partition is not None
+                                          or scratch.partition is not None):
                 scratch.set_partition(*partition)
                 self._partitions[name] = partition
             self._scratch[name] = scratch
