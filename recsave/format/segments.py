@@ -54,9 +54,13 @@ def ends(row_starts: Tuple[int, ...], row_bytes: int, rule: BucketSegments) -> T
     return tuple(end_array(row_starts, row_bytes, rule).tolist())
 
 
+@functools.lru_cache(maxsize=256)  # as ends: a table's tensors of one row size share them
 def end_array(row_starts: Tuple[int, ...], row_bytes: int, rule: BucketSegments) -> np.ndarray:
-    """ends(...) as an int64 array: a read plan takes thousands of them without a Python int each."""
-    return _C.bucket_segment_ends(row_starts, row_bytes, rule.step, rule.min_bytes)
+    """ends(...) as an int64 array, read-only (it is shared): a read plan takes thousands of them
+    without a Python int each."""
+    out = _C.bucket_segment_ends(row_starts, row_bytes, rule.step, rule.min_bytes)
+    out.flags.writeable = False
+    return out
 
 
 def count(row_starts: Sequence[int], row_bytes: int, rule: BucketSegments) -> int:
