@@ -428,6 +428,22 @@ def test_a_frozen_table_records_no_gradient_and_keeps_its_rows() -> None:
         model.user.requires_grad_("no")  # type: ignore[arg-type]
 
 
+
+def test_a_table_frozen_between_forward_and_backward_gets_no_gradient() -> None:
+    """As torch drops the gradient of a parameter frozen after its forward (AccumulateGrad), a
+    table frozen before the backward of a graph recorded while it trained keeps its rows."""
+    model = _Model()
+    opt = SparseSGD(model, lr=1.0)
+    ids = torch.tensor([3, 4])
+    model(ids)  # the rows exist
+    before = model.user.export(ids)[1].clone()
+    loss = model(ids)
+    model.user.requires_grad_(False)
+    loss.backward()
+    assert model.user.coalesced_grad() is None and model.lin.weight.grad is not None
+    opt.step()
+    assert torch.equal(model.user.export(ids)[1], before) and opt.steps == {"user": 0}
+
 def test_gradients_no_optimizer_takes_are_summed_not_kept_per_backward() -> None:
     table = HashTable(DIM, name="t", seed=2)
     ids = torch.arange(5)

@@ -41,6 +41,10 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None, None, None]:
         rows, ids = ctx.saved_tensors
         table = ctx.table
+        if not table.requires_grad:
+            # Frozen since the forward: dropped, as torch's AccumulateGrad drops the gradient of a
+            # parameter frozen before its backward (no optimizer may change a frozen table's rows).
+            return None, None, None, None
         if table._layout != ctx.layout:  # noqa: SLF001 (as above)
             # Ids were deleted (their rows reused by new ids) or the table was loaded between the
             # forward and this backward: the gradient belongs to the ids, wherever they are now
