@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import recsave
-from recsave import CheckpointManager, HashTable, RecsaveError, Saver, UsageError
+from recsave import ArgumentTypeError, CheckpointManager, HashTable, RecsaveError, Saver, UsageError
 from recsave.tables.optim import SparseAdagrad, SparseAdam, SparseSGD
 
 
@@ -363,3 +363,21 @@ def test_gather_rows_outside_the_table_is_a_usage_error(env):
         with pytest.raises(UsageError, match=r"gather_rows: rows must lie in \[0, "):
             table.gather_rows(rows)
 
+
+
+@pytest.mark.parametrize("method", ["row_meta", "mark_rows_changed"])
+def test_row_meta_and_mark_rows_changed_check_their_rows_as_gather_rows_does(env, method):
+    """Rows of an absent id (-1), past row_capacity, a list or a float tensor are refused with the
+    error gather_rows gives, not an IndexError, uninitialised memory or a wrong row marked (which
+    failed the next incremental save far from the call)."""
+    table = env["table"]
+    call = getattr(table, method)
+    table.reset_changes()
+    for rows, error in ((torch.tensor([-1]), UsageError), (torch.tensor([0, table.weight.shape[0]]), UsageError),
+                        ([0], ArgumentTypeError), (torch.tensor([0.0]), ArgumentTypeError)):
+        with pytest.raises(error, match=f"{method}: rows must"):
+            call(rows)
+    assert table.pending_changes().ids.numel() == 0  # nothing marked by a refused call
+    call(torch.tensor([0], dtype=torch.int32))
+    if method == "mark_rows_changed":
+        assert table.pending_changes().ids.tolist() == table.export()[0][:1].tolist()

@@ -15,7 +15,7 @@ import torch
 
 from recsave import _C, knobs
 from recsave.argcheck import check
-from recsave.errors import ArgumentTypeError, UsageError
+from recsave.errors import UsageError
 from recsave.tables import partition, tablestate
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
@@ -398,17 +398,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
     def gather_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies of the embedding and of every slot at `rows` (CPU), taken at one moment. `rows`
         (int64 as lookup returns them, or int32) must lie in [0, row_capacity): UsageError otherwise."""
-        where = f"HashTable {self.table_name!r}.gather_rows"
-        check(rows, torch.Tensor, "rows", where, expected="an int64 tensor of rows")
-        if rows.dtype not in (torch.int64, torch.int32):
-            raise ArgumentTypeError(f"{where}: rows must be an int64 (or int32) tensor, got {str(rows.dtype)[6:]}",
-                                    key="rows")
-        if rows.numel():
-            low, high = (int(v) for v in torch.aminmax(rows))
-            if low < 0 or high >= self._map.row_capacity:
-                raise UsageError(f"{where}: rows must lie in [0, {self._map.row_capacity}), got {low}..{high} "
-                                 f"(-1 is lookup's answer for an absent id: drop those rows first)", key="rows")
-        return self._store.gather(rows)
+        return self._store.gather(self._checked_rows(rows, "gather_rows"))
 
     def columns(self) -> Dict[str, torch.Tensor]:
         """The whole storage of the embedding ('embedding') and of every slot: row r of each belongs

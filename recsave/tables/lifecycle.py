@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 
 from recsave.argcheck import check
-from recsave.errors import UsageError
+from recsave.errors import ArgumentTypeError, UsageError
 from recsave.tables.idmap import check_ids
 from recsave.tables.modes import outside_inference_mode
 from recsave.tables.rows import RowStorage
@@ -59,8 +59,9 @@ class TableLifecycle:
         return {m: t[:cap] for m, t in self._store.meta_columns().items()}
 
     def row_meta(self, rows: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Copies (CPU, [len(rows), 1] int64) of ``last_step`` and ``count`` at `rows`."""
-        return self._store.gather_meta(rows)
+        """Copies (CPU, [len(rows), 1] int64) of ``last_step`` and ``count`` at `rows` (int64 or
+        int32, in [0, row_capacity): ArgumentTypeError / UsageError otherwise)."""
+        return self._store.gather_meta(self._checked_rows(rows, "row_meta"))
 
     def mark_changed(self, ids: torch.Tensor) -> int:
         """Marks the rows of `ids` changed (after writing through ``weight`` / ``slot()``
@@ -72,8 +73,27 @@ class TableLifecycle:
         return int(rows.numel())
 
     def mark_rows_changed(self, rows: torch.Tensor) -> None:
-        """Marks live `rows` changed (the sparse optimizers call this for the rows they update)."""
+        """Marks live `rows` changed (the sparse optimizers call this for the rows they update):
+        int64 or int32, in [0, row_capacity) (-1, lookup's answer for an absent id, is refused).
+        The range is checked on the CPU only: on a GPU the check would wait for the device at
+        every optimizer step."""
+        rows = self._checked_rows(rows, "mark_rows_changed", in_range=self._device.type == "cpu")
         self._tracker.mark(rows.to(self._device))
+
+    def _checked_rows(self, rows: Any, method: str, in_range: bool = True) -> torch.Tensor:
+        """`rows` when it is an int64 or int32 tensor (ArgumentTypeError) of rows in
+        [0, row_capacity) (UsageError; checked with `in_range`)."""
+        where = f"HashTable {self.table_name!r}.{method}"
+        check(rows, torch.Tensor, "rows", where, expected="an int64 tensor of rows")
+        if rows.dtype not in (torch.int64, torch.int32):
+            raise ArgumentTypeError(f"{where}: rows must be an int64 (or int32) tensor, got {str(rows.dtype)[6:]}",
+                                    key="rows")
+        if in_range and rows.numel():
+            low, high = (int(v) for v in torch.aminmax(rows))
+            if low < 0 or high >= self._map.row_capacity:
+                raise UsageError(f"{where}: rows must lie in [0, {self._map.row_capacity}), got {low}..{high} "
+                                 f"(-1 is lookup's answer for an absent id: drop those rows first)", key="rows")
+        return rows
 
     def pending_changes(self) -> TableChanges:
         """What changed since the baseline (the baseline does not move)."""
