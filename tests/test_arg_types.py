@@ -381,3 +381,27 @@ def test_row_meta_and_mark_rows_changed_check_their_rows_as_gather_rows_does(env
     call(torch.tensor([0], dtype=torch.int32))
     if method == "mark_rows_changed":
         assert table.pending_changes().ids.tolist() == table.export()[0][:1].tolist()
+
+
+@pytest.mark.parametrize("ids,columns,error,says", [
+    ([5, 6], ["embedding"], ArgumentTypeError, "ids must be an int64 tensor"),
+    (torch.tensor([5, 6], dtype=torch.int32), ["embedding"], ArgumentTypeError, "ids must be an int64 tensor"),
+    (lambda: torch.tensor([5.0]), ["embedding"], ArgumentTypeError, "ids must be an int64 tensor"),
+    (torch.tensor([5, 6]), "embedding", ArgumentTypeError, "columns must be a list of column names"),
+    (torch.tensor([5, 6]), ["embedding", 3], ArgumentTypeError, "column must be a column name"),
+    (torch.tensor([5, 6]), ["embedding", "weight"], UsageError, "slot name 'weight' is reserved"),
+    (torch.tensor([5, 6]), ["embedding", "a@b"], UsageError, "slot name 'a@b' is reserved or invalid"),
+])
+def test_a_refused_prepare_load_leaves_the_table_and_its_slots_as_they_were(ids, columns, error, says):
+    """Arguments are checked before the table is cleared (they emptied it, or made slots add_slot
+    refuses: seven one-letter ones for a bare string). A function's ids, known only once called,
+    are checked before its table is touched (the documented rule for errors then: cleared)."""
+    table = HashTable(2, name="t")
+    table(torch.tensor([1, 2, 3]))
+    before = table.export()
+    with pytest.raises(error, match=says):
+        table.prepare_load(ids, columns)
+    if not callable(ids):
+        after = table.export()
+        assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert table.slot_names() == []

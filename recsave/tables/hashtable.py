@@ -21,7 +21,7 @@ from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import check_ids, flat_ids, make_id_map
 from recsave.tables.lifecycle import TableLifecycle
 from recsave.tables.modes import outside_inference_mode, recomputing
-from recsave.tables.rows import RESERVED_COLUMNS, RowStorage
+from recsave.tables.rows import RowStorage, check_slot_name
 from recsave.tables.staging import TableStaging
 from recsave.tables.tracking import ChangeTracker
 
@@ -193,9 +193,7 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
         `init` for rows inserted from now on (e.g. a slot restored before its optimizer was built)."""
         check(slot, str, "slot", "HashTable.add_slot")
         check(init, numbers.Real, "init", "HashTable.add_slot")
-        if not slot or "@" in slot or slot in RESERVED_COLUMNS:
-            raise UsageError(f"slot name {slot!r} is reserved or invalid: a slot needs a non-empty name without "
-                             f"'@' other than {list(RESERVED_COLUMNS)}")
+        check_slot_name(slot)
         self._store.add_slot(slot, float(init))
 
     def slot(self, slot: str) -> torch.Tensor:

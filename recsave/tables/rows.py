@@ -26,6 +26,13 @@ TOMBSTONE_COLUMN = "tombstone"  # a delta's `<table>@tombstone`: ids removed sin
 RESERVED_COLUMNS = ("id", "ids", "embedding", "weight", *META_COLUMNS, TOMBSTONE_COLUMN)
 
 
+def check_slot_name(slot: str) -> None:
+    """UsageError unless `slot` may name a slot: non-empty, without '@', not a RESERVED_COLUMNS name."""
+    if not slot or "@" in slot or slot in RESERVED_COLUMNS:
+        raise UsageError(f"slot name {slot!r} is reserved or invalid: a slot needs a non-empty name without "
+                         f"'@' other than {list(RESERVED_COLUMNS)}")
+
+
 class RowStorage:
     """Columns ``weight`` ([capacity, dim]) and ``slots`` (name -> [capacity, dim]), with the value
     each slot takes in newly initialised rows (``slot_init``); ``row_ids`` ([capacity] int64, the

@@ -20,7 +20,7 @@ from recsave.errors import ArgumentTypeError, ShapeMismatchError, UsageError
 from recsave.tables.grads import RowGrads
 from recsave.tables.idmap import CpuIdMap, check_ids, flat_ids
 from recsave.tables.modes import outside_inference_mode
-from recsave.tables.rows import META_COLUMNS, RowStorage, put_rows
+from recsave.tables.rows import META_COLUMNS, RowStorage, check_slot_name, put_rows
 from recsave.tables.tracking import ChangeTracker
 
 
@@ -48,6 +48,14 @@ class DeferredIds:
 
 
 IdsArg = Union[torch.Tensor, Callable[[], torch.Tensor], DeferredIds]
+
+
+def _check_read_ids(ids: Any, where: str) -> None:
+    """Ids a function returned (or a DeferredIds read up front): a tensor of an integer dtype,
+    copied into the int64 row ids (a checkpoint may store them as int32); ArgumentTypeError else."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
+            or ids.dtype == torch.bool:
+        check_ids(ids, where)  # raises, naming what it got
 
 
 class TableStaging:
@@ -140,6 +148,8 @@ class TableStaging:
         the table's rows and map are allocated for its `count` ids, the fill starts, and then its
         ids are read straight into the row ids and hashed, table after table."""
         tables = [t for t, _, _ in requests]
+        for table, ids, columns in requests:  # a refused call changes nothing: checked before any clear
+            table._check_request(ids, columns)  # noqa: SLF001 (same class)
         if len({id(t) for t in tables}) != len(tables):  # its second views would overwrite the first
             twice = next(t for k, t in enumerate(tables) if any(t is u for u in tables[:k]))
             raise UsageError(f"HashTable.prepare_loads: table {twice.table_name!r} is given twice; give "
@@ -156,6 +166,7 @@ class TableStaging:
                     map_ids.append(ids)
                     continue
                 given = ids.read() if isinstance(ids, DeferredIds) else ids() if callable(ids) else ids
+                _check_read_ids(given, f"HashTable {table.table_name!r}.prepare_loads")
                 views.append(table._begin_load(given, columns))  # noqa: SLF001 (same class)
                 # Ids read for this call are now the table's row ids: hash those, drop the read.
                 map_ids.append(given if isinstance(ids, torch.Tensor)
@@ -194,6 +205,20 @@ class TableStaging:
                 table.clear()
             out.append(table_views if ok else None)
         return out
+
+    def _check_request(self, ids: Any, columns: Any) -> None:
+        """A prepare_loads request's arguments: ids an int64 tensor (or a function or DeferredIds,
+        whose ids are checked once read), columns a list of 'embedding', 'last_step', 'count',
+        slots of the table or names a new slot may take (ArgumentTypeError / UsageError)."""
+        where = f"HashTable {self.table_name!r}.prepare_load"
+        if not (callable(ids) or isinstance(ids, DeferredIds)):
+            check_ids(ids, where)
+        check(columns, (list, tuple), "columns", where, expected="a list of column names")
+        slots = set(self._store.slot_names())
+        for column in columns:
+            check(column, str, "column", where, expected="a column name")
+            if column != "embedding" and column not in META_COLUMNS and column not in slots:
+                check_slot_name(column)  # a new slot: restore_views adds it
 
     def _begin_load(self, ids: torch.Tensor, columns: List[str]) -> Dict[str, torch.Tensor]:
         """prepare_load's first step: the cleared table's views of rows [0, n), its row ids, and
