@@ -199,6 +199,28 @@ def test_hparams_set_between_steps_are_saved_as_plain_numbers_that_load() -> Non
         opt.state_dict()
 
 
+def test_numpy_hparams_are_saved_as_plain_numbers_and_json_states_load() -> None:
+    """An lr a schedule computed with numpy is saved as a float (torch.load(weights_only=True)
+    refuses numpy scalars), and a state that went through JSON (betas as a list) loads."""
+    import io
+    import json
+
+    import numpy as np
+    opt = SparseAdam(HashTable(DIM, name="t"), lr=0.1)
+    opt.hparams["lr"] = 0.1 * np.cos(0.5)
+    opt.hparams["eps"] = np.float32(1e-6)
+    opt.hparams["betas"] = (np.float64(0.8), np.array([0.9]))
+    sd = opt.state_dict()
+    assert [type(v) for v in (sd["hparams"]["lr"], sd["hparams"]["eps"], *sd["hparams"]["betas"])] == [float] * 4
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == sd
+    other = SparseAdam(HashTable(DIM, name="t"), lr=0.1)
+    other.load_state_dict(json.loads(json.dumps(sd)))
+    assert other.hparams == sd["hparams"] and other.hparams["betas"] == (0.8, 0.9)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_zero_grad_and_accumulation(case: str) -> None:
     make, make_torch, _slots = CASES[case]

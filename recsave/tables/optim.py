@@ -170,6 +170,7 @@ class SparseOptimizer(abc.ABC):
         if not isinstance(hp, dict) or set(hp) != set(self.hparams):
             raise ConfigError(f"{me}.load_state_dict: hyper-parameters {_describe(hp)} do not match the "
                               f"expected {sorted(self.hparams)}")
+        hp = {k: _plain(v) for k, v in hp.items()}  # as state_dict() gives them (a state from JSON: lists)
         self._validate(hp, ConfigError)
         unknown = sorted(set(steps) - set(self.tables), key=str) if isinstance(steps, dict) else None
         if unknown is None or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps.values()):
@@ -192,11 +193,20 @@ class SparseOptimizer(abc.ABC):
 
 
 def _plain(value: Any) -> Any:
-    """A hyper-parameter as plain Python: one-element tensors as numbers, sequences as tuples."""
+    """A hyper-parameter as plain Python: one-element tensors and numpy scalars (an lr a schedule
+    computed with numpy: `torch.load(weights_only=True)` refuses numpy objects) as int / float,
+    sequences as tuples."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    item = getattr(value, "item", None)  # a one-element numpy array
+    if callable(item) and getattr(value, "size", None) == 1 and not isinstance(value, (str, bytes)):
+        return _plain(item())
     return value
 
 
