@@ -519,3 +519,12 @@ def test_refilling_the_id_buffer_before_backward_is_fine() -> None:
     out.sum().backward()
     rows, _ = table.coalesced_grad()
     assert rows.tolist() == table.lookup(torch.arange(5), insert=False).sort().values.tolist()
+
+
+def test_an_empty_table_is_true_as_a_module_is() -> None:
+    """`if self.table:` asks whether an optional module is there: an empty HashTable must not read
+    as absent (with __len__ alone it would, and the lookups behind the check would never run)."""
+    table = HashTable(DIM, name="t")
+    assert len(table) == 0 and bool(table) is True
+    table(torch.tensor([1]))
+    assert len(table) == 1 and bool(table) is True

@@ -127,6 +127,11 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
     def __len__(self) -> int:
         return len(self._map)
 
+    def __bool__(self) -> bool:
+        # A module is true, as nn.Embedding is: with __len__ alone an empty table would be false, and
+        # `if self.table:` (is this optional module there?) would skip its lookups until it has rows.
+        return True
+
     # The row storage's columns (tables/rows.py), under the names the row-writing methods use.
     @property
     def _weight(self) -> torch.Tensor:
