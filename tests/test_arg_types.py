@@ -405,3 +405,13 @@ def test_a_refused_prepare_load_leaves_the_table_and_its_slots_as_they_were(ids,
         after = table.export()
         assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     assert table.slot_names() == []
+
+
+
+@pytest.mark.parametrize("columns", [["embedding"], ["last_step"], []])
+def test_int32_ids_a_function_returns_are_copied_into_the_int64_row_ids(columns):
+    """A checkpoint may store int32 ids; those a function returns are taken as int64, also when the
+    embedding is not read (its initial rows are hashed from the ids)."""
+    table = HashTable(2, name="t")
+    assert table.prepare_load(lambda: torch.tensor([5, 6], dtype=torch.int32), columns) is not None
+    assert table.ids().tolist() == [5, 6] and table.lookup(torch.tensor([6]), insert=False).tolist() == [1]

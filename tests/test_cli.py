@@ -251,7 +251,8 @@ def test_ls_reports_a_listed_checkpoint_it_cannot_read_on_its_line(output_dir, c
     assert main(["ls", "--json", str(output_dir)]) == code
     first, second = json.loads(capsys.readouterr().out)["checkpoints"]
     assert first["id"] == "ckpt_2" and first["step"] is None and first["damaged"] == (how != "newer")
-    assert ("upgrade recsave" in first["problem"]) == (how in ("newer", "version_0"))
+    assert ("upgrade recsave" in first["problem"]) == (how == "newer")
+    assert ("no version any recsave writes" in first["problem"]) == (how == "version_0")
     assert second["id"] == "ckpt_4" and second["step"] == 4 and second["problem"] is None
     if how == "newer":
         assert main(["verify", str(output_dir / "ckpt_2")]) == 2

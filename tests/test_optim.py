@@ -216,6 +216,11 @@ def test_numpy_hparams_are_saved_as_plain_numbers_and_json_states_load() -> None
     torch.save(sd, buffer)
     buffer.seek(0)
     assert torch.load(buffer, weights_only=True) == sd
+    for betas in (np.array([0.8, 0.99]), torch.tensor([0.8, 0.99], dtype=torch.float64)):  # what step() takes
+        opt.hparams["betas"] = betas
+        assert opt.state_dict()["hparams"]["betas"] == (0.8, 0.99)
+    opt.hparams["betas"] = (np.float64(0.8), np.array([0.9]))
+    sd = opt.state_dict()
     other = SparseAdam(HashTable(DIM, name="t"), lr=0.1)
     other.load_state_dict(json.loads(json.dumps(sd)))
     assert other.hparams == sd["hparams"] and other.hparams["betas"] == (0.8, 0.9)

@@ -232,9 +232,11 @@ def test_read_index_ignores_unknown_top_level_keys(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("version", ["1", 1.0, True, None, 0, -1, 2**70])
 def test_unknown_format_versions(version, tmp_path: Path) -> None:
+    """A version below 1 is no writer's: damage (docs/FORMAT.md section 3), not a newer index."""
     d = copy_valid(tmp_path)
     edit(d, lambda i: i.update(format_version=version))
-    with pytest.raises(E.FormatVersionError, match="format_version"):
+    below = isinstance(version, int) and not isinstance(version, bool) and version < 1
+    with pytest.raises(E.CorruptCheckpointError if below else E.FormatVersionError, match="format_version"):
         oracle.read_index(str(d))
 
 

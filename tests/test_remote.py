@@ -548,3 +548,40 @@ def test_a_save_longer_than_the_lease_keeps_its_remote_lock(remote, monkeypatch)
         assert fresh.saver.latest_checkpoint() == f"{out}/ckpt_1"
         assert_jobs_equal(job_state(fresh), saved)
         fresh.saver.close()
+
+
+def test_tools_never_ask_above_the_bucket(tmp_path):
+    """compact and export_serving check that their destination lies in no checkpoint by walking up
+    its parents; on an object store the walk stops at the bucket: `<scheme>://index` would be
+    another account's bucket (S3 answers 403), which failed every export."""
+    import torch
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    import recsave
+
+    probes = []
+
+    class BucketFS(MemoryFileSystem):
+        protocol = "bucketfs"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            if isinstance(path, str) and path.startswith("bucketfs://"):
+                path = path[len("bucketfs://"):]
+            return MemoryFileSystem._strip_protocol(path)
+
+        def info(self, path, **kwargs):
+            p = self._strip_protocol(path).lstrip("/")
+            probes.append(p)
+            if not p.startswith("mine"):
+                raise PermissionError(f"AccessDenied: {p}")
+            return super().info(path, **kwargs)
+
+    fsspec.register_implementation("bucketfs", BucketFS, clobber=True)
+    root = f"bucketfs://mine/{uuid.uuid4().hex}"
+    model = torch.nn.ModuleDict({"user": recsave.HashTable(4, name="user")})
+    model["user"](torch.arange(10))
+    ckpt = recsave.Saver(model, output_dir=f"{root}/train").save("ckpt_1")
+    assert recsave.compact(ckpt, f"{root}/compacted") == f"{root}/compacted/ckpt_1"
+    assert recsave.export_serving(ckpt, f"{root}/serve") == f"{root}/serve/ckpt_1"
+    assert [p for p in probes if not p.startswith("mine")] == []

@@ -755,6 +755,12 @@ def test_a_checkpoint_with_int32_ids_restores_through_the_copying_path(tmp_path)
     recsave.Saver(fresh, output_dir=str(tmp_path), max_keep=None).load()
     for name in ("user", "item"):
         assert_states_equal(table_state(fresh[name]), table_state(m[name]), name)
+    # A second table loading the same source table (oname) takes the one-table path: int32 too.
+    twice = torch.nn.ModuleDict({"user": recsave.HashTable(4, name="user"), "u2": recsave.HashTable(4, name="u2")})
+    recsave.Saver(twice, output_dir=str(tmp_path / "other")).load_model_bank(
+        [{"path": ckpt, "oname": [{"u2": "user"}], "strict": False}])
+    for name in ("user", "u2"):
+        assert_states_equal(table_state(twice[name]), table_state(m["user"]), name)
 
 
 def test_prepare_loads_reads_ids_when_a_table_takes_them_and_keeps_no_copy():

@@ -127,6 +127,9 @@ def validate(index: Any, path: str) -> Index:
     version = index.get("format_version")
     if type(version) is not int:
         raise checks.corrupt(path, f"format_version must be an integer, found {version!r}")
+    if version < FORMAT_VERSION:  # no recsave ever wrote it: damage, not a newer writer's index
+        raise checks.corrupt(path, f"format_version {version} is no version any recsave writes (the first "
+                                   f"is {FORMAT_VERSION})")
     if version not in READABLE_FORMAT_VERSIONS:
         raise FormatVersionError(
             f"{path}: format_version {version!r} is not supported by recsave {__version__} (reads "

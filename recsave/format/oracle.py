@@ -262,6 +262,8 @@ def read_index(ckpt_dir: str) -> dict:
     if "format_version" not in idx:
         raise corrupt(path, "the index has no format_version")
     version = idx["format_version"]
+    if is_int(version) and version < min(INDEX_VERSIONS):
+        raise corrupt(path, f"format_version {version} is below every version a writer uses: damage")
     if not is_int(version) or version not in INDEX_VERSIONS:
         raise FormatVersionError(f"{path}: unknown format_version {version!r:.80} (this reader knows versions "
                                  f"{INDEX_VERSIONS}); upgrade recsave to read it", path=path)

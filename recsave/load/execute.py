@@ -435,6 +435,8 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
         return False
     threads = target.concurrency
     ids, _ = src.read_table(src_table, [], rank, world, threads)
+    if ids is not None and ids.dtype != torch.int64:  # another writer's int32 ids: the row ids are int64
+        ids = ids.to(torch.int64)
     block_bytes = knobs.get("write_block_bytes")
 
     def fill(views: Dict[str, torch.Tensor]) -> None:

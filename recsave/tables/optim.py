@@ -198,8 +198,12 @@ def _plain(value: Any) -> Any:
     sequences as tuples."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
+    if isinstance(value, torch.Tensor) and value.dim() == 1:  # e.g. betas as a tensor
+        return tuple(_plain(v) for v in value.tolist())
     if isinstance(value, (list, tuple)):
         return tuple(_plain(v) for v in value)
+    if getattr(value, "ndim", None) == 1 and getattr(value, "size", 0) > 1 and callable(getattr(value, "tolist", None)):
+        return tuple(_plain(v) for v in value.tolist())  # a 1-d numpy array, e.g. betas
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):

@@ -167,6 +167,8 @@ class TableStaging:
                     continue
                 given = ids.read() if isinstance(ids, DeferredIds) else ids() if callable(ids) else ids
                 _check_read_ids(given, f"HashTable {table.table_name!r}.prepare_loads")
+                if given.dtype != torch.int64 and "embedding" not in columns:
+                    given = given.to(torch.int64)  # initial_rows hashes int64 ids
                 views.append(table._begin_load(given, columns))  # noqa: SLF001 (same class)
                 # Ids read for this call are now the table's row ids: hash those, drop the read.
                 map_ids.append(given if isinstance(ids, torch.Tensor)

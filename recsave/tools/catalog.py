@@ -49,8 +49,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
         try:  # one listed id gone or unreadable here is reported on its line, not for the whole listing
             index = index_mod.read(path, storage)
         except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError) as exc:
-            newer = ckptlist.newer_format_version(storage, output_dir, ckpt_id) is not None  # else: damage
-            entry.update(problem=" ".join(str(exc).split()), damaged=not newer)
+            entry.update(problem=" ".join(str(exc).split()), damaged=not isinstance(exc, FormatVersionError))
             out.append(entry)
             continue
         created = ckptlist.commit_time(index.created_at)  # any ISO-8601 UTC form (-inf: not one)
@@ -122,10 +121,8 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         if not _recsave_files_at(storage, ckpt):
             raise
         return [str(exc)]
-    except FormatVersionError as exc:
-        if _written_by_newer(storage, exc.path):
-            raise
-        return [str(exc)]  # a version no recsave writes (0, say): damage
+    except FormatVersionError:  # a newer writer's: intact (a version no recsave writes is damage)
+        raise
     except RecsaveError as exc:
         return [str(exc)]
     require_checkpoint(src, ckpt, "verify")
@@ -232,16 +229,6 @@ def _require_output_dir(listing: ckptlist.Listing, output_dir: str, consequence:
     if not listing.found:
         raise CheckpointNotFoundError(f"{output_dir}: no 'checkpoint' file and no committed checkpoint (no "
                                       f"directory with a valid index); {consequence}", path=output_dir)
-
-
-def _written_by_newer(storage: Storage, index_path: Optional[str]) -> bool:
-    """Whether the index at `index_path` (a FormatVersionError's path) was written by a newer
-    recsave (intact, unreadable here), not damaged (ckptlist.newer_format_version)."""
-    if not index_path:
-        return False
-    ckpt_dir = storage.split(index_path.rstrip("/"))[0]
-    output_dir, name = storage.split(ckpt_dir.rstrip("/"))
-    return ckptlist.newer_format_version(storage, output_dir, name) is not None
 
 
 def _parents(storage: Storage, output_dir: str) -> Callable[[str], List[str]]:

@@ -7,7 +7,7 @@ import contextlib
 from typing import Any, List, Optional, Sequence
 
 from recsave.argcheck import check
-from recsave.errors import ConfigError, UsageError
+from recsave.errors import ConfigError, RecsaveError, UsageError
 from recsave.format import ckptlist
 from recsave.format.index import INDEX_FILE
 from recsave.load.arrow import table_dir_name
@@ -105,12 +105,17 @@ def refuse_source_dirs(src: Any, storage: Storage, dst: str, where: str, into: s
 
 def _checkpoint_holding(storage: Storage, path: str) -> Optional[str]:
     """The nearest of `path` and its parents that is a recsave checkpoint directory (holds a valid
-    index, or one a newer recsave wrote), else None."""
+    index, or one a newer recsave wrote), else None. The walk stops below a URL's root
+    (`s3://bucket` is the last level asked: `s3://index` would be another owner's bucket), and at a
+    level it may not read (a permission error is no checkpoint of this job's)."""
     for _ in range(256):  # deeper than any real path; a storage whose split never ends stops here
         parent, name = storage.split(path.rstrip("/"))
-        if storage.exists(storage.join(path, INDEX_FILE)) and ckptlist.holds_valid_index(storage, parent, name):
-            return path
-        if not parent or parent.rstrip("/") == path.rstrip("/"):
+        try:
+            if storage.exists(storage.join(path, INDEX_FILE)) and ckptlist.holds_valid_index(storage, parent, name):
+                return path
+        except (OSError, RecsaveError):
+            return None
+        if not parent or parent.endswith("://") or parent.rstrip("/") == path.rstrip("/"):
             return None
         path = parent
     return None
