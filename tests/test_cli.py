@@ -548,3 +548,12 @@ def test_tools_taking_checkpoints_name_the_kind_of_another_source(output_dir, tm
     with pytest.raises(UsageError, match=rf"is {words}, not a recsave checkpoint; {tool} takes a checkpoint"):
         call()
     assert not (tmp_path / "out").exists()
+
+
+
+def test_ls_of_a_checkpoint_directory_says_so(output_dir, capsys):
+    """`recsave ls run/ckpt_4` (a checkpoint, not its output dir) said "no committed checkpoint"
+    and exited 0; it names the mistake now (exit 2)."""
+    assert main(["ls", str(output_dir / "ckpt_4")]) == 2
+    err = capsys.readouterr().err
+    assert "is a checkpoint directory, not an output dir" in err and str(output_dir) in err

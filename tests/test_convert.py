@@ -61,7 +61,8 @@ def _assert_layout_equal(got, expected):
 def test_recsave_to_torch_and_dcp_read_back_equal_the_model(tmp_path):
     job = _trained(tmp_path)
     expected = _expected_flat(job)
-    pt = recsave.convert(str(tmp_path / "job"), str(tmp_path / "state.pt"), "torch")
+    # Into a directory that does not exist yet: made, as every tool makes its destination's parents.
+    pt = recsave.convert(str(tmp_path / "job"), str(tmp_path / "new" / "dir" / "state.pt"), "torch")
     got = torch.load(pt, weights_only=True)
     _assert_layout_equal(got, expected)
     mapped = torch.load(pt, weights_only=True, mmap=True)

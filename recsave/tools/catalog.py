@@ -15,6 +15,7 @@ from recsave.errors import (
     CorruptCheckpointError,
     FormatVersionError,
     RecsaveError,
+    UsageError,
 )
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
@@ -37,6 +38,11 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     argcheck.path(output_dir, "output_dir", "list_checkpoints")
     storage = get_storage(output_dir)
     _require_dir(storage, output_dir)
+    if storage.exists(storage.join(output_dir, index_mod.INDEX_FILE)) \
+            and not storage.exists(storage.join(output_dir, ckptlist.LIST_FILE)):
+        raise UsageError(f"{output_dir} is a checkpoint directory, not an output dir: list its output dir "
+                         f"{storage.split(output_dir.rstrip('/'))[0]}, or describe it with `recsave inspect`",
+                         path=output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
     ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost

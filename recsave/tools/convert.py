@@ -92,7 +92,15 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
                     writer.abort()
                 raise
 
-        storage.write_stream(dst, produce)
+        parent = storage.split(dst.rstrip("/"))[0]
+        made = toolargs.missing_dirs(storage, parent) if parent else []
+        if parent:
+            storage.makedirs(parent)  # as every other tool makes its destination's parents
+        try:
+            storage.write_stream(dst, produce)
+        except BaseException:
+            toolargs.undo_writes(storage, [], made)
+            raise
     else:
         created = not storage.exists(dst)
         try:
