@@ -310,3 +310,21 @@ def test_a_dcp_source_missing_a_data_file_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("recsave: error: ") and err.count("\n") == 1
     assert not (tmp_path / "back.pt").exists() and not (tmp_path / "back2.pt").exists()
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp", "recsave"])
+def test_a_failed_conversion_leaves_no_directory_it_made(tmp_path, to):
+    """A source damaged in its last table: the conversion fails after writing part of it into a
+    path whose parents did not exist; nothing of what it made stays."""
+    _trained(tmp_path)
+    ckpt = tmp_path / "job" / "ckpt_4"
+    shard = sorted(p for p in os.listdir(ckpt) if p.endswith(".safetensors"))[-1]
+    with open(ckpt / shard, "r+b") as f:
+        f.seek(-16, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-16, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+    dst = tmp_path / "new" / "nested" / ("state.pt" if to == "torch" else "out")
+    with pytest.raises(recsave.CorruptCheckpointError):
+        recsave.convert(str(ckpt), str(dst), to)
+    assert not (tmp_path / "new").exists()

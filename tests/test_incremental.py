@@ -506,10 +506,13 @@ def test_a_failed_compaction_leaves_nothing_and_its_retry_works(chain_dir, tmp_p
         raise OSError(28, "No space left on device (injected)")
     monkeypatch.setattr(compact_mod, "_write", fail)
     with pytest.raises(OSError, match="injected"):
+        recsave.compact(os.path.join(out, "ckpt_2"), str(target / "deeper"))
+    assert not target.exists()  # neither the checkpoint nor the directories it made
+    with pytest.raises(OSError, match="injected"):
         recsave.compact(os.path.join(out, "ckpt_2"), str(target))
-    assert not (target / "ckpt_2").exists()
+    assert not target.exists()
     monkeypatch.setattr(compact_mod, "_write", real)
-    (target / "ckpt_2").mkdir()  # a crash's leftover (no index) does not block a compaction either
+    (target / "ckpt_2").mkdir(parents=True)  # a crash's leftover (no index) does not block a compaction either
     (target / "ckpt_2" / "sparse-0-0.safetensors").write_bytes(b"partial")
     path = recsave.compact(os.path.join(out, "ckpt_2"), str(target))
     assert (target / "checkpoint").read_text().split() == ["ckpt_2"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -18,7 +18,7 @@ from recsave.format.writer import write_shards
 from recsave.load.sources import CheckpointSource, open_source, require_checkpoint
 from recsave.save.layout import bucket_layout
 from recsave.save.snapshot import TableState
-from recsave.storage import get_storage
+from recsave.storage import Storage, get_storage
 from recsave.storage.lock import WriterLock, check_held, renewed, still_owned
 from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables import partition
@@ -50,7 +50,21 @@ def compact(ckpt: str, out_dir: str) -> str:
             raise CheckpointExistsError(f"{target} exists already; compact into another output dir or remove it",
                                         path=target)
     refuse_committed()
+    made = toolargs.missing_dirs(storage, out_dir)  # removed again (when empty) if the compaction fails
     storage.makedirs(out_dir)
+    try:
+        _compact_locked(src, storage, out_dir, target, refuse_committed)
+    except BaseException:
+        toolargs.undo_writes(storage, [], made)  # after the lock's release: its file is gone
+        raise
+    return target
+
+
+def _compact_locked(src: CheckpointSource, storage: Storage, out_dir: str, target: str,
+                    refuse_committed: Callable[[], None]) -> None:
+    """compact's writes into `out_dir`, under its writer lock: the checkpoint `target`, then the list
+    naming it; nothing of a failed compaction stays in `target`."""
+    ckpt_id = storage.split(target)[1]
     lock = hold_writer_lock(None, storage, out_dir)
     created = committed = False
     try:
@@ -81,7 +95,6 @@ def compact(ckpt: str, out_dir: str) -> str:
     finally:
         if lock is not None:
             lock.release()
-    return target
 
 
 def _write(src: CheckpointSource, storage, target: str, lock: Optional[WriterLock]) -> index_mod.Index:

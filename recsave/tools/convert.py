@@ -26,7 +26,7 @@ from recsave.load.sources import CheckpointSource, open_source
 from recsave.load.torch_sources import TorchStateSource
 from recsave.save.pipeline import CheckpointWriter
 from recsave.save.snapshot import SaveState, TableState
-from recsave.storage import get_storage
+from recsave.storage import Storage, get_storage
 from recsave.tables import partition
 from recsave.tables.rows import META_COLUMNS
 from recsave.tools import toolargs
@@ -92,17 +92,17 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
                     writer.abort()
                 raise
 
-        parent = storage.split(dst.rstrip("/"))[0]
-        made = toolargs.missing_dirs(storage, parent) if parent else []
-        if parent:
-            storage.makedirs(parent)  # as every other tool makes its destination's parents
+        parents = _missing_parents(storage, dst)
+        if parents:
+            storage.makedirs(parents[-1])  # as every other tool makes its destination's parents
         try:
             storage.write_stream(dst, produce)
         except BaseException:
-            toolargs.undo_writes(storage, [], made)
+            toolargs.undo_writes(storage, [], parents)
             raise
     else:
         created = not storage.exists(dst)
+        parents = _missing_parents(storage, dst)
         try:
             write_dcp(dst, _parts(source, names, dense, concurrency))
         except BaseException:  # leave dst as it was: absent, or the empty directory it was
@@ -113,8 +113,16 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
                     for entry in storage.listdir(dst):
                         path = storage.join(dst, entry)
                         storage.remove_tree(path) if storage.isdir(path) else storage.remove_file(path)
+            toolargs.undo_writes(storage, [], parents)
             raise
     return dst
+
+
+def _missing_parents(storage: Storage, dst: str) -> List[str]:
+    """The parents of `dst` that do not exist yet, outermost first: made by the write, removed again
+    (when empty) if it fails."""
+    parent = storage.split(dst.rstrip("/"))[0]
+    return toolargs.missing_dirs(storage, parent) if parent else []
 
 
 def _split(source: Any, tables: Optional[Sequence[str]]) -> Tuple[List[str], List[str]]:
@@ -316,6 +324,7 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
     state = SaveState(states, {k: model[k] for k in dense}, {}, {})
     storage = get_storage(dst)
     created = not storage.exists(dst)
+    parents = _missing_parents(storage, dst)
     writer = CheckpointWriter(storage, dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
     try:
         try:
@@ -327,4 +336,5 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
         if created and local is not None:  # one step that only removes an empty directory, never
             with contextlib.suppress(OSError):  # files another writer put there meanwhile
                 os.rmdir(local)
+        toolargs.undo_writes(storage, [], parents)
         raise
