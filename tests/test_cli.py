@@ -557,3 +557,12 @@ def test_ls_of_a_checkpoint_directory_says_so(output_dir, capsys):
     assert main(["ls", str(output_dir / "ckpt_4")]) == 2
     err = capsys.readouterr().err
     assert "is a checkpoint directory, not an output dir" in err and str(output_dir) in err
+
+
+def test_a_warning_is_one_line_on_stderr(output_dir, capsys):
+    """gc of an output dir whose list was lost: the rebuild's warning reads as recsave's errors do,
+    not as Python's `file:line: RuntimeWarning` with a source line."""
+    os.remove(output_dir / "checkpoint")
+    assert main(["gc", str(output_dir)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("recsave: warning: ") and "is missing; rebuilt the list" in err[0]

@@ -24,7 +24,8 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, cast
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 from recsave.errors import CorruptCheckpointError, RecsaveError, StorageError, UsageError
 from recsave.version import __version__
@@ -402,6 +403,18 @@ def _error(args: argparse.Namespace, exc: BaseException, message: str, code: int
     return code
 
 
+@contextlib.contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """A warning a command meets (a rebuilt `checkpoint` list, a dropped stale id) is one line on
+    stderr, `recsave: warning: <message>`, as errors are: not Python's file:line and source line."""
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        print(f"recsave: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 1 damage found, 2 usage error / not
     found / other recsave error, 3 I/O error, 130 interrupted)."""
@@ -414,7 +427,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as exc:  # the arguments did not parse: --json is taken as given
         return _error(argparse.Namespace(json=_asks_for_json(parser, argv)), exc, str(exc), EXIT_ERROR)
     try:
-        return int(args.handler(args) or EXIT_OK)
+        with _warnings_as_lines():
+            return int(args.handler(args) or EXIT_OK)
     except CorruptCheckpointError as exc:
         return _error(args, exc, str(exc), EXIT_DAMAGED)
     except StorageError as exc:
