@@ -100,6 +100,8 @@ def test_a_feed_is_refused_as_a_table_to_load(two, tmp_path):
     job = make_job(str(tmp_path / "job"))
     with pytest.raises(UsageError, match="is part of an export_delta feed .*, not a table"):
         job.saver.load(str(tmp_path / "feed" / "item"), load_conf={"strict": False})
+    with pytest.raises(UsageError, match="is an export_delta feed .*not a checkpoint or a table"):
+        job.saver.load(str(tmp_path / "feed"), load_conf={"strict": False})  # its top folder
     # Rewritten without its metadata (a pandas or Spark round trip drops it) the feed is still
     # refused, by its string `op` and integer `step` columns; renamed, they are a table's columns.
     t = pq.read_table(str(tmp_path / "feed" / "item" / "part-00000.parquet")).replace_schema_metadata(None)

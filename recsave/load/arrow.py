@@ -15,6 +15,7 @@ from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, Recs
 from recsave.format.dtypes import BY_NAME
 
 MANIFEST = "recsave_export.json"
+DELTA_MANIFEST = "recsave_delta.json"  # an export_delta feed's (tools/deltafeed.py): changes, not tables
 FORMAT = "recsave.parquet"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20

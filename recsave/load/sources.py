@@ -335,6 +335,7 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
                                           path=path)
         ckpt_dir = storage.join(path, ids[-1])
     else:
+        from recsave.load.arrow import DELTA_MANIFEST
         from recsave.load.parquet import is_parquet_source
         from recsave.load.torch_sources import open_torch_source
 
@@ -343,6 +344,10 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
         torch_source = open_torch_source(storage, path)
         if torch_source is not None:
             return torch_source
+        if storage.exists(storage.join(path, DELTA_MANIFEST)):
+            raise UsageError(f"{path} is an export_delta feed (upserts and deletes since another checkpoint), "
+                             f"not a checkpoint or a table; load the checkpoint itself or a to_parquet export "
+                             f"of it", path=path)
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here (no 'checkpoint' file, no index, no Parquet, no "
             f"torch.save file, no DCP .metadata); check the path, or save a checkpoint first", path=path)

@@ -20,7 +20,7 @@ import torch
 from recsave import argcheck, knobs
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
-from recsave.load.arrow import DTYPE_KEY, arrow_errors, arrow_type, table_dir_name, to_arrow
+from recsave.load.arrow import DELTA_MANIFEST, DTYPE_KEY, arrow_errors, arrow_type, table_dir_name, to_arrow
 from recsave.load.config import TableInfo
 from recsave.storage import Storage, get_storage
 from recsave.tables.idmap import CpuIdMap
@@ -29,7 +29,6 @@ from recsave.tools.export import ArrowSink, manifest_head
 
 __all__ = ["export_delta", "DELTA_MANIFEST", "DELTA_FORMAT", "diff_rows"]
 
-DELTA_MANIFEST = "recsave_delta.json"
 DELTA_FORMAT = "recsave.parquet.delta"
 DELTA_FORMAT_VERSION = 1
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
