@@ -229,7 +229,7 @@ def test_ls_json(output_dir, capsys):
 
 
 
-@pytest.mark.parametrize("how", ["gone", "damaged", "version_0", "newer"])
+@pytest.mark.parametrize("how", ["gone", "damaged", "version_0", "kind_at_version_1", "newer"])
 def test_ls_reports_a_listed_checkpoint_it_cannot_read_on_its_line(output_dir, capsys, how):
     """ckpt_2 listed but its directory removed, its index garbled or of a version no recsave
     writes (0), or written by a newer recsave (5): ls still lists ckpt_4, names the problem on
@@ -241,7 +241,10 @@ def test_ls_reports_a_listed_checkpoint_it_cannot_read_on_its_line(output_dir, c
         (output_dir / "ckpt_2" / "index").write_bytes(b"{garbage")
     else:
         raw = read_index_json(output_dir / "ckpt_2")
-        raw["format_version"] = 5 if how == "newer" else 0
+        if how == "kind_at_version_1":  # a kind this recsave does not know, at the version of "full": damage
+            raw = {"format_version": 1, "kind": "sharded", **{k: v for k, v in raw.items() if k != "format_version"}}
+        else:
+            raw["format_version"] = 5 if how == "newer" else 0
         write_index_json(output_dir / "ckpt_2", raw)
     code = 0 if how == "newer" else 1
     assert main(["ls", str(output_dir)]) == code
@@ -253,11 +256,14 @@ def test_ls_reports_a_listed_checkpoint_it_cannot_read_on_its_line(output_dir, c
     assert first["id"] == "ckpt_2" and first["step"] is None and first["damaged"] == (how != "newer")
     assert ("upgrade recsave" in first["problem"]) == (how == "newer")
     assert ("no version any recsave writes" in first["problem"]) == (how == "version_0")
+    assert ("every kind but 'full' has a higher version" in first["problem"]) == (how == "kind_at_version_1")
     assert second["id"] == "ckpt_4" and second["step"] == 4 and second["problem"] is None
     if how == "newer":
         assert main(["verify", str(output_dir / "ckpt_2")]) == 2
         with pytest.raises(recsave.FormatVersionError):
             catalog.verify(str(output_dir / "ckpt_2"))
+    if how == "kind_at_version_1":
+        assert main(["verify", str(output_dir / "ckpt_2")]) == 1
     if how == "version_0":
         assert main(["verify", str(output_dir / "ckpt_2")]) == 1
         (problem,) = catalog.verify(str(output_dir / "ckpt_2"))
@@ -559,10 +565,15 @@ def test_ls_of_a_checkpoint_directory_says_so(output_dir, capsys):
     assert "is a checkpoint directory, not an output dir" in err and str(output_dir) in err
 
 
-def test_a_warning_is_one_line_on_stderr(output_dir, capsys):
+def test_a_warning_is_one_line_on_stderr(output_dir):
     """gc of an output dir whose list was lost: the rebuild's warning reads as recsave's errors do,
-    not as Python's `file:line: RuntimeWarning` with a source line."""
+    not as Python's `file:line: RuntimeWarning` with a source line; a caller recording warnings
+    around main() still gets it."""
     os.remove(output_dir / "checkpoint")
-    assert main(["gc", str(output_dir)]) == 0
-    err = capsys.readouterr().err.splitlines()
+    run = subprocess.run([sys.executable, "-m", "recsave.cli", "ls", str(output_dir)], capture_output=True,
+                         text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(recsave.__file__))))
+    assert run.returncode == 0, run.stderr
+    err = run.stderr.splitlines()
     assert len(err) == 1 and err[0].startswith("recsave: warning: ") and "is missing; rebuilt the list" in err[0]
+    with pytest.warns(RuntimeWarning, match="is missing; rebuilt the list"):
+        assert main(["gc", str(output_dir)]) == 0

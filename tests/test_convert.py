@@ -328,3 +328,9 @@ def test_a_failed_conversion_leaves_no_directory_it_made(tmp_path, to):
     with pytest.raises(recsave.CorruptCheckpointError):
         recsave.convert(str(ckpt), str(dst), to)
     assert not (tmp_path / "new").exists()
+    if to == "recsave":  # on an object-store-like file system too
+        from recsave.storage import get_storage
+        remote = f"memory://conv-{uuid.uuid4().hex}/new/nested/out"
+        with pytest.raises(recsave.CorruptCheckpointError):
+            recsave.convert(str(ckpt), remote, to)
+        assert not get_storage(remote).exists(remote.rsplit("/", 2)[0])

@@ -655,3 +655,13 @@ def test_a_parent_index_rewritten_since_makes_the_next_save_full(tmp_path):
     job.step(batch=4)
     job.saver.save("c", incremental=True)
     assert job.saver.last_save_kind == "full"
+
+
+
+def test_the_destination_walk_stops_at_the_root_not_the_working_directory(chain_dir, tmp_path, monkeypatch):
+    """Run from inside a checkpoint directory: the walk up an absolute destination's parents ends
+    at "/", never at the working directory (splitting "" gave it), so the destination is taken."""
+    out, _ = chain_dir
+    monkeypatch.chdir(os.path.join(out, "ckpt_0"))
+    path = recsave.compact(os.path.join(out, "ckpt_2"), str(tmp_path / "elsewhere"))
+    assert os.path.exists(os.path.join(path, "index"))

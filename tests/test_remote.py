@@ -585,3 +585,20 @@ def test_tools_never_ask_above_the_bucket(tmp_path):
     assert recsave.compact(ckpt, f"{root}/compacted") == f"{root}/compacted/ckpt_1"
     assert recsave.export_serving(ckpt, f"{root}/serve") == f"{root}/serve/ckpt_1"
     assert [p for p in probes if not p.startswith("mine")] == []
+
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_remove_empty_dir_removes_only_an_empty_directory(tmp_path, where):
+    """What a failed tool uses to remove the directories it made: one step that never takes a file
+    another writer put there meanwhile (a check, then a recursive removal, could)."""
+    root = str(tmp_path) if where == "local" else f"memory://red-{uuid.uuid4().hex}"
+    storage = get_storage(root)
+    full, empty = storage.join(root, "full"), storage.join(root, "empty")
+    storage.makedirs(full)
+    storage.makedirs(empty)
+    storage.write_atomic(storage.join(full, "theirs"), b"x")
+    storage.remove_empty_dir(full)
+    storage.remove_empty_dir(empty)
+    storage.remove_empty_dir(storage.join(root, "never-there"))
+    assert storage.exists(storage.join(full, "theirs")) and not storage.exists(empty)

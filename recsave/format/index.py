@@ -137,6 +137,9 @@ def validate(index: Any, path: str) -> Index:
     kind = index.get("kind", KIND_FULL)
     if not isinstance(kind, str):
         raise checks.corrupt(path, f"kind must be a string, found {kind!r}")
+    if kind not in KINDS and version <= FORMAT_VERSION:  # a new kind comes with a new version: damage
+        raise checks.corrupt(path, f"checkpoint kind {kind!r} with format_version {version}: every kind but "
+                                   f"'full' has a higher version")
     if kind not in KINDS:
         raise FormatVersionError(f"{path}: checkpoint kind {kind!r} is not supported by recsave {__version__} "
                                  f"(reads {list(KINDS)}); upgrade recsave to read this checkpoint", path=path)

@@ -116,6 +116,8 @@ def check_kind(idx: dict, path: str) -> str:
     version, kind = idx["format_version"], idx.get("kind", "full")
     if not isinstance(kind, str):
         raise corrupt(path, f"kind must be a string, got {kind!r:.80}")
+    if kind not in KIND_VERSIONS and version <= FORMAT_VERSION:  # new kinds come with new versions
+        raise corrupt(path, f"checkpoint kind {kind!r:.80} at format_version {version}: damage")
     if kind not in KIND_VERSIONS:
         raise FormatVersionError(f"{path}: unknown checkpoint kind {kind!r:.80} (this reader knows "
                                  f"{sorted(KIND_VERSIONS)}); upgrade recsave to read it", path=path)

@@ -113,6 +113,11 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def remove_tree(self, path: str) -> None: ...
 
+    @abc.abstractmethod
+    def remove_empty_dir(self, path: str) -> None:
+        """Removes directory `path` only if it is empty, in one step (a file another writer puts
+        there meanwhile is never lost); nothing otherwise, and no error."""
+
     def move_tree_aside(self, path: str, to: str) -> bool:
         """Moves directory `path` to `to` (a new name on the same storage, whose parent this
         creates) when that is one cheap atomic step, so that a slow removal of `to` can follow off

@@ -79,6 +79,10 @@ class LocalStorage(Storage):
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
+    def remove_empty_dir(self, path: str) -> None:
+        with contextlib.suppress(OSError):  # not empty, gone, or not a directory
+            os.rmdir(path)
+
     def move_tree_aside(self, path: str, to: str) -> bool:
         """A rename: unlinking a large checkpoint's files frees its page cache (tens of ms per GB)."""
         try:

@@ -118,6 +118,15 @@ class FsspecStorage(Storage):
         with contextlib.suppress(FileNotFoundError):
             retry.call("removing", path, lambda: self.fs.rm(path, recursive=True))
 
+    def remove_empty_dir(self, path: str) -> None:
+        # Pseudo-directories (memory://, markers) refuse a non-empty rmdir; object stores have no
+        # directories to remove.
+        if self._local is not None:
+            self._local.remove_empty_dir(self._local_path(path))
+            return
+        with contextlib.suppress(OSError, ValueError, NotImplementedError):
+            self.fs.rmdir(path)
+
     def _remove_tree_one_by_one(self, path: str) -> None:
         """remove_tree of a path holding `*`, `?` or `[`: fsspec's rm expands patterns (a directory
         named run[ab] would match runa too), and escaping them is not honoured by every fsspec

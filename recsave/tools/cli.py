@@ -407,11 +407,13 @@ def _error(args: argparse.Namespace, exc: BaseException, message: str, code: int
 def _warnings_as_lines() -> Iterator[None]:
     """A warning a command meets (a rebuilt `checkpoint` list, a dropped stale id) is one line on
     stderr, `recsave: warning: <message>`, as errors are: not Python's file:line and source line."""
-    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        print(f"recsave: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    def one_line(message: Any, category: Any, filename: str, lineno: int, line: Any = None) -> str:
+        return f"recsave: warning: {' '.join(str(message).split())}\n"
 
+    # The format, not showwarning: a caller's catch_warnings(record=True) or logging.captureWarnings
+    # still receives the warnings (they format them this way).
     with warnings.catch_warnings():
-        warnings.showwarning = show
+        warnings.formatwarning = one_line
         yield
 
 

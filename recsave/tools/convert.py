@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
-import os
 import pickle
 import warnings
 from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -332,9 +331,6 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
         finally:
             writer.close()
     except BaseException:  # the writer removed its checkpoint directory; the output dir it made goes too
-        local = storage.local_path(dst)
-        if created and local is not None:  # one step that only removes an empty directory, never
-            with contextlib.suppress(OSError):  # files another writer put there meanwhile
-                os.rmdir(local)
-        toolargs.undo_writes(storage, [], parents)
+        # (only when empty, in one step: never files another writer put there meanwhile)
+        toolargs.undo_writes(storage, [], parents + ([dst] if created else []))
         raise

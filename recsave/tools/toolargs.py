@@ -79,8 +79,7 @@ def undo_writes(storage: Storage, written: Sequence[str], created: Sequence[str]
             storage.remove_file(path)
     for path in reversed(created):
         with contextlib.suppress(Exception):
-            if storage.exists(path) and not storage.listdir(path):
-                storage.remove_tree(path)
+            storage.remove_empty_dir(path)
 
 
 def refuse_source_dirs(src: Any, storage: Storage, dst: str, where: str, into: str,
@@ -109,7 +108,10 @@ def _checkpoint_holding(storage: Storage, path: str) -> Optional[str]:
     (`s3://bucket` is the last level asked: `s3://index` would be another owner's bucket), and at a
     level it may not read (a permission error is no checkpoint of this job's)."""
     for _ in range(256):  # deeper than any real path; a storage whose split never ends stops here
-        parent, name = storage.split(path.rstrip("/"))
+        if not path.rstrip("/"):  # the file system's root: split("") would be the working directory
+            parent, name = "", ""
+        else:
+            parent, name = storage.split(path.rstrip("/"))
         try:
             if storage.exists(storage.join(path, INDEX_FILE)) and ckptlist.holds_valid_index(storage, parent, name):
                 return path
