@@ -385,3 +385,38 @@ def test_cli_in_process_errors(ckpt, tmp_path, capsys):
     assert main(["export", ckpt, str(tmp_path / "o"), "--row-group-rows", "0"]) == 2
     assert main(["--version"]) == 0
     assert recsave.__version__ in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_warm_start_from_an_export_with_slots_takes_the_optimizer_step_counts(tmp_path, recorded):
+    """to_parquet records each table's sparse optimizer step count; a bank entry that loads a table
+    with its slots from the export resumes Adam's bias correction at that count (at 0, the trained
+    m and v would be corrected as if new). An export without the counts (an older recsave's) gives
+    0, as before."""
+    from recsave.optim import SparseAdam
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = recsave.HashTable(4, name="user")
+
+    src = M()
+    opt = SparseAdam(src, lr=0.01)
+    for _ in range(3):
+        src.user(torch.arange(10)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    recsave.Saver(src, sparse_optim=opt, output_dir=str(tmp_path / "run")).save("ckpt_3")
+    manifest = to_parquet(str(tmp_path / "run"), str(tmp_path / "export"))
+    assert manifest["tables"]["user"]["optimizer_steps"] == 3
+    if not recorded:
+        del manifest["tables"]["user"]["optimizer_steps"]
+        (tmp_path / "export" / MANIFEST).write_text(json.dumps(manifest))
+    dst = M()
+    dopt = SparseAdam(dst, lr=0.01)
+    report = recsave.Saver(dst, sparse_optim=dopt, output_dir=str(tmp_path / "dst")).load_model_bank(
+        [{"path": str(tmp_path / "export"), "exclude": ["sparse_optim"]}])  # the export has tables only
+    assert sorted(report.loaded) == ["user", "user@adam_m", "user@adam_v"]
+    assert dopt.steps == {"user": 3 if recorded else 0}
+    ids = torch.arange(10)
+    assert torch.equal(dst.user.export(ids)[2]["adam_m"], src.user.export(ids)[2]["adam_m"])

@@ -59,7 +59,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
         for slots_only in (False, True):
             for src, p, w in zip(ex.sources, ex.plans, won):
                 _stage_tables(target, tx, src, p, w, ex.rank, ex.world, plan, report, slots_only)
-        counts = _step_counts(target, slotted, won, [p.conf.hashtable_clear for p in ex.plans], pt_files)
+        counts = _step_counts(target, slotted, ex.sources, won, [p.conf.hashtable_clear for p in ex.plans], pt_files)
         for src, w, files in zip(ex.sources, won, pt_files):
             _stage_small(target, tx, src, w, files, ex.rank, ex.world, plan, report, extra_data, counts)
         if counts is not None and not any(SPARSE_OPTIM in w for w in won) \
@@ -133,15 +133,19 @@ def _pt_files_needed(src: Any, won: Won, slotted: Set[str]) -> List[str]:
     return files
 
 
-def _source_counts(files: Dict[str, Any]) -> Optional[Dict[str, int]]:
-    """The per-table step counts of a source's sparse optimizer (in its extra.pt), if read."""
+def _source_counts(src: Any, files: Dict[str, Any]) -> Optional[Dict[str, int]]:
+    """The per-table step counts of a source's sparse optimizer: in its extra.pt, if read, or in a
+    Parquet export's manifest (`optimizer_steps`)."""
     state = files.get("extra.pt", {}).get(SPARSE_OPTIM)
     counts = state.get("steps") if isinstance(state, dict) else None
-    return counts if isinstance(counts, dict) else None
+    if isinstance(counts, dict):
+        return counts
+    recorded = getattr(src, "optimizer_steps", None)
+    return recorded() if callable(recorded) else None
 
 
-def _step_counts(target: LoadTarget, slotted: Set[str], won: Sequence[Won], clears: Sequence[bool],
-                 pt_files: Sequence[Dict[str, Any]]) -> Optional[Dict[str, int]]:
+def _step_counts(target: LoadTarget, slotted: Set[str], sources: Sequence[Any], won: Sequence[Won],
+                 clears: Sequence[bool], pt_files: Sequence[Dict[str, Any]]) -> Optional[Dict[str, int]]:
     """The sparse optimizer's per-table step counts after this load. A count goes with the
     optimizer state it belongs to (Adagrad's lr_decay and Adam's bias correction read it): the
     slots of a table with slots (`slotted`), else the table's rows. In the order staging applies
@@ -158,8 +162,8 @@ def _step_counts(target: LoadTarget, slotted: Set[str], won: Sequence[Won], clea
     if not isinstance(live, dict):
         return None
     counts = dict(live)
-    sources = [_source_counts(files) for files in pt_files]
-    for w, clear, source_counts in zip(won, clears, sources):
+    counted = [_source_counts(src, files) for src, files in zip(sources, pt_files)]
+    for w, clear, source_counts in zip(won, clears, counted):
         if not clear:  # a merge: the live rows (and slots) stay, so do the counts
             continue
         for name, (category, source) in w.items():
@@ -169,7 +173,7 @@ def _step_counts(target: LoadTarget, slotted: Set[str], won: Sequence[Won], clea
                 counts[name] = 0
             elif source_counts is not None and source in source_counts:
                 counts[name] = source_counts[source]
-    for w, source_counts in zip(won, sources):
+    for w, source_counts in zip(won, counted):
         for name, (category, source) in w.items():
             table, source_table = name.partition("@")[0], source.partition("@")[0]
             if category == "sparse_opt" and name != SPARSE_OPTIM and table in counts \

@@ -195,6 +195,8 @@ class ParquetSource:
             raise CheckpointNotFoundError(f"{path} does not exist; give a to_parquet output directory, a "
                                           f"Parquet file or a directory of Parquet files", path=path)
         self.step: Optional[int] = None  # the exported checkpoint's step (exports only)
+        # its sparse optimizer's step count per table, when the export recorded them (exports only)
+        self.optimizer_steps: Optional[Dict[str, int]] = None
         if storage.isdir(path, follow_links=True):
             self._files = _Files(path, storage)
             if storage.exists(self._files.show(MANIFEST)):
@@ -227,6 +229,10 @@ class ParquetSource:
                 raise FormatVersionError(f"{where}: format_version {m.get('format_version')!r} is not "
                                          f"{FORMAT_VERSION}; upgrade recsave or re-export", path=where)
             self._tables = {str(name): _manifest_table(t) for name, t in m["tables"].items()}
+            steps = {str(name): t["optimizer_steps"] for name, t in m["tables"].items() if "optimizer_steps" in t}
+            if any(type(v) is not int or v < 0 for v in steps.values()):
+                raise ValueError(f"optimizer_steps must be ints >= 0, got {steps}")
+            self.optimizer_steps = steps or None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if isinstance(exc, RecsaveError):
                 raise

@@ -293,6 +293,10 @@ class ParquetBankSource:
     def step(self) -> Optional[int]:
         return self._pq.step
 
+    def optimizer_steps(self) -> Optional[Dict[str, int]]:
+        """The exported checkpoint's sparse optimizer step count per table (its manifest), if recorded."""
+        return self._pq.optimizer_steps
+
     def meta_columns(self, table: str) -> List[str]:
         return []  # an export holds no row metadata
 

@@ -24,7 +24,7 @@ from recsave.load.arrow import (
     table_dir_name,
     to_arrow,
 )
-from recsave.load.config import TableInfo
+from recsave.load.config import SPARSE_OPTIM, TableInfo
 from recsave.load.parquet import ParquetSource, is_parquet_source
 from recsave.storage import Storage, get_storage
 from recsave.tools import toolargs
@@ -70,6 +70,9 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         for name in names:
             entries[name] = _export_table(src, name, available[name], storage, out_dir, written, created,
                                           row_group_rows, rows_per_file, progress)
+        for name, steps in _optimizer_steps(src).items():
+            if name in entries:
+                entries[name]["optimizer_steps"] = steps
         manifest = {**manifest_head(FORMAT, FORMAT_VERSION), "source": src.ckpt_dir, "step": src.index.step,
                     "tables": entries}
         storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
@@ -85,6 +88,19 @@ def manifest_head(fmt: str, version: int) -> Dict[str, Any]:
     return {"format": fmt, "format_version": version, "recsave_version": __version__,
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
             "export_id": uuid.uuid4().hex}
+
+
+def _optimizer_steps(src: Any) -> Dict[str, int]:
+    """The checkpoint's sparse optimizer step count of each table (its extra.pt), {} without one: an
+    export with slots carries them, so a warm start from it resumes Adagrad's lr_decay and Adam's
+    bias correction where the slots were, not at step 0."""
+    if SPARSE_OPTIM not in getattr(src.contents, "extras", ()):
+        return {}
+    state = src.read_pt("extra.pt").get(SPARSE_OPTIM)
+    steps = state.get("steps") if isinstance(state, dict) else None
+    if not isinstance(steps, dict):
+        return {}
+    return {str(k): v for k, v in steps.items() if type(v) is int and v >= 0}
 
 
 def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_dir: str, written: List[str],
