@@ -420,3 +420,20 @@ def test_a_warm_start_from_an_export_with_slots_takes_the_optimizer_step_counts(
     assert dopt.steps == {"user": 3 if recorded else 0}
     ids = torch.arange(10)
     assert torch.equal(dst.user.export(ids)[2]["adam_m"], src.user.export(ids)[2]["adam_m"])
+
+
+
+def test_an_unreadable_extra_pt_costs_the_export_its_step_counts_not_its_tables(tmp_path):
+    """The step counts come from extra.pt, read after the tables: a damaged one is a warning and an
+    export without `optimizer_steps`, not a failed export."""
+    job = make_job(str(tmp_path / "run"))
+    job.train(2)
+    ckpt = job.saver.save("ckpt_2")
+    with open(os.path.join(ckpt, "extra.pt"), "r+b") as f:
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.warns(RuntimeWarning, match="step counts are not exported"):
+        manifest = to_parquet(ckpt, str(tmp_path / "export"))
+    assert manifest["tables"] and all("optimizer_steps" not in t for t in manifest["tables"].values())

@@ -588,10 +588,29 @@ def test_tools_never_ask_above_the_bucket(tmp_path):
 
 
 
-@pytest.mark.parametrize("where", ["local", "memory"])
-def test_remove_empty_dir_removes_only_an_empty_directory(tmp_path, where):
+@pytest.mark.parametrize("where", ["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def test_remove_empty_dir_removes_only_an_empty_directory(tmp_path, where, request):
     """What a failed tool uses to remove the directories it made: one step that never takes a file
-    another writer put there meanwhile (a check, then a recursive removal, could)."""
+    another writer put there meanwhile (a check, then a recursive removal, could). On S3 a bucket
+    is the one directory there is: removed when empty (a failed export made it), never with
+    objects in it, and never an error."""
+    if where == "s3":
+        request.getfixturevalue("moto_server")
+        import s3fs
+        _clear_fs_caches()
+        fs, bucket = s3fs.S3FileSystem(), f"recsave-{uuid.uuid4().hex[:16]}"
+        full_bucket, empty_bucket = f"{bucket}-full", f"{bucket}-empty"
+        fs.mkdir(full_bucket)
+        fs.mkdir(empty_bucket)
+        fs.pipe(f"{full_bucket}/theirs", b"x")
+        storage = get_storage(f"s3://{full_bucket}")
+        storage.remove_empty_dir(f"s3://{full_bucket}")
+        storage.remove_empty_dir(f"s3://{empty_bucket}")
+        storage.remove_empty_dir(f"s3://{full_bucket}/not-a-directory")
+        _clear_fs_caches()
+        assert s3fs.S3FileSystem().exists(f"{full_bucket}/theirs")
+        assert not s3fs.S3FileSystem().exists(empty_bucket)
+        return
     root = str(tmp_path) if where == "local" else f"memory://red-{uuid.uuid4().hex}"
     storage = get_storage(root)
     full, empty = storage.join(root, "full"), storage.join(root, "empty")

@@ -119,13 +119,13 @@ class FsspecStorage(Storage):
             retry.call("removing", path, lambda: self.fs.rm(path, recursive=True))
 
     def remove_empty_dir(self, path: str) -> None:
-        # Pseudo-directories (memory://, markers) refuse a non-empty rmdir; object stores have no
-        # directories to remove.
+        # Pseudo-directories (memory://, markers) refuse a non-empty rmdir, as S3 refuses to delete
+        # a bucket that holds objects; below a bucket an object store has no directories to remove.
         if self._local is not None:
             self._local.remove_empty_dir(self._local_path(path))
             return
-        with contextlib.suppress(OSError, ValueError, NotImplementedError):
-            self.fs.rmdir(path)
+        with contextlib.suppress(Exception):  # not empty, gone, or not removable: left as it is
+            self.fs.rmdir(self._local_path(path))  # s3fs hands the path to DeleteBucket: no scheme
 
     def _remove_tree_one_by_one(self, path: str) -> None:
         """remove_tree of a path holding `*`, `?` or `[`: fsspec's rm expands patterns (a directory

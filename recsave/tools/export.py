@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
+import warnings
 from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 
 from recsave import argcheck, knobs
 from recsave.argcheck import check
-from recsave.errors import CorruptCheckpointError, UsageError
+from recsave.errors import CorruptCheckpointError, RecsaveError, UsageError
 from recsave.format.reader import read_tensors
 from recsave.load.arrow import (
     DTYPE_KEY,
@@ -70,7 +71,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         for name in names:
             entries[name] = _export_table(src, name, available[name], storage, out_dir, written, created,
                                           row_group_rows, rows_per_file, progress)
-        for name, steps in _optimizer_steps(src).items():
+        for name, steps in _optimizer_steps(src, {n: available[n] for n in names}).items():
             if name in entries:
                 entries[name]["optimizer_steps"] = steps
         manifest = {**manifest_head(FORMAT, FORMAT_VERSION), "source": src.ckpt_dir, "step": src.index.step,
@@ -90,13 +91,22 @@ def manifest_head(fmt: str, version: int) -> Dict[str, Any]:
             "export_id": uuid.uuid4().hex}
 
 
-def _optimizer_steps(src: Any) -> Dict[str, int]:
+def _optimizer_steps(src: Any, tables: Dict[str, TableInfo]) -> Dict[str, int]:
     """The checkpoint's sparse optimizer step count of each table (its extra.pt), {} without one: an
     export with slots carries them, so a warm start from it resumes Adagrad's lr_decay and Adam's
-    bias correction where the slots were, not at step 0."""
-    if SPARSE_OPTIM not in getattr(src.contents, "extras", ()):
+    bias correction where the slots were, not at step 0. Read only when an exported table has
+    slots (extra.pt holds every extra: it may be large); an extra.pt that cannot be read costs the
+    export its counts (a warning), not the tables."""
+    if SPARSE_OPTIM not in getattr(src.contents, "extras", ()) or not any(t.slots for t in tables.values()):
         return {}
-    state = src.read_pt("extra.pt").get(SPARSE_OPTIM)
+    try:
+        extra = src.read_pt("extra.pt")
+    except (RecsaveError, OSError) as exc:
+        warnings.warn(f"{src.ckpt_dir}: the sparse optimizer's step counts are not exported ({type(exc).__name__}: "
+                      f"{exc}); a warm start from the export counts its tables' steps from 0", RuntimeWarning,
+                      stacklevel=3)
+        return {}
+    state = extra.get(SPARSE_OPTIM) if isinstance(extra, dict) else None
     steps = state.get("steps") if isinstance(state, dict) else None
     if not isinstance(steps, dict):
         return {}
