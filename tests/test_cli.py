@@ -577,3 +577,10 @@ def test_a_warning_is_one_line_on_stderr(output_dir):
     assert len(err) == 1 and err[0].startswith("recsave: warning: ") and "is missing; rebuilt the list" in err[0]
     with pytest.warns(RuntimeWarning, match="is missing; rebuilt the list"):
         assert main(["gc", str(output_dir)]) == 0
+    # With warnings made errors (python -W error) the warning is the command's error: one line, exit 2.
+    os.remove(output_dir / "checkpoint")
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "recsave.cli", "ls", str(output_dir)],
+                         capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(recsave.__file__))))
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("recsave: error: RuntimeWarning: ") and "is missing" in run.stderr

@@ -409,6 +409,13 @@ def test_a_warm_start_from_an_export_with_slots_takes_the_optimizer_step_counts(
     recsave.Saver(src, sparse_optim=opt, output_dir=str(tmp_path / "run")).save("ckpt_3")
     manifest = to_parquet(str(tmp_path / "run"), str(tmp_path / "export"))
     assert manifest["tables"]["user"]["optimizer_steps"] == 3
+    for bad in (-1, 1 << 63, 2.0, "3"):  # a hand-edited manifest: refused, naming the field
+        edited = json.loads(json.dumps(manifest))
+        edited["tables"]["user"]["optimizer_steps"] = bad
+        (tmp_path / "export" / MANIFEST).write_text(json.dumps(edited))
+        with pytest.raises(CorruptCheckpointError, match="optimizer_steps"):
+            ParquetSource(str(tmp_path / "export"))
+    (tmp_path / "export" / MANIFEST).write_text(json.dumps(manifest))
     if not recorded:
         del manifest["tables"]["user"]["optimizer_steps"]
         (tmp_path / "export" / MANIFEST).write_text(json.dumps(manifest))

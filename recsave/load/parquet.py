@@ -230,8 +230,8 @@ class ParquetSource:
                                          f"{FORMAT_VERSION}; upgrade recsave or re-export", path=where)
             self._tables = {str(name): _manifest_table(t) for name, t in m["tables"].items()}
             steps = {str(name): t["optimizer_steps"] for name, t in m["tables"].items() if "optimizer_steps" in t}
-            if any(type(v) is not int or v < 0 for v in steps.values()):
-                raise ValueError(f"optimizer_steps must be ints >= 0, got {steps}")
+            if any(type(v) is not int or not 0 <= v < 1 << 63 for v in steps.values()):
+                raise ValueError(f"optimizer_steps must be ints in [0, 2**63), got {steps}")
             self.optimizer_steps = steps or None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if isinstance(exc, RecsaveError):

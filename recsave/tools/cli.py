@@ -442,6 +442,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  f"{exc.strerror or exc}", EXIT_IO)
     except KeyboardInterrupt as exc:
         return _error(args, exc, "interrupted", EXIT_INTERRUPTED)
+    except Warning as exc:  # a warning made an error (python -W error): reported as errors are
+        return _error(args, exc, f"{type(exc).__name__}: {' '.join(str(exc).split())}", EXIT_ERROR)
 
 
 if __name__ == "__main__":
