@@ -444,10 +444,13 @@ def test_a_lease_watch_stops_a_rank_when_rank_0_stopped_renewing(tmp_path, monke
                                                     r"\(writer_lease_s=0.4;"):
             watch.check()
         assert watch.may_discard()  # within its lease: no other writer can have begun
-    _write_lock(out, renewed_at=time.time() - 0.45)
-    assert not watch.may_discard()  # its lease ran out: another writer may begin at any moment
-    _write_lock(out, renewed_at=time.time() - 0.2)  # renewed within three quarters: rank 1 goes on
-    watch.check()
+    now = time.time()
+    with monkeypatch.context() as m:  # ages exactly as written, however long the reads take on a busy machine
+        m.setattr(time, "time", lambda: now)
+        _write_lock(out, renewed_at=now - 0.45)
+        assert not watch.may_discard()  # its lease ran out: another writer may begin at any moment
+        _write_lock(out, renewed_at=now - 0.2)  # renewed within three quarters: rank 1 goes on
+        watch.check()
 
 
 def test_a_lease_watch_finds_a_lock_gone_after_it_saw_it_lost(tmp_path):
