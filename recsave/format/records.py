@@ -169,42 +169,34 @@ class Chunk:
 
     def segment_bounds(self) -> List[Tuple[int, int]]:
         """(begin, end) byte ranges of the checksum segments, relative to the chunk."""
-        length = self.length
-        if self.segment_bytes is not None:
-            step = self.segment_bytes
-            if length == 0:
-                return [(0, 0)]
-            return [(b, min(b + step, length)) for b in range(0, length, step)]
-        bounds, begin = [], 0
-        for end in self.segment_ends():
-            bounds.append((begin, end))
-            begin = end
-        return bounds
+        begins, ends = self._bound_arrays()
+        return list(zip(begins.tolist(), ends.tolist()))
 
     def segment_ends(self) -> Tuple[int, ...]:
         """End offsets of the explicit or bucket-rule segments, relative to the chunk (() for
         uniform ones)."""
+        return tuple(self._end_array().tolist())
+
+    def _end_array(self) -> np.ndarray:
+        """segment_ends as an int64 array (the bucket rule's straight from the engine)."""
         rule, buckets = self.bucket_segments, self.buckets
         if rule is None or buckets is None:
-            return self.segments or ()
-        return segments.ends(buckets.row_starts, segments.row_bytes_of(buckets.row_starts, self.length), rule)
+            return np.asarray(self.segments or (), dtype=np.int64)
+        return segments.end_array(buckets.row_starts, segments.row_bytes_of(buckets.row_starts, self.length), rule)
+
+    def _bound_arrays(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Begins and ends (uint64, relative to the chunk) of the checksum segments."""
+        if self.segment_bytes is not None:  # a chunk of 0 bytes has one segment, (0, 0)
+            begins = np.arange(0, max(self.length, 1), self.segment_bytes, dtype=np.uint64)
+            return begins, np.minimum(begins + np.uint64(self.segment_bytes), np.uint64(self.length))
+        ends = self._end_array().astype(np.uint64)
+        return np.concatenate([np.zeros(min(len(ends), 1), dtype=np.uint64), ends[:-1]]), ends
 
     def segment_arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """checked_segments as arrays: begins and ends (uint64, relative to the chunk) and CRC32Cs
         (uint32). A whole-tensor read plans thousands of bucket segments per tensor; a Python tuple
         per segment cost a 1 GB restore 13 ms of serial time (benchmarks/README.md)."""
-        length = self.length
-        if self.segment_bytes is not None:  # a chunk of 0 bytes has one segment, (0, 0)
-            begins = np.arange(0, max(length, 1), self.segment_bytes, dtype=np.uint64)
-            ends = np.minimum(begins + np.uint64(self.segment_bytes), np.uint64(length))
-        else:
-            rule, buckets = self.bucket_segments, self.buckets
-            if rule is not None and buckets is not None:
-                raw = segments.end_array(buckets.row_starts, segments.row_bytes_of(buckets.row_starts, length), rule)
-            else:
-                raw = np.asarray(self.segments or (), dtype=np.int64)
-            ends = raw.astype(np.uint64)
-            begins = np.concatenate([np.zeros(min(len(ends), 1), dtype=np.uint64), ends[:-1]])
+        begins, ends = self._bound_arrays()
         crcs = np.asarray(self.crc32c, dtype=np.uint32)
         n = min(len(ends), len(crcs))  # as checked_segments' zip; the index parse checks they agree
         return begins[:n], ends[:n], crcs[:n]
