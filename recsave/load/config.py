@@ -22,6 +22,14 @@ DTYPE_POLICIES = ("error", "cast")
 SPARSE_OPTIM = "sparse_optim"  # extra holding the sparse optimizer's scalar state
 
 
+def sparse_optim_steps(extras: Any) -> Optional[Dict[str, Any]]:
+    """The per-table step counts (`steps`) of the sparse optimizer's state in a checkpoint's
+    decoded extra.pt (extra name -> state), None when it holds none."""
+    state = extras.get(SPARSE_OPTIM) if isinstance(extras, dict) else None
+    steps = state.get("steps") if isinstance(state, dict) else None
+    return steps if isinstance(steps, dict) else None
+
+
 @dataclass(frozen=True)
 class LoadConf:
     path: Optional[str] = None

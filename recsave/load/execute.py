@@ -14,7 +14,7 @@ from recsave.errors import ConfigError
 from recsave.format.chain import IndexIdentity
 from recsave.format.records import KIND_DELTA, KIND_FULL
 from recsave.load import config, contents, merge, shared_reads
-from recsave.load.config import SPARSE_OPTIM, Plan
+from recsave.load.config import SPARSE_OPTIM, Plan, sparse_optim_steps
 from recsave.load.plan import LoadPlan, LoadTarget, Won, plan_entries, table_columns
 from recsave.load.report import LoadedItem, LoadReport, table_rows_read
 from recsave.load.sources import CheckpointSource, chain_dirs
@@ -136,9 +136,8 @@ def _pt_files_needed(src: Any, won: Won, slotted: Set[str]) -> List[str]:
 def _source_counts(src: Any, files: Dict[str, Any]) -> Optional[Dict[str, int]]:
     """The per-table step counts of a source's sparse optimizer: in its extra.pt, if read, or in a
     Parquet export's manifest (`optimizer_steps`)."""
-    state = files.get("extra.pt", {}).get(SPARSE_OPTIM)
-    counts = state.get("steps") if isinstance(state, dict) else None
-    if isinstance(counts, dict):
+    counts = sparse_optim_steps(files.get("extra.pt"))
+    if counts is not None:
         return counts
     recorded = getattr(src, "optimizer_steps", None)
     return recorded() if callable(recorded) else None

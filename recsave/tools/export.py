@@ -25,7 +25,7 @@ from recsave.load.arrow import (
     table_dir_name,
     to_arrow,
 )
-from recsave.load.config import SPARSE_OPTIM, TableInfo
+from recsave.load.config import SPARSE_OPTIM, TableInfo, sparse_optim_steps
 from recsave.load.parquet import ParquetSource, is_parquet_source
 from recsave.storage import Storage, get_storage
 from recsave.tools import toolargs
@@ -106,10 +106,7 @@ def _optimizer_steps(src: Any, tables: Dict[str, TableInfo]) -> Dict[str, int]:
                       f"{exc}); a warm start from the export counts its tables' steps from 0", RuntimeWarning,
                       stacklevel=3)
         return {}
-    state = extra.get(SPARSE_OPTIM) if isinstance(extra, dict) else None
-    steps = state.get("steps") if isinstance(state, dict) else None
-    if not isinstance(steps, dict):
-        return {}
+    steps = sparse_optim_steps(extra) or {}
     return {str(k): v for k, v in steps.items() if type(v) is int and v >= 0}
 
 
