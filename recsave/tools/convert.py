@@ -322,8 +322,7 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
     model = source.read_pt("model.pt") if dense else {}
     state = SaveState(states, {k: model[k] for k in dense}, {}, {})
     storage = get_storage(dst)
-    created = not storage.exists(dst)
-    parents = _missing_parents(storage, dst)
+    made = toolargs.missing_dirs(storage, dst)  # the output dir and its parents this write makes
     writer = CheckpointWriter(storage, dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
     try:
         try:
@@ -332,5 +331,5 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
             writer.close()
     except BaseException:  # the writer removed its checkpoint directory; the output dir it made goes too
         # (only when empty, in one step: never files another writer put there meanwhile)
-        toolargs.undo_writes(storage, [], parents + ([dst] if created else []))
+        toolargs.undo_writes(storage, [], made)
         raise
