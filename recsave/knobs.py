@@ -28,11 +28,13 @@ _MAX_INT = 1 << 62
 
 @dataclass(frozen=True)
 class Knob:
-    """A knob: its environment variable, default, kind (int, float or bool) and smallest value."""
+    """A knob: its environment variable, default, kind (int, float or bool), smallest and largest
+    value."""
     env: str
     default: Any
     kind: type
     lo: Optional[float] = None
+    hi: Optional[float] = None
 
     def check(self, name: str, value: Any) -> Any:
         """`value` if it is of this knob's kind and range, else TypeError / UsageError naming it."""
@@ -44,6 +46,8 @@ class Knob:
                                     f"({type(value).__name__})", key=name)
         if self.lo is not None and not value >= self.lo:  # (NaN is never >= anything)
             raise UsageError(f"knob {name!r} must be >= {self.lo}, got {value!r}", key=name)
+        if self.hi is not None and not value <= self.hi:
+            raise UsageError(f"knob {name!r} must be <= {self.hi}, got {value!r}", key=name)
         # Sizes and counts go into the index (its validator takes integers up to 2**62) and into the
         # engine's 64-bit arguments; a float must be finite.
         if self.kind is int and value > _MAX_INT:
@@ -71,7 +75,7 @@ class Knob:
             raise UsageError(f"environment variable {self.env}={raw!r}: {exc}", key=name) from None
 
 
-# name -> Knob(environment variable, default, kind, smallest value)
+# name -> Knob(environment variable, default, kind, smallest value[, largest value])
 _KNOBS: Dict[str, Knob] = {
     # Bytes covered by one CRC32C in a shard chunk; also the unit of parallel writes.
     "segment_bytes": Knob("RECSAVE_SEGMENT_BYTES", 4 << 20, int, lo=1),
@@ -127,6 +131,10 @@ _KNOBS: Dict[str, Knob] = {
     # `weight` / `slot()` directly must be marked with mark_changed, as for incremental
     # checkpoints). Off: every async save copies every row.
     "stage_changed_rows": Knob("RECSAVE_STAGE_CHANGED_ROWS", False, bool),
+    # Exit status of a process whose async save's background write failed with nobody hearing of
+    # it (no later save, wait(), close() or read of its write future before the interpreter
+    # exits); 0 keeps the interpreter's own status. Read at the async_save call.
+    "async_failure_exit_code": Knob("RECSAVE_ASYNC_FAILURE_EXIT_CODE", 1, int, lo=0, hi=255),
     # Take the writer lock of output_dir when saving (one writing Saver per output dir).
     "writer_lock": Knob("RECSAVE_WRITER_LOCK", True, bool),
 }

@@ -17,12 +17,15 @@ from typing import Any, Callable, Generic, Optional, Tuple, TypeVar
 T = TypeVar("T")
 
 
-def start(fn: Callable[..., T], *args: Any, name: str, daemon: bool = False) -> "Future[T]":
+def start(fn: Callable[..., T], *args: Any, name: str, daemon: bool = False,
+          future: "Optional[Future[T]]" = None) -> "Future[T]":
     """Runs ``fn(*args)`` on a new thread (by default one the interpreter's exit waits for);
-    returns a Future of its result or error. If no thread can be started (a thread limit), or the
-    main thread has ended (the interpreter is shutting down: a non-daemon thread started from an
-    atexit handler would be killed, not waited for), runs it inline."""
-    future: "Future[T]" = Future()
+    returns a Future of its result or error (`future`, a new pending one if not given). If no
+    thread can be started (a thread limit), or the main thread has ended (the interpreter is
+    shutting down: a non-daemon thread started from an atexit handler would be killed, not waited
+    for), runs it inline."""
+    if future is None:
+        future = Future()
     if not daemon and not threading.main_thread().is_alive():
         _settle(future, fn, args)
         return future

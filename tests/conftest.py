@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import recsave.knobs
+from recsave.save import background
 
 
 @pytest.fixture(autouse=True)
@@ -15,6 +16,15 @@ def _no_fsync():
     slow disks; tests that are about durability re-enable it explicitly."""
     with recsave.knobs.override(fsync=False):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _forget_failed_async_writes():
+    """Tests make async writes fail on purpose, and not all of them collect the error: a failure
+    nobody heard of would otherwise set the exit status of the whole pytest process at its exit
+    (knob async_failure_exit_code; tests/test_async_exit.py checks that in processes of its own)."""
+    yield
+    background.forget_unheard_failures()
 
 
 @pytest.fixture(autouse=True)
