@@ -124,8 +124,25 @@ class FsspecStorage(Storage):
         if self._local is not None:
             self._local.remove_empty_dir(self._local_path(path))
             return
+        local = self._local_path(path)  # s3fs hands the path to DeleteBucket: no scheme
+        if self._is_bucket(local):
+            # Never a bucket: the check that says a failed export made it can be wrong (s3fs's
+            # exists() is False on any error, AccessDenied or a dropped connection), and a bucket
+            # deleted gives up its name. An empty bucket left behind costs nothing.
+            return
         with contextlib.suppress(Exception):  # not empty, gone, or not removable: left as it is
-            self.fs.rmdir(self._local_path(path))  # s3fs hands the path to DeleteBucket: no scheme
+            self.fs.rmdir(local)
+
+    def _is_bucket(self, local: str) -> bool:
+        """Whether `local` (no scheme) names a bucket or container itself: fsspec's object stores
+        (s3fs, gcsfs, adlfs) split a path into bucket and key, the key empty for a bucket."""
+        split = getattr(self.fs, "split_path", None)
+        if not callable(split):
+            return False
+        try:
+            return not split(local)[1]
+        except Exception:  # a path the store cannot split: not removed either
+            return True
 
     def _remove_tree_one_by_one(self, path: str) -> None:
         """remove_tree of a path holding `*`, `?` or `[`: fsspec's rm expands patterns (a directory
