@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import recsave.knobs
-from recsave.save import background
+from recsave.save import unheard
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +24,7 @@ def _forget_failed_async_writes():
     nobody heard of would otherwise set the exit status of the whole pytest process at its exit
     (knob async_failure_exit_code; tests/test_async_exit.py checks that in processes of its own)."""
     yield
-    background.forget_unheard_failures()
+    unheard.forget_unheard_failures()
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 
+#include "bindings/bind_exit.h"
 #include "bindings/bind_idmap.h"
 #include "bindings/bind_io.h"
 #include "bindings/bind_table.h"
@@ -55,4 +56,5 @@ PYBIND11_MODULE(_C, m) {
   bind_io(m);
   bind_idmap(m);
   bind_table(m);
+  bind_exit(m);
 }

@@ -1,107 +1,16 @@
-"""The background write of an async save: one at a time, its error kept until someone collects it.
-
-A write that fails where nobody hears of it (no later save, ``wait()``, ``close()`` or read of its
-future before the interpreter exits) would let a job end with status 0 while its last checkpoint
-is missing: the process then exits with the knob ``async_failure_exit_code`` (docs/API.md).
-"""
+"""The background write of an async save: one at a time, its error kept until someone collects it
+(and, until then, the process's exit status: save/unheard.py)."""
 from __future__ import annotations
 
-import atexit
 import logging
-import os
-import sys
-import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from recsave import knobs, threads
+from recsave.save.unheard import WriteFuture, heard, outcome, record
 
 log = logging.getLogger("recsave")
-
-
-@dataclass(frozen=True)
-class UnheardFailure:
-    """A background write that failed and whose error no caller has taken yet."""
-    ckpt_id: str
-    error: str       # "<type>: <message>"
-    exit_code: int   # the knob async_failure_exit_code at the async_save call (0: none)
-    pid: int         # the process whose write it was (a forked child inherits the record)
-
-
-_unheard: Dict[int, UnheardFailure] = {}  # id(write future) -> failure
-_unheard_lock = threading.Lock()
-
-
-class WriteFuture(Future):
-    """The future async_save returns for its write: reading its outcome (``result()`` or
-    ``exception()``) counts as hearing of a failure, as the next save, ``wait()`` or ``close()``
-    does."""
-
-    def result(self, timeout: Optional[float] = None) -> Any:
-        try:
-            return super().result(timeout)
-        finally:
-            if self.done():
-                _heard(self)
-
-    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        exc = super().exception(timeout)
-        _heard(self)
-        return exc
-
-
-def _outcome(future: Future) -> Optional[BaseException]:
-    """The future's error once it is done, without counting as hearing it (WriteFuture)."""
-    return Future.exception(future)
-
-
-def _record_failure(future: Future, ckpt_id: str, exc: BaseException, exit_code: int) -> None:
-    with _unheard_lock:
-        _unheard[id(future)] = UnheardFailure(ckpt_id, f"{type(exc).__name__}: {exc}", exit_code, os.getpid())
-
-
-def _heard(future: Future) -> None:
-    with _unheard_lock:
-        _unheard.pop(id(future), None)
-
-
-def unheard_failures() -> List[UnheardFailure]:
-    """This process's failed background writes whose errors nobody has taken yet (oldest first)."""
-    with _unheard_lock:
-        return [f for f in _unheard.values() if f.pid == os.getpid()]
-
-
-def forget_unheard_failures() -> None:
-    """Drops every record of unheard failures: the interpreter's exit then keeps its own status
-    (for a harness that ran failing jobs on purpose, e.g. a test suite)."""
-    with _unheard_lock:
-        _unheard.clear()
-
-
-@atexit.register
-def _exit_if_unheard() -> None:
-    """At interpreter exit (after its non-daemon threads, the writes among them, have ended):
-    a failure nobody heard of ends the process with its exit code. os._exit is the only way an
-    exit handler can set the status; it skips the exit handlers registered before recsave was
-    imported, so logging and the standard streams are flushed here first."""
-    failures = [f for f in unheard_failures() if f.exit_code]
-    if not failures:
-        return
-    code = failures[-1].exit_code
-    named = "; ".join(f"async_save({f.ckpt_id!r}) failed ({f.error})" for f in failures)
-    message = (f"recsave: exiting with status {code}: the background write of {named}, and no later save, "
-               f"wait(), close() or read of its write future took the error; the previous committed "
-               f"checkpoint is still the latest (knob async_failure_exit_code=0 keeps the interpreter's "
-               f"own exit status)\n")
-    try:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.write(message)
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
 
 
 class BackgroundWrite:
@@ -137,8 +46,8 @@ class BackgroundWrite:
                 return write()
             except BaseException as exc:
                 # Logged when it happens: a job that exits before its next save / wait() / close()
-                # would otherwise never hear of it (and its exit status says so: _exit_if_unheard).
-                _record_failure(future, ckpt_id, exc, exit_code)
+                # would otherwise never hear of it (nor its exit status: save/unheard.py).
+                record(future, ckpt_id, exc, exit_code)
                 log.error("recsave: the background write of async_save(%r) failed (%s: %s); the previous "
                           "committed checkpoint is still the latest; the error is raised by the next save, "
                           "wait() or close()", ckpt_id, type(exc).__name__, exc)
@@ -154,7 +63,7 @@ class BackgroundWrite:
         (the ranks stay in step)."""
         future = WriteFuture()
         future.set_exception(error)
-        _record_failure(future, ckpt_id, error, knobs.get("async_failure_exit_code"))
+        record(future, ckpt_id, error, knobs.get("async_failure_exit_code"))
         self._pending.set((ckpt_id, future))
 
     def collect(self, consume: bool) -> Optional[str]:
@@ -165,13 +74,13 @@ class BackgroundWrite:
         if pending is None:
             return None
         ckpt_id, future = pending
-        exc = _outcome(future)
+        exc = outcome(future)
         if not consume:
             if exc is None:
                 self._pending.set(None)
             return None
         self._pending.set(None)
-        _heard(future)
+        heard(future)
         if exc is not None:
             note = (f"(raised by the background write of async_save({ckpt_id!r}); the previous "
                     f"committed checkpoint is still the latest)")

@@ -324,6 +324,7 @@ class Saver:
         changed rows only, for a delta: `incremental` as in save()).
         """
         start = time.monotonic()
+        knobs.get("async_failure_exit_code")  # a bad value is refused here, not after the snapshot
         args = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics, incremental=incremental,
                                pinned=pinned)
         done: Future = Future()
