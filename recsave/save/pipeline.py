@@ -373,20 +373,26 @@ class CheckpointWriter:
 
             def order(k: int) -> Any:
                 table = state.tables[names[k]]
-                # The first table's order has no write to overlap, and a small table's (a delta's
-                # changed rows) costs less than the thread's start and the GIL hand-overs.
+                # The first table's order has no write to overlap: it runs here, beside the second
+                # table's (started first, so that its thread's start overlaps it too). A small
+                # table's (a delta's changed rows) costs less than a thread's start and the GIL
+                # hand-overs.
                 rows = table.row_count()
                 if k == 0 or (rows is not None and rows < _ORDER_INLINE_ROWS):
                     return threads.run_here(layout_of, names[k], table, rank, world, self.num_buckets)
                 return threads.start(layout_of, names[k], table, rank, world, self.num_buckets,
                                      name="recsave-order")
 
-            upcoming = order(0) if names else None
+            upcoming: Dict[int, Any] = {}  # table number -> future of its layout
+            if len(names) > 1:
+                upcoming[1] = order(1)
             try:
+                if names:
+                    upcoming[0] = order(0)
                 for k, name in enumerate(names):
-                    assert upcoming is not None  # started for every name
-                    layout = upcoming.result()
-                    upcoming = order(k + 1) if k + 1 < len(names) else None
+                    layout = upcoming.pop(k).result()
+                    if k + 1 < len(names) and k + 1 not in upcoming:
+                        upcoming[k + 1] = order(k + 1)
                     fence()  # no file written into a directory another writer may own now
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
@@ -395,8 +401,7 @@ class CheckpointWriter:
                     part = part.joined(table_part)
                 fence()  # before the durable files' renames as the block exits
             except BaseException:
-                if upcoming is not None:  # nothing reads the tables after the save returns
-                    futures_wait([upcoming])
+                futures_wait(list(upcoming.values()))  # nothing reads the tables after the save returns
                 raise
         fence()
         made.files.append(self.storage.join(ckpt_dir, io_state_file(rank)))
