@@ -16,7 +16,8 @@ from recsave.save import background, unheard
 
 # The write fails for real: a file stands where the checkpoint's directory would go.
 JOB = """
-import sys, torch
+import os, sys, torch
+exec(os.environ.get("ASYNC_EXIT_TEST_PRELUDE", ""))
 from recsave import HashTable, Saver, knobs
 table = HashTable(4, name="t")
 table.lookup(torch.arange(1000, dtype=torch.int64), insert=True)
@@ -235,3 +236,14 @@ def test_a_child_forked_while_a_failure_was_being_recorded_does_not_hang():
     proc = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=root), timeout=120)
     assert proc.stdout.strip() == "7", proc.stderr
+
+
+def test_without_an_exit_function_slot_the_failure_says_so(tmp_path):
+    """The interpreter holds 32 Py_AtExit functions: with all taken, the status cannot be set, and
+    the log says that instead of promising it."""
+    fill = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
+            "while ctypes.pythonapi.Py_AtExit(ctypes.cast(libc.getpid, ctypes.c_void_p)) == 0: pass\n")
+    proc = run_job(str(tmp_path / "run"), "pass", "{}", ASYNC_EXIT_TEST_PRELUDE=fill)
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot set the exit status for the failed background write of async_save('ckpt_1')" in proc.stderr
+    assert "exiting with status" not in proc.stderr

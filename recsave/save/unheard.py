@@ -9,6 +9,7 @@ exit handler would skip); the knob ``async_failure_exit_code`` gives it, 0 none 
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from concurrent.futures import Future
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from recsave import _C
+
+log = logging.getLogger("recsave")
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,11 @@ def _arm() -> None:
         return
     code = failures[-1].exit_code
     named = "; ".join(f"async_save({f.ckpt_id!r}) failed ({f.error})" for f in failures)
-    _C.arm_exit_status(code, (
+    armed = _C.arm_exit_status(code, (
         f"recsave: exiting with status {code}: the background write of {named}, and no later save, wait(), "
         f"close() or read of its write future took the error; the previous committed checkpoint is still "
         f"the latest (knob async_failure_exit_code=0 keeps the interpreter's own exit status)\n"))
+    if not armed:  # every Py_AtExit slot of the interpreter is taken (32)
+        log.warning("recsave: cannot set the exit status for the failed background write of async_save(%r): the "
+                    "interpreter has no exit-function slot left; the process will exit with its own status",
+                    failures[-1].ckpt_id)
