@@ -253,13 +253,17 @@ def test_gc_aborts_the_uploads_a_killed_writer_left(remote):
         return
     fs = _fs(remote)
     bucket = remote[len("s3://"):]
+    # Not ours: outside the output dir, another program's file inside it, and a save into an
+    # output dir nested below it.
+    theirs = ["elsewhere/big.bin", "run/logs/tensorboard/events.out", "run/notes.txt",
+              "run/nested/ckpt_9/sparse-0-0.safetensors"]
     begun = {key: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-             for key in ("run/ckpt_4/sparse-0-0.safetensors", "run/ckpt_4/model.pt", "elsewhere/big.bin")}
+             for key in ["run/ckpt_4/sparse-0-0.safetensors", "run/ckpt_4/model.pt", *theirs]}
     time.sleep(1.1)  # the lock's LastModified has whole seconds
     done = catalog.clean_output_dir(out)
     assert done["aborted_uploads"] == ["ckpt_4/model.pt", "ckpt_4/sparse-0-0.safetensors"]
     left = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
-    assert [(u["Key"], u["UploadId"]) for u in left] == [("elsewhere/big.bin", begun["elsewhere/big.bin"])]
+    assert sorted((u["Key"], u["UploadId"]) for u in left) == sorted((k, begun[k]) for k in theirs)
     assert catalog.clean_output_dir(out)["aborted_uploads"] == []
     assert make_job(out).saver.latest_checkpoint() == f"{out}/ckpt_2"
 
@@ -622,3 +626,56 @@ def test_remove_empty_dir_removes_only_an_empty_directory(tmp_path, where, reque
     storage.remove_empty_dir(empty)
     storage.remove_empty_dir(storage.join(root, "never-there"))
     assert storage.exists(storage.join(full, "theirs")) and not storage.exists(empty)
+
+
+@pytest.mark.s3
+def test_gc_takes_an_upload_gone_before_its_abort_in_its_stride(moto_server, monkeypatch):
+    """An upload its writer finished (or a retried abort whose first try landed) between gc's
+    listing and its abort: NoSuchUpload is what gc wanted, not an error that stops it part way."""
+    from recsave.tools import catalog
+
+    bucket = f"recsave-{uuid.uuid4().hex[:16]}"
+    fs = _fs(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    out = f"s3://{bucket}/run"
+    job = make_job(out)
+    job.train(2)
+    job.saver.save("ckpt_2")
+    job.saver.close()
+    for key in ("run/ckpt_4/model.pt", "run/ckpt_4/sparse-0-0.safetensors"):
+        fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    time.sleep(1.1)
+    real = type(fs).call_s3
+
+    def twice(self, method, *args, **kwargs):
+        if method == "abort_multipart_upload":
+            real(self, method, *args, **kwargs)  # lands, then the "retry" finds it gone
+        return real(self, method, *args, **kwargs)
+    monkeypatch.setattr(type(fs), "call_s3", twice)
+    done = catalog.clean_output_dir(out)
+    assert done["aborted_uploads"] == ["ckpt_4/model.pt", "ckpt_4/sparse-0-0.safetensors"]
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+
+
+@pytest.mark.parametrize("where", ["file", pytest.param("s3", marks=pytest.mark.s3)])
+def test_a_failed_write_stream_leaves_the_file_that_was_there(tmp_path, where, request):
+    """Nothing is published before an upload completes (S3), or before the rename (file://): a
+    producer's error must leave the old file as it was, not delete it."""
+    if where == "s3":
+        request.getfixturevalue("moto_server")
+        bucket = f"recsave-{uuid.uuid4().hex[:16]}"
+        _fs(f"s3://{bucket}").mkdir(bucket)
+        path = f"s3://{bucket}/dir/data.bin"
+    else:
+        path = f"file://{tmp_path}/data.bin"
+    storage = get_storage(path)
+    storage.write_atomic(path, b"OLD CONTENT")
+
+    def produce(f):
+        f.write(b"new bytes " * 1000)
+        raise RuntimeError("the producer failed")
+    with pytest.raises(RuntimeError, match="the producer failed"):
+        storage.write_stream(path, produce)
+    _clear_fs_caches()
+    assert get_storage(path).read_range(path, 0, 11) == b"OLD CONTENT"
+    assert get_storage(path).size(path) == 11

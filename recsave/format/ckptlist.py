@@ -319,6 +319,17 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str, *, own_i
         and (own_id or any(_RECSAVE_ONLY.match(f) for f in files))
 
 
+def writes_there(relative: str) -> bool:
+    """Whether recsave's writers make a file at `relative` (a path under an output dir): a
+    checkpoint's file, `<id>/<file>` (temporary names included), or the list's or the writer
+    lock's. What gc may abort an unfinished upload of; not another program's file there, nor one
+    of an output dir nested below."""
+    parts = relative.split("/")
+    if len(parts) == 1:
+        return parts[0] in (LIST_FILE, LOCK_FILE) or bool(_OUTPUT_DIR_TEMP.match(parts[0]))
+    return len(parts) == 2 and is_plain_name(parts[0]) and bool(_OWN_FILE.match(parts[1]))
+
+
 def holds_foreign_files(storage: Storage, output_dir: str, name: str) -> bool:
     """Whether output_dir/name (which exists) is a file or holds files recsave did not write: what
     a writer of checkpoint `name` (a save, a compaction) must not remove. Not when it is an empty

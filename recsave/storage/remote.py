@@ -166,7 +166,7 @@ class FsspecStorage(Storage):
         with contextlib.suppress(FileNotFoundError):
             retry.call("removing", path, lambda: self.fs.rm_file(path))
 
-    def abort_stale_uploads(self, path: str, marker: str) -> List[str]:
+    def abort_stale_uploads(self, path: str, marker: str, ours: Callable[[str], bool]) -> List[str]:
         call = getattr(self.fs, "call_s3", None)  # s3fs: multipart uploads are S3's
         if call is None or self._local is not None:
             return []
@@ -180,13 +180,15 @@ class FsspecStorage(Storage):
         while True:
             listed = retry.call("listing the unfinished uploads under", path,
                                 lambda: call("list_multipart_uploads", **page))
-            stale += [(u["Key"], u["UploadId"]) for u in listed.get("Uploads", []) if u["Initiated"] < since]
+            stale += [(u["Key"], u["UploadId"]) for u in listed.get("Uploads", [])
+                      if u["Initiated"] < since and ours(u["Key"][len(prefix):])]
             if not listed.get("IsTruncated"):
                 break
             page.update(KeyMarker=listed["NextKeyMarker"], UploadIdMarker=listed["NextUploadIdMarker"])
         for upload_key, upload_id in stale:
             abort = functools.partial(call, "abort_multipart_upload", Bucket=bucket, Key=upload_key, UploadId=upload_id)
-            retry.call("aborting an unfinished upload of", f"{bucket}/{upload_key}", abort)
+            with contextlib.suppress(FileNotFoundError):  # finished or aborted meanwhile: gone either way
+                retry.call("aborting an unfinished upload of", f"{bucket}/{upload_key}", abort)
         return sorted(k[len(prefix):] for k, _ in stale)
 
     # --------------------------------------------------------------------------------------- reads
@@ -227,6 +229,9 @@ class FsspecStorage(Storage):
         self.write_stream(path, pieces.write_to)
 
     def write_stream(self, path: str, produce: Callable[[IO[bytes]], None]) -> None:
+        if self._local is not None:  # file://: temp + rename, as on a plain path (fsspec's opens in place)
+            self._local.write_stream(self._local_path(path), produce)
+            return
         total = retry.attempts()
         for attempt in range(1, total + 1):
             upload = _Upload(retry.call("opening for writing", path, lambda: self._open_upload(path)))
@@ -295,12 +300,20 @@ class FsspecStorage(Storage):
         return self.fs.open(path, "wb", block_size=block)
 
     def _discard(self, f: Any, path: str) -> None:
-        """Drops an unfinished upload without publishing it (aborts a multipart upload)."""
+        """Drops an unfinished upload. An object store's (fsspec's buffered files: s3fs, gcsfs,
+        adlfs) publishes nothing before its close completes, so a file already at `path` is
+        left as it was; the multipart upload is aborted. A store whose files are visible from
+        their open (memory://) holds the partial file at `path`, which is removed."""
+        from fsspec.spec import AbstractBufferedFile
+
         with contextlib.suppress(Exception):
             if hasattr(f, "discard"):
                 f.discard()
             else:
                 f.close()
+        if isinstance(f, AbstractBufferedFile):
+            f.closed = True  # discarded: its __del__ must not try to close (and upload) it again
+            return
         with contextlib.suppress(Exception):
             self.remove_file(path)
 

@@ -225,7 +225,9 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     check_held(lock)
     temps = ckptlist.remove_temp_files(storage, output_dir)
     # By the store's clock: uploads begun before the lock file was written are dead writers'.
-    uploads = storage.abort_stale_uploads(output_dir, lock.path) if lock is not None else []
+    # Only recsave's own names: another program may be uploading into the output dir, or a job
+    # saving into an output dir below it (gc of a bucket root).
+    uploads = storage.abort_stale_uploads(output_dir, lock.path, ckptlist.writes_there) if lock is not None else []
     return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads}
 
 
