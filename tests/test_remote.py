@@ -19,9 +19,12 @@ from typing import Iterator, Tuple
 
 import fsspec
 import pytest
+import torch
 from helpers import assert_jobs_equal, job_state, make_job, same_bits, save_outliving_the_lease, train
 
+import recsave
 from recsave import CorruptCheckpointError
+from recsave.errors import UsageError
 from recsave.storage import get_storage
 from recsave.storage.lock import LOCK_FILE
 
@@ -679,3 +682,33 @@ def test_a_failed_write_stream_leaves_the_file_that_was_there(tmp_path, where, r
     _clear_fs_caches()
     assert get_storage(path).read_range(path, 0, 11) == b"OLD CONTENT"
     assert get_storage(path).size(path) == 11
+
+
+@pytest.mark.parametrize("url", ["dir::s3://bucket/run", "simplecache::s3://bucket/run",
+                                 "filecache::memory://run", "blockcache::memory://run"])
+def test_chained_urls_are_refused_before_anything_is_written(url):
+    model = torch.nn.ModuleDict({"t": recsave.HashTable(4, name="t")})
+    with pytest.raises(UsageError, match="chained fsspec URL.*give the store's own URL"):
+        recsave.Saver(model, output_dir=url).save("ckpt_1")
+    with pytest.raises(UsageError, match="chained fsspec URL"):
+        get_storage(url)
+
+
+def test_an_output_dir_at_the_memory_roots_triple_slash_form_saves_and_loads():
+    """memory:/// is the root of memory:// spelled with its path's slash: joined paths keep the
+    scheme (they were 'memory:/ckpt_1', which named a local path)."""
+    fs = fsspec.filesystem("memory")
+    before = set(fs.store), set(fs.pseudo_dirs)
+    try:
+        model = torch.nn.ModuleDict({"t": recsave.HashTable(4, name="t")})
+        model["t"](torch.arange(10))
+        assert get_storage("memory:///").join("memory:///", "ckpt_1") == "memory:///ckpt_1"
+        path = recsave.Saver(model, output_dir="memory:///").save("ckpt_1")
+        assert path == "memory:///ckpt_1"
+        fresh = torch.nn.ModuleDict({"t": recsave.HashTable(4, name="t")})
+        assert recsave.Saver(fresh, output_dir="memory:///").load().checkpoints == [path]
+        assert torch.equal(fresh["t"].export(torch.arange(10))[1], model["t"].export(torch.arange(10))[1])
+    finally:
+        for key in set(fs.store) - before[0]:
+            fs.store.pop(key, None)
+        fs.pseudo_dirs[:] = [d for d in fs.pseudo_dirs if d in before[1]]

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 from recsave import knobs, threads
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UsageError
 from recsave.storage import retry
 from recsave.storage.base import Commits, ShardContent, ShardReader, Storage
 from recsave.storage.local import LocalStorage
@@ -32,8 +32,15 @@ class FsspecStorage(Storage):
     def __init__(self, url: str):
         import fsspec
 
-        self.fs, _ = fsspec.core.url_to_fs(url)
         self.protocol = url.split("://", 1)[0]
+        if "::" in self.protocol:
+            # fsspec's chained URLs hand recsave's full-URL paths to the inner file system (dir::
+            # prefixes them twice, the caches serve stale listings and bytes): refused outright.
+            raise UsageError(
+                f"{url!r} is a chained fsspec URL ({self.protocol.split('::')[0]}::...), which recsave does not "
+                f"support: its files would land under other keys or be read stale from a cache; give the "
+                f"store's own URL (e.g. s3://bucket/path)", path=url)
+        self.fs, _ = fsspec.core.url_to_fs(url)
         # file:// URLs are local files: their small files (index, list, lock) are written like
         # LocalStorage's, temp + fsync + rename and O_EXCL, not truncated in place by pipe_file
         # (a reader or a crash could meet an empty lock file or a cut-off index).
@@ -43,7 +50,7 @@ class FsspecStorage(Storage):
     def join(self, *parts: str) -> str:
         head, *rest = parts
         tail = [p.strip("/") for p in rest]
-        if head.endswith("://"):  # a store's root ("memory://"): keep the scheme's slashes
+        if head.rstrip("/").endswith(":"):  # a store's root ("memory://", "memory:///"): keep its slashes
             return head + "/".join(tail)
         return "/".join([head.rstrip("/")] + tail)
 
