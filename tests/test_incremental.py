@@ -665,3 +665,41 @@ def test_the_destination_walk_stops_at_the_root_not_the_working_directory(chain_
     monkeypatch.chdir(os.path.join(out, "ckpt_0"))
     path = recsave.compact(os.path.join(out, "ckpt_2"), str(tmp_path / "elsewhere"))
     assert os.path.exists(os.path.join(path, "index"))
+
+
+def _adagrad_job(out: str):
+    from recsave.tables.optim import SparseAdagrad
+    table = recsave.HashTable(4, name="t")
+    model = torch.nn.ModuleDict({"t": table})
+    return model, SparseAdagrad(model, lr=0.1), Saver(model, SparseAdagrad(model, lr=0.1), output_dir=out,
+                                                       max_keep=None)
+
+
+def test_a_share_only_load_is_no_baseline_for_a_whole_table_delta(tmp_path, monkeypatch):
+    """RANK / WORLD_SIZE set without a process group: a load reads rank 0's share of the tables.
+    A later one-process save of them (shard_num=1) must not be a delta of that checkpoint: the
+    delta would hold no tombstones for the other rank's rows (never deleted, only not loaded),
+    and its restore would bring them back from the parent."""
+    out = str(tmp_path / "run")
+    model, _, saver = _adagrad_job(out)
+    model["t"](torch.arange(40))
+    saver.save("c0")
+    saver.close()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model, _, saver = _adagrad_job(out)
+    saver.load(ckpt_id="c0")
+    assert model["t"].partition == (0, 2, 4096) and 0 < len(model["t"]) < 40
+    candidates = torch.arange(1000, 1100)
+    new_id = candidates[recsave.partition.owner_of(candidates, 2) == 0][:1]
+    model["t"](torch.cat([model["t"].ids()[:1], new_id]))  # a change, and a new id of rank 0's
+    saver.save("c1", shard_id=0, shard_num=1, incremental=True)
+    assert saver.last_save_kind == "full"
+    ids = torch.sort(model["t"].ids()).values
+    saver.close()
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    fresh, _, reader = _adagrad_job(out)
+    reader.load(ckpt_id="c1")
+    assert torch.equal(torch.sort(fresh["t"].ids()).values, ids)
+    assert torch.equal(fresh["t"].export(ids)[1], model["t"].export(ids)[1])

@@ -29,12 +29,17 @@ class Baseline:
     ckpt_id: str
     epochs: Mapping[str, int]
     columns: Mapping[str, Tuple[str, ...]]  # per table: its slots then (a delta needs the same)
+    # (rank, world) whose share of the checkpoint the tables held then: a delta saved by another
+    # (rank, world) would be a share of other buckets' rows, and rows the tables never held (a
+    # share-only load, then a whole-table save) would come back from the parent at restore.
+    share: Tuple[int, int] = (0, 1)
 
     @classmethod
-    def of(cls, ckpt_id: str, tables: Mapping[str, TableLike]) -> "Baseline":
-        """The baseline `ckpt_id` with the tables as they are now (epochs and slots)."""
+    def of(cls, ckpt_id: str, tables: Mapping[str, TableLike], share: Tuple[int, int]) -> "Baseline":
+        """The baseline `ckpt_id` with the tables as they are now (epochs and slots), holding
+        `share` = (rank, world) of it."""
         return cls(ckpt_id, {n: _epoch(t) for n, t in tables.items()},
-                   {n: tuple(t.slot_names()) for n, t in tables.items()})
+                   {n: tuple(t.slot_names()) for n, t in tables.items()}, share)
 
 
 def tracks_changes(table: TableLike) -> bool:
@@ -48,12 +53,16 @@ def _epoch(table: TableLike) -> int:
 
 
 def why_full(tables: Mapping[str, TableLike], baseline: Optional[Baseline], storage: Storage,
-             output_dir: str, rank: int = 0, known: Optional[chain.IndexIdentity] = None) -> Optional[str]:
+             output_dir: str, rank: int = 0, known: Optional[chain.IndexIdentity] = None,
+             world: int = 1) -> Optional[str]:
     """Why this rank cannot save a delta (None: it can), before the changes are taken. `known`: what
     this process committed as the baseline's index, if it did."""
     if baseline is None:
         return ("the change baseline is unknown (no save or restore by this Saver yet, a model-bank "
                 "load or a failed save since)")
+    if baseline.share != (rank, world):
+        return (f"the tables held {_share(*baseline.share)} of {baseline.ckpt_id!r}, and this save writes "
+                f"{_share(rank, world)}")
     if set(tables) != set(baseline.epochs):
         return f"the model's tables {sorted(tables)} are not those of {baseline.ckpt_id!r}"
     for name, table in tables.items():
@@ -65,6 +74,10 @@ def why_full(tables: Mapping[str, TableLike], baseline: Optional[Baseline], stor
             return f"the change baseline of table {name!r} was moved by someone other than this Saver"
     # Rank 0 writes the index (other ranks may have output dirs of their own)
     return _parent_problem(storage, storage.join(output_dir, baseline.ckpt_id), known) if rank == 0 else None
+
+
+def _share(rank: int, world: int) -> str:
+    return f"rank {rank} of {world}'s share" if world > 1 else "whole tables"
 
 
 def _parent_problem(storage: Storage, parent_dir: str, known: Optional[chain.IndexIdentity]) -> Optional[str]:
@@ -110,7 +123,7 @@ def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremen
     several): all write a delta or all a full, and a table cleared on one rank is written whole, and
     marked cleared, by all. The changes of the tables in `want` are taken even for a full save (an
     async save's stager copies only those rows)."""
-    reason = why_full(tables, baseline, storage, output_dir, rank, known) if incremental else "incremental=False"
+    reason = why_full(tables, baseline, storage, output_dir, rank, known, world) if incremental else "incremental=False"
     # Every save moves the baselines. A save already known to be full only resets them: listing
     # the changed rows is a pass over every table's mask (50 ms for 4M rows) it would not use.
     # A table reachable under two names (a shared table without name=) is taken once, its changes
@@ -129,7 +142,7 @@ def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremen
         else:
             t.reset_changes()  # type: ignore[attr-defined]
     wanted = {n: c for n, c in taken.items() if n in want}
-    after = Baseline.of("", tables)
+    after = Baseline.of("", tables, (rank, world))
 
     def next_baseline(ckpt_id: str) -> Baseline:
         return dataclasses.replace(after, ckpt_id=ckpt_id)

@@ -114,6 +114,11 @@ def baseline_after_load(model: torch.nn.Module, report: LoadReport, conf: Dict[s
 
     if not all(delta.tracks_changes(t) for t in tables.values()):
         return None
+    # The share of the checkpoint the load read: one rank's buckets leave each table partitioned
+    # (the same for every table of one load), whole tables leave none.
+    shares = {(p[0], p[1]) if (p := t.partition) is not None else (0, 1) for t in tables.values()}
+    if len(shares) != 1 and tables:
+        return None
     for table in tables.values():
         table.reset_changes()  # type: ignore[attr-defined]
-    return delta.Baseline.of(ckpt_id, tables)
+    return delta.Baseline.of(ckpt_id, tables, shares.pop() if shares else (0, 1))
