@@ -703,3 +703,19 @@ def test_a_share_only_load_is_no_baseline_for_a_whole_table_delta(tmp_path, monk
     reader.load(ckpt_id="c1")
     assert torch.equal(torch.sort(fresh["t"].ids()).values, ids)
     assert torch.equal(fresh["t"].export(ids)[1], model["t"].export(ids)[1])
+
+
+def test_a_compacted_checkpoint_keeps_the_metrics_of_the_one_it_merges(tmp_path):
+    """keep_best in the compaction's output dir ranks checkpoints by their metrics: the merged
+    state is the same, so are its metrics (the source dir's retention policy is not carried)."""
+    out = str(tmp_path / "run")
+    model, _, saver = _adagrad_job(out)
+    model["t"](torch.arange(40))
+    saver.save("c1", metrics={"auc": 0.75})
+    model["t"](torch.arange(30, 50))
+    saver.save("c2", incremental=True, metrics={"auc": 0.8, "loss": 0.25})
+    assert saver.last_save_kind == "delta"
+    saver.close()
+    path = recsave.compact(os.path.join(out, "c2"), str(tmp_path / "compacted"))
+    index = index_mod.read(path, recsave.storage.get_storage(path))
+    assert (index.kind, dict(index.metrics or {}), index.retention) == ("full", {"auc": 0.8, "loss": 0.25}, None)

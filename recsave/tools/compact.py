@@ -126,8 +126,11 @@ def _write(src: CheckpointSource, storage, target: str, lock: Optional[WriterLoc
         entry = src.index.file(fname)
         raw = torchio.read_bytes(src.storage, src.ckpt_dir, fname, src.index)  # CRC checked
         files[fname] = torchio.save_bytes(storage, target, fname, raw, entry.rank)
+    # The metrics describe the state, which is the same: keep_best in out_dir ranks it by them. The
+    # retention record is the source dir's policy, not out_dir's: not carried.
     index = index_mod.merge_parts([part], step=src.index.step, world_size=1, partition=src.index.partition,
-                                  meta=Meta(tables, meta.dense, meta.extras, meta.io_states, src.index.io_state_count))
+                                  meta=Meta(tables, meta.dense, meta.extras, meta.io_states, src.index.io_state_count),
+                                  metrics=src.index.metrics)
     return dataclasses.replace(index.with_files(files), created_at=src.index.created_at)
 
 
