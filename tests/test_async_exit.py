@@ -43,6 +43,16 @@ def run_job(out: str, then: str, overrides: str = "{}", **env: str) -> "subproce
     return proc
 
 
+def blocked_saver(tmp_path) -> Saver:
+    """A Saver of a small table whose save of ckpt_1 fails: a file stands where its directory goes."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt_1").write_text("x")
+    table = HashTable(4, name="t")
+    table.lookup(torch.arange(10, dtype=torch.int64), insert=True)
+    return Saver(torch.nn.ModuleDict({"t": table}), output_dir=str(out))
+
+
 FINAL_LINE = ("recsave: exiting with status {code}: the background write of async_save('ckpt_1') failed "
               "(CheckpointExistsError: ")
 
@@ -88,12 +98,7 @@ def test_the_exit_code_knob_takes_a_status_of_0_to_255():
 
 
 def test_unheard_failures_are_listed_until_collected(tmp_path):
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "ckpt_1").write_text("x")
-    table = HashTable(4, name="t")
-    table.lookup(torch.arange(10, dtype=torch.int64), insert=True)
-    saver = Saver(torch.nn.ModuleDict({"t": table}), output_dir=str(out))
+    saver = blocked_saver(tmp_path)
     _, write = saver.async_save("ckpt_1")
     saver.wait_for_pending()  # waits without taking the outcome: still unheard
     failures = unheard.unheard_failures()
@@ -153,13 +158,8 @@ def test_a_dropped_savers_failure_stays_unheard_while_other_writes_come_and_go(t
     """A failure is keyed by its future, not by the future's id: a later write's future taking the
     freed id must not take the failure with it when it is heard."""
     import gc
-    out = tmp_path / "bad"
-    out.mkdir()
-    (out / "ckpt_1").write_text("x")
-    table = HashTable(4, name="t")
-    table.lookup(torch.arange(10, dtype=torch.int64), insert=True)
-    model = torch.nn.ModuleDict({"t": table})
-    saver = Saver(model, output_dir=str(out))
+    saver = blocked_saver(tmp_path)
+    model = saver.model
     saver.async_save("ckpt_1")
     saver.wait_for_pending()
     del saver
@@ -174,12 +174,7 @@ def test_a_dropped_savers_failure_stays_unheard_while_other_writes_come_and_go(t
 
 def test_a_wait_that_times_out_hears_nothing(tmp_path, monkeypatch):
     from recsave.save import pipeline
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "ckpt_1").write_text("x")
-    table = HashTable(4, name="t")
-    table.lookup(torch.arange(10, dtype=torch.int64), insert=True)
-    saver = Saver(torch.nn.ModuleDict({"t": table}), output_dir=str(out))
+    saver = blocked_saver(tmp_path)
     release = __import__("threading").Event()
     real = pipeline.CheckpointWriter.write
 
