@@ -256,10 +256,11 @@ def test_gc_aborts_the_uploads_a_killed_writer_left(remote):
         return
     fs = _fs(remote)
     bucket = remote[len("s3://"):]
-    # Not ours: outside the output dir, another program's file inside it, and a save into an
-    # output dir nested below it.
-    theirs = ["elsewhere/big.bin", "run/logs/tensorboard/events.out", "run/notes.txt",
-              "run/nested/ckpt_9/sparse-0-0.safetensors"]
+    # Not ours: outside the output dir, another program's files inside it (a model exported next
+    # to the checkpoints has a checkpoint's file names), and a save into an output dir below it.
+    theirs = ["elsewhere/big.bin", "run/logs/tensorboard/events.out", "run/notes.txt", "run/export/model.pt",
+              "run/eval/index", "run/nested/ckpt_9/sparse-0-0.safetensors"]
+    fs.pipe(f"{bucket}/run/ckpt_4/io_state_0.pt", b"x")  # the killed writer's files before model.pt
     begun = {key: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
              for key in ["run/ckpt_4/sparse-0-0.safetensors", "run/ckpt_4/model.pt", *theirs]}
     time.sleep(1.1)  # the lock's LastModified has whole seconds
@@ -645,6 +646,7 @@ def test_gc_takes_an_upload_gone_before_its_abort_in_its_stride(moto_server, mon
     job.train(2)
     job.saver.save("ckpt_2")
     job.saver.close()
+    fs.pipe(f"{bucket}/run/ckpt_4/io_state_0.pt", b"x")  # the killed writer's files before model.pt
     for key in ("run/ckpt_4/model.pt", "run/ckpt_4/sparse-0-0.safetensors"):
         fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
     time.sleep(1.1)
@@ -660,10 +662,19 @@ def test_gc_takes_an_upload_gone_before_its_abort_in_its_stride(moto_server, mon
     assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
 
 
-@pytest.mark.parametrize("where", ["file", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.mark.parametrize("where", ["file", "memory", pytest.param("s3", marks=pytest.mark.s3)])
 def test_a_failed_write_stream_leaves_the_file_that_was_there(tmp_path, where, request):
     """Nothing is published before an upload completes (S3), or before the rename (file://): a
-    producer's error must leave the old file as it was, not delete it."""
+    producer's error must leave the old file as it was, not delete it. memory:// shows a file from
+    its open on: the partial one is removed, never left."""
+    if where == "memory":
+        path = f"memory://recsave-test-{uuid.uuid4().hex}/data.bin"
+        storage = get_storage(path)
+        storage.write_atomic(path, b"OLD CONTENT")
+        with pytest.raises(RuntimeError, match="fails"):
+            storage.write_stream(path, lambda f: (f.write(b"partial"), (_ for _ in ()).throw(RuntimeError("fails"))))
+        assert not storage.exists(path)
+        return
     if where == "s3":
         request.getfixturevalue("moto_server")
         bucket = f"recsave-{uuid.uuid4().hex[:16]}"
@@ -685,7 +696,8 @@ def test_a_failed_write_stream_leaves_the_file_that_was_there(tmp_path, where, r
 
 
 @pytest.mark.parametrize("url", ["dir::s3://bucket/run", "simplecache::s3://bucket/run",
-                                 "filecache::memory://run", "blockcache::memory://run"])
+                                 "filecache::memory://run", "blockcache::memory://run",
+                                 "dir://::memory://bucket/run", "simplecache://::memory://bucket/run"])
 def test_chained_urls_are_refused_before_anything_is_written(url):
     model = torch.nn.ModuleDict({"t": recsave.HashTable(4, name="t")})
     with pytest.raises(UsageError, match="chained fsspec URL.*give the store's own URL"):
@@ -712,3 +724,18 @@ def test_an_output_dir_at_the_memory_roots_triple_slash_form_saves_and_loads():
         for key in set(fs.store) - before[0]:
             fs.store.pop(key, None)
         fs.pseudo_dirs[:] = [d for d in fs.pseudo_dirs if d in before[1]]
+
+
+def test_an_output_dir_whose_name_ends_in_a_colon_holds_its_files(tmp_path):
+    """Only a scheme and slashes is a store's root: "memory://b/exp:" is a directory like any
+    other, its files inside it (a check on the trailing ':' alone joined them as siblings)."""
+    root = f"memory://recsave-test-{uuid.uuid4().hex}"
+    out = f"{root}/exp:"
+    assert get_storage(out).join(out, "ckpt_1") == f"{out}/ckpt_1"
+    model = torch.nn.ModuleDict({"t": recsave.HashTable(4, name="t")})
+    model["t"](torch.arange(10))
+    assert recsave.Saver(model, output_dir=out).save("ckpt_1") == f"{out}/ckpt_1"
+    assert _ls(root) == ["exp:"]
+    assert "checkpoint" in _ls(out) and "ckpt_1" in _ls(out)
+    saved = recsave.Saver(model, output_dir=f"{root}/a::b")
+    assert saved.save("ckpt_1") == f"{root}/a::b/ckpt_1"  # '::' after the scheme is a plain name

@@ -319,15 +319,31 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str, *, own_i
         and (own_id or any(_RECSAVE_ONLY.match(f) for f in files))
 
 
-def writes_there(relative: str) -> bool:
-    """Whether recsave's writers make a file at `relative` (a path under an output dir): a
-    checkpoint's file, `<id>/<file>` (temporary names included), or the list's or the writer
-    lock's. What gc may abort an unfinished upload of; not another program's file there, nor one
-    of an output dir nested below."""
-    parts = relative.split("/")
-    if len(parts) == 1:
-        return parts[0] in (LIST_FILE, LOCK_FILE) or bool(_OUTPUT_DIR_TEMP.match(parts[0]))
-    return len(parts) == 2 and is_plain_name(parts[0]) and bool(_OWN_FILE.match(parts[1]))
+# Names of a checkpoint's files that anyone's may have too (a torch.save export's model.pt).
+_COMMON_NAMES = ("index", "model.pt", "extra.pt")
+
+
+def writes_there(storage: Storage, output_dir: str, checkpoints: Collection[str] = ()) -> Callable[[str], bool]:
+    """Whether recsave's writers made the file at a path relative to output_dir: a checkpoint's
+    file `<id>/<file>`, or the list's or the writer lock's. A name only recsave writes (a shard,
+    an io state) counts as it is; `index`, `model.pt` and `extra.pt` only in a directory that
+    looks_like_checkpoint or is one of `checkpoints` (e.g. those gc just removed as leftovers).
+    What gc may abort an unfinished upload of: not another program's file there (a model exported
+    next to the checkpoints), nor one of an output dir nested below."""
+    checkpoint_like: Dict[str, bool] = {name: True for name in checkpoints}
+
+    def ours(relative: str) -> bool:
+        parts = relative.split("/")
+        if len(parts) == 1:
+            return parts[0] in (LIST_FILE, LOCK_FILE) or bool(_OUTPUT_DIR_TEMP.match(parts[0]))
+        if len(parts) != 2 or not is_plain_name(parts[0]) or not _OWN_FILE.match(parts[1]):
+            return False
+        if parts[1] not in _COMMON_NAMES:
+            return True
+        if parts[0] not in checkpoint_like:
+            checkpoint_like[parts[0]] = looks_like_checkpoint(storage, output_dir, parts[0])
+        return checkpoint_like[parts[0]]
+    return ours
 
 
 def holds_foreign_files(storage: Storage, output_dir: str, name: str) -> bool:

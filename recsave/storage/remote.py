@@ -19,6 +19,15 @@ from recsave.storage.ranged import RangedFile, RangedShardReader
 T = TypeVar("T")
 
 
+# fsspec's chaining: "simplecache::s3://...", also written "simplecache://::s3://...".
+_CHAINED = re.compile(r"::[A-Za-z][A-Za-z0-9+.-]*://")
+# A store's root: a scheme and slashes alone.
+_SCHEME_ROOT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
+# Packages whose upload files publish nothing before their close completes (one put, or a
+# multipart / resumable upload committed at the end).
+_PUBLISH_ON_CLOSE = ("s3fs", "gcsfs")
+
+
 class FsspecStorage(Storage):
     """Any fsspec file system. Object stores have no rename: a file is written by one put / one
     multipart upload, which becomes visible only when complete.
@@ -33,7 +42,7 @@ class FsspecStorage(Storage):
         import fsspec
 
         self.protocol = url.split("://", 1)[0]
-        if "::" in self.protocol:
+        if "::" in self.protocol or _CHAINED.search(url):
             # fsspec's chained URLs hand recsave's full-URL paths to the inner file system (dir::
             # prefixes them twice, the caches serve stale listings and bytes): refused outright.
             raise UsageError(
@@ -50,7 +59,7 @@ class FsspecStorage(Storage):
     def join(self, *parts: str) -> str:
         head, *rest = parts
         tail = [p.strip("/") for p in rest]
-        if head.rstrip("/").endswith(":"):  # a store's root ("memory://", "memory:///"): keep its slashes
+        if _SCHEME_ROOT.fullmatch(head):  # a store's root ("memory://", "memory:///"): keep its slashes
             return head + "/".join(tail)
         return "/".join([head.rstrip("/")] + tail)
 
@@ -307,18 +316,15 @@ class FsspecStorage(Storage):
         return self.fs.open(path, "wb", block_size=block)
 
     def _discard(self, f: Any, path: str) -> None:
-        """Drops an unfinished upload. An object store's (fsspec's buffered files: s3fs, gcsfs,
-        adlfs) publishes nothing before its close completes, so a file already at `path` is
-        left as it was; the multipart upload is aborted. A store whose files are visible from
-        their open (memory://) holds the partial file at `path`, which is removed."""
-        from fsspec.spec import AbstractBufferedFile
-
+        """Drops an unfinished upload. S3's and GCS's (s3fs, gcsfs) publish nothing before their
+        close completes, so a file already at `path` is left as it was; the upload is aborted.
+        Other stores may show a partial file from the open on (memory://, dbfs), which is removed."""
         with contextlib.suppress(Exception):
             if hasattr(f, "discard"):
                 f.discard()
             else:
                 f.close()
-        if isinstance(f, AbstractBufferedFile):
+        if type(f).__module__.split(".")[0] in _PUBLISH_ON_CLOSE:
             f.closed = True  # discarded: its __del__ must not try to close (and upload) it again
             return
         with contextlib.suppress(Exception):

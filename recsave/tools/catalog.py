@@ -227,7 +227,8 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     # By the store's clock: uploads begun before the lock file was written are dead writers'.
     # Only recsave's own names: another program may be uploading into the output dir, or a job
     # saving into an output dir below it (gc of a bucket root).
-    uploads = storage.abort_stale_uploads(output_dir, lock.path, ckptlist.writes_there) if lock is not None else []
+    uploads = storage.abort_stale_uploads(output_dir, lock.path,
+                                         ckptlist.writes_there(storage, output_dir, dirs)) if lock is not None else []
     return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads}
 
 
