@@ -723,22 +723,22 @@ def test_in_place_restore_of_several_tables_has_one_fill():
     assert len(tables[1]) == 3  # refused before anything changed
 
 
-def test_a_checkpoint_with_int32_ids_restores_through_the_copying_path(tmp_path):
-    """Ids stored as int32 (another writer's checkpoint) cannot be read straight into a table's
-    int64 row ids: that table takes them through a copy, and the restore is exact."""
+def _two_tables() -> torch.nn.ModuleDict:
+    return torch.nn.ModuleDict({"user": recsave.HashTable(4, name="user"), "item": recsave.HashTable(4, name="item")})
+
+
+def saved_with_int32_ids(out: str) -> "tuple[torch.nn.ModuleDict, str]":
+    """A model of two tables, and its checkpoint rewritten to store table user's ids as int32 (what
+    another writer may store)."""
     from recsave.format import index as index_mod
     from recsave.format.reader import read_tensors
     from recsave.format.writer import write_shards
 
-    def model():
-        return torch.nn.ModuleDict({"user": recsave.HashTable(4, name="user"),
-                                    "item": recsave.HashTable(4, name="item")})
-
-    m = model()
+    m = _two_tables()
     ids = torch.arange(-50, 150, 3)
     for k, table in enumerate(m.values()):
         table.load_rows(ids + k, torch.randn(len(ids), 4))
-    ckpt = recsave.Saver(m, output_dir=str(tmp_path), max_keep=None).save("ckpt_1")
+    ckpt = recsave.Saver(m, output_dir=out, max_keep=None).save("ckpt_1")
     idx = index_mod.read(ckpt)
     stored = read_tensors(ckpt, ["user@id"], index=idx)["user@id"]
     buckets = idx.tensors["user@id"].chunks[0].buckets
@@ -751,7 +751,14 @@ def test_a_checkpoint_with_int32_ids_restores_through_the_copying_path(tmp_path)
     raw["files"].update({f: fe.to_json() for f, fe in part.files.items()})
     write_index_json(ckpt, raw)
     assert index_mod.read(ckpt).tensors["user@id"].dtype == "int32"
-    fresh = model()
+    return m, ckpt
+
+
+def test_a_checkpoint_with_int32_ids_restores_through_the_copying_path(tmp_path):
+    """Ids stored as int32 (another writer's checkpoint) cannot be read straight into a table's
+    int64 row ids: that table takes them through a copy, and the restore is exact."""
+    m, ckpt = saved_with_int32_ids(str(tmp_path))
+    fresh = _two_tables()
     recsave.Saver(fresh, output_dir=str(tmp_path), max_keep=None).load()
     for name in ("user", "item"):
         assert_states_equal(table_state(fresh[name]), table_state(m[name]), name)
@@ -761,6 +768,26 @@ def test_a_checkpoint_with_int32_ids_restores_through_the_copying_path(tmp_path)
         [{"path": ckpt, "oname": [{"u2": "user"}], "strict": False}])
     for name in ("user", "u2"):
         assert_states_equal(table_state(twice[name]), table_state(m["user"]), name)
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp", "recsave", "parquet"])
+def test_a_checkpoint_with_int32_ids_converts_and_exports_to_what_loads_it(tmp_path, to):
+    """convert and to_parquet take another writer's int32 ids as int64 ids: before, convert wrote
+    int32 ids that recsave's own torch / DCP reader refused (after exit 0), convert to recsave
+    failed, and to_parquet called the checkpoint inconsistent."""
+    m, ckpt = saved_with_int32_ids(str(tmp_path / "run"))
+    dst = str(tmp_path / ("out.pt" if to == "torch" else "out"))
+    if to == "parquet":
+        from recsave.tools.export import to_parquet
+        to_parquet(ckpt, dst)
+    else:
+        recsave.convert(ckpt, dst, to)
+    fresh = _two_tables()
+    recsave.Saver(fresh, output_dir=str(tmp_path / "other")).load_model_bank([{"path": dst}])
+    for name in ("user", "item"):
+        ids = m[name].ids()
+        assert torch.equal(torch.sort(fresh[name].ids()).values, torch.sort(ids).values)
+        assert torch.equal(fresh[name].export(ids)[1], m[name].export(ids)[1])
 
 
 def test_prepare_loads_reads_ids_when_a_table_takes_them_and_keeps_no_copy():

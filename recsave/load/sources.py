@@ -132,6 +132,8 @@ class CheckpointSource:
             given = (out or {}).get("embedding")
             data[f"{table}@embedding"] = rows if given is None else given.copy_(rows)
         ids = data.get(f"{table}@id")
+        if ids is not None and ids.dtype != torch.int64:  # another writer's int32 ids: every caller takes int64
+            ids = ids.to(torch.int64)
         if ids is not None and world > 1:  # bucket offsets must agree with the ids they delimit
             lo, hi = partition.bucket_range(rank, world, self.num_buckets)
             buckets = partition.bucket_of(ids, self.num_buckets)

@@ -132,10 +132,11 @@ def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_di
     for t in ([] if chained else names):
         want = [n] if t == names[0] else [n, info.dim]
         entry = index.tensor(t)
-        if list(entry.shape) != want or (t == names[0] and entry.dtype != "int64"):
+        if list(entry.shape) != want or (t == names[0] and entry.dtype not in ("int64", "int32")):
             raise CorruptCheckpointError(f"{src.ckpt_dir}: tensor {t!r} is {entry.dtype}"
                                          f"{list(entry.shape)}, expected {want} rows of table {name!r} "
-                                         f"(int64 ids); the checkpoint is inconsistent", path=src.ckpt_dir, key=t)
+                                         f"(int64 or int32 ids); the checkpoint is inconsistent", path=src.ckpt_dir,
+                                         key=t)
     table_meta = {"table": name, "dim": info.dim, "dtype": info.dtype, "slots": list(info.slots),
                   "source": src.ckpt_dir, "step": index.step}
     schema = pa.schema([pa.field("id", pa.int64(), nullable=False)] + [
@@ -200,7 +201,7 @@ def _write_file(fetch: Callable[[int, int], Dict[str, Any]], names: List[str], c
             for start in range(first, stop, row_group_rows):
                 end = min(stop, start + row_group_rows)
                 data = fetch(start, end)
-                arrays = [pa.array(data[names[0]].numpy())] + [
+                arrays = [pa.array(data[names[0]].numpy().astype("int64", copy=False))] + [
                     pa.FixedSizeListArray.from_arrays(to_arrow(data[t], dtypes[c]), dim)
                     for t, c in zip(names[1:], columns)]
                 writer.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=row_group_rows)
