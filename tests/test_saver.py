@@ -9,6 +9,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -957,3 +958,33 @@ def test_last_load_is_the_report_of_the_last_load_that_completed(tmp_path):
     assert fresh.saver.last_load is None  # a failed load may have changed tables
     bank = fresh.saver.load_model_bank([{"path": out}])
     assert fresh.saver.last_load is bank
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_slots_loaded_without_their_step_counts_say_so(tmp_path, to):
+    """A torch.save / DCP conversion keeps the sparse optimizer's step counts as extras, which a
+    model-bank load of it does not read: the slots load with the live count (0 in a fresh
+    model), which Adam's bias correction and Adagrad's lr_decay read. A warning names the tables."""
+    from recsave.tables.optim import SparseAdagrad
+    m = torch.nn.ModuleDict({"a": recsave.HashTable(4, name="a")})
+    opt = SparseAdagrad(m, lr=0.1)
+    for _ in range(3):
+        m["a"](torch.arange(10)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    recsave.Saver(m, opt, output_dir=str(tmp_path / "run")).save("ckpt_3")
+    dst = str(tmp_path / ("out.pt" if to == "torch" else "out"))
+    recsave.convert(str(tmp_path / "run"), dst, to)
+    fresh = torch.nn.ModuleDict({"a": recsave.HashTable(4, name="a")})
+    fresh_opt = SparseAdagrad(fresh, lr=0.1)
+    saver = recsave.Saver(fresh, fresh_opt, output_dir=str(tmp_path / "other"))
+    with pytest.warns(RuntimeWarning, match=r"slots of table\(s\) \['a'\] were loaded from a source that "
+                                            r"records no sparse optimizer step count.*counts stay \[0\]"):
+        saver.load_model_bank([{"path": dst, "exclude": ["sparse_optim"]}])
+    ids = torch.arange(10)
+    assert torch.equal(fresh["a"].export(ids)[2]["adagrad_acc"], m["a"].export(ids)[2]["adagrad_acc"])
+    assert fresh_opt.steps["a"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recsave checkpoint carries its counts: no warning
+        recsave.Saver(fresh, fresh_opt, output_dir=str(tmp_path / "run")).load()
+    assert fresh_opt.steps["a"] == 3

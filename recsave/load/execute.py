@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import traceback
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -172,12 +173,25 @@ def _step_counts(target: LoadTarget, slotted: Set[str], sources: Sequence[Any], 
                 counts[name] = 0
             elif source_counts is not None and source in source_counts:
                 counts[name] = source_counts[source]
+    uncounted: Set[str] = set()
     for w, source_counts in zip(won, counted):
         for name, (category, source) in w.items():
             table, source_table = name.partition("@")[0], source.partition("@")[0]
-            if category == "sparse_opt" and name != SPARSE_OPTIM and table in counts \
-                    and source_counts is not None and source_table in source_counts:
+            if category != "sparse_opt" or name == SPARSE_OPTIM or table not in counts:
+                continue
+            if source_counts is not None and source_table in source_counts:
                 counts[table] = source_counts[source_table]
+                uncounted.discard(table)
+            else:
+                uncounted.add(table)
+    if uncounted:
+        # Trained slots with a count that does not go with them: Adam bias-corrects its m / v as
+        # if new, Adagrad's lr_decay restarts. Said, since nothing else would show it.
+        warnings.warn(
+            f"the slots of table(s) {sorted(uncounted)} were loaded from a source that records no sparse "
+            f"optimizer step count for them (a torch.save / DCP file, or a Parquet export without "
+            f"optimizer_steps); their counts stay {[counts[t] for t in sorted(uncounted)]}: set the sparse "
+            f"optimizer's steps[<table>] if you know them", RuntimeWarning, stacklevel=2)
     return counts
 
 
