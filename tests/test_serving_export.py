@@ -511,3 +511,23 @@ def test_the_source_output_dir_is_refused_however_it_is_spelt(source, tmp_path, 
     with pytest.raises(UsageError, match="lies in the checkpoint"):
         recsave.export_serving(ckpt, os.path.join(ckpt, "serving"), "int8")
     assert sorted(os.listdir(job_dir)) == before
+
+
+def test_the_hints_for_values_no_narrower_dtype_holds_name_a_dtype_that_does(tmp_path):
+    """Near float32's largest value bf16 overflows too, but fp32 holds it; an int8 row spanning
+    more than a float32 fails with a float32 scale already, where "pass scale_dtype='float32'" was
+    no help."""
+    net = Net(dim=4)
+    big = torch.finfo(torch.float32).max
+    net.user.load_rows(torch.tensor([1, 2]), torch.tensor([[big, -big, 0.0, 1.0], [0.5, 1.0, 2.0, 3.0]]))
+    ckpt = Saver(net, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    with pytest.raises(UsageError, match=r"beyond what torch.bfloat16 can hold \(largest 3.40282e\+38\); "
+                                         r"export it as fp32\Z"):
+        recsave.export_serving(ckpt, str(tmp_path / "out"), "bf16")
+    with pytest.raises(UsageError, match=r"float32 scale / offset can hold; a row's span must fit a float32: "
+                                         r"export with dtype='fp32'"):
+        recsave.export_serving(ckpt, str(tmp_path / "out"), "int8", scale_dtype="float32")
+    with pytest.raises(UsageError, match=r"float16 scale / offset can hold; pass scale_dtype='float32'"):
+        recsave.export_serving(ckpt, str(tmp_path / "out"), "int8")
+    path = recsave.export_serving(ckpt, str(tmp_path / "out"), "fp32")
+    assert float(stored(path, "user", ("embedding",))["embedding"].max()) == big

@@ -53,8 +53,10 @@ def quantize_rows(rows: torch.Tensor, scale_dtype: torch.dtype = torch.float16, 
     if bool(below.any()):
         scale = torch.where(below, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     if not (bool(torch.isfinite(offset).all()) and bool(torch.isfinite(scale).all())):
+        fix = ("pass scale_dtype='float32'" if scale_dtype != torch.float32
+               else "a row's span must fit a float32: export with dtype='fp32'")
         raise UsageError(f"{what}: values up to {float(torch.maximum(lo.abs(), hi.abs()).max()):.6g} exceed "
-                         f"what a {scale_dtype} scale / offset can hold; pass scale_dtype='float32'")
+                         f"what a {scale_dtype} scale / offset can hold; {fix}")
     s32, o32 = scale.to(torch.float32), offset.to(torch.float32)
     # scale is 0 only when every value equals offset (a constant row the scale dtype holds exactly):
     # (x - offset) is then 0, and 0 / 1 gives code -128.

@@ -215,9 +215,12 @@ def _caster(src: Any, name: str, c0: int, dtype: torch.dtype) -> Any:
             overflow = torch.isinf(out) & torch.isfinite(rows)
             if bool(overflow.any()):
                 row = c0 + a + int(overflow.any(dim=1).nonzero()[0, 0])
-                hint = "export it as bf16 or fp32" if dtype == torch.float16 else "no serving dtype holds it"
+                largest = rows[overflow].abs().max()
+                hint = ("export it as bf16 or fp32" if dtype == torch.float16
+                        else "export it as fp32" if bool(torch.isfinite(largest.to(torch.float32)))
+                        else "no serving dtype holds it")
                 raise UsageError(f"table {name!r}: row {row} of the checkpoint holds values beyond what {dtype} "
-                                 f"can hold (largest {float(rows[overflow].abs().max()):g}); {hint}", key=name)
+                                 f"can hold (largest {float(largest):g}); {hint}", key=name)
         return out
     return fetch
 
