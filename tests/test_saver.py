@@ -731,28 +731,52 @@ def _two_tables() -> torch.nn.ModuleDict:
 def saved_with_int32_ids(out: str) -> "tuple[torch.nn.ModuleDict, str]":
     """A model of two tables, and its checkpoint rewritten to store table user's ids as int32 (what
     another writer may store)."""
-    from recsave.format import index as index_mod
-    from recsave.format.reader import read_tensors
-    from recsave.format.writer import write_shards
-
     m = _two_tables()
     ids = torch.arange(-50, 150, 3)
     for k, table in enumerate(m.values()):
         table.load_rows(ids + k, torch.randn(len(ids), 4))
     ckpt = recsave.Saver(m, output_dir=out, max_keep=None).save("ckpt_1")
+    rewrite_ids_as_int32(ckpt, "user")
+    return m, ckpt
+
+
+def rewrite_ids_as_int32(ckpt: str, table: str) -> None:
+    """Rewrites checkpoint `ckpt`'s index to read `<table>@id` from a new file holding them as int32."""
+    from recsave.format import index as index_mod
+    from recsave.format.reader import read_tensors
+    from recsave.format.writer import write_shards
+
     idx = index_mod.read(ckpt)
-    stored = read_tensors(ckpt, ["user@id"], index=idx)["user@id"]
-    buckets = idx.tensors["user@id"].chunks[0].buckets
-    part = write_shards(ckpt, {"user@id": stored.to(torch.int32)}, prefix="ids32",
-                        chunk_meta={"user@id": {"buckets": buckets}})
+    name = f"{table}@id"
+    stored = read_tensors(ckpt, [name], index=idx)[name]
+    buckets = idx.tensors[name].chunks[0].buckets
+    part = write_shards(ckpt, {name: stored.to(torch.int32)}, prefix="ids32", chunk_meta={name: {"buckets": buckets}})
     raw = read_index_json(ckpt)
-    entry = part.tensors["user@id"]
-    raw["tensors"]["user@id"] = {"dtype": entry.dtype, "shape": list(entry.shape),
-                                 "chunks": [entry.chunks[0].to_json({buckets: 1})]}
+    entry = part.tensors[name]
+    raw["tensors"][name] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                            "chunks": [entry.chunks[0].to_json({buckets: 1})]}
     raw["files"].update({f: fe.to_json() for f, fe in part.files.items()})
     write_index_json(ckpt, raw)
-    assert index_mod.read(ckpt).tensors["user@id"].dtype == "int32"
-    return m, ckpt
+    assert index_mod.read(ckpt).tensors[name].dtype == "int32"
+
+
+def test_a_delta_chain_of_int32_ids_restores_and_exports(tmp_path):
+    """Every member's ids int32 (the merge keeps int32 when nothing promotes it): the chain's
+    restore and its Parquet export take them as int64."""
+    from recsave.tools.export import to_parquet
+    m, base = saved_with_int32_ids(str(tmp_path / "run"))
+    saver = recsave.Saver(m, output_dir=str(tmp_path / "run"), max_keep=None)
+    saver.load()  # the rewritten base is the delta's parent
+    m["user"].load_rows(torch.tensor([1000, -49]), torch.ones(2, 4))
+    m["user"].delete(torch.tensor([-50]))
+    delta = saver.save("ckpt_2", incremental=True)
+    assert saver.last_save_kind == "delta"
+    rewrite_ids_as_int32(delta, "user")
+    fresh = _two_tables()
+    recsave.Saver(fresh, output_dir=str(tmp_path / "run")).load()
+    for name in ("user", "item"):
+        assert_states_equal(table_state(fresh[name]), table_state(m[name]), name)
+    to_parquet(delta, str(tmp_path / "export"))
 
 
 def test_a_checkpoint_with_int32_ids_restores_through_the_copying_path(tmp_path):
@@ -979,8 +1003,9 @@ def test_slots_loaded_without_their_step_counts_say_so(tmp_path, to):
     fresh_opt = SparseAdagrad(fresh, lr=0.1)
     saver = recsave.Saver(fresh, fresh_opt, output_dir=str(tmp_path / "other"))
     with pytest.warns(RuntimeWarning, match=r"slots of table\(s\) \['a'\] were loaded from a source that "
-                                            r"records no sparse optimizer step count.*counts stay \[0\]"):
+                                            r"records no sparse optimizer step count.*counts stay \[0\]") as caught:
         saver.load_model_bank([{"path": dst, "exclude": ["sparse_optim"]}])
+    assert [w.filename for w in caught] == [__file__]  # it points at the load call, not into recsave
     ids = torch.arange(10)
     assert torch.equal(fresh["a"].export(ids)[2]["adagrad_acc"], m["a"].export(ids)[2]["adagrad_acc"])
     assert fresh_opt.steps["a"] == 0

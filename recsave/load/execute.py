@@ -4,8 +4,11 @@ a load that fails, on any rank, leaves the model as it was."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import traceback
 import warnings
+from types import FrameType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -45,6 +48,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     tx = LoadTransaction(tables, dense)
     extra_data: Dict[str, Any] = {}
     slotted = {name for name, t in tables.items() if callable(getattr(t, "slot_names", None)) and t.slot_names()}
+    uncounted: Dict[str, int] = {}  # tables whose slots came from a source without step counts -> count kept
 
     def stage() -> None:
         # A plan executed after the model changed (plan_model_bank, then execute_plan) is checked
@@ -60,7 +64,8 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
         for slots_only in (False, True):
             for src, p, w in zip(ex.sources, ex.plans, won):
                 _stage_tables(target, tx, src, p, w, ex.rank, ex.world, plan, report, slots_only)
-        counts = _step_counts(target, slotted, ex.sources, won, [p.conf.hashtable_clear for p in ex.plans], pt_files)
+        counts = _step_counts(target, slotted, ex.sources, won, [p.conf.hashtable_clear for p in ex.plans], pt_files,
+                              uncounted)
         for src, w, files in zip(ex.sources, won, pt_files):
             _stage_small(target, tx, src, w, files, ex.rank, ex.world, plan, report, extra_data, counts)
         if counts is not None and not any(SPARSE_OPTIM in w for w in won) \
@@ -92,6 +97,8 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     finally:
         tx.done()  # the staged (or, after a success, the replaced) tables are dropped
     target.extra_data.update(extra_data)
+    if uncounted and ex.rank == 0:  # once the load is applied; every rank has the same counts
+        _warn_uncounted(uncounted)
     report.rows_read = table_rows_read(report.loaded)
     report.bytes_read = sum(it.nbytes for it in report.loaded.values())
     return report
@@ -145,7 +152,8 @@ def _source_counts(src: Any, files: Dict[str, Any]) -> Optional[Dict[str, int]]:
 
 
 def _step_counts(target: LoadTarget, slotted: Set[str], sources: Sequence[Any], won: Sequence[Won],
-                 clears: Sequence[bool], pt_files: Sequence[Dict[str, Any]]) -> Optional[Dict[str, int]]:
+                 clears: Sequence[bool], pt_files: Sequence[Dict[str, Any]],
+                 uncounted: Dict[str, int]) -> Optional[Dict[str, int]]:
     """The sparse optimizer's per-table step counts after this load. A count goes with the
     optimizer state it belongs to (Adagrad's lr_decay and Adam's bias correction read it): the
     slots of a table with slots (`slotted`), else the table's rows. In the order staging applies
@@ -157,7 +165,8 @@ def _step_counts(target: LoadTarget, slotted: Set[str], sources: Sequence[Any], 
     - every other table keeps its live count (a table the load does not take or the checkpoint
       lacks, a merge, a source without counts).
     Counts of source tables the model lacks are never taken. None without a sparse optimizer
-    that keeps counts (`steps`)."""
+    that keeps counts (`steps`). Tables whose slots (any of them) came from a source without
+    counts are put in `uncounted`, with the count they keep."""
     live = getattr(target.extras.get(SPARSE_OPTIM), "steps", None)
     if not isinstance(live, dict):
         return None
@@ -173,7 +182,7 @@ def _step_counts(target: LoadTarget, slotted: Set[str], sources: Sequence[Any], 
                 counts[name] = 0
             elif source_counts is not None and source in source_counts:
                 counts[name] = source_counts[source]
-    uncounted: Set[str] = set()
+    without: Set[str] = set()
     for w, source_counts in zip(won, counted):
         for name, (category, source) in w.items():
             table, source_table = name.partition("@")[0], source.partition("@")[0]
@@ -181,18 +190,32 @@ def _step_counts(target: LoadTarget, slotted: Set[str], sources: Sequence[Any], 
                 continue
             if source_counts is not None and source_table in source_counts:
                 counts[table] = source_counts[source_table]
-                uncounted.discard(table)
-            else:
-                uncounted.add(table)
-    if uncounted:
-        # Trained slots with a count that does not go with them: Adam bias-corrects its m / v as
-        # if new, Adagrad's lr_decay restarts. Said, since nothing else would show it.
-        warnings.warn(
-            f"the slots of table(s) {sorted(uncounted)} were loaded from a source that records no sparse "
-            f"optimizer step count for them (a torch.save / DCP file, or a Parquet export without "
-            f"optimizer_steps); their counts stay {[counts[t] for t in sorted(uncounted)]}: set the sparse "
-            f"optimizer's steps[<table>] if you know them", RuntimeWarning, stacklevel=2)
+            else:  # a slot without its count: whatever the others bring, they do not go together
+                without.add(table)
+    uncounted.clear()
+    uncounted.update({t: counts[t] for t in sorted(without)})
     return counts
+
+
+def _warn_uncounted(uncounted: Dict[str, int]) -> None:
+    """Trained slots with a step count that does not go with them: Adam bias-corrects its m / v as
+    if new, Adagrad's lr_decay restarts. Said, since nothing else would show it."""
+    warnings.warn(
+        f"the slots of table(s) {sorted(uncounted)} were loaded from a source that records no sparse optimizer "
+        f"step count for them (a torch.save / DCP file, a Parquet export without optimizer_steps, a "
+        f"checkpoint saved without that optimizer); their counts stay {list(uncounted.values())}: set the "
+        f"sparse optimizer's steps[<table>] if you know them", RuntimeWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel for the first frame outside the recsave package (the user's
+    load call), from _warn_uncounted's caller."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame: Optional[FrameType] = sys._getframe(2)  # noqa: SLF001 (the frame walk warnings itself does)
+    level = 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _steps_change(optimizer: Any, counts: Dict[str, int]) -> Callable[[], Any]:

@@ -52,11 +52,12 @@ def read_member(src: Any, table: str, columns: List[str], rank: int, world: int,
         if tr is not None and rows is not None:
             rows[tomb] = tr
     data = read_tensors(src.ckpt_dir, names, index=index, storage=src.storage, concurrency=concurrency, rows=rows)
-    ids = data[f"{table}@id"]
+    # Another writer's int32 ids (and tombstones): every caller, and the merge's bucket maths, take int64.
+    ids = data[f"{table}@id"].to(torch.int64)
     cols = {c: data[f"{table}@{c}"] for c in present}
     for c in absent:
         cols[c] = torch.zeros(ids.numel(), 1, dtype=torch.int64)
-    return ids, cols, (data[tomb] if tomb is not None else None)
+    return ids, cols, (data[tomb].to(torch.int64) if tomb is not None else None)
 
 
 def merged_table(src: Any, table: str, columns: List[str], rank: int, world: int,
