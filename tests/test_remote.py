@@ -261,11 +261,15 @@ def test_gc_aborts_the_uploads_a_killed_writer_left(remote):
     theirs = ["elsewhere/big.bin", "run/logs/tensorboard/events.out", "run/notes.txt", "run/export/model.pt",
               "run/eval/index", "run/nested/ckpt_9/sparse-0-0.safetensors"]
     fs.pipe(f"{bucket}/run/ckpt_4/io_state_0.pt", b"x")  # the killed writer's files before model.pt
+    # Killed writers' uploads of the names anyone's files may have: recognised by a finished file
+    # (ckpt_4, removed by gc as a leftover first), or by another upload beside them (ckpt_5).
+    ours = ["run/ckpt_4/sparse-0-0.safetensors", "run/ckpt_4/model.pt", "run/ckpt_5/io_state_1.pt",
+            "run/ckpt_5/extra.pt"]
     begun = {key: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-             for key in ["run/ckpt_4/sparse-0-0.safetensors", "run/ckpt_4/model.pt", *theirs]}
+             for key in [*ours, *theirs]}
     time.sleep(1.1)  # the lock's LastModified has whole seconds
     done = catalog.clean_output_dir(out)
-    assert done["aborted_uploads"] == ["ckpt_4/model.pt", "ckpt_4/sparse-0-0.safetensors"]
+    assert done["aborted_uploads"] == sorted(k[len("run/"):] for k in ours)
     left = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert sorted((u["Key"], u["UploadId"]) for u in left) == sorted((k, begun[k]) for k in theirs)
     assert catalog.clean_output_dir(out)["aborted_uploads"] == []

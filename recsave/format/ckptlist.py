@@ -6,7 +6,7 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
+from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
@@ -323,26 +323,36 @@ def looks_like_checkpoint(storage: Storage, output_dir: str, name: str, *, own_i
 _COMMON_NAMES = ("index", "model.pt", "extra.pt")
 
 
-def writes_there(storage: Storage, output_dir: str, checkpoints: Collection[str] = ()) -> Callable[[str], bool]:
-    """Whether recsave's writers made the file at a path relative to output_dir: a checkpoint's
-    file `<id>/<file>`, or the list's or the writer lock's. A name only recsave writes (a shard,
-    an io state) counts as it is; `index`, `model.pt` and `extra.pt` only in a directory that
-    looks_like_checkpoint or is one of `checkpoints` (e.g. those gc just removed as leftovers).
-    What gc may abort an unfinished upload of: not another program's file there (a model exported
-    next to the checkpoints), nor one of an output dir nested below."""
-    checkpoint_like: Dict[str, bool] = {name: True for name in checkpoints}
-
-    def ours(relative: str) -> bool:
+def writes_there(storage: Storage, output_dir: str, checkpoints: Collection[str] = ()
+                 ) -> Callable[[Sequence[str]], List[str]]:
+    """Of paths relative to output_dir (e.g. its unfinished uploads), those recsave's writers
+    make: a checkpoint's file `<id>/<file>`, or the list's or the writer lock's. A name only
+    recsave writes (a shard, an io state) counts as it is; `index`, `model.pt` and `extra.pt`
+    only in a directory that looks_like_checkpoint, is one of `checkpoints` (e.g. those gc just
+    removed as leftovers), or has a path of a name only recsave writes among those given. What gc
+    may abort an unfinished upload of: not another program's file there (a model exported next to
+    the checkpoints), nor one of an output dir nested below."""
+    def split(relative: str) -> Optional[Tuple[str, str]]:
         parts = relative.split("/")
-        if len(parts) == 1:
-            return parts[0] in (LIST_FILE, LOCK_FILE) or bool(_OUTPUT_DIR_TEMP.match(parts[0]))
         if len(parts) != 2 or not is_plain_name(parts[0]) or not _OWN_FILE.match(parts[1]):
-            return False
-        if parts[1] not in _COMMON_NAMES:
-            return True
-        if parts[0] not in checkpoint_like:
-            checkpoint_like[parts[0]] = looks_like_checkpoint(storage, output_dir, parts[0])
-        return checkpoint_like[parts[0]]
+            return None
+        return parts[0], parts[1]
+
+    def ours(paths: Sequence[str]) -> List[str]:
+        named = [(p, split(p)) for p in paths]
+        beside = {s[0] for _, s in named if s is not None and s[1] not in _COMMON_NAMES}
+        checkpoint_like: Dict[str, bool] = {name: True for name in [*checkpoints, *beside]}
+        out = []
+        for path, s in named:
+            if s is None:
+                if "/" not in path and (path in (LIST_FILE, LOCK_FILE) or _OUTPUT_DIR_TEMP.match(path)):
+                    out.append(path)
+                continue
+            if s[0] not in checkpoint_like:
+                checkpoint_like[s[0]] = looks_like_checkpoint(storage, output_dir, s[0])
+            if s[1] not in _COMMON_NAMES or checkpoint_like[s[0]]:
+                out.append(path)
+        return out
     return ours
 
 

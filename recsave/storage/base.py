@@ -7,7 +7,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from concurrent.futures import Future
-from typing import IO, Any, Callable, List, Optional, Protocol, Tuple
+from typing import IO, Any, Callable, Collection, List, Optional, Protocol, Sequence, Tuple
 
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 
@@ -129,11 +129,12 @@ class Storage(abc.ABC):
     def remove_file(self, path: str) -> None:
         """Removes a file; a missing one is not an error."""
 
-    def abort_stale_uploads(self, path: str, marker: str, ours: Callable[[str], bool]) -> List[str]:
+    def abort_stale_uploads(self, path: str, marker: str,
+                            ours: Callable[[Sequence[str]], Collection[str]]) -> List[str]:
         """Aborts the unfinished uploads under directory `path` that began before file `marker`
-        was last written, both by the store's own clock, and whose path relative to `path` is
-        `ours` (another program's upload there, or a save into an output dir below, is not);
-        returns those relative paths. A writer killed in the middle of a multipart upload leaves
+        was last written, both by the store's own clock, and whose paths relative to `path` are
+        among `ours(those paths)` (another program's upload there, or a save into an output dir
+        below, is not); returns those relative paths. A writer killed in the middle of a multipart upload leaves
         one behind: invisible to listings, yet stored (and billed) until aborted. [] where a store
         has no such uploads."""
         return []

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import sys
 import time
 from concurrent.futures import Future
-from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 from recsave import knobs, threads
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError, UsageError
@@ -23,9 +24,17 @@ T = TypeVar("T")
 _CHAINED = re.compile(r"::[A-Za-z][A-Za-z0-9+.-]*://")
 # A store's root: a scheme and slashes alone.
 _SCHEME_ROOT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
-# Packages whose upload files publish nothing before their close completes (one put, or a
-# multipart / resumable upload committed at the end).
-_PUBLISH_ON_CLOSE = ("s3fs", "gcsfs")
+# Upload files that publish nothing before their close completes (one put, or a multipart /
+# resumable upload committed at the end): (module, class), subclasses included.
+_PUBLISH_ON_CLOSE = (("s3fs.core", "S3File"), ("gcsfs.core", "GCSFile"))
+
+
+def _publishes_on_close(f: Any) -> bool:
+    for module, name in _PUBLISH_ON_CLOSE:
+        cls = getattr(sys.modules.get(module), name, None)  # loaded, if f is one of them
+        if isinstance(cls, type) and isinstance(f, cls):
+            return True
+    return False
 
 
 class FsspecStorage(Storage):
@@ -182,7 +191,8 @@ class FsspecStorage(Storage):
         with contextlib.suppress(FileNotFoundError):
             retry.call("removing", path, lambda: self.fs.rm_file(path))
 
-    def abort_stale_uploads(self, path: str, marker: str, ours: Callable[[str], bool]) -> List[str]:
+    def abort_stale_uploads(self, path: str, marker: str,
+                            ours: Callable[[Sequence[str]], Collection[str]]) -> List[str]:
         call = getattr(self.fs, "call_s3", None)  # s3fs: multipart uploads are S3's
         if call is None or self._local is not None:
             return []
@@ -196,11 +206,12 @@ class FsspecStorage(Storage):
         while True:
             listed = retry.call("listing the unfinished uploads under", path,
                                 lambda: call("list_multipart_uploads", **page))
-            stale += [(u["Key"], u["UploadId"]) for u in listed.get("Uploads", [])
-                      if u["Initiated"] < since and ours(u["Key"][len(prefix):])]
+            stale += [(u["Key"], u["UploadId"]) for u in listed.get("Uploads", []) if u["Initiated"] < since]
             if not listed.get("IsTruncated"):
                 break
             page.update(KeyMarker=listed["NextKeyMarker"], UploadIdMarker=listed["NextUploadIdMarker"])
+        mine = set(ours([k[len(prefix):] for k, _ in stale]))
+        stale = [(k, u) for k, u in stale if k[len(prefix):] in mine]
         for upload_key, upload_id in stale:
             abort = functools.partial(call, "abort_multipart_upload", Bucket=bucket, Key=upload_key, UploadId=upload_id)
             with contextlib.suppress(FileNotFoundError):  # finished or aborted meanwhile: gone either way
@@ -324,7 +335,7 @@ class FsspecStorage(Storage):
                 f.discard()
             else:
                 f.close()
-        if type(f).__module__.split(".")[0] in _PUBLISH_ON_CLOSE:
+        if _publishes_on_close(f):
             f.closed = True  # discarded: its __del__ must not try to close (and upload) it again
             return
         with contextlib.suppress(Exception):

@@ -135,5 +135,8 @@ def _write(src: CheckpointSource, storage, target: str, lock: Optional[WriterLoc
 
 
 def _small_files(src: CheckpointSource) -> List[str]:
-    """The files of the checkpoint that are not shard files (.pt files, io_state_count)."""
-    return sorted(n for n in src.index.files if not n.endswith(".safetensors"))
+    """The files of the checkpoint that are not shard files (.pt files, io_state_count): the io
+    states first, as a save writes them, so that a compaction killed while uploading a later one
+    leaves a directory gc recognises as recsave's (ckptlist.writes_there)."""
+    return sorted((n for n in src.index.files if not n.endswith(".safetensors")),
+                  key=lambda n: (not n.startswith("io_state"), n))
