@@ -984,11 +984,8 @@ def test_last_load_is_the_report_of_the_last_load_that_completed(tmp_path):
     assert fresh.saver.last_load is bank
 
 
-@pytest.mark.parametrize("to", ["torch", "dcp"])
-def test_slots_loaded_without_their_step_counts_say_so(tmp_path, to):
-    """A torch.save / DCP conversion keeps the sparse optimizer's step counts as extras, which a
-    model-bank load of it does not read: the slots load with the live count (0 in a fresh
-    model), which Adam's bias correction and Adagrad's lr_decay read. A warning names the tables."""
+def _trained_adagrad(out: str) -> "tuple[torch.nn.ModuleDict, torch.Tensor]":
+    """A one-table model trained 3 steps with SparseAdagrad, saved into `out`; (model, its slot)."""
     from recsave.tables.optim import SparseAdagrad
     m = torch.nn.ModuleDict({"a": recsave.HashTable(4, name="a")})
     opt = SparseAdagrad(m, lr=0.1)
@@ -996,20 +993,43 @@ def test_slots_loaded_without_their_step_counts_say_so(tmp_path, to):
         m["a"](torch.arange(10)).sum().backward()
         opt.step()
         opt.zero_grad()
-    recsave.Saver(m, opt, output_dir=str(tmp_path / "run")).save("ckpt_3")
+    recsave.Saver(m, opt, output_dir=out).save("ckpt_3")
+    return m, m["a"].export(torch.arange(10))[2]["adagrad_acc"]
+
+
+def _warm_start(path: str, out: str) -> "tuple[torch.nn.ModuleDict, object]":
+    from recsave.tables.optim import SparseAdagrad
+    fresh = torch.nn.ModuleDict({"a": recsave.HashTable(4, name="a")})
+    opt = SparseAdagrad(fresh, lr=0.1)
+    recsave.Saver(fresh, opt, output_dir=out).load_model_bank([{"path": path, "exclude": ["sparse_optim"]}])
+    return fresh, opt
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_slots_loaded_from_a_conversion_take_its_step_counts(tmp_path, to):
+    """convert keeps the sparse optimizer's step counts (as `_recsave.extra.sparse_optim.steps.<t>`);
+    a warm start of slots from the torch.save / DCP result takes them, as from the checkpoint
+    (at 0, Adam's bias correction and Adagrad's lr_decay would restart on trained slots)."""
+    _, acc = _trained_adagrad(str(tmp_path / "run"))
     dst = str(tmp_path / ("out.pt" if to == "torch" else "out"))
     recsave.convert(str(tmp_path / "run"), dst, to)
-    fresh = torch.nn.ModuleDict({"a": recsave.HashTable(4, name="a")})
-    fresh_opt = SparseAdagrad(fresh, lr=0.1)
-    saver = recsave.Saver(fresh, fresh_opt, output_dir=str(tmp_path / "other"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh, opt = _warm_start(dst, str(tmp_path / "other"))
+    assert opt.steps["a"] == 3
+    assert torch.equal(fresh["a"].export(torch.arange(10))[2]["adagrad_acc"], acc)
+
+
+def test_slots_loaded_without_their_step_counts_say_so(tmp_path):
+    """A torch.save file without the counts (one written by other code): the slots load with the
+    live count (0 in a fresh model), and a warning, pointing at the load call, names the tables."""
+    _, acc = _trained_adagrad(str(tmp_path / "run"))
+    recsave.convert(str(tmp_path / "run"), str(tmp_path / "out.pt"), "torch")
+    state = torch.load(str(tmp_path / "out.pt"), weights_only=True)
+    torch.save({k: v for k, v in state.items() if ".steps." not in k}, str(tmp_path / "bare.pt"))
     with pytest.warns(RuntimeWarning, match=r"slots of table\(s\) \['a'\] were loaded from a source that "
                                             r"records no sparse optimizer step count.*counts stay \[0\]") as caught:
-        saver.load_model_bank([{"path": dst, "exclude": ["sparse_optim"]}])
+        fresh, opt = _warm_start(str(tmp_path / "bare.pt"), str(tmp_path / "other"))
     assert [w.filename for w in caught] == [__file__]  # it points at the load call, not into recsave
-    ids = torch.arange(10)
-    assert torch.equal(fresh["a"].export(ids)[2]["adagrad_acc"], m["a"].export(ids)[2]["adagrad_acc"])
-    assert fresh_opt.steps["a"] == 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a recsave checkpoint carries its counts: no warning
-        recsave.Saver(fresh, fresh_opt, output_dir=str(tmp_path / "run")).load()
-    assert fresh_opt.steps["a"] == 3
+    assert opt.steps["a"] == 0
+    assert torch.equal(fresh["a"].export(torch.arange(10))[2]["adagrad_acc"], acc)

@@ -176,6 +176,12 @@ class TorchStateSource(abc.ABC):
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         """The tensors of `keys` as stored (each subclass reads its own kind of file)."""
 
+    def optimizer_steps(self) -> Optional[Dict[str, int]]:
+        """The sparse optimizer's step count per table where the file records them, as recsave's
+        `convert` writes them (`STEP_COUNT_PREFIX<table>`: an int, or a 0-d integer tensor);
+        None when it records none."""
+        return None
+
     def _column_key(self, table: str, column: str) -> str:
         t = self.tables[table]
         return t.weight if column == "embedding" else t.meta[column] if column in t.meta else t.slots[column]
@@ -232,6 +238,7 @@ class TorchSaveSource(TorchStateSource):
 
     def __init__(self, storage: Storage, path: str):
         obj, mapped = load_torch_file(path)
+        self._steps = _step_counts(obj.items() if isinstance(obj, Mapping) else ())
         state = _flatten(obj, "")
         meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
         # A mapped file is mapped again for each read: the pages a read touches are released with
@@ -250,6 +257,9 @@ class TorchSaveSource(TorchStateSource):
             raise ConfigError(f"{self.ckpt_dir}: {missing[:5]} are gone; the file changed since it was "
                               f"opened: plan the load again", path=self.ckpt_dir, key=missing[0])
         return {k: state[k] for k in keys}
+
+    def optimizer_steps(self) -> Optional[Dict[str, int]]:
+        return self._steps
 
 
 class DcpSource(TorchStateSource):
@@ -274,7 +284,24 @@ class DcpSource(TorchStateSource):
                               f"{exc}); accepted sources: {ACCEPTED}", path=path) from exc
         meta: Meta = {k: (tuple(m.size), m.properties.dtype) for k, m in md.state_dict_metadata.items()
                       if isinstance(m, TensorStorageMetadata)}
+        # Step counts are small objects beside the tensors (or 0-d tensors): read when asked for.
+        self._step_keys = [k for k in md.state_dict_metadata if k.startswith(STEP_COUNT_PREFIX)]
         super().__init__(path, meta, f"{path}@{storage.ukey(storage.join(path, DCP_METADATA))}")
+
+    def optimizer_steps(self) -> Optional[Dict[str, int]]:
+        if not self._step_keys:
+            return None
+        import torch.distributed.checkpoint as dcp
+
+        out: Dict[str, Any] = {k: torch.empty((), dtype=self.meta[k][1]) if k in self.meta else None
+                               for k in self._step_keys}
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            try:
+                dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), no_dist=True)
+            except Exception:  # unreadable counts cost the counts (the load warns), not the load
+                return None
+        return _step_counts(out.items())
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
@@ -290,6 +317,26 @@ class DcpSource(TorchStateSource):
                                              f"({' '.join(str(exc).split())[:300]}); it is incomplete or "
                                              f"damaged", path=self.ckpt_dir) from exc
         return out
+
+
+# Where recsave's `convert` keeps the sparse optimizer's step counts in a torch.save / DCP state
+# dict: the extra `sparse_optim`'s key path `steps.<table>` (tools/convert.py, EXTRA_PREFIX).
+STEP_COUNT_PREFIX = "_recsave.extra.sparse_optim.steps."
+
+
+def _step_counts(items: Any) -> Optional[Dict[str, int]]:
+    """{table: count} of the STEP_COUNT_PREFIX entries among (key, value) `items` that hold a
+    count (an int in [0, 2**63), or a 0-d integer tensor of one); None when there are none."""
+    counts: Dict[str, int] = {}
+    for key, value in items:
+        if not isinstance(key, str) or not key.startswith(STEP_COUNT_PREFIX):
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+                and value.dtype != torch.bool:
+            value = int(value)
+        if type(value) is int and 0 <= value < 1 << 63:
+            counts[key[len(STEP_COUNT_PREFIX):]] = value
+    return counts or None
 
 
 def load_torch_file(path: str) -> Tuple[Any, bool]:
