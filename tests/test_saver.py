@@ -1033,3 +1033,33 @@ def test_slots_loaded_without_their_step_counts_say_so(tmp_path):
     assert [w.filename for w in caught] == [__file__]  # it points at the load call, not into recsave
     assert opt.steps["a"] == 0
     assert torch.equal(fresh["a"].export(torch.arange(10))[2]["adagrad_acc"], acc)
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded (what a hostile DCP entry could hold)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_dcp_directorys_step_counts_are_read_without_running_its_pickles(tmp_path):
+    """DCP keeps non-tensor entries pickled, and its default planner unpickles them with
+    weights_only=False: reading the counts must not run what a DCP directory from elsewhere holds,
+    and an entry that is no count costs the counts (a warning), never the load."""
+    import torch.distributed.checkpoint as dcp
+    _, acc = _trained_adagrad(str(tmp_path / "run"))
+    marker = str(tmp_path / "ran")
+    state = {"a.weight": torch.randn(10, 4), "a.ids": torch.arange(10), "a.adagrad_acc": acc,
+             "_recsave.extra.sparse_optim.steps.a": _RunsCode(marker),
+             "_recsave.extra.sparse_optim.steps.hist": torch.arange(5)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "hostile")), no_dist=True)
+    with pytest.warns(RuntimeWarning, match=r"slots of table\(s\) \['a'\] .*counts stay \[0\]"):
+        fresh, opt = _warm_start(str(tmp_path / "hostile"), str(tmp_path / "other"))
+    assert not os.path.exists(marker)
+    assert opt.steps["a"] == 0
+    assert torch.equal(fresh["a"].export(torch.arange(10))[2]["adagrad_acc"], acc)

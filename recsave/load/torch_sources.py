@@ -20,6 +20,7 @@ Nested dicts (``{"model": state_dict}``) are flattened with '.' (use ``oname`` t
 from __future__ import annotations
 
 import abc
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -285,23 +286,26 @@ class DcpSource(TorchStateSource):
         meta: Meta = {k: (tuple(m.size), m.properties.dtype) for k, m in md.state_dict_metadata.items()
                       if isinstance(m, TensorStorageMetadata)}
         # Step counts are small objects beside the tensors (or 0-d tensors): read when asked for.
-        self._step_keys = [k for k in md.state_dict_metadata if k.startswith(STEP_COUNT_PREFIX)]
+        self._step_keys = [k for k in md.state_dict_metadata if k.startswith(STEP_COUNT_PREFIX)
+                           and (k not in meta or meta[k][0] == ())]
         super().__init__(path, meta, f"{path}@{storage.ukey(storage.join(path, DCP_METADATA))}")
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
         if not self._step_keys:
             return None
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         out: Dict[str, Any] = {k: torch.empty((), dtype=self.meta[k][1]) if k in self.meta else None
                                for k in self._step_keys}
+        planner = _weights_only_planner()()
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             try:
-                dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), no_dist=True)
-            except Exception:  # unreadable counts cost the counts (the load warns), not the load
+                dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), planner=planner, no_dist=True)
+            except (Exception, CheckpointException):  # unreadable counts cost the counts (the load warns)
                 return None
-        return _step_counts(out.items())
+        return _step_counts([*((k, v) for k, v in out.items() if k in self.meta), *planner.objects.items()])
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
@@ -317,6 +321,23 @@ class DcpSource(TorchStateSource):
                                              f"({' '.join(str(exc).split())[:300]}); it is incomplete or "
                                              f"damaged", path=self.ckpt_dir) from exc
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _weights_only_planner() -> Any:
+    """The class of a DCP load planner whose non-tensor entries are unpickled with
+    weights_only=True into `objects` (the default planner's torch.load runs any pickle, and a DCP
+    directory is a file from elsewhere). Made on first use: DCP is imported late."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.objects: Dict[str, Any] = {}
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+    return WeightsOnlyPlanner
 
 
 # Where recsave's `convert` keeps the sparse optimizer's step counts in a torch.save / DCP state
