@@ -474,9 +474,7 @@ def _load_in_place(target: LoadTarget, table: HashTable, src: Any, src_table: st
     if not _restores_in_place(table, src, src_table, plan):
         return False
     threads = target.concurrency
-    ids, _ = src.read_table(src_table, [], rank, world, threads)
-    if ids is not None and ids.dtype != torch.int64:  # another writer's int32 ids: the row ids are int64
-        ids = ids.to(torch.int64)
+    ids, _ = src.read_table(src_table, [], rank, world, threads)  # int64, whatever the checkpoint stores
     block_bytes = knobs.get("write_block_bytes")
 
     def fill(views: Dict[str, torch.Tensor]) -> None:
