@@ -293,34 +293,33 @@ class DcpSource(TorchStateSource):
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
         if not self._step_keys:
             return None
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
         out: Dict[str, Any] = {k: torch.empty((), dtype=self.meta[k][1]) if k in self.meta else None
                                for k in self._step_keys}
         planner = _weights_only_planner()()
+        try:
+            self._load(out, planner)
+        except CorruptCheckpointError:  # unreadable counts cost the counts (the load warns), not the load
+            return None
+        return _step_counts([*((k, v) for k, v in out.items() if k in self.meta), *planner.objects.items()])
+
+    def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+        out = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in dict.fromkeys(keys)}
+        self._load(out)
+        return out
+
+    def _load(self, out: Dict[str, Any], planner: Any = None) -> None:
+        """dcp.load of `out`'s keys in this process; CorruptCheckpointError when it fails."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             try:
                 dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), planner=planner, no_dist=True)
-            except (Exception, CheckpointException):  # unreadable counts cost the counts (the load warns)
-                return None
-        return _step_counts([*((k, v) for k, v in out.items() if k in self.meta), *planner.objects.items()])
-
-    def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        out = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in dict.fromkeys(keys)}
-        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent here
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            try:
-                dcp.load(out, storage_reader=dcp.FileSystemReader(self.local_dir), no_dist=True)
             except (Exception, CheckpointException) as exc:  # (a BaseException) wraps e.g. a data file gone
                 raise CorruptCheckpointError(f"{self.ckpt_dir}: reading the DCP checkpoint failed "
                                              f"({' '.join(str(exc).split())[:300]}); it is incomplete or "
                                              f"damaged", path=self.ckpt_dir) from exc
-        return out
 
 
 @functools.lru_cache(maxsize=None)
