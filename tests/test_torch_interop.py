@@ -386,6 +386,47 @@ def test_a_device_move_leaves_the_table_on_its_device():
     assert model.emb.user.cpu() is model.emb.user
 
 
+def test_a_table_on_the_meta_device_is_refused():
+    with pytest.raises(recsave.UsageError, match="device 'meta' holds no data"):
+        HashTable(4, device="meta")
+
+
+def test_saving_a_model_with_meta_tensors_is_refused_before_anything_is_written(tmp_path):
+    """A dense layer left on the meta device (a model built under torch.device('meta') and never
+    materialized) has no values: the save names it instead of torch's 'Cannot copy out of meta
+    tensor' half way through the commit."""
+    model, _ = trained()
+    model.lin.to("meta")
+    saver = recsave.Saver(model, output_dir=str(tmp_path))
+    for save in (saver.save, lambda ckpt: saver.async_save(ckpt).result()):
+        with pytest.raises(recsave.UsageError, match=r"'lin.bias', 'lin.weight' are on the meta device"):
+            save("ckpt_1")
+    saver.close()
+    assert saver.checkpoints() == [] and not (tmp_path / "ckpt_1").exists()
+
+
+def test_loading_into_meta_tensors_is_refused_and_changes_nothing(tmp_path):
+    """A copy into a meta tensor is a no-op: the load would report the dense layer loaded while
+    it stayed without values. It is refused before any table changes; materialized, it loads."""
+    model, _ = trained()
+    recsave.Saver(model, output_dir=str(tmp_path)).save("ckpt_1")
+    fresh = Tower(seed=5)
+    fresh.lin.to("meta")
+    with pytest.raises(recsave.UsageError, match=r"'lin.bias', 'lin.weight' are on the meta device.*to_empty"):
+        recsave.Saver(fresh, output_dir=str(tmp_path)).load()
+    assert len(fresh.emb.user) == 0 and len(fresh.emb.anon) == 0
+    fresh.to_empty(device="cpu")
+    SparseAdagrad(fresh, lr=0.1)
+    recsave.Saver(fresh, output_dir=str(tmp_path)).load()
+    for name in ("user", "anon"):
+        a, b = getattr(model.emb, name), getattr(fresh.emb, name)
+        ids = torch.sort(a.ids()).values
+        assert torch.equal(torch.sort(b.ids()).values, ids)
+        (_, va, sa), (_, vb, sb) = a.export(ids), b.export(ids)
+        assert torch.equal(va, vb) and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(model.lin.weight, fresh.lin.weight) and torch.equal(model.lin.bias, fresh.lin.bias)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only build")
 def test_a_device_move_torch_cannot_make_leaves_a_tables_only_module_as_it_was():
     module = torch.nn.Module()

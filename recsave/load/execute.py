@@ -28,6 +28,7 @@ from recsave.tables.devcopy import HostToDevice
 from recsave.tables.hashtable import HashTable
 from recsave.tables.rows import META_COLUMNS
 from recsave.tables.staging import DeferredIds
+from recsave.tables.tablelike import refuse_meta_tensors
 
 
 def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
@@ -54,6 +55,8 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
         # A plan executed after the model changed (plan_model_bank, then execute_plan) is checked
         # again (here, where every rank learns of a rank's refusal): a table whose dim or dtype
         # changed would otherwise be cut, padded or cast silently.
+        refuse_meta_tensors({n: dense[n] for w in won for n, (cat, _) in w.items() if cat == "dense"},
+                            f"loading {where}")
         model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
         for p, src in zip(ex.plans, ex.sources):
             config.recheck(p, model, src.contents)

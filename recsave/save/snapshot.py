@@ -18,7 +18,7 @@ from recsave.format import plainstate
 from recsave.format.writer import RowSource
 from recsave.tables.devcopy import DeviceGather, PinnedPair
 from recsave.tables.rows import copy_range, copy_rows
-from recsave.tables.tablelike import TableLike
+from recsave.tables.tablelike import TableLike, refuse_meta_tensors
 from recsave.tables.tracking import TableChanges
 
 
@@ -301,6 +301,7 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
     copies only those) and its tombstones. `changed` (with a stager): a table's changes since its
     stager's mirror, taken at this snapshot; only those rows are copied into the mirror
     (Stager.stage_table), which a delta's rows are then written from."""
+    refuse_meta_tensors(dense, "save")
     extra_state = {n: plainstate.encode(o.state_dict(), "extra", n, "state_dict", "load_state_dict")
                    for n, o in extras.items()}
     io_state = {n: plainstate.encode(o.dump_io_state(), "io state", n, "dump_io_state", "load_io_state")

@@ -459,6 +459,10 @@ def _table_device(device: Any) -> torch.device:
     except RuntimeError:
         raise UsageError(f"HashTable: device {device!r} is not a torch device; use 'cpu' or 'cuda[:N]'",
                          key="device") from None
+    if dev.type == "meta":  # rows and an id map need storage; a meta tensor has none
+        raise UsageError("HashTable: device 'meta' holds no data, and a table's rows and id map need "
+                         "storage; build the table on 'cpu' or 'cuda[:N]' (a HashTable stays on its "
+                         "device under module.to_empty / module.to)", key="device")
     if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
         have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
         raise UsageError(f"HashTable: device {device!r} is not available here ({have}); use 'cpu' or an "

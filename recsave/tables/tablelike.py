@@ -8,7 +8,7 @@ submodule that sets ``__recsave_table__ = True`` or satisfies the protocol; such
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -113,3 +113,13 @@ def split_model(model: torch.nn.Module) -> Tuple[Dict[str, Any], Dict[str, Any]]
         rest = {k: v for k, v in rest.items() if not k.startswith(prefix)}
     return tables, rest
 
+
+def refuse_meta_tensors(dense: Mapping[str, Any], where: str) -> None:
+    """UsageError naming the dense tensors on the meta device: they hold no values to write, and a
+    load's copy into one is a no-op that would leave the model unloaded while reporting it loaded."""
+    meta = sorted(n for n, t in dense.items() if isinstance(t, torch.Tensor) and t.is_meta)
+    if meta:
+        shown = ", ".join(repr(n) for n in meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+        raise UsageError(f"{where}: the model's {shown} {'is' if len(meta) == 1 else 'are'} on the meta device "
+                         f"(no storage, no values); materialize the model first, e.g. "
+                         f"model.to_empty(device='cpu') (then initialise or load it)", key=meta[0])
