@@ -91,7 +91,10 @@ def test_recsave_to_torch_and_dcp_read_back_equal_the_model(tmp_path):
 def test_torch_and_dcp_to_recsave_then_saver_load_equals_the_source(tmp_path, via):
     job = _trained(tmp_path)
     mid = recsave.convert(str(tmp_path / "job"), str(tmp_path / "mid"), via)
-    ckpt = recsave.convert(mid, str(tmp_path / "out"), "recsave", ckpt_id="ckpt_4")
+    with pytest.warns(UserWarning, match=r"mid: the registered extras' \d+ entries \(_recsave.extra.\*\) are not "
+                                         r"restored") as caught:
+        ckpt = recsave.convert(mid, str(tmp_path / "out"), "recsave", ckpt_id="ckpt_4")
+    assert len(caught) == 1 and "not tensors" not in str(caught[0].message)  # recsave's own file: extras only
     assert ckpt.endswith("ckpt_4")
     assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_4"]
     fresh = CTR(seed=5)
@@ -115,6 +118,36 @@ def test_nn_embedding_file_to_recsave_picks_embeddings_not_linears(tmp_path):
     ids, values, _ = model["emb"].export()
     assert torch.equal(values[torch.argsort(ids)], src["emb"].weight.detach())
     assert torch.equal(model["mlp"].weight, src["mlp"].weight)
+
+
+def test_a_training_file_converts_its_tensors_and_names_what_it_leaves_out(tmp_path):
+    """{"model": ..., "optimizer": ..., "epoch": 3}, as training scripts torch.save them: the
+    optimizer's per-parameter tensors (int keys) and list entries convert under DCP's dotted
+    names; the numbers and strings cannot, and the conversion says so instead of dropping them
+    silently. A file that holds no dict, or two entries reaching one key, is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "mlp": torch.nn.Linear(4, 2)})
+    opt = torch.optim.Adam(model.parameters())
+    model["mlp"](model["emb"](torch.arange(3))).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+                "history": [torch.ones(2), "note"]}, tmp_path / "train.pt")
+    with pytest.warns(UserWarning, match=r"train.pt: \d+ entries are not tensors and are not converted: "
+                                         r"'epoch' \(int\), 'history.1' \(str\), 'optimizer.param_groups.0.amsgrad'"):
+        recsave.convert(str(tmp_path / "train.pt"), str(tmp_path / "flat.pt"), "torch")
+    flat = torch.load(tmp_path / "flat.pt", weights_only=True)
+    state = opt.state_dict()["state"]
+    assert set(flat) == {f"model.{k}" for k in model.state_dict()} | {"model.emb.ids", "history.0"} | {
+        f"optimizer.state.{i}.{k}" for i, per in state.items() for k in per}
+    assert torch.equal(flat["optimizer.state.2.exp_avg"], state[2]["exp_avg"])
+    assert torch.equal(flat["model.emb.weight"], model["emb"].weight.detach())
+    torch.save([torch.ones(2)], tmp_path / "list.pt")
+    with pytest.raises(ConfigError, match="list.pt: holds a list, not a state dict"):
+        recsave.convert(str(tmp_path / "list.pt"), str(tmp_path / "l"), "recsave")
+    torch.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "clash.pt")
+    with pytest.raises(ConfigError, match="two entries flatten to the key 'a.b'"):
+        recsave.convert(str(tmp_path / "clash.pt"), str(tmp_path / "c"), "recsave")
+    assert not (tmp_path / "l").exists() and not (tmp_path / "c").exists()
 
 
 def test_convert_refuses_bad_arguments_and_existing_outputs(tmp_path):

@@ -1035,6 +1035,33 @@ def test_slots_loaded_without_their_step_counts_say_so(tmp_path):
     assert torch.equal(fresh["a"].export(torch.arange(10))[2]["adagrad_acc"], acc)
 
 
+@pytest.mark.parametrize("kind", ["torch", "dcp"])
+def test_step_counts_nested_or_as_tensors_are_read_and_not_reported_unexpected(tmp_path, kind):
+    """A torch.save file that nests the counts (`{"_recsave": {"extra": ...}}`, flattened with '.'
+    as the rest of the file is) or keeps them as 0-d tensors: the slots take them, and the count
+    entries are no dense names the load reports as unexpected."""
+    from recsave.tables.optim import SparseAdagrad
+    _, acc = _trained_adagrad(str(tmp_path / "run"))
+    recsave.convert(str(tmp_path / "run"), str(tmp_path / "out.pt"), "torch")
+    state = {k: v for k, v in torch.load(str(tmp_path / "out.pt"), weights_only=True).items() if "_recsave" not in k}
+    nested = {**state, "_recsave": {"extra": {"sparse_optim": {"steps": {"a": torch.tensor(3)}}}}}
+    if kind == "torch":
+        torch.save(nested, str(tmp_path / "nested.pt"))
+    else:
+        import torch.distributed.checkpoint as dcp
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(nested, storage_writer=dcp.FileSystemWriter(str(tmp_path / "nested.pt")), no_dist=True)
+    fresh = torch.nn.ModuleDict({"a": recsave.HashTable(4, name="a")})
+    opt = SparseAdagrad(fresh, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = recsave.Saver(fresh, opt, output_dir=str(tmp_path / "other")).load_model_bank(
+            [{"path": str(tmp_path / "nested.pt"), "exclude": ["sparse_optim"]}])
+    assert opt.steps["a"] == 3 and report.unexpected == []
+    assert torch.equal(fresh["a"].export(torch.arange(10))[2]["adagrad_acc"], acc)
+
+
 class _RunsCode:
     """A pickle that runs code when loaded (what a hostile DCP entry could hold)."""
 

@@ -15,7 +15,8 @@ load/sources.py's sources answer). The names become tables and dense entries:
   ``<name>`` or ``<key>``);
 - any other 2-D floating tensor is also a table named by its key (ids 0..N-1);
 - every tensor is also a dense entry under its key, so an nn.Embedding model loads its weight.
-Nested dicts (``{"model": state_dict}``) are flattened with '.' (use ``oname`` to map the prefix).
+Nested dicts (``{"model": state_dict}``), lists and int keys are flattened with '.' (use ``oname``
+to map the prefix); values that are not tensors are listed in ``not_tensors``, never loaded.
 """
 from __future__ import annotations
 
@@ -144,6 +145,9 @@ class TorchStateSource(abc.ABC):
 
     kind = "torch"
     index = None  # no recsave index
+    # {key: type name} of the entries that are not tensors (never loaded or converted; `convert`
+    # warns of them). Set by each subclass.
+    not_tensors: Dict[str, str]
     step: Optional[int] = None
     io_state_count = 1
     num_buckets = partition.DEFAULT_NUM_BUCKETS
@@ -239,8 +243,11 @@ class TorchSaveSource(TorchStateSource):
 
     def __init__(self, storage: Storage, path: str):
         obj, mapped = load_torch_file(path)
-        self._steps = _step_counts(obj.items() if isinstance(obj, Mapping) else ())
-        state = _flatten(obj, "")
+        state, others = _flatten(obj, path)
+        self._steps = _step_counts([*state.items(), *others.items()])
+        self.not_tensors = _not_tensors(others)
+        # Count entries read as counts are no dense entries (a load would report them unexpected).
+        state = {k: v for k, v in state.items() if not _is_count_key(k, self._steps)}
         meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
         # A mapped file is mapped again for each read: the pages a read touches are released with
         # the tensors it returns, instead of the whole file staying resident. A file that could not
@@ -252,7 +259,7 @@ class TorchSaveSource(TorchStateSource):
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         state = self._state
         if state is None:
-            state = _flatten(load_torch_file(self.ckpt_dir)[0], "")
+            state = _flatten(load_torch_file(self.ckpt_dir)[0], self.ckpt_dir)[0]
         missing = [k for k in keys if k not in state]
         if missing:
             raise ConfigError(f"{self.ckpt_dir}: {missing[:5]} are gone; the file changed since it was "
@@ -288,19 +295,23 @@ class DcpSource(TorchStateSource):
         # Step counts are small objects beside the tensors (or 0-d tensors): read when asked for.
         self._step_keys = [k for k in md.state_dict_metadata if k.startswith(STEP_COUNT_PREFIX)
                            and (k not in meta or meta[k][0] == ())]
+        # 0-d count tensors are no dense entries (a load would report them unexpected).
+        self._count_meta = {k: meta.pop(k) for k in self._step_keys if k in meta}
+        self.not_tensors = {k: "object" for k in sorted(md.state_dict_metadata)
+                            if k not in meta and k not in self._step_keys}
         super().__init__(path, meta, f"{path}@{storage.ukey(storage.join(path, DCP_METADATA))}")
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
         if not self._step_keys:
             return None
-        out: Dict[str, Any] = {k: torch.empty((), dtype=self.meta[k][1]) if k in self.meta else None
+        out: Dict[str, Any] = {k: torch.empty((), dtype=self._count_meta[k][1]) if k in self._count_meta else None
                                for k in self._step_keys}
         planner = _weights_only_planner()()
         try:
             self._load(out, planner)
         except CorruptCheckpointError:  # unreadable counts cost the counts (the load warns), not the load
             return None
-        return _step_counts([*((k, v) for k, v in out.items() if k in self.meta), *planner.objects.items()])
+        return _step_counts([*((k, v) for k, v in out.items() if k in self._count_meta), *planner.objects.items()])
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         out = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in dict.fromkeys(keys)}
@@ -344,6 +355,18 @@ def _weights_only_planner() -> Any:
 STEP_COUNT_PREFIX = "_recsave.extra.sparse_optim.steps."
 
 
+def _not_tensors(others: Mapping[str, Any]) -> Dict[str, str]:
+    """{key: type name} of the values a source holds beside its tensors (hyper-parameters, strings,
+    None): neither loaded nor converted. recsave's step count entries are read, so not among them."""
+    counts = _step_counts(others.items())
+    return {k: type(v).__name__ for k, v in sorted(others.items()) if not _is_count_key(k, counts)}
+
+
+def _is_count_key(key: str, counts: Optional[Mapping[str, int]]) -> bool:
+    """Whether `key` is the entry a step count in `counts` was read from."""
+    return counts is not None and key.startswith(STEP_COUNT_PREFIX) and key[len(STEP_COUNT_PREFIX):] in counts
+
+
 def _step_counts(items: Any) -> Optional[Dict[str, int]]:
     """{table: count} of the STEP_COUNT_PREFIX entries among (key, value) `items` that hold a
     count (an int in [0, 2**63), or a 0-d integer tensor of one); None when there are none."""
@@ -376,15 +399,38 @@ def load_torch_file(path: str) -> Tuple[Any, bool]:
                           f"accepted: {ACCEPTED}", path=path) from exc
 
 
-def _flatten(obj: Any, prefix: str) -> Dict[str, torch.Tensor]:
-    out: Dict[str, torch.Tensor] = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix[:-1]] = obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            if isinstance(k, str):
-                out.update(_flatten(v, f"{prefix}{k}."))
-    return out
+def _flatten(obj: Any, path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """(tensors, other values) of a torch.save'd state dict under dotted keys: nested dicts joined
+    with '.', as are list / tuple positions and int keys (a torch optimizer's `state`: {0: ...}),
+    as DCP names them. ConfigError when the file holds no dict, or two entries reach one key."""
+    if not isinstance(obj, Mapping):
+        raise ConfigError(f"{path}: holds a {type(obj).__name__}, not a state dict (a dict of named tensors, "
+                          f"as model.state_dict() gives); accepted: {ACCEPTED}", path=path)
+    tensors: Dict[str, torch.Tensor] = {}
+    others: Dict[str, Any] = {}
+
+    def put(key: str, value: Any, named: bool = True) -> None:
+        if key in tensors or key in others:
+            raise ConfigError(f"{path}: two entries flatten to the key {key!r} (a dotted key beside a nested "
+                              f"one: nested dicts are joined with '.'); rename one in the file", path=path, key=key)
+        (tensors if named and isinstance(value, torch.Tensor) else others)[key] = value
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, Mapping):
+            items: Iterator[Tuple[Any, Any]] = iter(value.items())
+        elif isinstance(value, (list, tuple)):
+            items = iter(enumerate(value))
+        else:
+            put(key, value)
+            return
+        for k, v in items:
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                put(f"{key}.{k!r}" if key else repr(k), v, named=False)  # no name for it: reported, never read
+            else:
+                walk(v, f"{key}.{k}" if key else str(k))
+
+    walk(obj, "")
+    return tensors, others
 
 
 def open_torch_source(storage: Storage, path: str) -> Optional[TorchStateSource]:

@@ -65,6 +65,8 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
         raise UsageError("convert: dst must be a non-empty path")
     source = open_source(src)
     names, dense = _split(source, tables)
+    if isinstance(source, TorchStateSource):
+        _warn_left_out(source, src)
     storage = get_storage(dst)
     if isinstance(source, CheckpointSource):
         toolargs.refuse_source_dirs(source, storage, dst, "convert", "the converted checkpoint" if to == "recsave"
@@ -115,6 +117,27 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
             toolargs.undo_writes(storage, [], parents)
             raise
     return dst
+
+
+def _warn_left_out(source: TorchStateSource, src: str) -> None:
+    """Warns of a PyTorch source's entries no conversion carries: values that are not tensors (a
+    training file's epoch, hyper-parameters) and recsave's own extras (`_recsave.extra.`, never
+    restored by a conversion), instead of dropping them silently."""
+    dropped = {k: t for k, t in source.not_tensors.items() if not k.startswith(EXTRA_PREFIX)}
+    extras = sum(k.startswith(EXTRA_PREFIX) for k in (*source.not_tensors, *source.meta))
+    if not dropped and not extras:
+        return
+    parts = []
+    if dropped:
+        one = len(dropped) == 1
+        shown = ", ".join(f"{k!r} ({t})" for k, t in list(dropped.items())[:5])
+        parts.append(f"{len(dropped)} {'entry is not a tensor' if one else 'entries are not tensors'} and "
+                     f"{'is' if one else 'are'} not converted: {shown}{' ...' if len(dropped) > 5 else ''}")
+    if extras:
+        parts.append(f"the registered extras' {extras} entr{'y' if extras == 1 else 'ies'} ({EXTRA_PREFIX}*) "
+                     f"are not restored by a conversion")
+    warnings.warn(f"convert: {src}: {'; '.join(parts)} (a converted checkpoint holds tables and dense tensors)",
+                  UserWarning, stacklevel=3)
 
 
 def _missing_parents(storage: Storage, dst: str) -> List[str]:
