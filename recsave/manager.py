@@ -185,7 +185,9 @@ class CheckpointManager:
         After a preemption signal on any rank, every rank saves, waits for the commit and raises
         Preempted. With several ranks, one small all_reduce per call carries rank 0's time decision
         and the preemption flags (none when only save_interval is used and save_on_preemption is off)."""
-        values, refused = self._metrics("CheckpointManager.step", metrics)
+        values, refused = self._metrics("CheckpointManager.step", metrics, keep_refusal=True)
+        if refused is not None and dist.group()[1] <= 1 and not (self.save_on_preemption and self._preemption.is_set):
+            raise refused  # alone and not preempted: at once, the step not taken
         self._global_step += 1
         self._restored = None  # trained since: the restored checkpoint no longer holds the state
         self._saved = None
@@ -271,14 +273,16 @@ class CheckpointManager:
             self._last_save_at = self.clock()
 
     @staticmethod
-    def _metrics(where: str, metrics: Any) -> Tuple[Optional[Dict[str, float]], Optional[Exception]]:
+    def _metrics(where: str, metrics: Any, keep_refusal: bool = False
+                 ) -> Tuple[Optional[Dict[str, float]], Optional[Exception]]:
         """(checked metrics, None), or with several ranks in a process group (None, the refusal):
         a rank that raised here alone would leave the others waiting in their next collective for
-        the collective timeout. Alone the refusal is raised at once."""
+        the collective timeout. Alone the refusal is raised at once, unless `keep_refusal` (step():
+        a preemption save drops refused metrics, not the save)."""
         try:
             return retention.check_metrics(where, metrics), None
         except (ArgumentTypeError, UsageError) as exc:
-            if dist.group()[1] <= 1:
+            if dist.group()[1] <= 1 and not keep_refusal:
                 raise
             return None, exc
 

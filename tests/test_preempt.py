@@ -68,6 +68,27 @@ def test_a_signal_makes_the_next_step_save_and_raise(tmp_path, restore_signals, 
     fresh.manager.close()
 
 
+def test_a_refused_metric_on_the_preempted_step_costs_the_metrics_not_the_save(tmp_path, restore_signals, caplog):
+    """Alone, step(metrics=...) raised a refused metric (an evaluation gone NaN) before it looked
+    at the preemption flag: the last chance to save was lost and the job died with a traceback.
+    The save drops the metrics (a warning); without a signal the refusal is raised, no step taken."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=None)
+    mgr = CheckpointManager(job.saver, 10)
+    job.manager = mgr
+    job.train(3)
+    with pytest.raises(UsageError, match="metric 'auc' must be a finite"):
+        mgr.step(metrics={"auc": float("nan")})
+    assert mgr.global_step == 3
+    os.kill(os.getpid(), signal.SIGTERM)
+    with caplog.at_level(logging.WARNING, logger="recsave"), pytest.raises(Preempted) as info:
+        mgr.step(metrics={"auc": float("nan")})
+    assert info.value.step == 4 and _list(out) == ["ckpt_4"]
+    assert any("the preemption save drops its metrics" in r.getMessage() for r in caplog.records)
+    assert job.saver.last_save.metrics in (None, {})
+    mgr.close()
+
+
 def test_check_preemption_saves_and_raises_between_steps(tmp_path, restore_signals):
     out = str(tmp_path / "run")
     job = make_job(out, save_interval=None)
