@@ -163,6 +163,37 @@ def test_preempted_right_after_restoring_an_older_checkpoint(tmp_path, restore_s
     third.manager.close()
 
 
+def test_a_save_of_another_id_after_a_fallback_unlists_the_damaged_one(tmp_path, restore_signals):
+    """Fallback past a damaged ckpt_8 to ckpt_6, then a save of ckpt_7 (a preemption): ckpt_8
+    left listed made every restart refuse its autosave of step 8 as committed (a crash loop),
+    and counted against max_keep, pruning the intact ckpt_6 instead. It is unlisted now, its
+    directory left for inspection until the next save that may remove it."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, max_keep=2)
+    job.train(8)
+    job.manager.close()
+    for name in os.listdir(os.path.join(out, "ckpt_8")):
+        if name.startswith("sparse-"):
+            with open(os.path.join(out, "ckpt_8", name), "r+b") as f:
+                f.truncate(10)
+    again = make_job(out, save_interval=2, max_keep=2)
+    assert again.manager.restore() == 6 and again.saver.damaged_checkpoints == {"ckpt_8"}
+    again.train(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted):
+        again.manager.check_preemption()
+    assert _list(out) == ["ckpt_6", "ckpt_7"] and os.path.isdir(os.path.join(out, "ckpt_8"))
+    again.manager.close()
+    third = make_job(out, save_interval=2, max_keep=2)
+    assert third.manager.restore() == 7
+    third.train(1)  # step 8 saves anew
+    assert _list(out) == ["ckpt_7", "ckpt_8"]
+    third.manager.close()
+    fourth = make_job(out, save_interval=2, max_keep=2)
+    assert fourth.manager.restore() == 8
+    fourth.manager.close()
+
+
 def test_a_checkpoint_loaded_whole_after_a_fallback_is_not_unlisted_as_damaged(tmp_path, restore_signals):
     """A shard missing for a while (a network file system) makes a fallback skip ckpt_6; once a
     load reads it whole it is intact, and a preemption's make_latest keeps it listed."""

@@ -478,6 +478,13 @@ class CheckpointWriter:
         self._still_held_for_listing(ckpt_id)  # the listing below may rewrite the list
         listing = ckptlist.committed(st, out, rewrite=True, warned=self.list_warnings, being_written=ckpt_id)
         ids: List[str] = [i for i in listing.ids if i != ckpt_id] + [ckpt_id]
+        # Checkpoints a fallback restore of this process found damaged leave the list (as
+        # make_latest unlists them): a restart would otherwise fall back past them again, refuse
+        # its save of their id as committed, and count them against max_keep. Their directories
+        # stay for inspection (a later save's or `recsave gc`'s to remove); one a listed
+        # checkpoint still needs stays listed.
+        unlisted = self._unlist_damaged(ids, ckpt_id)
+        ids = [i for i in ids if i not in unlisted]
         try:
             kept = retention.select_by(ids, self.retention, step_of=lambda i: self._fact(i)[0],
                                        metrics_of=lambda i: self._fact(i)[1], depends_on=self.depends_on)
@@ -497,7 +504,7 @@ class CheckpointWriter:
         # Pruned directories are moved aside here and deleted on a thread (save/pruning.py).
         try:
             check_held(self._lock)  # a writer that took the lock over meanwhile owns what is here now
-            ckptlist.collect_garbage(st, out, keep, self.depends_on,
+            ckptlist.collect_garbage(st, out, keep + sorted(unlisted), self.depends_on,
                                      remove=functools.partial(self._pruner.remove, lock=self._lock),
                                      pruned=set(ids) - set(keep))
         except Exception as exc:  # not only OSError: raising would report a committed save as failed
@@ -506,6 +513,16 @@ class CheckpointWriter:
                           RuntimeWarning, stacklevel=2)
         finally:
             self._pruner.start(self._lock)
+
+    def _unlist_damaged(self, ids: Sequence[str], ckpt_id: str) -> Set[str]:
+        """The listed ids found damaged that no other listed, undamaged checkpoint needs (as a
+        delta chain member: _refuse_needed's rule)."""
+        damaged = {i for i in ids if i in self.damaged and i != ckpt_id}
+        if not damaged:
+            return set()
+        others = [i for i in ids if i not in damaged]
+        needed = set(chain.needed_by(self.storage, self.output_dir, others, self.depends_on))
+        return damaged - needed
 
     def _still_held_for_listing(self, ckpt_id: str) -> None:
         """WriterLockedError, before the list is written, when this writer no longer holds the lock
