@@ -300,6 +300,31 @@ def test_managers_closed_in_any_order_leave_the_original_handlers(tmp_path, rest
     assert seen == [signal.SIGUSR1]
 
 
+def _idle() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+def test_a_forked_worker_still_ends_on_sigterm(tmp_path, restore_signals):
+    """A process forked while a manager is alive (a DataLoader or multiprocessing worker) inherits
+    its handler, which only set a flag nothing in the child acts on: Process.terminate() and
+    Pool.terminate() then hung. In the child the handler does what the one before it would."""
+    import multiprocessing
+    job = make_job(str(tmp_path / "run"), save_interval=10)
+    child = multiprocessing.get_context("fork").Process(target=_idle, daemon=True)
+    child.start()
+    try:
+        child.terminate()
+        child.join(20)
+        assert child.exitcode == -signal.SIGTERM
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+    job.manager.check_preemption()  # the parent's flag is untouched: no save, no Preempted
+    job.manager.close()
+
+
 def test_without_save_on_preemption_no_handler_is_installed(tmp_path, restore_signals):
     before = signal.getsignal(signal.SIGTERM)
     job = make_job(str(tmp_path / "run"), save_interval=None)

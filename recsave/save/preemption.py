@@ -29,6 +29,7 @@ class PreemptionFlag:
         self.signum: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         self._retired = False  # uninstalled (or its manager collected): acts as the handler before it
+        self._pid = os.getpid()  # a forked child inherits the handler, but not the manager that acts on it
 
     @property
     def is_set(self) -> bool:
@@ -42,6 +43,7 @@ class PreemptionFlag:
         """Installs the handlers; False (nothing installed) when not on the main thread."""
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return False
+        self._pid = os.getpid()
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         _installed.append(self)
@@ -50,11 +52,13 @@ class PreemptionFlag:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         global _live_handler_running
         previous = self._previous.get(signum)
-        if self._retired:
+        if self._retired or os.getpid() != self._pid:
             # Still reachable (installed, its uninstall having run off the main thread, or behind a
-            # handler that chains to it): behave as if it were not there, doing what the one
-            # before it would, the default (ending the process) included, unless a live
-            # manager's handler in front is passing the signal on: that one saves first.
+            # handler that chains to it), or inherited by a forked child (a DataLoader or
+            # multiprocessing worker, where nothing would act on the flag and terminate() would
+            # hang): behave as if it were not there, doing what the one before it would, the
+            # default (ending the process) included, unless a live manager's handler in front is
+            # passing the signal on: that one saves first.
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN and not _live_handler_running:
