@@ -27,7 +27,8 @@ only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; e
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
 shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
 instead of the HashTables), ``torch_bank`` (bank-load a torch.save file and a DCP directory of
-plain tensors written by the test; dump what this rank holds). OUT_SCHEME=file makes the output dir a
+plain tensors written by the test; dump what this rank holds, and what to_dcp_state_dict says
+of the sharded model with and without replicated=True). OUT_SCHEME=file makes the output dir a
 file:// URL (the fsspec path), OUT_URL any URL (an S3 bucket); PER_RANK_OUT=1 gives each rank its
 own output dir out_RANK (per-rank local disks).
 """
@@ -249,6 +250,15 @@ def main():
             ids, values, _ = model.user.export()
             torch.save({"ids": ids, "values": values, "dense": model.dense.weight.detach()},
                        os.path.join(work_dir, f"bank_{kind}_{world}_{rank}.pt"))
+        # DCP would keep one rank's copy of a sharded table's plain tensors: refused, unless replicated.
+        try:
+            recsave.to_dcp_state_dict(model)
+            refusal = "none"
+        except recsave.UsageError as exc:
+            refusal = str(exc)
+        replicated = sorted(recsave.to_dcp_state_dict(model, replicated=True))
+        with open(os.path.join(work_dir, f"to_dcp_{world}_{rank}.json"), "w") as f:
+            json.dump([refusal, replicated], f)
         dist.destroy_process_group()
         return
     model, saver, reader = build(work_dir)

@@ -113,6 +113,10 @@ def test_ranks_bank_load_their_ids_from_torch_save_and_dcp_sources(tmp_path):
             assert torch.equal(got["dense"], state["dense.weight"])
             seen += got["ids"].tolist()
         assert len(seen) == len(set(seen)) == len(ids)
+    for r in range(2):  # DCP keeps one rank's copy of plain tensors: a sharded table's is refused
+        refusal, replicated = json.loads((tmp_path / f"to_dcp_2_{r}.json").read_text())
+        assert refusal.startswith("to_dcp_state_dict: a process group of 2 ranks runs") and "replicated=True" in refusal
+        assert "user.table.ids" in replicated and "dense.weight" in replicated
 
 
 def test_io_state_of_n_workers_refused_on_m_without_reshard(tmp_path):

@@ -27,15 +27,22 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: List[str]
 
 
-def to_dcp_state_dict(model: torch.nn.Module, metadata: Any = None) -> Dict[str, Any]:
+def to_dcp_state_dict(model: torch.nn.Module, metadata: Any = None, *, replicated: bool = False) -> Dict[str, Any]:
     """The model's state_dict with every table replaced by plain tensors (CPU copies of its ids,
     embedding rows and slots, in row order). Dense entries are the model's own (detached) tensors,
     so DCP loads them in place.
 
     For ``dcp.load``, pass the checkpoint's metadata (``dcp.FileSystemReader(path).read_metadata()``):
     table entries are then empty tensors of the saved sizes for DCP to fill (a table's row count
-    is not known before reading), and from_dcp_state_dict loads them into the tables."""
+    is not known before reading), and from_dcp_state_dict loads them into the tables.
+
+    With a process group of several ranks, DCP takes a plain tensor that every rank passes under
+    one key as replicated and keeps one rank's copy: tables sharded across the ranks would lose
+    every other rank's rows (and ids and rows could come from different ranks). That is refused
+    (UsageError) unless `replicated` says every rank holds the same tables."""
     check(model, torch.nn.Module, "model", "to_dcp_state_dict", expected="a torch.nn.Module")
+    check(replicated, bool, "replicated", "to_dcp_state_dict")
+    _refuse_sharded(model, replicated)
     out: Dict[str, Any] = {}
     saved = getattr(metadata, "state_dict_metadata", None) if metadata is not None else None
     if metadata is not None and saved is None:
@@ -51,6 +58,22 @@ def to_dcp_state_dict(model: torch.nn.Module, metadata: Any = None) -> Dict[str,
                 if tablestate.is_plain_entry(key, name):
                     out[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     return out
+
+
+def _refuse_sharded(model: torch.nn.Module, replicated: bool) -> None:
+    """UsageError when a process group of several ranks runs, the model has tables, and the caller
+    did not say they are replicated (to_dcp_state_dict's docstring says why)."""
+    dist = torch.distributed
+    if replicated or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return
+    tables = sorted(k for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, HashTable))
+    if tables:
+        raise UsageError(
+            f"to_dcp_state_dict: a process group of {dist.get_world_size()} ranks runs, and DCP keeps one "
+            f"rank's copy of each plain tensor; the tables {tables[:3]}{' ...' if len(tables) > 3 else ''} "
+            f"would keep one rank's rows only if the ranks hold different ids. Save sharded tables with "
+            f"recsave.Saver (its checkpoints load on any number of ranks), or pass replicated=True when "
+            f"every rank holds the same tables", key="replicated")
 
 
 @outside_inference_mode
