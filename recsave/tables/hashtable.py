@@ -342,14 +342,27 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
 
     # ----------------------------------------------------- PyTorch interop (tables/tablestate.py)
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        # The table itself is the entry, so split_sparse_dense_state_dict can separate it; the key
+        # A subclass's own parameters, buffers and extra state first, as torch saves them; then
+        # the table itself is the entry, so split_sparse_dense_state_dict can separate it; the key
         # lies under the module's prefix, where load_state_dict looks for it.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[tablestate.state_key(prefix)] = self
 
     @outside_inference_mode
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
-        tablestate.load_entry(self, HashTable, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
+        # torch's part first: the load_state_dict pre-hooks (which may rewrite state_dict, e.g.
+        # migrate an old key to the table's), then a subclass's own parameters, buffers and extra
+        # state; its strict scan takes the table's entry for an unexpected key: it is the table's.
+        before = len(unexpected_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = tablestate.state_key(prefix)
+        unexpected_keys[before:] = [k for k in unexpected_keys[before:] if k != key]
+        owned = set(self._modules) | set(self._parameters) | {
+            n for n in self._buffers if n not in self._non_persistent_buffers_set}
+        tablestate.load_entry(self, HashTable, state_dict, prefix, missing_keys, unexpected_keys, error_msgs,
+                              owned=owned)
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickles (torch.save, copy.deepcopy) as configuration + ids, rows and slots; pending

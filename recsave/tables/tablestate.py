@@ -5,7 +5,7 @@ Functions here take a table and use its public methods only; HashTable's hooks c
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import torch
 
@@ -82,11 +82,15 @@ def copy_rows(src: Any, dst: Any) -> None:
 
 
 def load_entry(table: Any, table_type: type, state_dict: Dict[str, Any], prefix: str, missing_keys: List[str],
-               unexpected_keys: List[str], error_msgs: List[str]) -> None:
+               unexpected_keys: List[str], error_msgs: List[str], owned: Collection[str] = ()) -> None:
     """HashTable._load_from_state_dict: loads the entry `<prefix>table` (a `table_type`) into
-    `table`, reporting a missing entry, other keys under `prefix` and mismatches torch's way."""
+    `table`, reporting a missing entry, other keys under `prefix` and mismatches torch's way
+    (strict or not). Keys whose first name under `prefix` is in `owned` (a subclass's own
+    submodules, parameters and buffers, which torch loads) are not the table's to report."""
     key = state_key(prefix)
-    unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key)
+    extra_state = prefix + "_extra_state"
+    unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in (key, extra_state)
+                           and k[len(prefix):].split(".", 1)[0] not in owned and k not in unexpected_keys)
     if key not in state_dict:
         missing_keys.append(key)
         return
