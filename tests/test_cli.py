@@ -565,6 +565,21 @@ def test_ls_of_a_checkpoint_directory_says_so(output_dir, capsys):
     assert "is a checkpoint directory, not an output dir" in err and str(output_dir) in err
 
 
+def test_an_unexpected_error_exits_4_with_its_traceback_not_1(output_dir, monkeypatch, capsys):
+    """An exception recsave does not translate (a bug, another library's error) ended the command
+    with Python's status 1, which reads as "damage found" to a script checking `verify`."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(catalog, "describe", broken)
+    assert main(["inspect", str(output_dir / "ckpt_4"), "--json"]) == 4
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": {"type": "RuntimeError", "exit_code": 4, "message":
+                                         "unexpected RuntimeError: boom (a recsave bug or an error it does not "
+                                         "know; the traceback is above: please report it)"}}
+    assert err.startswith("Traceback (most recent call last):") and 'raise RuntimeError("boom")' in err
+    assert err.splitlines()[-1].startswith("recsave: error: unexpected RuntimeError: boom")
+
+
 def test_a_warning_is_one_line_on_stderr(output_dir):
     """gc of an output dir whose list was lost: the rebuild's warning reads as recsave's errors do,
     not as Python's `file:line: RuntimeWarning` with a source line; a caller recording warnings

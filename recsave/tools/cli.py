@@ -6,7 +6,8 @@ stderr, without a traceback (with ``--json`` also an ``{"error": ...}`` document
 
 Exit codes, the same for every command (docs/API.md section 7): 0 ok; 1 damage found (verify's
 problems, or a CorruptCheckpointError); 2 usage error, not found, or another RecsaveError (e.g. the
-output dir is locked); 3 an I/O error (StorageError or another OSError); 130 interrupted.
+output dir is locked); 3 an I/O error (StorageError or another OSError); 4 an unexpected error (its
+traceback is printed); 130 interrupted.
 
 To add one::
 
@@ -24,6 +25,7 @@ import argparse
 import contextlib
 import json
 import sys
+import traceback
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
@@ -37,6 +39,7 @@ EXIT_OK = 0
 EXIT_DAMAGED = 1   # damage found: verify's problems, or a CorruptCheckpointError
 EXIT_ERROR = 2     # bad command-line usage, not found, or another RecsaveError
 EXIT_IO = 3        # an I/O error: StorageError or another OSError
+EXIT_UNEXPECTED = 4  # an error recsave did not expect (a bug, or a library's own error): traceback shown
 EXIT_INTERRUPTED = 130
 EXIT_FAILURE = EXIT_DAMAGED  # the name of earlier releases
 
@@ -419,7 +422,7 @@ def _warnings_as_lines() -> Iterator[None]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 1 damage found, 2 usage error / not
-    found / other recsave error, 3 I/O error, 130 interrupted)."""
+    found / other recsave error, 3 I/O error, 4 unexpected error, 130 interrupted)."""
     parser = cast(_RaisingParser, build_parser(raise_usage_errors=True))
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -444,6 +447,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _error(args, exc, "interrupted", EXIT_INTERRUPTED)
     except Warning as exc:  # a warning made an error (python -W error): reported as errors are
         return _error(args, exc, f"{type(exc).__name__}: {' '.join(str(exc).split())}", EXIT_ERROR)
+    except Exception as exc:  # Python's own exit status 1 would read as "damage found"
+        traceback.print_exc(file=sys.stderr)
+        return _error(args, exc, f"unexpected {type(exc).__name__}: {' '.join(str(exc).split())} (a recsave bug or "
+                                 f"an error it does not know; the traceback is above: please report it)",
+                      EXIT_UNEXPECTED)
 
 
 if __name__ == "__main__":
