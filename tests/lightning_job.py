@@ -103,9 +103,11 @@ class Module(pl.LightningModule):
 
 
 def fit(output_dir: str, fail_at: Optional[int] = None, save_interval: int = INTERVAL, *,
-        kill_at: Optional[int] = None, progress: Optional[str] = None):
+        kill_at: Optional[int] = None, progress: Optional[str] = None, close: bool = True):
     """A 4-epoch fit autosaving every `save_interval` steps into `output_dir` (resuming from it when
-    it holds a checkpoint); it raises at global batch `fail_at`, or SIGKILLs itself at `kill_at`."""
+    it holds a checkpoint); it raises at global batch `fail_at`, or SIGKILLs itself at `kill_at`.
+    With `close` the Saver is closed after the fit, as a careful script does; without, only the
+    callback releases it."""
     torch.manual_seed(0)
     sampler = ResumableSampler(N_SAMPLES, BATCH)
     module = Module(sampler, fail_at, kill_at, progress)
@@ -119,7 +121,8 @@ def fit(output_dir: str, fail_at: Optional[int] = None, save_interval: int = INT
     try:
         trainer.fit(module, train_dataloaders=loader)
     finally:
-        saver.close()
+        if close:
+            saver.close()
     return module, trainer, callback
 
 

@@ -179,6 +179,19 @@ class RecsaveCallback(pl.Callback):
             self.manager.wait()
         except Exception as exc:  # reported as a warning: it must not hide `exception`
             log.warning("%s: the last background save failed too: %s", self.manager.saver.output_dir, exc)
+        self._release()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.trainer = None
+        if stage == "fit":
+            self._release()
+
+    def _release(self) -> None:
+        """Releases the output dir's writer lock (Saver.close; the next save takes it again): a
+        fit retried in this process with a new Saver of the same output dir (after an error
+        caught around fit()) would otherwise meet WriterLockedError from this one, which the
+        exception's traceback keeps alive."""
+        try:
+            self.manager.saver.close()
+        except Exception as exc:  # a write already reported (on_train_end, on_exception waited for it)
+            log.warning("%s: closing the Saver after the fit: %s", self.manager.saver.output_dir, exc)
