@@ -22,6 +22,48 @@ _installed: List["PreemptionFlag"] = []
 _live_handler_running = False
 
 
+# Forked children (DataLoader / multiprocessing workers): the handler is the parent's, and nothing
+# in a child acts on the flag. Around a fork the signals are blocked, so one sent to the child
+# early stays pending (CPython drops the Python-level signals a child got before its after-fork
+# step), the child gets the handlers from before recsave's back, and then the pending signal
+# takes effect: terminate() of a worker ends it at once. (PreemptionFlag._handle also acts as
+# the previous handler in a process other than its own, for a handler installed over ours.)
+_fork = threading.local()
+
+
+def _before_fork() -> None:
+    if _installed and hasattr(signal, "pthread_sigmask"):
+        _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
+def _after_fork_in_parent() -> None:
+    mask, _fork.mask = getattr(_fork, "mask", None), None
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _after_fork_in_child() -> None:
+    mask, _fork.mask = getattr(_fork, "mask", None), None
+    try:
+        for sig in SIGNALS:
+            handler: Any = signal.getsignal(sig)
+            ours = False
+            while isinstance(flag := getattr(handler, "__self__", None), PreemptionFlag):
+                handler, ours = flag._previous.get(sig), True  # noqa: SLF001 (same module)
+            if ours:
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    except (ValueError, OSError, TypeError):  # no handler to put back: ours stays, and acts as the previous
+        pass
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+
+
 class PreemptionFlag:
     """Set by SIGTERM / SIGUSR1 once installed (or by set()); cleared never: a preempted job ends."""
 
