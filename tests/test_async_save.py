@@ -87,6 +87,61 @@ def test_snapshot_is_exact_while_training_changes_the_model(tmp_path, monkeypatc
     assert_jobs_equal(job_state(fresh), at_3)  # ...but not the checkpoint
 
 
+class _SlowIoState:
+    """An io state whose dump on thread "A" waits until released, recording who dumped when."""
+
+    def __init__(self):
+        self.events, self.a_inside, self.b_inside, self.go = [], threading.Event(), threading.Event(), threading.Event()
+
+    def dump_io_state(self):
+        me = threading.current_thread().name
+        self.events.append(f"{me} in")
+        if me == "A":
+            self.a_inside.set()
+            assert self.go.wait(60)
+        else:
+            self.b_inside.set()
+        self.events.append(f"{me} out")
+        return {}
+
+    def load_io_state(self, state):
+        pass
+
+
+def test_a_saver_used_from_two_threads_takes_their_calls_in_turn(tmp_path):
+    """Thread B's async_save while thread A's was in its snapshot copied into the host buffers
+    A's snapshot was filling, replaced A's pending write, and committed a checkpoint holding the
+    other call's state. B now waits for A's call to return; each checkpoint holds its own call's
+    state and wait() tracks the last write."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=None)
+    job.train(2)
+    slow = _SlowIoState()
+    job.saver.register_io_state("slow", slow)
+    at_a = job_state(job)
+    results = {}
+    a = threading.Thread(name="A", target=lambda: results.setdefault("A", job.saver.async_save("ckpt_a")))
+    a.start()
+    assert slow.a_inside.wait(60)
+    b = threading.Thread(name="B", target=lambda: results.setdefault("B", job.saver.async_save("ckpt_b")))
+    b.start()
+    slow.b_inside.wait(3)  # without turns B would be in its snapshot by now
+    slow.go.set()
+    a.join(60)
+    b.join(60)
+    assert slow.events == ["A in", "A out", "B in", "B out"]
+    assert results["A"][1].result(timeout=60).endswith("ckpt_a")
+    assert results["B"][1].result(timeout=60).endswith("ckpt_b")
+    assert job.saver.wait().endswith("ckpt_b")
+    job.saver.close()
+    assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_a", "ckpt_b"]
+    for ckpt in ("ckpt_a", "ckpt_b"):  # no training in between: both hold the state of A's call
+        fresh = make_job(out)
+        fresh.saver.register_io_state("slow", _SlowIoState())
+        fresh.saver.load(ckpt_id=ckpt)
+        assert_jobs_equal(job_state(fresh), at_a)
+
+
 def test_training_concurrently_with_an_unhindered_write(tmp_path):
     out = str(tmp_path / "run")
     job = make_job(out)

@@ -17,8 +17,8 @@ class TTModel(torch.nn.Module):
         self.mlp = torch.nn.Linear(8, 2)
 
 
-def _filled(n=300):
-    model = TTModel()
+def _filled(n=300, table=None):
+    model = TTModel(table)
     ids = torch.randperm(n * 10)[:n].to(torch.int64) * 7 - 1000
     model.tt.load_rows(ids, torch.rand(n, 8), {"acc": torch.rand(n, 8)})
     with torch.no_grad():
@@ -109,16 +109,37 @@ def test_a_flagged_module_missing_methods_is_refused(tmp_path):
         Saver(model, output_dir=str(tmp_path)).save("ckpt_1")
 
 
-def test_async_save_of_a_tablelike_table_holds_the_state_at_the_call(tmp_path):
-    model = _filled()
+class LiveIdsTable(TensorTable):
+    """Hands out its live id buffer (the protocol does not ask for a copy)."""
+
+    def id_rows(self):
+        return self.ids, torch.arange(len(self), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("table", [TensorTable, LiveIdsTable])
+def test_async_save_of_a_tablelike_table_holds_the_state_at_the_call(tmp_path, monkeypatch, table):
+    """Changes after the call (rows, and an id rewritten in place while the write is held before
+    it reads the ids) never reach the checkpoint: the snapshot copies what id_rows() gives."""
+    import threading
+
+    from recsave.save import pipeline
+    model = _filled(table=table(8))
     expected = {k: v.clone() for k, v in model.tt.state().items()}
     saver = Saver(model, output_dir=str(tmp_path))
+    release, real = threading.Event(), pipeline.bucket_layout
+
+    def held(*args, **kwargs):
+        assert release.wait(60)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "bucket_layout", held)
     _, write = saver.async_save("ckpt_1")
     model.tt.weight.add_(1.0)  # in place, after the snapshot: never in the checkpoint
     model.tt.slot_acc.mul_(2.0)
+    model.tt.ids[3] = 10 ** 12  # a slot reused in place for another id
+    release.set()
     write.result(timeout=60)
     saver.close()
-    fresh = TTModel()
+    fresh = TTModel(table(8))
     Saver(fresh, output_dir=str(tmp_path)).load()
     assert set(fresh.tt.state()) == set(expected)
     for k, v in expected.items():

@@ -5,9 +5,11 @@ save/arguments.py). docs/ARCHITECTURE.md shows how the layers fit."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 import torch
 
@@ -31,6 +33,20 @@ from recsave.storage import Storage, dist, get_storage
 from recsave.tables import partition
 from recsave.tables.modes import outside_inference_mode
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _one_call_at_a_time(method: _Method) -> _Method:
+    """Runs a public Saver method under the Saver's lock: calls from several threads take turns.
+    Two async_save calls interleaved on one Saver copied into the one set of host buffers while
+    the other's write read them, and committed a checkpoint holding the other call's state. The
+    background write never takes the lock (a wait() holding it waits for that write)."""
+    @functools.wraps(method)
+    def serialized(self: "Saver", *args: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            return method(self, *args, **kwargs)
+    return cast(_Method, serialized)
+
 
 class Saver:
     """Saves and loads a model's sparse tables, dense parameters and registered state.
@@ -49,6 +65,7 @@ class Saver:
                  max_keep: Optional[int] = 1, concurrency: int = 4):
         check(model, torch.nn.Module, "model", "Saver", expected="a torch.nn.Module")
         argcheck.path(output_dir, "output_dir", "Saver")
+        self._calls = threading.RLock()  # _one_call_at_a_time
         self.model = model
         self.sparse_optim = sparse_optim
         self.output_dir = output_dir
@@ -85,6 +102,7 @@ class Saver:
             raise UsageError(f"max_keep must be a positive int or None (keep all), got {value!r}")
         self._checkpoints.max_keep = value
 
+    @_one_call_at_a_time
     def set_retention(self, *, keep_every_n_steps: Optional[int] = None, keep_best: int = 0,
                       best_metric: Optional[str] = None, best_mode: str = "max") -> None:
         """Retention beyond max_keep (CheckpointManager sets it): rotation also keeps the first
@@ -126,6 +144,7 @@ class Saver:
         before any, and after one that failed (it may have changed some tables)."""
         return self._last_load
 
+    @_one_call_at_a_time
     def refuse_committed(self, ckpt_id: str) -> None:
         """CheckpointExistsError now when `ckpt_id` is a committed checkpoint of output_dir
         (listed, with its index, not found damaged): what a save of it checks before writing, for
@@ -165,6 +184,7 @@ class Saver:
         return frozenset(self._checkpoints.damaged)
 
     # ----------------------------------------------------------------------------- registration
+    @_one_call_at_a_time
     def register_for_checkpointing(self, name: str, obj: Any, optional: bool = False) -> None:
         """Saves ``obj.state_dict()`` in extra.pt under `name`; loading calls ``obj.load_state_dict``.
 
@@ -178,6 +198,7 @@ class Saver:
         if optional:
             self._optional.add(name)
 
+    @_one_call_at_a_time
     def register_io_state(self, name: str, obj: Any) -> None:
         """Saves ``obj.dump_io_state()`` per rank; loading calls ``obj.load_io_state(state)``."""
         arguments.registered_name(name, self.model, list(self._extras) + list(self._io_states))
@@ -213,6 +234,7 @@ class Saver:
         return self._extra_data[name]
 
     # -------------------------------------------------------------------------------------- save
+    @_one_call_at_a_time
     def save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
              metrics: Optional[Mapping[str, float]] = None, incremental: bool = False) -> str:
         """Writes checkpoint `ckpt_id` under output_dir and commits it; returns its path.
@@ -274,6 +296,7 @@ class Saver:
                     return None
             raise
 
+    @_one_call_at_a_time
     def make_latest(self, ckpt_id: str) -> str:
         """Lists committed checkpoint `ckpt_id` as the latest (last in the `checkpoint` file), so that
         a restart resumes from it, e.g. a checkpoint restored after rewinding past newer ones when the
@@ -304,6 +327,7 @@ class Saver:
         if rank == 0:
             log_commit(info)
 
+    @_one_call_at_a_time
     def async_save(self, ckpt_id: str, shard_id: Optional[int] = None, shard_num: Optional[int] = None,
                    pinned: bool = False, metrics: Optional[Mapping[str, float]] = None,
                    incremental: bool = False) -> Tuple[Future, Future]:
@@ -368,6 +392,7 @@ class Saver:
         write_future = self._background.submit(ckpt_id, write_and_record)
         return stage_future, write_future
 
+    @_one_call_at_a_time
     def wait(self) -> Optional[str]:
         """Waits for the pending async write; returns its checkpoint path (None when nothing was
         pending) or raises its error. Then waits for the deletion of the checkpoints rotation
@@ -382,6 +407,7 @@ class Saver:
         self._checkpoints.settle()
         return path
 
+    @_one_call_at_a_time
     def wait_for_pending(self) -> None:
         """Waits for a pending async write without taking its outcome: after a success the list
         names its checkpoint; an error stays pending for the next save, wait() or close() to raise.
@@ -395,6 +421,7 @@ class Saver:
         close to raise)."""
         return self._background.pending_id
 
+    @_one_call_at_a_time
     def prepare_async(self, pinned: bool = False) -> None:
         """Starts copying the model's CPU tables and dense tensors into the host buffers that the next
         ``async_save(pinned=pinned)`` copies into, on a background thread while training goes on, so
@@ -447,6 +474,7 @@ class Saver:
                 met_group.append(exc)  # the other ranks know of it now
             raise
 
+    @_one_call_at_a_time
     def close(self) -> None:
         """Waits for a pending async write (raising its error), frees the async host buffers and
         releases the writer lock of output_dir taken by the first save (the lock is also released
@@ -475,6 +503,7 @@ class Saver:
         return LoadTarget(self.model, self._extras, self._io_states, self.concurrency, self._extra_data,
                           frozenset(self._optional))
 
+    @_one_call_at_a_time
     @outside_inference_mode
     def load(self, ckpt_path: Optional[str] = None, ckpt_id: Optional[str] = None,
              load_conf: Optional[Dict[str, Any]] = None, shard_id: Optional[int] = None,
@@ -524,6 +553,7 @@ class Saver:
         self._last_load = report
         return report
 
+    @_one_call_at_a_time
     @outside_inference_mode
     def load_by_config(self, ckpt_path: str, load_conf: Optional[Dict[str, Any]] = None,
                        shard_id: Optional[int] = None, shard_num: Optional[int] = None) -> LoadReport:
@@ -534,6 +564,7 @@ class Saver:
             raise CheckpointNotFoundError(f"ckpt_path must name a checkpoint, got {ckpt_path!r}")
         return self.load(ckpt_path, load_conf=load_conf, shard_id=shard_id, shard_num=shard_num)
 
+    @_one_call_at_a_time
     @outside_inference_mode
     def load_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None,
                         shard_num: Optional[int] = None) -> LoadReport:
@@ -542,6 +573,7 @@ class Saver:
         return self.execute_plan(self.plan_model_bank(entries, shard_id=shard_id, collective=True,
                                                       shard_num=shard_num))
 
+    @_one_call_at_a_time
     def plan_model_bank(self, entries: Sequence[Dict[str, Any]], shard_id: Optional[int] = None, *,
                         collective: bool = False, shard_num: Optional[int] = None) -> LoadPlan:
         """Dry run of load_model_bank: resolves every entry and lists, per name, the source, rows and
@@ -558,6 +590,7 @@ class Saver:
         return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True,
                             share_reads=collective, alone=alone)
 
+    @_one_call_at_a_time
     @outside_inference_mode
     def execute_plan(self, plan: LoadPlan, only: Optional[Set[str]] = None) -> LoadReport:
         """Carries out a plan made by plan_model_bank (only for the model names in `only`, when

@@ -17,6 +17,7 @@ from recsave import knobs
 from recsave.format import plainstate
 from recsave.format.writer import RowSource
 from recsave.tables.devcopy import DeviceGather, PinnedPair
+from recsave.tables.hashtable import HashTable
 from recsave.tables.rows import copy_range, copy_rows
 from recsave.tables.tablelike import TableLike, refuse_meta_tensors
 from recsave.tables.tracking import TableChanges
@@ -341,6 +342,11 @@ def capture(tables: Mapping[str, TableLike], dense: Mapping[str, torch.Tensor],
                                       live_rows=live)
             continue
         ids, dense_rows = ids_by_row(table)
+        if not isinstance(table, HashTable):
+            # The write reads them after training goes on: a TableLike may hand out its live id
+            # buffer (HashTable's are made for the call). 8 bytes a row beside the columns' copy.
+            ids = ids.clone()
+            dense_rows = dense_rows.clone() if dense_rows is not None else None
         used = used_rows(table)
         since = changed.get(name) if changed is not None else None
         columns, meta = stager.stage_table(name, columns, meta, used, change_epoch(table),

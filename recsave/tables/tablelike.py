@@ -31,8 +31,9 @@ class TableLike(Protocol):
 
     `columns()` returns the storage tensors themselves, the same objects until a load or
     `swap_contents` replaces them: a rollback tells by identity whether the staged contents were
-    swapped in. A save holds no lock: the table must not change while it is saved (as for a
-    HashTable). `prepare_load` (HashTable's in-place restore) is optional: without it a load
+    swapped in. A save holds no lock: the table must not change during a synchronous save (as for
+    a HashTable); `async_save` copies the columns and what `id_rows()` returns at the call, so
+    training may go on at once. `prepare_load` (HashTable's in-place restore) is optional: without it a load
     stages the rows with `load_rows`."""
 
     embedding_dim: int
