@@ -37,6 +37,9 @@ def test_plan_lists_sources_rows_bytes_and_load_does_exactly_that(tmp_path):
     assert plan.items["item"].rows == len(b.model.item)
     assert set(plan.left_initialised) == {"dense_opt", "global_step", "reader"}
     assert plan.nbytes == sum(i.nbytes for i in plan.items.values()) > 0
+    # A table's first item books its ids and row metadata (read with the embedding) beside its own.
+    n = len(a.model.user)
+    assert plan.items["user"].nbytes == n * (8 + 8 + 8) + n * a.model.user.embedding_dim * 4
     text = str(plan)
     assert "user@adagrad_acc" in text and "left initialised" in text
 
@@ -184,6 +187,22 @@ def test_a_name_one_entry_lacks_and_another_loads_is_not_reported_missing(tmp_pa
     report = saver.load_model_bank(entries)
     assert sorted(report.loaded) == ["item", "user"] and report.missing == []
     assert sorted(model.item.ids().tolist()) == [7, 8] and sorted(model.user.ids().tolist()) == [1, 2, 3]
+
+
+def test_a_dim_that_does_not_fit_is_refused_only_where_that_entry_wins_the_name(tmp_path):
+    """Entry 0 holds `item` at dim 8, entry 1 (later: it wins `item`) at the model's dim 4: a
+    valid bank, refused before because entry 0's item was checked too. Where entry 0 wins it, it
+    is still refused."""
+    saved_small(str(tmp_path / "wide"), 8)
+    saved_small(str(tmp_path / "fits"), 4)
+    model = Small(4)
+    saver = Saver(model, output_dir=str(tmp_path / "t"))
+    report = saver.load_model_bank([{"path": str(tmp_path / "wide")},
+                                    {"path": str(tmp_path / "fits"), "load": ["emb"]}])
+    assert report.loaded["emb"].checkpoint.startswith(str(tmp_path / "fits"))
+    with pytest.raises(ShapeMismatchError, match="has dim 8 but the model's 'emb' has dim 4"):
+        saver.load_model_bank([{"path": str(tmp_path / "fits"), "load": ["emb"]},
+                               {"path": str(tmp_path / "wide"), "load": ["emb"]}])
 
 
 def test_an_optional_name_a_later_entry_loads_gets_no_kept_note(tmp_path):

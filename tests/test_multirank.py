@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from mr_worker import expected_rows, global_ids, listing
+from mr_worker import build, expected_rows, global_ids, listing
 
 from recsave import Saver, partition
 from recsave.format import read_index
@@ -125,6 +125,15 @@ def test_io_state_of_n_workers_refused_on_m_without_reshard(tmp_path):
     codes, outs = run_ranks("load", 3, tmp_path)
     assert all(c != 0 for c in codes)
     assert "saved by 2 worker(s) but 3 are loading" in outs[0]
+    # A later bank entry that loads the io state instead makes the first entry's moot: no refusal.
+    model, saver, reader = build(str(tmp_path / "alone"))
+    reader.position = 77
+    saver.save("ckpt_1")
+    reader.position = 0
+    report = saver.load_model_bank([{"path": str(tmp_path / "out")},
+                                    {"path": str(tmp_path / "alone" / "out"), "load": ["reader"]}])
+    assert report.loaded["reader"].checkpoint.endswith("alone/out/ckpt_1") and reader.position == 77
+    assert report.loaded["user"].checkpoint.endswith(f"{tmp_path.name}/out/ckpt_1")
 
 
 def test_killed_rank_leaves_previous_checkpoint_and_survivors_raise(tmp_path):

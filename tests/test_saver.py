@@ -1062,6 +1062,25 @@ def test_step_counts_nested_or_as_tensors_are_read_and_not_reported_unexpected(t
     assert torch.equal(fresh["a"].export(torch.arange(10))[2]["adagrad_acc"], acc)
 
 
+def test_the_uncounted_slots_warning_made_an_error_leaves_the_model_as_it_was(tmp_path):
+    """With warnings as errors (python -W error) the warning was raised after the load was
+    applied: the call failed, yet the model had changed. It comes before any change now."""
+    _, acc = _trained_adagrad(str(tmp_path / "run"))
+    recsave.convert(str(tmp_path / "run"), str(tmp_path / "out.pt"), "torch")
+    state = torch.load(str(tmp_path / "out.pt"), weights_only=True)
+    torch.save({k: v for k, v in state.items() if ".steps." not in k}, str(tmp_path / "bare.pt"))
+    from recsave.tables.optim import SparseAdagrad
+    fresh = torch.nn.ModuleDict({"a": recsave.HashTable(4, name="a")})
+    fresh["a"](torch.tensor([100]))
+    opt = SparseAdagrad(fresh, lr=0.1)
+    saver = recsave.Saver(fresh, opt, output_dir=str(tmp_path / "other"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeWarning, match="records no sparse optimizer step count"):
+            saver.load_model_bank([{"path": str(tmp_path / "bare.pt"), "exclude": ["sparse_optim"]}])
+    assert fresh["a"].ids().tolist() == [100] and saver.last_load is None
+
+
 class _RunsCode:
     """A pickle that runs code when loaded (what a hostile DCP entry could hold)."""
 

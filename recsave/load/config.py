@@ -184,6 +184,9 @@ class Plan:
     unexpected: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     note_names: List[str] = field(default_factory=list)  # the model name each note is about
+    # Selected names whose dim / dtype do not fit: raised by raise_incompatible for the names this
+    # entry wins (a later entry that loads the name instead makes it moot).
+    incompatible: Dict[str, ShapeMismatchError] = field(default_factory=dict)
 
 
 def _matches(item: str, name: str, category: str) -> bool:
@@ -226,12 +229,20 @@ def _warn_category_names(conf: LoadConf, model_names: Dict[str, str], ckpt_names
                           RuntimeWarning, stacklevel=4)
 
 
-def recheck(plan: Plan, model: Contents, ckpt: Contents) -> None:
-    """At execution, the plan's names against the model as it is now (a plan may be executed
-    after the model changed): ConfigError for a name gone or of another kind, ShapeMismatchError
-    where plan() would raise it (a dim or dtype changed)."""
+def raise_incompatible(plans: Sequence[Plan], won: Sequence[Mapping[str, Tuple[str, str]]]) -> None:
+    """The first ShapeMismatchError plan() found for a name its entry wins (in entry order)."""
+    for p, w in zip(plans, won):
+        for name in sorted(p.incompatible):
+            if name in w:
+                raise p.incompatible[name]
+
+
+def recheck(plan: Plan, model: Contents, ckpt: Contents, won: Mapping[str, Tuple[str, str]]) -> None:
+    """At execution, the names the plan wins (`won`) against the model as it is now (a plan may
+    be executed after the model changed): ConfigError for a name gone or of another kind,
+    ShapeMismatchError where plan() would raise it (a dim or dtype changed)."""
     now = model.categories()
-    for name, (category, src) in plan.items.items():
+    for name, (category, src) in won.items():
         if now.get(name) != category:
             raise ConfigError(f"{plan.ckpt_dir}: the plan loads {category} {name!r}, which the model "
                               f"{'no longer has' if name not in now else 'now holds as ' + now[name]}; "
@@ -302,7 +313,10 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
             else:
                 result.missing.append(name)
             continue
-        _check_compatible(name, src, category, model, ckpt, ckpt_dir, conf)
+        try:
+            _check_compatible(name, src, category, model, ckpt, ckpt_dir, conf)
+        except ShapeMismatchError as exc:
+            result.incompatible[name] = exc
         result.items[name] = (category, src)
         used_sources.add(src)
     for src, category in sorted(ckpt_names.items()):

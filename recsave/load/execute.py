@@ -58,8 +58,8 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
         refuse_meta_tensors({n: dense[n] for w in won for n, (cat, _) in w.items() if cat == "dense"},
                             f"loading {where}")
         model = contents.of_model(tables, dense, target.extras, target.io_states, target.optional)
-        for p, src in zip(ex.plans, ex.sources):
-            config.recheck(p, model, src.contents)
+        for p, src, w in zip(ex.plans, ex.sources, ex.won):
+            config.recheck(p, model, src.contents, w)
         # Small files first: they are read and verified before any table is (rank 0 reads them
         # for every rank where they are the same files).
         pt_files = shared_reads.read_pt_files(
@@ -69,6 +69,9 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
                 _stage_tables(target, tx, src, p, w, ex.rank, ex.world, plan, report, slots_only)
         counts = _step_counts(target, slotted, ex.sources, won, [p.conf.hashtable_clear for p in ex.plans], pt_files,
                               uncounted)
+        if uncounted and ex.rank == 0:  # every rank has the same counts
+            # Before anything is applied: a warning made an error (-W error) leaves the model as it was.
+            _warn_uncounted(uncounted)
         for src, w, files in zip(ex.sources, won, pt_files):
             _stage_small(target, tx, src, w, files, ex.rank, ex.world, plan, report, extra_data, counts)
         if counts is not None and not any(SPARSE_OPTIM in w for w in won) \
@@ -100,8 +103,6 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
     finally:
         tx.done()  # the staged (or, after a success, the replaced) tables are dropped
     target.extra_data.update(extra_data)
-    if uncounted and ex.rank == 0:  # once the load is applied; every rank has the same counts
-        _warn_uncounted(uncounted)
     report.rows_read = table_rows_read(report.loaded)
     report.bytes_read = sum(it.nbytes for it in report.loaded.values())
     return report

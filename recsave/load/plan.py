@@ -141,8 +141,9 @@ def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_i
     result = LoadPlan()
     opened = dict(zip(entry_of, sources))
     result.checkpoints = [opened[i].ckpt_dir if i in opened else "" for i in range(len(confs))]
-    _check_io_states(plans, sources, world, target)
     won = config.winners(plans)
+    config.raise_incompatible(plans, won)
+    _check_io_states(won, sources, world, target)
     notes: List[Tuple[str, str]] = []  # (model name, note)
     for k, (src, p, w) in enumerate(zip(sources, plans, won)):
         for name in p.skipped:
@@ -179,11 +180,13 @@ def table_columns(won: Won) -> Dict[str, Tuple[str, Dict[str, str]]]:
 
 def _plan_items(result: LoadPlan, src: Any, won: Won, entry: int, rank: int, world: int) -> None:
     for table, (src_table, columns) in table_columns(won).items():
-        rows, cost = src.table_cost(src_table, list(columns.values()), rank, world)
+        # Row metadata is read with the embedding (execute._stage_tables), where the source has it.
+        meta = [m for m in src.meta_columns(src_table) if m not in columns.values()] if "embedding" in columns else []
+        rows, cost = src.table_cost(src_table, list(columns.values()) + meta, rank, world)
         for i, (column, src_column) in enumerate(columns.items()):
             name = table if column == "embedding" else f"{table}@{column}"
-            # The ids are read once per table and booked on its first column.
-            nbytes = cost[src_column] + (cost["id"] if i == 0 else 0)
+            # The ids (and row metadata) are read once per table and booked on its first column.
+            nbytes = cost[src_column] + (cost["id"] + sum(cost[m] for m in meta) if i == 0 else 0)
             result.items[name] = PlannedItem(won[name][0], src.ckpt_dir, won[name][1], entry, rows, nbytes)
     for name, (cat, source) in won.items():
         if cat == "dense":
@@ -201,10 +204,11 @@ def _dense_bytes(src: Any, name: str) -> int:
     return int(n)
 
 
-def _check_io_states(plans: Sequence[Plan], sources: Sequence[Any], world: int, target: LoadTarget) -> None:
-    """Io states saved by N workers load on M != N only into objects that can reshard them."""
-    for p, src in zip(plans, sources):
-        names = [n for n, (cat, _) in p.items.items() if cat == "io_state"]
+def _check_io_states(won: Sequence[Won], sources: Sequence[Any], world: int, target: LoadTarget) -> None:
+    """Io states saved by N workers load on M != N only into objects that can reshard them (of
+    each source, the io states it wins: a later entry may load one instead)."""
+    for w, src in zip(won, sources):
+        names = [n for n, (cat, _) in w.items() if cat == "io_state"]
         rigid = [n for n in names if not callable(getattr(target.io_states[n], "load_io_states", None))]
         if src.io_state_count != world and rigid:
             raise ConfigError(
