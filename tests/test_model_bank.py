@@ -217,6 +217,24 @@ def test_an_optional_name_a_later_entry_loads_gets_no_kept_note(tmp_path):
     assert report.notes == [] and report.skipped == []
 
 
+def test_another_optimizers_state_is_refused_before_anything_is_read_whole(tmp_path):
+    """An Adagrad checkpoint loaded into a model stepped by Adam: its optimizer's load_state_dict
+    refused the state only as the load was applied, without naming the checkpoint. The staging
+    step names it and the exclude that loads the tables; the model is unchanged."""
+    saved_small(tmp_path / "adagrad", 4)
+    model = Small(4)
+    opt = SparseAdam(model, lr=0.01)
+    model.emb(torch.tensor([7])).sum().backward()
+    opt.step()
+    saver = Saver(model, sparse_optim=opt, output_dir=str(tmp_path / "t"))
+    with pytest.raises(ConfigError, match=r"adagrad/ckpt_1: its sparse optimizer state is a SparseAdagrad's, "
+                                          r"the model's optimizer is a SparseAdam; exclude 'sparse_optim'"):
+        saver.load(str(tmp_path / "adagrad"), load_conf={"strict": False})
+    assert model.emb.ids().tolist() == [7] and opt.steps == {"emb": 1}
+    report = saver.load(str(tmp_path / "adagrad"), load_conf={"strict": False, "exclude": ["sparse_optim"]})
+    assert "emb" in report.loaded and len(model.emb) == 50
+
+
 def test_rows_count_each_read_when_a_tables_columns_come_from_two_entries(tmp_path):
     def source(path, ids):
         model = _two_tables(ids)

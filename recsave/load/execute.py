@@ -201,6 +201,18 @@ def _step_counts(target: LoadTarget, slotted: Set[str], sources: Sequence[Any], 
     return counts
 
 
+def _refuse_other_optimizer(src: Any, state: Any, optimizer: Any) -> None:
+    """ConfigError, while staging (before anything changes, naming the source), when the source's
+    sparse optimizer state is another optimizer's: its load_state_dict would refuse it only when
+    the load is applied, after every table was read."""
+    saved = state.get("optimizer") if isinstance(state, dict) else None
+    mine = type(optimizer).__name__
+    if isinstance(saved, str) and saved != mine:
+        raise ConfigError(f"{src.ckpt_dir}: its sparse optimizer state is a {saved}'s, the model's optimizer is "
+                          f"a {mine}; exclude 'sparse_optim' to load the tables without it (slots load where "
+                          f"their names match), or construct a {saved}", path=src.ckpt_dir, key=SPARSE_OPTIM)
+
+
 def _warn_uncounted(uncounted: Dict[str, int]) -> None:
     """Trained slots with a step count that does not go with them: Adam bias-corrects its m / v as
     if new, Adagrad's lr_decay restarts. Said, since nothing else would show it."""
@@ -519,6 +531,8 @@ def _stage_small(target: LoadTarget, tx: LoadTransaction, src: Any, won: Won, fi
             tx.stage_dense(name, files["model.pt"][source])
         elif cat == "extra" or name == SPARSE_OPTIM:
             state = files["extra.pt"][source]
+            if name == SPARSE_OPTIM:
+                _refuse_other_optimizer(src, state, target.extras[name])
             if name == SPARSE_OPTIM and counts is not None and isinstance(state, dict):
                 state = {**state, "steps": counts}
             tx.stage_call(f"extra {name}", state_dict_change(target.extras[name], state))
