@@ -176,6 +176,18 @@ def _two_tables(user_ids, item_ids=None):
     return model
 
 
+def test_a_renamed_slot_left_out_on_purpose_is_skipped_not_unexpected(tmp_path):
+    source = _two_tables([1, 2, 3])
+    source.user.add_slot("acc", 0.5)
+    Saver(source, output_dir=str(tmp_path / "a")).save("ckpt_1")
+    model = torch.nn.Module()
+    model.u = HashTable(4, name="u", seed=1)
+    model.u.add_slot("acc", 0.0)
+    report = Saver(model, output_dir=str(tmp_path / "t")).load_model_bank(
+        [{"path": str(tmp_path / "a"), "oname": {"u": "user"}, "exclude": ["u@*"]}])
+    assert sorted(report.loaded) == ["u"] and report.skipped == ["u@acc"] and report.unexpected == []
+
+
 def test_a_name_one_entry_lacks_and_another_loads_is_not_reported_missing(tmp_path):
     Saver(_two_tables([1, 2, 3]), output_dir=str(tmp_path / "a")).save("ckpt_1")
     Saver(_two_tables([1, 2], [7, 8]), output_dir=str(tmp_path / "b")).save("ckpt_1")

@@ -287,6 +287,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
                     f"ignore_error=True (model names e.g. {sorted(model_names)[:8]})", path=ckpt_dir, key=model_pat)
     _warn_category_names(conf, model_names, ckpt_names, ckpt_dir)
     used_sources = set()
+    skipped_sources: Set[str] = set()
     # A pattern names model names; one that names none (the check above accepts checkpoint names)
     # names the sources of renamed ones instead, so that it is never accepted and then ignored.
     names_model = {i: i in CATEGORIES or any(fnmatch.fnmatchcase(n, i) for n in model_names)
@@ -303,6 +304,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
             not any(hits(i, name, src, category) for i in conf.exclude)
         if not selected:
             result.skipped.append(name)
+            skipped_sources.add(src)  # left out on purpose: not "unexpected" either
             continue
         if not ckpt.holds(src, category):
             if name in model.optional:  # e.g. the manager's global_step in a plain Saver's checkpoint
@@ -320,7 +322,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
         result.items[name] = (category, src)
         used_sources.add(src)
     for src, category in sorted(ckpt_names.items()):
-        if src in used_sources or any(a in used_sources for a in ckpt.aliases.get(src, ())):
+        if src in used_sources or src in skipped_sources or any(a in used_sources for a in ckpt.aliases.get(src, ())):
             continue
         if any(_matches(i, src, category) for i in conf.load) and \
                 not any(_matches(i, src, category) for i in conf.exclude):
