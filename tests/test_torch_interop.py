@@ -539,6 +539,29 @@ def test_activation_checkpointing_counts_each_lookup_once_and_trains_alike(reent
         assert torch.equal(plain[name], recomputed[name]), name
 
 
+@pytest.mark.parametrize("reentrant", [None, False, True])
+def test_an_id_deleted_before_a_recompute_stays_deleted(reentrant):
+    """An id deleted between a checkpointed forward and its backward: the recompute's training
+    lookup inserted it anew (a fresh row, trained by the step, its tombstone gone). Its gradient
+    is dropped, as without activation checkpointing (reentrant None: a plain forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from recsave.optim import SparseSGD
+    table = HashTable(4, name="t", seed=1)
+    opt = SparseSGD(table, lr=1.0)
+    zero = torch.zeros((), requires_grad=True)
+    ids = torch.tensor([1, 2])
+    out = table(ids) + zero if reentrant is None else \
+        checkpoint(lambda i, z: table(i) + z, ids, zero, use_reentrant=reentrant)
+    table.reset_changes()
+    before = table.export(torch.tensor([2]))[1]
+    assert table.delete(torch.tensor([1])) == 1
+    out.sum().backward()
+    opt.step()
+    assert table.ids().tolist() == [2] and table.pending_changes().tombstones.tolist() == [1]
+    assert torch.equal(table.export(torch.tensor([2]))[1], before - 1.0)  # id 2 trained as usual
+
+
 def test_a_lookup_in_a_backward_hook_still_counts():
     """Only the recompute is skipped: a lookup a hook makes during backward (grad mode off there)
     counts and sets last_step like any training lookup."""

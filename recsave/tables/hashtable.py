@@ -236,8 +236,12 @@ class HashTable(TableLifecycle, TableStaging, torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, f"HashTable {self.table_name!r}")
-        rows = self.lookup(ids, insert=self.training).to(self._device)
-        if self.training and not recomputing():  # row metadata, and the rows an optimizer may update next
+        # Activation checkpointing's recompute inserts nothing: the forward inserted these ids, so
+        # one missing now was deleted (or the table loaded) since; it gets no row (zeros, its
+        # gradient dropped) rather than coming back as a new id.
+        recompute = self.training and recomputing()
+        rows = self.lookup(ids, insert=self.training and not recompute).to(self._device)
+        if self.training and not recompute:  # row metadata, and the rows an optimizer may update next
             self._store.touch(rows, self._step)
             self._tracker.mark(rows)
         if torch.is_grad_enabled() and self._anchor.requires_grad:
