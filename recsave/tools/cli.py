@@ -273,7 +273,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _compact_arguments(p: argparse.ArgumentParser) -> None:
     _ckpt_argument(p)
-    p.add_argument("out_dir", help="output dir to write the full checkpoint into (same id)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="output dir to write the full checkpoint into (same id)")
 
 
 @command("compact", "write a (delta) checkpoint's merged state as a full checkpoint into another output dir",
