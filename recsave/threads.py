@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Generic, Optional, Tuple, TypeVar
 
@@ -72,3 +73,36 @@ class ThisProcess(Generic[T]):
 
     def set(self, value: Optional[T]) -> None:
         self._value, self._pid = value, os.getpid()
+
+
+class ForkSafeRLock:
+    """A reentrant lock (a context manager) that a forked child gets anew: one a thread held at
+    the fork would stay held for ever there (that thread does not exist in the child), and every
+    call that takes it would hang, e.g. a DataLoader worker touching a Saver that a training thread
+    was saving with."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        _fork_safe_locks.add(self)
+
+    def __enter__(self) -> "ForkSafeRLock":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    def _renew(self) -> None:
+        self._lock = threading.RLock()
+
+
+_fork_safe_locks: "weakref.WeakSet[ForkSafeRLock]" = weakref.WeakSet()
+
+
+def _renew_fork_safe_locks() -> None:
+    for lock in list(_fork_safe_locks):
+        lock._renew()  # noqa: SLF001 (same module)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_fork_safe_locks)

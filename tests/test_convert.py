@@ -147,6 +147,11 @@ def test_a_training_file_converts_its_tensors_and_names_what_it_leaves_out(tmp_p
     torch.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, tmp_path / "clash.pt")
     with pytest.raises(ConfigError, match="two entries flatten to the key 'a.b'"):
         recsave.convert(str(tmp_path / "clash.pt"), str(tmp_path / "c"), "recsave")
+    # Two values that are never converted (a config dump's dotted and nested keys) are no clash.
+    torch.save({"w": torch.ones(2), "optim.lr": 0.1, "optim": {"lr": 0.2}}, tmp_path / "hparams.pt")
+    with pytest.warns(UserWarning, match=r"2 entries are not tensors .*'optim.lr' \(float\), 'optim.lr \(again\)'"):
+        recsave.convert(str(tmp_path / "hparams.pt"), str(tmp_path / "h.pt"), "torch")
+    assert set(torch.load(tmp_path / "h.pt", weights_only=True)) == {"w"}
     assert not (tmp_path / "l").exists() and not (tmp_path / "c").exists()
 
 

@@ -23,3 +23,42 @@ def test_engine_works_in_a_forked_child(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
     assert (child_dir / "sparse-0-0.safetensors").exists()
+
+
+def test_a_saver_busy_on_another_thread_at_the_fork_is_usable_in_the_child(tmp_path):
+    """The Saver's call lock (its public calls take turns) was inherited held by a thread the
+    child does not have: every Saver call there hung."""
+    import threading
+
+    import recsave
+
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(4, 4)
+    saver = recsave.Saver(model, output_dir=str(tmp_path / "run"))
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow:  # an extra whose state_dict holds the save on its thread
+        def state_dict(self):
+            inside.set()
+            release.wait(60)
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+    saver.register_for_checkpointing("slow", Slow())
+    saving = threading.Thread(target=lambda: saver.save("ckpt_1"))
+    saving.start()
+    assert inside.wait(60)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        signal.alarm(20)
+        try:
+            assert saver.wait() is None and saver.checkpoints() == []
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    saving.join(60)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    assert saver.checkpoints()[-1].endswith("ckpt_1")

@@ -410,10 +410,16 @@ def _flatten(obj: Any, path: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, An
     others: Dict[str, Any] = {}
 
     def put(key: str, value: Any, named: bool = True) -> None:
-        if key in tensors or key in others:
+        tensor = named and isinstance(value, torch.Tensor)
+        if key in tensors or (key in others and tensor):
+            # A tensor would be loaded under a key that two entries reach: which one is arbitrary.
             raise ConfigError(f"{path}: two entries flatten to the key {key!r} (a dotted key beside a nested "
                               f"one: nested dicts are joined with '.'); rename one in the file", path=path, key=key)
-        (tensors if named and isinstance(value, torch.Tensor) else others)[key] = value
+        if key in others:  # two values that are never loaded (hyper-parameters, metadata): both reported
+            key = f"{key} (again)"
+            while key in others:
+                key += " (again)"
+        (tensors if tensor else others)[key] = value
 
     def walk(value: Any, key: str) -> None:
         if isinstance(value, Mapping):

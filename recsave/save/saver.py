@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar, cast
 
 import torch
 
-from recsave import argcheck, knobs
+from recsave import argcheck, knobs, threads
 from recsave.argcheck import check
 from recsave.errors import CheckpointNotFoundError, UsageError
 from recsave.format import ckptlist, retention
@@ -65,7 +64,7 @@ class Saver:
                  max_keep: Optional[int] = 1, concurrency: int = 4):
         check(model, torch.nn.Module, "model", "Saver", expected="a torch.nn.Module")
         argcheck.path(output_dir, "output_dir", "Saver")
-        self._calls = threading.RLock()  # _one_call_at_a_time
+        self._calls = threads.ForkSafeRLock()  # _one_call_at_a_time
         self.model = model
         self.sparse_optim = sparse_optim
         self.output_dir = output_dir
