@@ -107,6 +107,24 @@ def test_gc_leaves_a_folder_of_torch_save_files_named_like_recsaves(output_dir, 
     assert sorted(os.listdir(output_dir / "final_model")) == ["model.pt"]
 
 
+@pytest.mark.parametrize("tool", ["compact", "export-serving", "convert"])
+def test_a_tool_never_replaces_a_users_folder_of_model_pt_in_its_target(output_dir, tmp_path, tool, capsys):
+    """A tool writing into a directory it was pointed at took a folder named like its checkpoint
+    that held a user's model.pt alone for its own leftover and replaced it. Only a Saver's own
+    output dir treats a lone model.pt as one (a deletion cut short, the test below)."""
+    target = tmp_path / "models"
+    ckpt_id = "converted" if tool == "convert" else "ckpt_4"
+    (target / ckpt_id).mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, target / ckpt_id / "model.pt")
+    args = {"compact": ["compact", str(output_dir / "ckpt_4"), str(target)],
+            "export-serving": ["export-serving", str(output_dir / "ckpt_4"), str(target)],
+            "convert": ["convert", str(output_dir), str(target), "--to", "recsave"]}[tool]
+    assert main(args) == 2
+    assert "recsave: error:" in capsys.readouterr().err
+    assert sorted(os.listdir(target / ckpt_id)) == ["model.pt"]
+    assert set(torch.load(target / ckpt_id / "model.pt", weights_only=True)) == {"w"}
+
+
 def test_a_leftover_of_model_pt_alone_is_kept_by_gc_and_replaced_by_its_save(output_dir, capsys):
     """A deletion killed part way may leave model.pt and extra.pt alone in a checkpoint's directory:
     gc cannot tell it from a user's folder and keeps it; a save of that id replaces it."""

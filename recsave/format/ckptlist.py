@@ -356,14 +356,17 @@ def writes_there(storage: Storage, output_dir: str, checkpoints: Collection[str]
     return ours
 
 
-def holds_foreign_files(storage: Storage, output_dir: str, name: str) -> bool:
+def holds_foreign_files(storage: Storage, output_dir: str, name: str, *, own_dir: bool = True) -> bool:
     """Whether output_dir/name (which exists) is a file or holds files recsave did not write: what
     a writer of checkpoint `name` (a save, a compaction) must not remove. Not when it is an empty
-    directory or holds recsave's names alone (a leftover it replaces)."""
+    directory or holds recsave's names alone (a leftover it replaces). `own_dir`: output_dir is
+    the writer's own (a Saver's), where a lone model.pt / extra.pt is a leftover of a deletion cut
+    short (looks_like_checkpoint's own_id); a tool writing into a directory it was pointed at
+    (compact, convert, export-serving) passes False: there a lone model.pt may be anyone's."""
     path = storage.join(output_dir, name)
     if not storage.isdir(path):
         return True
-    return bool(storage.listdir(path)) and not looks_like_checkpoint(storage, output_dir, name, own_id=True)
+    return bool(storage.listdir(path)) and not looks_like_checkpoint(storage, output_dir, name, own_id=own_dir)
 
 
 def newer_format_version(storage: Storage, output_dir: str, name: str) -> Optional[int]:

@@ -69,9 +69,10 @@ class CheckpointWriter:
     unlists and replaces it instead of refusing it as committed."""
 
     def __init__(self, storage: Storage, output_dir: str, max_keep: Optional[int], concurrency: int,
-                 num_buckets: int):
+                 num_buckets: int, *, own_dir: bool = True):
         self.storage = storage
         self.output_dir = output_dir
+        self.own_dir = own_dir  # a Saver's output dir, not one a tool was pointed at (holds_foreign_files)
         self.max_keep = max_keep
         self.concurrency = concurrency
         self.num_buckets = num_buckets
@@ -309,7 +310,7 @@ class CheckpointWriter:
         # never committed: safe to replace. A directory holding files recsave does not write is the
         # user's: never removed.
         if exists:
-            if ckptlist.holds_foreign_files(self.storage, self.output_dir, ckpt_id):
+            if ckptlist.holds_foreign_files(self.storage, self.output_dir, ckpt_id, own_dir=self.own_dir):
                 raise CheckpointExistsError(
                     f"{ckpt_dir} exists and is a file or holds files recsave did not write; save under "
                     f"another id or move it away", path=ckpt_dir)

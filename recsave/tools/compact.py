@@ -70,7 +70,7 @@ def _compact_locked(src: CheckpointSource, storage: Storage, out_dir: str, targe
     try:
         refuse_committed()  # again under the lock: another compaction may have committed it meanwhile
         if storage.exists(target):  # no index: a leftover of an interrupted compaction, under our lock
-            if ckptlist.holds_foreign_files(storage, out_dir, ckpt_id):
+            if ckptlist.holds_foreign_files(storage, out_dir, ckpt_id, own_dir=False):
                 raise CheckpointExistsError(
                     f"{target} exists and is a file or holds files recsave did not write; compact into "
                     f"another output dir or move it away", path=target)

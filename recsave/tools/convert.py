@@ -346,7 +346,7 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
     state = SaveState(states, {k: model[k] for k in dense}, {}, {})
     storage = get_storage(dst)
     made = toolargs.missing_dirs(storage, dst)  # the output dir and its parents this write makes
-    writer = CheckpointWriter(storage, dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS)
+    writer = CheckpointWriter(storage, dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS, own_dir=False)
     try:
         try:
             return writer.write(ckpt_id, state, 0, 1)

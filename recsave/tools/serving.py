@@ -120,7 +120,7 @@ def _export_locked(src: Any, names: List[str], dtype: str, scale_dtype: str, sto
             # A killed export's leftover (recsave's files, no index), found under the lock, goes;
             # anything else is refused.
             leftover = not storage.exists(storage.join(ckpt_dir, index_mod.INDEX_FILE)) and \
-                ckptlist.looks_like_checkpoint(storage, out_dir, ckpt_id, own_id=True)
+                ckptlist.looks_like_checkpoint(storage, out_dir, ckpt_id)  # a lone model.pt may be anyone's
             if not leftover:
                 raise CheckpointExistsError(f"{ckpt_dir} exists already; export to another out_dir or ckpt_id, "
                                             f"or delete it first", path=ckpt_dir)
