@@ -201,6 +201,21 @@ def test_repair_exits_1_when_something_damaged_is_left_out(run, capsys):
     assert _list_file(out) == b"ckpt_10\nckpt_30\n"
 
 
+def test_repair_drops_a_listed_checkpoint_whose_index_is_damaged(run, capsys):
+    """The list reads fine but names ckpt_20, whose index no longer validates (ls says so and
+    points at repair): repair said "fine" and exited 0. It leaves the list now, its directory
+    stays, and the exit status is 1."""
+    out, _ = run
+    with open(os.path.join(out, "ckpt_20", "index"), "w") as f:
+        f.write("{not json")
+    assert cli_main(["repair", out]) == 1
+    text = capsys.readouterr().out
+    assert "it lists ckpt_20, whose index is damaged; rewrote it without them: ckpt_10, ckpt_30" in text
+    assert "left out ckpt_20: " in text and "index is not UTF-8 JSON" in text
+    assert _list_file(out) == b"ckpt_10\nckpt_30\n" and os.path.isdir(os.path.join(out, "ckpt_20"))
+    assert cli_main(["repair", out]) == 0  # nothing left to repair
+
+
 def test_repair_exits_1_for_stale_entries_and_2_when_nothing_is_there(run, tmp_path, capsys):
     out, _ = run
     with open(_list_path(out), "w") as f:

@@ -279,10 +279,21 @@ def repair(output_dir: str) -> Dict[str, Any]:
     lock = hold_writer_lock(None, storage, output_dir)
     try:
         listing = ckptlist.committed(storage, output_dir, rewrite=True, warn=False)
+        # A list that reads fine may still name a checkpoint whose index no longer validates (ls
+        # says so): it leaves the list, its directory stays (rotation and gc never delete it).
+        ids, left_out, rewritten = list(listing.ids), dict(listing.left_out), listing.rewritten
+        problem = listing.problem
+        damaged = {i: why for i in ids if (why := ckptlist.damaged(storage, output_dir, i)) is not None}
+        if damaged:
+            ids = [i for i in ids if i not in damaged]
+            ckptlist.write(storage, output_dir, ids)
+            left_out.update(damaged)
+            rewritten = True
+            problem = problem or f"it lists {', '.join(damaged)}, whose index is damaged"
     finally:
         if lock is not None:
             lock.release()
     _require_output_dir(listing, output_dir, "nothing to repair")
     return {"output_dir": output_dir, "file": storage.join(output_dir, ckptlist.LIST_FILE),
-            "problem": listing.problem, "ids": list(listing.ids), "stale": list(listing.stale),
-            "left_out": dict(listing.left_out), "rebuilt": listing.rebuilt, "rewritten": listing.rewritten}
+            "problem": problem, "ids": ids, "stale": list(listing.stale),
+            "left_out": left_out, "rebuilt": listing.rebuilt, "rewritten": rewritten}
