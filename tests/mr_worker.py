@@ -22,7 +22,8 @@ with shard_num=1, rank 1 before rank 0, and with the group), ``async_then_bad_me
 save() twice), ``manager_save_after_saver_load`` (an autosave, a load through the Saver by every rank or, with
 LOAD=alone, by rank 0 alone with shard_num=1, then CheckpointManager.save twice),
 ``preempt_bad_metric`` (the same on the step where rank 0's preemption signal makes every rank save),
-``save_bad_metric_on_one_rank``, ``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
+``save_bad_metric_on_one_rank`` (BAD=metric / flag / names: rank 1's metric, flag or model refused),
+``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
 only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
 shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
@@ -481,6 +482,11 @@ def main():
             metrics, flag = {"loss": 0.5}, ("yes" if rank == 1 else False)
         else:
             flag = False
+        if os.environ.get("BAD") == "names":  # rank 1's model alone refused (a table named like an extra)
+            metrics = {"loss": 0.5}
+            saver.register_for_checkpointing("extra_tab", torch.nn.Linear(1, 1))
+            if rank == 1:
+                model.extra_tab = HashTable(DIM, name="extra_tab")
         if os.environ.get("ASYNC") == "1":
             try:
                 saver.async_save("ckpt_1", metrics=metrics, pinned=flag)[1].result(timeout=120)

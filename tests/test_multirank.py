@@ -504,7 +504,7 @@ def test_a_replicated_model_is_saved_by_one_rank_alone(tmp_path):
     assert sorted(shares) == every
 
 
-@pytest.mark.parametrize("bad", ["metric", "flag"])
+@pytest.mark.parametrize("bad", ["metric", "flag", "names"])
 @pytest.mark.parametrize("how", ["save", "async_save"])
 def test_save_arguments_refused_on_one_rank_fail_every_rank_at_once(tmp_path, how, bad):
     started = time.monotonic()
@@ -513,8 +513,9 @@ def test_save_arguments_refused_on_one_rank_fail_every_rank_at_once(tmp_path, ho
                              "BAD": bad})
     assert codes == [3, 3], outs
     flag = "pinned" if how == "async_save" else "incremental"
-    expected = f"UsageError: {how}: metric 'loss' must be a finite" if bad == "metric" else \
-        f"ArgumentTypeError: {how}: {flag} must be"
+    expected = {"metric": f"UsageError: {how}: metric 'loss' must be a finite",
+                "flag": f"ArgumentTypeError: {how}: {flag} must be",
+                "names": "UsageError: save: names that would overwrite or shadow each other"}[bad]
     assert expected in (tmp_path / "error_1.txt").read_text(), (tmp_path / "error_1.txt").read_text()
     text = (tmp_path / "error_0.txt").read_text()
     assert "RankFailedError" in text and "rank 1" in text

@@ -442,12 +442,24 @@ class Saver:
                  met_group: Optional[List[BaseException]] = None) -> Tuple[SaveState, Callable[[str], delta.Baseline]]:
         """The snapshot, and the next delta's baseline once it commits (given its id). A snapshot
         error reported to the other ranks (at the write's first exchange) is added to `met_group`."""
-        tables, dense = self._model_state("save")
-        if world > 1:
-            for table in tables.values():
-                table.set_partition(rank, world, self.num_buckets)
-        else:
-            arguments.refuse_rank_shares(tables, self.num_buckets)
+        try:
+            tables, dense = self._model_state("save")
+            if world > 1:
+                for table in tables.values():
+                    table.set_partition(rank, world, self.num_buckets)
+            else:
+                arguments.refuse_rank_shares(tables, self.num_buckets)
+        except Exception as exc:
+            # Refused on this rank alone (its model's names): the other ranks are in take()'s
+            # vote by now. Meet them there, then at the write's first exchange with this error,
+            # so that they raise RankFailedError naming it at once, not at the collective timeout.
+            if dist.collective(world):
+                with contextlib.suppress(Exception):
+                    delta.join_take_exchange(world, "a rank's model was refused")
+                self._checkpoints.fail_before_writing(ckpt_id, exc, rank, world)
+                if met_group is not None:
+                    met_group.append(exc)
+            raise
         # Tables whose host copy from this Saver's last async save is still at their change
         # baseline: only the rows changed since need copying (knob stage_changed_rows).
         mirrored: List[str] = []
