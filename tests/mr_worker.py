@@ -389,12 +389,12 @@ def main():
         mgr.close()
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)
-    elif scenario == "manager_save_after_saver_load":  # autosave, then a Saver load (LOAD=alone: rank 0 only)
+    elif scenario == "manager_save_after_saver_load":  # autosave, then a Saver load (LOAD=alone: rank 0 only; none)
         mgr = recsave.CheckpointManager(saver, 2, save_on_preemption=False)
         fill(model, rank, world)
         mgr.step()
         mgr.step()  # autosave ckpt_2
-        if os.environ.get("LOAD") == "group" or rank == 0:
+        if os.environ.get("LOAD") == "group" or (rank == 0 and os.environ.get("LOAD") != "none"):
             kwargs = {"shard_num": 1} if os.environ.get("LOAD") == "alone" else {}
             saver.load(load_conf={"load": ["dense"]}, **kwargs)
         outcome = []

@@ -475,6 +475,21 @@ def test_a_manager_save_after_a_saver_load_refuses_on_every_rank_at_once(tmp_pat
     assert reports == [["CheckpointExistsError"] * 2, ["RankFailedError"] * 2], outs
 
 
+@pytest.mark.parametrize("per_rank_out", ["", "1"])
+def test_a_managers_save_right_after_its_autosave_returns_it_on_every_rank(tmp_path, per_rank_out):
+    """No load between: save() at step 2 returns the autosave's ckpt_2 on every rank without a
+    collective save. With an output dir per rank, only rank 0's holds the `checkpoint` list: the
+    other ranks, reading theirs, saved again while rank 0 did not, and both waited for the
+    collective timeout."""
+    started = time.monotonic()
+    codes, outs = run_ranks("manager_save_after_saver_load", 2, tmp_path,
+                            {"RECSAVE_COLLECTIVE_TIMEOUT_S": "300", "LOAD": "none", "PER_RANK_OUT": per_rank_out})
+    assert codes == [0, 0], outs
+    assert time.monotonic() - started < 120
+    reports = [json.loads((tmp_path / f"report_2_{r}.json").read_text()) for r in range(2)]
+    assert reports == [["saved:ckpt_2"] * 2] * 2, outs
+
+
 def test_a_replicated_model_is_saved_by_one_rank_alone(tmp_path):
     """Every rank holds every id: rank 0 saves it with shard_num=1 while rank 1 takes no part
     (no collective), and the checkpoint holds every row."""
