@@ -123,10 +123,16 @@ class RecsaveCallback(pl.Callback):
             # and its optimizers and loop after it, so restoring here too would mix two checkpoints.
             log.info("%s: not restoring, Trainer.fit restores %s", self.manager.saver.output_dir, trainer.ckpt_path)
             return
-        if self.global_step is None and self.manager.saver.latest_checkpoint() is None:
-            return  # nothing saved yet: a fresh start
-        self.restored_step = self.manager.restore(self.global_step, fallback=self.fallback)
+        # restore() on every rank, also when nothing is saved yet (it then returns 0 and changes
+        # nothing): the ranks agree there whether there is a checkpoint, and a rank whose listing
+        # fails makes every rank raise naming it (a look at this rank's list alone skipped the
+        # agreement, and a rank that found none went on unrestored beside restored ones).
+        before = self.manager.last_report
+        step = self.manager.restore(self.global_step, fallback=self.fallback)
         report = self.manager.last_report
+        if report is before:
+            return  # nothing saved yet: a fresh start
+        self.restored_step = step
         if report is not None and self.name in report.skipped:
             log.info("%s: restored without Lightning loop state (the checkpoint has no %r); the fit "
                      "loop starts at epoch 0", self.manager.saver.output_dir, self.name)
