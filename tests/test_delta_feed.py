@@ -128,6 +128,14 @@ def test_a_feed_is_refused_as_a_table_to_load(two, tmp_path):
     job.saver.load(str(tmp_path / "mine" / "item.parquet"), load_conf={"strict": False})
 
 
+def test_a_feed_into_either_checkpoints_directory_is_refused(two, tmp_path):
+    a, b = two[0], two[1]
+    for inside in (a, b):
+        with pytest.raises(UsageError, match="lies in the checkpoint"):
+            export_delta(a, b, os.path.join(inside, "feed"))
+        assert not os.path.exists(os.path.join(inside, "feed"))
+
+
 def test_an_unchanged_checkpoint_gives_an_empty_feed(two, tmp_path):
     a = two[0]
     m = export_delta(a, a, str(tmp_path / "feed"))

@@ -122,6 +122,14 @@ def test_unknown_table_and_existing_output_are_refused(ckpt, tmp_path):
         to_parquet(str(tmp_path / "missing"), str(tmp_path / "y"))
 
 
+def test_an_export_into_a_checkpoint_directory_is_refused(ckpt, tmp_path):
+    """Inside the source checkpoint (or any checkpoint), the export's files would make that
+    directory hold files recsave did not write: rotation could never delete it again."""
+    with pytest.raises(UsageError, match="lies in the checkpoint"):
+        to_parquet(ckpt, os.path.join(ckpt, "parquet"))
+    assert not os.path.exists(os.path.join(ckpt, "parquet"))
+
+
 def test_failed_export_leaves_nothing_behind(ckpt, tmp_path):
     broken = str(tmp_path / "ckpt_6")
     shutil.copytree(ckpt, broken)

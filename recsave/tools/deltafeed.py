@@ -68,6 +68,8 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
                               f"a delta feed cannot express that: export {srcs[1].ckpt_dir} in full "
                               f"(recsave export)", key=name)
     storage = get_storage(out_dir)
+    for src in srcs:
+        toolargs.refuse_source_dirs(src, storage, out_dir, "export_delta", "the delta feed", output_dir=False)
     manifest_path = toolargs.check_out_dir(storage, out_dir, DELTA_MANIFEST, names, "a delta feed")
     written: List[str] = []
     created = toolargs.missing_dirs(storage, out_dir)  # removed again (when empty) on failure

@@ -63,6 +63,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
     available = src.contents.tables
     names = toolargs.select_tables(tables, list(available), f"the checkpoint {src.ckpt_dir}", src.ckpt_dir)
     storage = get_storage(out_dir)
+    toolargs.refuse_source_dirs(src, storage, out_dir, "to_parquet", "the export", output_dir=False)
     manifest_path = toolargs.check_out_dir(storage, out_dir, MANIFEST, names, "an export")
     written: List[str] = []
     created: List[str] = toolargs.missing_dirs(storage, out_dir)  # removed again (when empty) on failure
