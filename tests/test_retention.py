@@ -142,6 +142,31 @@ def test_gc_applies_the_recorded_policy_to_a_list_left_unpruned(tmp_path):
     assert [e["id"] for e in list_checkpoints(out)] == kept
 
 
+def test_ls_says_what_gc_keeps_when_the_latest_listed_is_gone(tmp_path):
+    """The list names ckpt_12 (pruned, put back) and, last, a ckpt_22 whose directory is gone. ls
+    took the policy from ckpt_22 (unreadable: "keep all") and showed every checkpoint kept, while
+    gc, which drops ckpt_22 first, removed ckpt_12."""
+    import shutil
+    out = str(tmp_path / "run")
+    job, mgr = _manager(out)
+    _train(job, mgr, 20)
+    mgr.close()
+    job2 = make_job(str(tmp_path / "other"), max_keep=None, save_interval=None)
+    job2.saver.save("ckpt_12")
+    job2.saver.save("ckpt_22")
+    job2.saver.close()
+    os.rename(tmp_path / "other" / "ckpt_12", tmp_path / "run" / "ckpt_12")
+    with open(os.path.join(out, "checkpoint"), "w") as f:
+        f.write("".join(f"{i}\n" for i in ["ckpt_2", "ckpt_10", "ckpt_12", "ckpt_14", "ckpt_16", "ckpt_18",
+                                            "ckpt_20", "ckpt_22"]))
+    shutil.rmtree(tmp_path / "other")
+    shown = {e["id"]: e["kept"] for e in list_checkpoints(out)}
+    assert shown["ckpt_12"] == [] and shown["ckpt_22"] == [] and "latest" in shown["ckpt_20"]
+    assert clean_output_dir(out)["removed_checkpoints"] == ["ckpt_12"]
+    assert [e["id"] for e in list_checkpoints(out) if e["kept"]] == \
+        ["ckpt_2", "ckpt_10", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
+
+
 def test_a_plain_saver_records_no_policy_and_gc_keeps_its_list(tmp_path):
     out = str(tmp_path / "run")
     saver = make_job(out, max_keep=2).saver

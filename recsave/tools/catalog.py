@@ -46,7 +46,10 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
     ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
-    reasons = retention.recorded(storage, output_dir, ids, _parents(storage, output_dir))
+    # What gc keeps, as gc decides it: without the listed ids whose directory or index is gone
+    # (gc drops them from the list first).
+    live = [i for i in ids if storage.exists(storage.join(output_dir, i, index_mod.INDEX_FILE))]
+    reasons = retention.recorded(storage, output_dir, live, _parents(storage, output_dir))
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         entry: Dict[str, Any] = {"id": ckpt_id, "path": path, "step": None, "created_at": None, "age_s": None,
