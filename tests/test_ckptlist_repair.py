@@ -216,6 +216,25 @@ def test_repair_drops_a_listed_checkpoint_whose_index_is_damaged(run, capsys):
     assert cli_main(["repair", out]) == 0  # nothing left to repair
 
 
+def test_a_directory_in_place_of_the_list_is_named_not_an_io_error(run, capsys):
+    """repair and gc failed with exit 3 ("writing failed: Is a directory"), and ls pointed at
+    repair: each says to move the directory away now, and nothing of it is changed."""
+    out, _ = run
+    os.remove(_list_path(out))
+    os.mkdir(_list_path(out))
+    with open(os.path.join(_list_path(out), "mine.txt"), "w") as f:
+        f.write("x")
+    with pytest.warns(RuntimeWarning, match="a directory is in its place: move it away"):
+        assert cli_main(["ls", out]) == 0
+    for command in ("repair", "gc"):
+        assert cli_main([command, out]) == 2
+        assert "is a directory, where recsave keeps the list of committed checkpoints; move it away" in \
+            capsys.readouterr().err
+    assert os.listdir(_list_path(out)) == ["mine.txt"]
+    os.rename(_list_path(out), os.path.join(out, "moved"))
+    assert cli_main(["repair", out]) == 0 and _list_file(out) == FULL.encode()
+
+
 def test_repair_exits_1_for_stale_entries_and_2_when_nothing_is_there(run, tmp_path, capsys):
     out, _ = run
     with open(_list_path(out), "w") as f:

@@ -70,8 +70,17 @@ def _parse(raw: bytes) -> Tuple[List[str], Optional[str]]:
 
 
 def write(storage: Storage, output_dir: str, ids: List[str]) -> None:
-    """Replaces the `checkpoint` file atomically (temp + rename locally, one put remotely)."""
-    storage.write_atomic(storage.join(output_dir, LIST_FILE), "".join(f"{i}\n" for i in ids).encode())
+    """Replaces the `checkpoint` file atomically (temp + rename locally, one put remotely). A
+    directory in its place (someone's, never recsave's) is a UsageError saying to move it."""
+    path = storage.join(output_dir, LIST_FILE)
+    try:
+        storage.write_atomic(path, "".join(f"{i}\n" for i in ids).encode())
+    except OSError:  # StorageError too; looked at only now: a save pays no extra request for it
+        if storage.isdir(path):
+            raise UsageError(f"{path} is a directory, where recsave keeps the list of committed checkpoints; "
+                             f"move it away (nothing of it was changed), then save again or run `recsave "
+                             f"repair {output_dir}`", path=path) from None
+        raise
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,7 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
     _warn(f"{path}: {problem}; rebuilt the list of committed checkpoints from their indexes: "
           f"{', '.join(ids) or 'none'}" + "".join(f"; left out {n} ({why})" for n, why in left_out.items())
           + ("; rewrote the file" if rewrite else
+             "; a directory is in its place: move it away (recsave never removes it)" if storage.isdir(path) else
              f"; the file is left as it is: run `recsave repair {output_dir}` to rewrite it"),
           warn, None if rewrite else warned)
     return Listing(ids, True, problem, stale, left_out, rebuilt=True, rewritten=rewrite)
