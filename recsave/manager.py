@@ -298,7 +298,7 @@ class CheckpointManager:
             return path
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
-        saved_here, committed_everywhere = self._saved_here(ckpt_id)
+        saved_here, committed = self._saved_here(ckpt_id)
         if saver.pending_checkpoint == ckpt_id and saved_here:  # written in the background already
             if wait:
                 self.wait()
@@ -310,7 +310,7 @@ class CheckpointManager:
             # Listed last, a restart resumes from it, not from a branch the restore left. (Before
             # the `latest` check: every rank takes this path together, make_latest is collective.)
             return unsaved(saver.make_latest(ckpt_id))
-        if saved_here and committed_everywhere:
+        if saved_here and committed:
             return unsaved(ckpt_dir)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
             if dist.group()[1] <= 1:  # a refused save must not have evicted rows first (one process:
@@ -346,18 +346,18 @@ class CheckpointManager:
     def _saved_here(self, ckpt_id: str) -> Tuple[bool, bool]:
         """(whether this manager saved `ckpt_id` at the current step with no step, restore or load
         since (a load through the Saver itself counts too: Saver.load, load_model_bank,
-        execute_plan) and no fallback load found it damaged since; whether every rank's save of it
-        committed). With several ranks they agree (one all_reduce, only when the id is the one
-        saved, as it is on every rank): a rank may have loaded alone (shard_num=1), and with an
-        output dir per rank only rank 0's holds the `checkpoint` list, so the commit is told by
-        each rank's last_save, not by a list."""
+        execute_plan) and no fallback load found it damaged since; whether it committed). With
+        several ranks they agree (one all_reduce, only when the id is the one saved, as it is on
+        every rank): a rank may have loaded alone (shard_num=1), and with an output dir per rank
+        only rank 0's holds the `checkpoint` list, so the commit is known by any rank that knows
+        it (its last_save, or its list), not by each rank's own list."""
         if ckpt_id != self._saved:
             return False, False
         changed = self.saver.loads_started != self._loads_at_save or ckpt_id in self.saver.damaged_checkpoints
-        uncommitted = not self._committed_since_agreeing(ckpt_id)
-        agreed = dist.max_over_ranks([int(changed), int(uncommitted)], dist.group()[1],
+        committed = self._committed_since_agreeing(ckpt_id)
+        agreed = dist.max_over_ranks([int(changed), int(committed)], dist.group()[1],
                                      f"CheckpointManager: agreeing whether {ckpt_id} holds the state")
-        return not agreed[0], not agreed[1]
+        return not agreed[0], bool(agreed[1])
 
     def _committed_since_agreeing(self, ckpt_id: str) -> bool:
         """Whether this rank's last committed save is `ckpt_id` (last_save is set at the commit,

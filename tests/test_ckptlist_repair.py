@@ -216,6 +216,16 @@ def test_repair_drops_a_listed_checkpoint_whose_index_is_damaged(run, capsys):
     assert cli_main(["repair", out]) == 0  # nothing left to repair
 
 
+def test_repair_leaves_listed_an_index_it_cannot_read_whole(run, capsys):
+    """An index over this process's knob max_index_bytes (a job that raised it for a large index)
+    is not proven damaged: unlisting it would roll the job back to the checkpoint before."""
+    out, _ = run
+    size = os.path.getsize(os.path.join(out, "ckpt_30", "index"))
+    with recsave.knobs.override(max_index_bytes=size - 1):
+        assert cli_main(["repair", out]) == 0
+    assert _list_file(out) == FULL.encode()
+
+
 def test_a_directory_in_place_of_the_list_is_named_not_an_io_error(run, capsys):
     """repair and gc failed with exit 3 ("writing failed: Is a directory"), and ls pointed at
     repair: each says to move the directory away now, and nothing of it is changed."""

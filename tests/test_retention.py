@@ -167,6 +167,30 @@ def test_ls_says_what_gc_keeps_when_the_latest_listed_is_gone(tmp_path):
         ["ckpt_2", "ckpt_10", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
 
 
+def test_gc_keeps_every_listed_checkpoint_when_the_latest_is_a_newer_recsaves(tmp_path):
+    """The latest index names no policy this recsave can read (a newer recsave wrote it): gc keeps
+    the list as it is rather than apply an older checkpoint's policy (which would delete what the
+    newer writer keeps)."""
+    out = str(tmp_path / "run")
+    job, mgr = _manager(out)
+    _train(job, mgr, 20)
+    mgr.close()
+    # A crash between the list and the pruning left ckpt_12 listed, as in the test above.
+    job2 = make_job(str(tmp_path / "other"), max_keep=None, save_interval=None)
+    job2.saver.save("ckpt_12")
+    job2.saver.close()
+    os.rename(tmp_path / "other" / "ckpt_12", tmp_path / "run" / "ckpt_12")
+    ids = ["ckpt_2", "ckpt_10", "ckpt_12", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
+    with open(os.path.join(out, "checkpoint"), "w") as f:
+        f.write("".join(f"{i}\n" for i in ids))
+    index = read_index_json(os.path.join(out, "ckpt_20"))
+    index["format_version"] = 99
+    write_index_json(os.path.join(out, "ckpt_20"), index)
+    assert clean_output_dir(out)["removed_checkpoints"] == []
+    with open(os.path.join(out, "checkpoint")) as f:
+        assert f.read().split() == ids
+
+
 def test_a_plain_saver_records_no_policy_and_gc_keeps_its_list(tmp_path):
     out = str(tmp_path / "run")
     saver = make_job(out, max_keep=2).saver

@@ -102,9 +102,9 @@ def recorded(storage: Storage, output_dir: str, ids: Sequence[str],
             # or every-n checkpoint from the selection, and gc would delete it.
         return indexes[ckpt]
 
-    # The newest index that reads (one gone or damaged since names no policy: gc, which drops
-    # stale ids first, reads the newest left too).
-    latest = next((index for ckpt in reversed(ids) if (index := index_of(ckpt)) is not None), None)
+    # The callers pass ids whose index exists (gc drops stale ids first; ls leaves them out): a
+    # latest index that is damaged or a newer recsave's names no policy here, and all are kept.
+    latest = index_of(ids[-1]) if ids else None
     policy = latest.retention if latest is not None and latest.retention is not None else Retention(None)
 
     def step_of(ckpt: str) -> Optional[int]:

@@ -266,6 +266,20 @@ def _recsave_files_at(storage: Storage, path: str) -> bool:
     return bool(name) and ckptlist.looks_like_checkpoint(storage, parent, name)
 
 
+def _proven_damaged(storage: Storage, output_dir: str, ckpt_id: str) -> Optional[str]:
+    """Why checkpoint `ckpt_id`'s index is damaged, where its bytes prove it (they do not parse or
+    validate), else None: an index over the knob max_index_bytes, or one that changed while read,
+    may be intact (a job that raised the knob), and unlisting it would roll the job back."""
+    why = ckptlist.damaged(storage, output_dir, ckpt_id)
+    if why is None:
+        return None
+    try:
+        storage.read_bytes(storage.join(output_dir, ckpt_id, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
+    except (CorruptCheckpointError, OSError):
+        return None  # not read whole: unknown, left listed
+    return why
+
+
 def repair(output_dir: str) -> Dict[str, Any]:
     """Rebuilds a lost, empty or garbled `checkpoint` file of output_dir from the committed
     checkpoints' indexes (docs/FORMAT.md section 1) and drops listed ids whose directory or index
@@ -286,7 +300,7 @@ def repair(output_dir: str) -> Dict[str, Any]:
         # says so): it leaves the list, its directory stays (rotation and gc never delete it).
         ids, left_out, rewritten = list(listing.ids), dict(listing.left_out), listing.rewritten
         problem = listing.problem
-        damaged = {i: why for i in ids if (why := ckptlist.damaged(storage, output_dir, i)) is not None}
+        damaged = {i: why for i in ids if (why := _proven_damaged(storage, output_dir, i)) is not None}
         if damaged:
             ids = [i for i in ids if i not in damaged]
             ckptlist.write(storage, output_dir, ids)
