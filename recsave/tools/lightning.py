@@ -80,9 +80,10 @@ class RecsaveCallback(pl.Callback):
 
     - ``on_fit_start``: restores the latest committed checkpoint (or ``ckpt_<global_step>`` when
       `global_step` is given): tables, sparse and dense optimizers, LR schedulers, extras, io states
-      and Lightning's loop counters, so fit continues at the next batch. Nothing to restore: a fresh
-      start. With ``restore=False``, or when ``Trainer.fit`` was given a ``ckpt_path`` (Lightning
-      restores that file), it does not restore.
+      and Lightning's loop counters, so fit continues at the next batch, through
+      ``manager.restore`` on every rank (where the ranks agree whether there is a checkpoint).
+      Nothing to restore: a fresh start. With ``restore=False``, or when ``Trainer.fit`` was given
+      a ``ckpt_path`` (Lightning restores that file), it does not restore.
     - ``on_train_batch_end``: at each new global step, the manager's ``step()``: saves
       ``ckpt_<trainer.global_step>`` at multiples of save_interval or after save_interval_seconds
       (the manager's async_mode applies), and after a preemption signal saves, waits and raises
@@ -90,6 +91,9 @@ class RecsaveCallback(pl.Callback):
     - ``on_validation_batch_end`` / ``on_validation_end`` (during fit, in a single process): the
       same for a preemption signal that arrives while validation runs.
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
+    - ``on_exception`` / ``teardown`` of the fit: waits for a background write, then closes the
+      Saver (its writer lock released; the next save takes it again), so a fit retried in this
+      process with a new Saver of the same output dir can write.
 
     The Trainer's optimizers and schedulers are saved by the callback (extra `name`); a sparse
     optimizer belongs to the Saver (``Saver(..., sparse_optim=...)``). Sparse optimizers are not
