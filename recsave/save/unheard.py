@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from recsave import _C
+from recsave import _C, threads
 
 log = logging.getLogger("recsave")
 
@@ -32,15 +31,8 @@ class UnheardFailure:
 
 # Keyed by the future itself (a strong reference): a freed future's id could be a new one's.
 _unheard: Dict[Future, UnheardFailure] = {}
-_lock = threading.Lock()
-
-
-def _new_lock() -> None:
-    global _lock
-    _lock = threading.Lock()  # a fork taken while a write thread held it would leave it held
-
-
-os.register_at_fork(after_in_child=_new_lock)
+# Renewed in a forked child: a fork taken while a write thread held it would leave it held.
+_lock = threads.ForkSafeRLock()
 
 
 class WriteFuture(Future):
