@@ -46,26 +46,28 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
     ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
-    # What gc keeps, as gc decides it: without the listed ids whose directory or index is gone
-    # (gc drops them from the list first).
-    live = [i for i in ids if storage.exists(storage.join(output_dir, i, index_mod.INDEX_FILE))]
-    reasons = retention.recorded(storage, output_dir, live, _parents(storage, output_dir))
+    gone = set()  # listed ids whose directory or index is gone
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         entry: Dict[str, Any] = {"id": ckpt_id, "path": path, "step": None, "created_at": None, "age_s": None,
-                                 "bytes": None, "metrics": None, "kept": reasons.get(ckpt_id, []),
-                                 "problem": None, "damaged": False}
+                                 "bytes": None, "metrics": None, "kept": [], "problem": None, "damaged": False}
+        out.append(entry)
         try:  # one listed id gone or unreadable here is reported on its line, not for the whole listing
             index = index_mod.read(path, storage)
         except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError) as exc:
             entry.update(problem=" ".join(str(exc).split()), damaged=not isinstance(exc, FormatVersionError))
-            out.append(entry)
+            if isinstance(exc, CheckpointNotFoundError):
+                gone.add(ckpt_id)
             continue
         created = ckptlist.commit_time(index.created_at)  # any ISO-8601 UTC form (-inf: not one)
         age = now.timestamp() - created if created != float("-inf") else None
         entry.update(step=index.step, created_at=index.created_at, age_s=age, bytes=_own_bytes(storage, path, index),
                      metrics=None if index.metrics is None else dict(index.metrics))
-        out.append(entry)
+    # What gc keeps, as gc decides it: without the listed ids whose directory or index is gone
+    # (gc drops them from the list first).
+    reasons = retention.recorded(storage, output_dir, [i for i in ids if i not in gone], _parents(storage, output_dir))
+    for entry in out:
+        entry["kept"] = reasons.get(entry["id"], [])
     return out
 
 
