@@ -121,25 +121,34 @@ def test_thirty_saves_keep_exactly_the_expected_set_across_a_restart(tmp_path, c
     assert "every_n_steps, best" in text.splitlines()[[c["id"] for c in doc["checkpoints"]].index("ckpt_50") + 1]
 
 
-def test_gc_applies_the_recorded_policy_to_a_list_left_unpruned(tmp_path):
-    """A save that died after listing its checkpoint but before pruning leaves more listed than the
-    policy keeps: gc finishes the rotation the same way."""
+KEPT_AT_20 = ["ckpt_2", "ckpt_10", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
+
+
+def _left_unpruned(tmp_path, after=()) -> str:
+    """The output dir of 20 steps (_manager's policy keeps KEPT_AT_20) with the pruned ckpt_12 put
+    back and listed, as a crash between the list and the pruning leaves it, and the ids `after`
+    listed last (saved by another job, whose directory tmp_path/other keeps them)."""
     out = str(tmp_path / "run")
     job, mgr = _manager(out)
     _train(job, mgr, 20)
     mgr.close()
-    kept = [e["id"] for e in list_checkpoints(out)]
-    assert kept == ["ckpt_2", "ckpt_10", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
-    # Put back a pruned checkpoint, listed (as a crash between the list and the pruning leaves it).
+    assert [e["id"] for e in list_checkpoints(out)] == KEPT_AT_20
     job2 = make_job(str(tmp_path / "other"), max_keep=None, save_interval=None)
-    job2.saver.save("ckpt_12")
+    for ckpt_id in ("ckpt_12", *after):
+        job2.saver.save(ckpt_id)
     job2.saver.close()
     os.rename(tmp_path / "other" / "ckpt_12", tmp_path / "run" / "ckpt_12")
     with open(os.path.join(out, "checkpoint"), "w") as f:
-        f.write("".join(f"{i}\n" for i in ["ckpt_2", "ckpt_10", "ckpt_12", "ckpt_14", "ckpt_16", "ckpt_18",
-                                            "ckpt_20"]))
+        f.write("".join(f"{i}\n" for i in [*KEPT_AT_20[:2], "ckpt_12", *KEPT_AT_20[2:], *after]))
+    return out
+
+
+def test_gc_applies_the_recorded_policy_to_a_list_left_unpruned(tmp_path):
+    """A save that died after listing its checkpoint but before pruning leaves more listed than the
+    policy keeps: gc finishes the rotation the same way."""
+    out = _left_unpruned(tmp_path)
     assert clean_output_dir(out)["removed_checkpoints"] == ["ckpt_12"]
-    assert [e["id"] for e in list_checkpoints(out)] == kept
+    assert [e["id"] for e in list_checkpoints(out)] == KEPT_AT_20
 
 
 def test_ls_says_what_gc_keeps_when_the_latest_listed_is_gone(tmp_path):
@@ -147,42 +156,21 @@ def test_ls_says_what_gc_keeps_when_the_latest_listed_is_gone(tmp_path):
     took the policy from ckpt_22 (unreadable: "keep all") and showed every checkpoint kept, while
     gc, which drops ckpt_22 first, removed ckpt_12."""
     import shutil
-    out = str(tmp_path / "run")
-    job, mgr = _manager(out)
-    _train(job, mgr, 20)
-    mgr.close()
-    job2 = make_job(str(tmp_path / "other"), max_keep=None, save_interval=None)
-    job2.saver.save("ckpt_12")
-    job2.saver.save("ckpt_22")
-    job2.saver.close()
-    os.rename(tmp_path / "other" / "ckpt_12", tmp_path / "run" / "ckpt_12")
-    with open(os.path.join(out, "checkpoint"), "w") as f:
-        f.write("".join(f"{i}\n" for i in ["ckpt_2", "ckpt_10", "ckpt_12", "ckpt_14", "ckpt_16", "ckpt_18",
-                                            "ckpt_20", "ckpt_22"]))
+    out = _left_unpruned(tmp_path, after=["ckpt_22"])
     shutil.rmtree(tmp_path / "other")
     shown = {e["id"]: e["kept"] for e in list_checkpoints(out)}
     assert shown["ckpt_12"] == [] and shown["ckpt_22"] == [] and "latest" in shown["ckpt_20"]
     assert clean_output_dir(out)["removed_checkpoints"] == ["ckpt_12"]
-    assert [e["id"] for e in list_checkpoints(out) if e["kept"]] == \
-        ["ckpt_2", "ckpt_10", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
+    assert [e["id"] for e in list_checkpoints(out) if e["kept"]] == KEPT_AT_20
 
 
 def test_gc_keeps_every_listed_checkpoint_when_the_latest_is_a_newer_recsaves(tmp_path):
     """The latest index names no policy this recsave can read (a newer recsave wrote it): gc keeps
     the list as it is rather than apply an older checkpoint's policy (which would delete what the
     newer writer keeps)."""
-    out = str(tmp_path / "run")
-    job, mgr = _manager(out)
-    _train(job, mgr, 20)
-    mgr.close()
-    # A crash between the list and the pruning left ckpt_12 listed, as in the test above.
-    job2 = make_job(str(tmp_path / "other"), max_keep=None, save_interval=None)
-    job2.saver.save("ckpt_12")
-    job2.saver.close()
-    os.rename(tmp_path / "other" / "ckpt_12", tmp_path / "run" / "ckpt_12")
-    ids = ["ckpt_2", "ckpt_10", "ckpt_12", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
-    with open(os.path.join(out, "checkpoint"), "w") as f:
-        f.write("".join(f"{i}\n" for i in ids))
+    out = _left_unpruned(tmp_path)
+    with open(os.path.join(out, "checkpoint")) as f:
+        ids = f.read().split()
     index = read_index_json(os.path.join(out, "ckpt_20"))
     index["format_version"] = 99
     write_index_json(os.path.join(out, "ckpt_20"), index)
