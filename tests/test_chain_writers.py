@@ -123,6 +123,17 @@ def test_a_load_of_a_delta_clears_the_damage_marks_of_its_whole_chain(tmp_path, 
     assert _restored(out, "c") == expected
 
 
+def test_make_latest_keeps_a_damaged_checkpoint_a_listed_delta_needs(tmp_path):
+    """make_latest unlists what a fallback found damaged, as a save does, but not a chain member
+    of a checkpoint that stays listed: c listed without b could never load."""
+    out = str(tmp_path / "out")
+    saver, expected = _chain_a_b_c(out)
+    saver.make_latest("c")
+    assert _listed(out) == ["a", "b", "c"]
+    saver.close()
+    assert _restored(out, "c") == expected
+
+
 @pytest.mark.parametrize("shard_away", [False, True])
 def test_an_unlisted_checkpoint_a_listed_delta_needs_is_never_replaced(tmp_path, shard_away):
     """b left out of the `checkpoint` list (edited by hand) while listed c builds on it: a save of

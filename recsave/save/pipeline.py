@@ -177,9 +177,9 @@ class CheckpointWriter:
 
     def make_latest(self, ckpt_id: str, rank: int, world: int) -> str:
         """Lists committed checkpoint `ckpt_id` last in `checkpoint` (rank 0, under the writer
-        lock), and unlists the ones a fallback load of this process found damaged (as a save of
-        such an id would: a restart knows nothing of them, and its save of the id would be refused
-        as committed); no file is written or deleted. Returns its path."""
+        lock), and unlists the ones a fallback load of this process found damaged that no listed
+        checkpoint needs (as a save does, _publish: a restart knows nothing of them, and its save
+        of the id would be refused as committed); no file is written or deleted. Returns its path."""
         def relist() -> None:
             self._pruner.join()  # this writer's last deletion; a dropped writer's, acquire() waits for
             self._hold_lock()
@@ -187,7 +187,8 @@ class CheckpointWriter:
             if ckpt_id not in ids:
                 raise CheckpointNotFoundError(f"{self.output_dir}: no committed checkpoint {ckpt_id} to list as the "
                                               f"latest; committed: {ids or 'none'}", path=self.output_dir)
-            kept = [i for i in ids if i != ckpt_id and i not in self.damaged] + [ckpt_id]
+            unlisted = self._unlist_damaged(ids, ckpt_id)  # a listed delta's chain members stay
+            kept = [i for i in ids if i != ckpt_id and i not in unlisted] + [ckpt_id]
             if kept != list(ids):
                 ckptlist.write(self.storage, self.output_dir, kept)
 
