@@ -142,6 +142,32 @@ def test_a_saver_used_from_two_threads_takes_their_calls_in_turn(tmp_path):
         assert_jobs_equal(job_state(fresh), at_a)
 
 
+@pytest.mark.parametrize("setting", ["max_keep", "concurrency"])
+def test_a_setting_changed_during_a_save_on_another_thread_applies_after_it(tmp_path, setting):
+    """Setters take their turn like the calls: max_keep lowered while thread A's save was in its
+    snapshot pruned by the new value in A's commit, deleting checkpoints A's caller meant to keep."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=None)
+    for ckpt in ("ckpt_1", "ckpt_2"):
+        job.train(1)
+        job.saver.save(ckpt)
+    slow = _SlowIoState()
+    job.saver.register_io_state("slow", slow)
+    a = threading.Thread(name="A", target=lambda: job.saver.save("ckpt_3"))
+    a.start()
+    assert slow.a_inside.wait(60)
+    change = threading.Thread(target=lambda: setattr(job.saver, setting, 1))
+    change.start()
+    change.join(2)
+    assert change.is_alive()  # waits for A's call
+    slow.go.set()
+    a.join(60)
+    change.join(60)
+    assert getattr(job.saver, setting) == 1
+    assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_1", "ckpt_2", "ckpt_3"]
+    job.saver.close()
+
+
 def test_training_concurrently_with_an_unhindered_write(tmp_path):
     out = str(tmp_path / "run")
     job = make_job(out)

@@ -99,7 +99,8 @@ class Saver:
         check(value, int, "max_keep", "Saver", optional=True)
         if value is not None and value < 1:
             raise UsageError(f"max_keep must be a positive int or None (keep all), got {value!r}")
-        self._checkpoints.max_keep = value
+        with self._calls:  # a save on another thread commits under the value it started with
+            self._checkpoints.max_keep = value
 
     @_one_call_at_a_time
     def set_retention(self, *, keep_every_n_steps: Optional[int] = None, keep_best: int = 0,
@@ -169,7 +170,8 @@ class Saver:
         check(value, int, "concurrency", "Saver")
         if value < 1:
             raise UsageError(f"concurrency must be a positive int, got {value!r}")
-        self._checkpoints.concurrency = value
+        with self._calls:
+            self._checkpoints.concurrency = value
 
     @property
     def num_buckets(self) -> int:
