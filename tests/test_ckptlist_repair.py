@@ -463,3 +463,64 @@ def test_a_list_cut_to_another_committed_id_is_rebuilt(tmp_path):
                                             "name of a directory it does not list"):
         assert again.manager.restore() == 30
     again.manager.close()
+
+
+# ------------------------------------------------------------------------------ broken delta chains
+def _chain_saved(out):
+    """ckpt_1 (full) <- ckpt_2 <- ckpt_3 (deltas), then ckpt_4 (full); the Saver closed."""
+    job = make_job(str(out), max_keep=None)
+    for k, incremental in ((1, False), (2, True), (3, True), (4, False)):
+        job.train(1)
+        job.saver.save(f"ckpt_{k}", incremental=incremental)
+        assert job.saver.last_save_kind == ("delta" if incremental else "full")
+    job.saver.close()
+
+
+CHAIN_BROKEN = {
+    # what happens to the chain -> (listed after repair, the deltas left out -> the member named)
+    "base_gone": (["ckpt_4"], {"ckpt_2": "ckpt_1, whose directory or index is gone",
+                               "ckpt_3": "ckpt_1, whose directory or index is gone"}),
+    "base_gone_list_lost": (["ckpt_4"], {"ckpt_2": "ckpt_1, whose directory or index is gone",
+                                         "ckpt_3": "ckpt_1, whose directory or index is gone"}),
+    "middle_gone": (["ckpt_1", "ckpt_4"], {"ckpt_3": "ckpt_2, whose directory or index is gone"}),
+    "middle_damaged": (["ckpt_1", "ckpt_4"], {"ckpt_3": "ckpt_2, whose index is damaged"}),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(CHAIN_BROKEN))
+def test_repair_unlists_a_delta_whose_chain_is_broken(tmp_path, broken, capsys):
+    """A delta needs every member of its chain to load. repair kept listing ckpt_2 and ckpt_3 when
+    their base (or the delta between) was deleted or its index garbled, and exited 0 after a
+    rebuild ("rebuilt", nothing wrong): a restore of the latest would then fail. They leave the
+    list now, named with the member they lack, their directories stay, and the exit status is 1."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    if broken.startswith("base_gone"):
+        shutil.rmtree(out / "ckpt_1")
+    elif broken == "middle_gone":
+        shutil.rmtree(out / "ckpt_2")
+    else:
+        (out / "ckpt_2" / "index").write_bytes(b"{not json")
+    if broken.endswith("list_lost"):
+        os.remove(_list_path(str(out)))
+    listed, left_out = CHAIN_BROKEN[broken]
+    dirs = _dirs(str(out))
+    assert cli_main(["repair", str(out)]) == 1
+    text = capsys.readouterr().out
+    for delta, member in left_out.items():
+        assert f"left out {delta}: delta checkpoint {delta} needs {member}: it cannot be restored without its " \
+               f"whole chain; restore another checkpoint" in text
+    assert _list_file(str(out)) == "".join(f"{i}\n" for i in listed).encode()
+    assert _dirs(str(out)) == dirs  # repair deletes nothing
+    assert cli_main(["repair", "--json", str(out)]) == 0  # the list is fine now
+    assert json.loads(capsys.readouterr().out)["ids"] == listed
+
+
+def test_repair_keeps_a_delta_whose_chain_it_cannot_read_whole(tmp_path, capsys):
+    """Indexes over this process's knob max_index_bytes are unknown, not damage: every chain stays."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    smallest = min(os.path.getsize(out / f"ckpt_{k}" / "index") for k in (1, 2, 3, 4))
+    with recsave.knobs.override(max_index_bytes=smallest - 1):
+        assert cli_main(["repair", str(out)]) == 0
+    assert _list_file(str(out)) == b"ckpt_1\nckpt_2\nckpt_3\nckpt_4\n"

@@ -282,14 +282,46 @@ def _proven_damaged(storage: Storage, output_dir: str, ckpt_id: str) -> Optional
     return why
 
 
+def _broken_chains(storage: Storage, output_dir: str, ids: List[str]) -> Dict[str, str]:
+    """The delta checkpoints among `ids` whose chain needs a member that is gone (no index) or
+    proven damaged (_proven_damaged) -> why. A member merely unreadable here (over the knob
+    max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back."""
+    parents: Dict[str, List[str]] = {}
+    problems: Dict[str, Optional[str]] = {}
+
+    def parents_of(ckpt_id: str) -> List[str]:  # each index read once for all the chains
+        if ckpt_id not in parents:
+            parents[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
+        return parents[ckpt_id]
+
+    def problem_of(member: str) -> Optional[str]:
+        if member not in problems:
+            problems[member] = (
+                "whose directory or index is gone"
+                if not storage.exists(storage.join(output_dir, member, index_mod.INDEX_FILE))
+                else "whose index is damaged" if _proven_damaged(storage, output_dir, member) is not None else None)
+        return problems[member]
+
+    broken = {}
+    for ckpt_id in ids:
+        lost = [f"{m}, {why}" for m in sorted(chain.needed_by(storage, output_dir, [ckpt_id], parents_of) - {ckpt_id})
+                if (why := problem_of(m)) is not None]
+        if lost:
+            broken[ckpt_id] = (f"delta checkpoint {ckpt_id} needs {'; '.join(lost)}: it cannot be restored without "
+                               f"its whole chain; restore another checkpoint (its directory stays until `recsave gc`)")
+    return broken
+
+
 def repair(output_dir: str) -> Dict[str, Any]:
     """Rebuilds a lost, empty or garbled `checkpoint` file of output_dir from the committed
     checkpoints' indexes (docs/FORMAT.md section 1) and drops listed ids whose directory or index
-    is gone; deletes nothing else. Takes the writer lock like collect_garbage.
+    is gone, whose index is damaged, or whose chain of deltas lost a member (gone or damaged: the
+    delta cannot be loaded); deletes nothing. Takes the writer lock like collect_garbage.
 
     Returns {"output_dir", "file", "problem" (None: the file was fine and is left as it is), "ids"
     (committed, oldest first), "stale" (listed ids dropped), "left_out" (directories holding an
-    index that is not valid -> why), "rebuilt" (from the indexes), "rewritten"}.
+    index that is not valid, or a delta whose chain is broken -> why), "rebuilt" (from the
+    indexes), "rewritten"}.
     CheckpointNotFoundError when output_dir holds neither a `checkpoint` file nor a committed
     checkpoint."""
     argcheck.path(output_dir, "output_dir", "repair")
@@ -303,12 +335,17 @@ def repair(output_dir: str) -> Dict[str, Any]:
         ids, left_out, rewritten = list(listing.ids), dict(listing.left_out), listing.rewritten
         problem = listing.problem
         damaged = {i: why for i in ids if (why := _proven_damaged(storage, output_dir, i)) is not None}
-        if damaged:
-            ids = [i for i in ids if i not in damaged]
+        # A delta whose chain lost a member cannot be loaded either: it leaves the list too.
+        broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged])
+        if damaged or broken:
+            ids = [i for i in ids if i not in damaged and i not in broken]
             ckptlist.write(storage, output_dir, ids)
             left_out.update(damaged)
+            left_out.update(broken)
             rewritten = True
-            problem = problem or f"it lists {', '.join(damaged)}, whose index is damaged"
+            found = ([f"it lists {', '.join(damaged)}, whose index is damaged"] if damaged else []) + \
+                ([f"it lists {', '.join(broken)}, whose chain of deltas is broken"] if broken else [])
+            problem = problem or "; ".join(found)
     finally:
         if lock is not None:
             lock.release()
