@@ -266,6 +266,25 @@ def test_rows_count_each_read_when_a_tables_columns_come_from_two_entries(tmp_pa
     assert one.rows_read == 100
 
 
+def test_a_slot_only_load_reports_the_rows_it_read_not_those_it_updated(tmp_path):
+    """A load of slots alone reads every row of the source's table and sets the ids the live
+    table holds: `rows` (and `rows_read`) count the rows read, as the plan said and as an
+    embedding's do, not the 5 ids it updated (docs/API.md, LoadReport)."""
+    source = _two_tables(list(range(100)))
+    source.user.add_slot("acc", 0.5)
+    Saver(source, output_dir=str(tmp_path / "a")).save("ckpt_1")
+    model = _two_tables(list(range(95, 105)))  # 5 ids of the source, 5 it lacks
+    model.user.add_slot("acc", 0.0)
+    saver = Saver(model, output_dir=str(tmp_path / "job"))
+    entries = [{"path": str(tmp_path / "a"), "load": ["user@acc"]}]
+    plan = saver.plan_model_bank(entries)
+    assert (plan.items["user@acc"].rows, plan.rows) == (100, 100)
+    report = saver.load_model_bank(entries)
+    assert (report.loaded["user@acc"].rows, report.rows_read) == (100, 100)
+    acc = model.user.slot("acc")[model.user.lookup(torch.arange(95, 105), insert=False)]
+    assert acc[:, 0].tolist() == [0.5] * 5 + [0.0] * 5 and len(model.user) == 10  # 5 updated, none added
+
+
 def _adam_job(names):
     model = torch.nn.Module()
     for n in names:

@@ -329,7 +329,10 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
                 table.load_rows(ids, values["embedding"], slot_values, clear=plan.conf.hashtable_clear, **with_meta)
                 loaded_rows = ids.numel()
             else:
-                loaded_rows = table.set_slot_rows(ids, slot_values)
+                # `rows` counts the rows read, as the plan's and an embedding's do (docs/API.md,
+                # LoadReport), not the ids set_slot_rows found in the table
+                table.set_slot_rows(ids, slot_values)
+                loaded_rows = ids.numel()
         step = src.table_step(src_table)
         if adopt_step and step is not None and hasattr(table, "advance_step"):
             table.step = step

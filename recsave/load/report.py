@@ -12,7 +12,7 @@ class LoadedItem:
     category: str            # sparse | sparse_opt | dense | extra | io_state
     checkpoint: str          # source checkpoint directory
     source: str              # name in the source checkpoint
-    rows: int = 0            # table rows loaded (sparse / sparse_opt)
+    rows: int = 0            # table rows read (sparse / sparse_opt), also ids a slot-only load ignores
     nbytes: int = 0          # bytes of this item read from storage
 
 
