@@ -446,6 +446,34 @@ def test_a_warm_start_from_an_export_with_slots_takes_the_optimizer_step_counts(
     assert torch.equal(dst.user.export(ids)[2]["adam_m"], src.user.export(ids)[2]["adam_m"])
 
 
+def test_a_cleared_load_from_an_export_starts_the_table_step_at_0(tmp_path):
+    """An export holds no table step (nor row metadata): a hashtable_clear load of it replaces the
+    table's step with 0, as it does from any source without one (a torch.save file without
+    `<base>.step`, an older checkpoint), and its rows' last_step with 0 (age 0); the checkpoint
+    itself restores its step. A merge keeps the live step, the merged ids at age 0 (docs/API.md)."""
+    def model(step, ids):
+        m = torch.nn.Module()
+        m.user = recsave.HashTable(4, name="user")
+        m.train()
+        m.user.step = step
+        m.user.lookup(torch.tensor(ids, dtype=torch.int64), insert=True)
+        return m
+
+    def last_steps(table):
+        ids, rows = table.id_rows()
+        return dict(zip(ids.tolist(), table.row_meta(rows)["last_step"].reshape(-1).tolist()))
+
+    ckpt = recsave.Saver(model(100, [1, 2, 3]), output_dir=str(tmp_path / "run")).save("ckpt_1")
+    to_parquet(ckpt, str(tmp_path / "export"))
+    for path, step in ((ckpt, 100), (str(tmp_path / "export"), 0)):
+        live = model(500, [4, 5])
+        recsave.Saver(live, output_dir=str(tmp_path / "live")).load(load_conf={"path": path})
+        assert (live.user.step, last_steps(live.user)) == (step, {1: step, 2: step, 3: step})
+    live = model(500, [4, 5])
+    recsave.Saver(live, output_dir=str(tmp_path / "merge")).load(
+        load_conf={"path": str(tmp_path / "export"), "hashtable_clear": False})
+    assert (live.user.step, last_steps(live.user)) == (500, {i: 500 for i in (1, 2, 3, 4, 5)})
+
 
 def test_an_unreadable_extra_pt_costs_the_export_its_step_counts_not_its_tables(tmp_path):
     """The step counts come from extra.pt, read after the tables: a damaged one is a warning and an
