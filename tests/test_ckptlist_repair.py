@@ -516,6 +516,66 @@ def test_repair_unlists_a_delta_whose_chain_is_broken(tmp_path, broken, capsys):
     assert json.loads(capsys.readouterr().out)["ids"] == listed
 
 
+LS_CHAIN_BROKEN = {
+    # what happens to the chain -> (ls's exit status, what it lists, the deltas it names -> the member)
+    **{broken: (1, ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], left_out) for broken, (_, left_out)
+       in CHAIN_BROKEN.items() if not broken.endswith("list_lost")},
+    # the list rebuilt from the indexes left: the lost base is no listed id, only the chain names it
+    "base_gone_list_lost": (1, ["ckpt_2", "ckpt_3", "ckpt_4"], CHAIN_BROKEN["base_gone_list_lost"][1]),
+    # an intact base that is not listed: the chain loads, nothing is wrong
+    "base_unlisted": (0, ["ckpt_2", "ckpt_3", "ckpt_4"], {}),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(LS_CHAIN_BROKEN))
+def test_ls_names_a_listed_delta_whose_chain_is_broken(tmp_path, broken, capsys):
+    """ls showed ckpt_2 and ckpt_3 as fine ("latest") when their base or the delta between was
+    deleted or its index garbled, and exited 0 when that member was not listed (a rebuilt list):
+    repair unlists them, and a restore of them fails. ls names each on its line with repair's
+    message, its step, size and commit time still shown, and exits 1 (damage found)."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    if broken.startswith("base_gone"):
+        shutil.rmtree(out / "ckpt_1")
+    elif broken == "middle_gone":
+        shutil.rmtree(out / "ckpt_2")
+    elif broken == "middle_damaged":
+        (out / "ckpt_2" / "index").write_bytes(b"{not json")
+    if broken == "base_gone_list_lost":
+        os.remove(_list_path(str(out)))
+    elif broken == "base_unlisted":
+        with open(_list_path(str(out)), "w") as f:
+            f.write("ckpt_2\nckpt_3\nckpt_4\n")
+    code, listed, named = LS_CHAIN_BROKEN[broken]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the rebuilt list's warning
+        assert cli_main(["ls", "--json", str(out)]) == code
+        entries = {e["id"]: e for e in json.loads(capsys.readouterr().out)["checkpoints"]}
+        assert cli_main(["ls", str(out)]) == code
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[0] for line in lines] == list(entries) == listed
+    hint = f"; `recsave repair {out}` drops or names it"
+    for line in lines:
+        e = entries[line.split()[0]]
+        if e["id"] in named:
+            why = (f"delta checkpoint {e['id']} needs {named[e['id']]}: it cannot be restored without its whole "
+                   f"chain; restore another checkpoint (its directory stays until `recsave gc`)")
+            assert (e["problem"], e["damaged"], e["step"]) == (why, True, int(e["id"][-1]))
+            assert e["bytes"] > 0 and e["created_at"] is not None
+            assert line[24:35].strip() == str(e["step"]) and line.endswith(f"  {e['created_at']}  {why}{hint}")
+        elif e["bytes"] is not None:  # intact, its chain whole
+            assert e["problem"] is None and e["damaged"] is False
+            assert line.endswith(f"  {e['created_at']}  {', '.join(e['kept'])}")
+        else:  # the listed member that is gone or damaged, as before
+            assert e["damaged"] is True and line.endswith(f"{e['problem']}{hint}")
+    assert entries["ckpt_4"]["problem"] is None and entries["ckpt_4"]["kept"] == ["latest"]
+    # ls names the deltas repair leaves out for their chain
+    assert cli_main(["repair", "--json", str(out)]) == code
+    left_out = json.loads(capsys.readouterr().out)["left_out"]
+    assert {i: why for i, why in left_out.items() if why.startswith("delta ")} == \
+        {i: entries[i]["problem"] for i in named}
+
+
 def test_repair_keeps_a_delta_whose_chain_it_cannot_read_whole(tmp_path, capsys):
     """Indexes over this process's knob max_index_bytes are unknown, not damage: every chain stays."""
     out = tmp_path / "run"

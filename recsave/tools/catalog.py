@@ -4,7 +4,7 @@ gc, repair)."""
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 
@@ -33,7 +33,9 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     metrics (None when the save recorded none), kept (why retention keeps it: "latest",
     "every_n_steps", "best", "needed by <id>"; format/retention.py), and problem: None, or why a
     listed id's index cannot be read (gone or damaged: `damaged` True, `recsave repair` drops or
-    names it; written by a newer recsave: `damaged` False), its other fields then None. Raises
+    names it; written by a newer recsave: `damaged` False), its other fields then None; or why a
+    listed delta cannot be restored: its chain needs a member that is gone or damaged (`damaged`
+    True, its other fields from its index; `recsave repair` drops and names it). Raises
     CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
     argcheck.path(output_dir, "output_dir", "list_checkpoints")
     storage = get_storage(output_dir)
@@ -47,6 +49,12 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     out = []
     ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
     gone = set()  # listed ids whose directory or index is gone
+    parents: Dict[str, List[str]] = {}  # what each checkpoint needs, from the index read below
+
+    def parents_of(ckpt_id: str) -> List[str]:  # one not listed, or not valid: its index read as JSON
+        if ckpt_id not in parents:
+            parents[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
+        return parents[ckpt_id]
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         entry: Dict[str, Any] = {"id": ckpt_id, "path": path, "step": None, "created_at": None, "age_s": None,
@@ -59,15 +67,22 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
             if isinstance(exc, CheckpointNotFoundError):
                 gone.add(ckpt_id)
             continue
+        parents[ckpt_id] = chain.needs_of(index)
         created = ckptlist.commit_time(index.created_at)  # any ISO-8601 UTC form (-inf: not one)
         age = now.timestamp() - created if created != float("-inf") else None
         entry.update(step=index.step, created_at=index.created_at, age_s=age, bytes=_own_bytes(storage, path, index),
                      metrics=None if index.metrics is None else dict(index.metrics))
+    # A listed delta whose chain lost a member cannot be restored: damage, as a damaged index is
+    # (repair unlists it). The listed ids whose index was just read whole are no lost member.
+    readable = [e["id"] for e in out if e["problem"] is None]
+    broken = _broken_chains(storage, output_dir, readable, parents_of, sound=readable)
     # What gc keeps, as gc decides it: without the listed ids whose directory or index is gone
     # (gc drops them from the list first).
-    reasons = retention.recorded(storage, output_dir, [i for i in ids if i not in gone], _parents(storage, output_dir))
+    reasons = retention.recorded(storage, output_dir, [i for i in ids if i not in gone], parents_of)
     for entry in out:
         entry["kept"] = reasons.get(entry["id"], [])
+        if entry["id"] in broken:
+            entry.update(problem=broken[entry["id"]], damaged=True)
     return out
 
 
@@ -282,14 +297,20 @@ def _proven_damaged(storage: Storage, output_dir: str, ckpt_id: str) -> Optional
     return why
 
 
-def _broken_chains(storage: Storage, output_dir: str, ids: List[str]) -> Dict[str, str]:
+def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
+                   known_parents: Optional[Callable[[str], List[str]]] = None,
+                   sound: Iterable[str] = ()) -> Dict[str, str]:
     """The delta checkpoints among `ids` whose chain needs a member that is gone (no index) or
     proven damaged (_proven_damaged) -> why. A member merely unreadable here (over the knob
-    max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back."""
+    max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back.
+    `known_parents` (id -> parent_ids) and `sound` (ids whose index the caller just read whole and
+    valid) spare a caller that read the indexes reading them again."""
     parents: Dict[str, List[str]] = {}
-    problems: Dict[str, Optional[str]] = {}
+    problems: Dict[str, Optional[str]] = dict.fromkeys(sound)
 
     def parents_of(ckpt_id: str) -> List[str]:  # each index read once for all the chains
+        if known_parents is not None:
+            return known_parents(ckpt_id)
         if ckpt_id not in parents:
             parents[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
         return parents[ckpt_id]

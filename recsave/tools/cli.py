@@ -207,7 +207,8 @@ def _ls(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import list_checkpoints
 
     entries = list_checkpoints(args.output_dir)
-    # A listed id gone or damaged is damage found (exit 1); one a newer recsave wrote is not.
+    # A listed id gone or damaged, or a listed delta whose chain lost a member, is damage found
+    # (exit 1); one a newer recsave wrote is not.
     code = EXIT_DAMAGED if any(e["damaged"] for e in entries) else EXIT_OK
     if args.json:
         _print_json({"output_dir": args.output_dir, "checkpoints": entries})
@@ -217,13 +218,15 @@ def _ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"{'checkpoint':24} {'step':>10} {'size':>11} {'age':>8}  {'created':27}  kept because")
     for e in entries:
-        if e["problem"] is not None:
-            hint = f"; `recsave repair {args.output_dir}` drops or names it" if e["damaged"] else ""
+        hint = f"; `recsave repair {args.output_dir}` drops or names it" if e["damaged"] else ""
+        if e["bytes"] is None:  # its index cannot be read
             print(f"{e['id']:24} {'?':>10} {'?':>11} {'?':>8}  {'?':27}  {e['problem']}{hint}")
             continue
         step = "-" if e["step"] is None else str(e["step"])
+        # A delta whose chain is broken: the problem in place of why it is kept.
+        kept = (', '.join(e['kept']) or '-') if e["problem"] is None else f"{e['problem']}{hint}"
         print(f"{e['id']:24} {step:>10} {_human(e['bytes']):>11} {_age(e['age_s']):>8}  {e['created_at']:27}  "
-              f"{', '.join(e['kept']) or '-'}")
+              f"{kept}")
     return code
 
 
