@@ -404,8 +404,9 @@ class CheckpointManager:
         With `fallback` (and global_step None), a corrupt or incomplete latest checkpoint is skipped
         with a warning and the previous committed one restored (see Saver.load); one written by a
         newer recsave stops it (FormatVersionError). A checkpoint without global_step (written by a
-        plain Saver) restores too: global_step becomes the step of its id (``ckpt_<N>``), else 0,
-        and ``last_report.notes`` says so."""
+        plain Saver, or by `convert`) restores too: global_step becomes the step its index records
+        (that of its id ``ckpt_<N>``, or the one `convert` carried), else 0, and
+        ``last_report.notes`` says so."""
         check(global_step, int, "global_step", "CheckpointManager.restore", optional=True)
         check(fallback, bool, "fallback", "CheckpointManager.restore")
         saver = self.saver
@@ -432,10 +433,10 @@ class CheckpointManager:
         if not found:
             return 0
         report = saver.load(fallback=fallback) if ckpt_id is None else saver.load(ckpt_id=ckpt_id)
-        if GLOBAL_STEP not in report.loaded:  # e.g. a plain Saver's checkpoint: step of its id, or 0
+        if GLOBAL_STEP not in report.loaded:  # e.g. a plain Saver's checkpoint: its index's step, or 0
             self._global_step = int(report.step) if report.step is not None else 0
             where = report.checkpoints[-1] if report.checkpoints else saver.output_dir
-            origin = "the step of its id" if report.step is not None else "its id carries no step"
+            origin = "the step its index records" if report.step is not None else "its index records no step"
             report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); the "
                                 f"checkpoint holds no global_step")
         self.last_report = report

@@ -2,6 +2,7 @@
 import os
 import pickle
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -91,8 +92,8 @@ def test_recsave_to_torch_and_dcp_read_back_equal_the_model(tmp_path):
 def test_torch_and_dcp_to_recsave_then_saver_load_equals_the_source(tmp_path, via):
     job = _trained(tmp_path)
     mid = recsave.convert(str(tmp_path / "job"), str(tmp_path / "mid"), via)
-    with pytest.warns(UserWarning, match=r"mid: the registered extras' \d+ entries \(_recsave.extra.\*\) are not "
-                                         r"restored") as caught:
+    with pytest.warns(UserWarning, match=r"mid: the extras 'dense_opt' \(\d+ entries\), 'sparse_optim' \(\d+ "
+                                         r"entries\) \(_recsave.extra.<extra>.\*\) are not restored") as caught:
         ckpt = recsave.convert(mid, str(tmp_path / "out"), "recsave", ckpt_id="ckpt_4")
     assert len(caught) == 1 and "not tensors" not in str(caught[0].message)  # recsave's own file: extras only
     assert ckpt.endswith("ckpt_4")
@@ -298,6 +299,64 @@ def test_conversions_keep_row_metadata_and_table_steps(tmp_path):
             want, have = table.row_meta(table.lookup(ids, insert=False)), got.row_meta(got.lookup(ids, insert=False))
             assert all(torch.equal(want[m], have[m]) for m in want), name
         fresh.saver.close()
+
+
+@pytest.mark.parametrize("via", [None, "torch", "dcp"])
+def test_convert_to_recsave_keeps_the_global_step(tmp_path, via):
+    """A CheckpointManager job's global step becomes the converted checkpoint's step (its id,
+    `converted`, names none): a manager restoring it resumes at step 7, not 0, with the table steps.
+    From a recsave checkpoint the extras go along too (the sparse optimizer's step counts, the
+    manager's global_step); from torch.save / DCP they cannot (their strings are not in the file),
+    and the warning names exactly what is left out."""
+    job = make_job(str(tmp_path / "job"), save_interval=3, register=False)
+    job.train(7)
+    job.manager.save()
+    src, out = str(tmp_path / "job"), str(tmp_path / "out")
+    if via is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ckpt = recsave.convert(src, out, "recsave")
+    else:
+        mid = recsave.convert(src, str(tmp_path / "mid"), via)
+        with pytest.warns(UserWarning) as caught:
+            ckpt = recsave.convert(mid, out, "recsave")
+        assert [str(w.message) for w in caught] == [
+            f"convert: {mid}: the extra 'sparse_optim' (5 entries) (_recsave.extra.<extra>.*) is not restored by a "
+            f"conversion; the sparse optimizer's step counts of table(s) ['item', 'user'] are not converted (a "
+            f"converted checkpoint holds tables, dense tensors and the global step)"]
+    assert catalog.describe(out)["step"] == 7
+    if via is None:
+        fresh = make_job(out, save_interval=3, register=False)
+        manager, model = fresh.manager, fresh.model
+        assert manager.restore() == 7
+        assert fresh.sparse_opt.steps == {"user": 7, "item": 7}
+        assert "global_step" in manager.last_report.loaded
+    else:
+        model = CTR(seed=5)
+        manager = recsave.CheckpointManager(Saver(model, output_dir=out), 3)
+        assert manager.restore() == 7
+        assert f"{ckpt}: global_step set to 7 (the step its index records); the checkpoint holds no " \
+               f"global_step" in manager.last_report.notes
+    assert {n: t.step for n, t in tables_of(model).items()} == {"user": 7, "item": 7}
+    # An id naming a step records that step, as a save's does.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        recsave.convert(mid if via else src, out, "recsave", ckpt_id="ckpt_3")
+    assert catalog.describe(str(tmp_path / "out" / "ckpt_3"))["step"] == 3
+    manager.saver.close()
+
+
+def test_converting_to_torch_names_the_global_step_it_leaves_out(tmp_path):
+    """The torch.save / DCP layout has no place for a source's global step: the warning says so."""
+    job = make_job(str(tmp_path / "job"), save_interval=3, register=False)
+    job.train(3)
+    mid = recsave.convert(str(tmp_path / "job"), str(tmp_path / "mid.pt"), "torch")
+    with pytest.warns(UserWarning) as caught:
+        recsave.convert(mid, str(tmp_path / "again"), "dcp")
+    assert [str(w.message) for w in caught] == [
+        f"convert: {mid}: the extra 'sparse_optim' (5 entries) (_recsave.extra.<extra>.*) is not restored by a "
+        f"conversion; the sparse optimizer's step counts of table(s) ['item', 'user'] are not converted; the global "
+        f"step 3 is not converted (a converted checkpoint holds tables and dense tensors)"]
 
 
 class _Dotted:

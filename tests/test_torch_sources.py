@@ -204,3 +204,20 @@ def test_a_source_listing_an_id_twice_is_refused(tmp_path, kind, clear):
             [{"path": source, "load": ["sparse"], "hashtable_clear": clear}])
     ids, values, _ = model.t.export()
     assert sorted(ids.tolist()) == [3, 9] and bool((values == 7.0).all())
+
+
+@pytest.mark.parametrize("kind", ["torch", "dcp"])
+@pytest.mark.parametrize("value", [9, torch.tensor(9)])
+def test_a_managers_global_step_is_the_sources_step_not_a_dense_entry(tmp_path, kind, value):
+    """`_recsave.extra.global_step.global_step` (where `convert` writes a CheckpointManager's step;
+    an int, or a 0-d integer tensor, nested or dotted) is the source's step: a load reports it,
+    and it is neither a dense entry reported unexpected nor a value left out."""
+    from recsave.load.sources import open_source
+    model = DenseModel(n=20, dim=4)
+    state = {**model.state_dict(), "_recsave": {"extra": {"global_step": {"global_step": value}}}}
+    path = _write(kind, state, tmp_path / "src")
+    src = open_source(path)
+    assert src.step == 9
+    assert "_recsave.extra.global_step.global_step" not in src.contents.dense and src.not_tensors == {}
+    report = Saver(HashModel(dim=4), output_dir=str(tmp_path / "out")).load_model_bank([{"path": path}])
+    assert report.step == 9 and report.unexpected == []

@@ -13,6 +13,8 @@ load/sources.py's sources answer). The names become tables and dense entries:
 - in both forms, beside ``<base>.ids``, int64 ``<base>.last_step`` / ``<base>.count`` of N values
   are the table's row metadata and a 0-d int64 ``<base>.step`` its table step (``<base>``:
   ``<name>`` or ``<key>``);
+- the count entries `convert` writes (STEP_COUNT_PREFIX, GLOBAL_STEP_KEY) are the sparse
+  optimizer's step counts and the source's (global) step, not dense entries;
 - any other 2-D floating tensor is also a table named by its key (ids 0..N-1);
 - every tensor is also a dense entry under its key, so an nn.Embedding model loads its weight.
 Nested dicts (``{"model": state_dict}``), lists and int keys are flattened with '.' (use ``oname``
@@ -21,10 +23,11 @@ to map the prefix); values that are not tensors are listed in ``not_tensors``, n
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -148,7 +151,6 @@ class TorchStateSource(abc.ABC):
     # {key: type name} of the entries that are not tensors (never loaded or converted; `convert`
     # warns of them). Set by each subclass.
     not_tensors: Dict[str, str]
-    step: Optional[int] = None
     io_state_count = 1
     num_buckets = partition.DEFAULT_NUM_BUCKETS
 
@@ -176,6 +178,12 @@ class TorchStateSource(abc.ABC):
     @property
     def path(self) -> str:
         return self.ckpt_dir
+
+    @property
+    def step(self) -> Optional[int]:
+        """The global step the file records where `convert` writes a CheckpointManager's
+        (GLOBAL_STEP_KEY: an int, or a 0-d integer tensor); None when it records none."""
+        return None
 
     @abc.abstractmethod
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
@@ -244,10 +252,13 @@ class TorchSaveSource(TorchStateSource):
     def __init__(self, storage: Storage, path: str):
         obj, mapped = load_torch_file(path)
         state, others = _flatten(obj, path)
-        self._steps = _step_counts([*state.items(), *others.items()])
-        self.not_tensors = _not_tensors(others)
-        # Count entries read as counts are no dense entries (a load would report them unexpected).
-        state = {k: v for k, v in state.items() if not _is_count_key(k, self._steps)}
+        items = [*state.items(), *others.items()]
+        self._steps, self._step = _step_counts(items), _global_step(items)
+        read = _read_keys(items)
+        # Entries read as counts are no dense entries (a load would report them unexpected), nor
+        # values left out.
+        self.not_tensors = {k: type(v).__name__ for k, v in sorted(others.items()) if k not in read}
+        state = {k: v for k, v in state.items() if k not in read}
         meta = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
         # A mapped file is mapped again for each read: the pages a read touches are released with
         # the tensors it returns, instead of the whole file staying resident. A file that could not
@@ -268,6 +279,10 @@ class TorchSaveSource(TorchStateSource):
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
         return self._steps
+
+    @property
+    def step(self) -> Optional[int]:
+        return self._step
 
 
 class DcpSource(TorchStateSource):
@@ -292,9 +307,12 @@ class DcpSource(TorchStateSource):
                               f"{exc}); accepted sources: {ACCEPTED}", path=path) from exc
         meta: Meta = {k: (tuple(m.size), m.properties.dtype) for k, m in md.state_dict_metadata.items()
                       if isinstance(m, TensorStorageMetadata)}
-        # Step counts are small objects beside the tensors (or 0-d tensors): read when asked for.
-        self._step_keys = [k for k in md.state_dict_metadata if k.startswith(STEP_COUNT_PREFIX)
+        # Step counts and the global step are small objects beside the tensors (or 0-d tensors):
+        # read once, when asked for.
+        self._step_keys = [k for k in md.state_dict_metadata if (k.startswith(STEP_COUNT_PREFIX)
+                                                                 or k == GLOBAL_STEP_KEY)
                            and (k not in meta or meta[k][0] == ())]
+        self._step_values: Optional[List[Tuple[str, Any]]] = None
         # 0-d count tensors are no dense entries (a load would report them unexpected).
         self._count_meta = {k: meta.pop(k) for k in self._step_keys if k in meta}
         self.not_tensors = {k: "object" for k in sorted(md.state_dict_metadata)
@@ -302,16 +320,27 @@ class DcpSource(TorchStateSource):
         super().__init__(path, meta, f"{path}@{storage.ukey(storage.join(path, DCP_METADATA))}")
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
-        if not self._step_keys:
-            return None
-        out: Dict[str, Any] = {k: torch.empty((), dtype=self._count_meta[k][1]) if k in self._count_meta else None
-                               for k in self._step_keys}
-        planner = _weights_only_planner()()
-        try:
-            self._load(out, planner)
-        except CorruptCheckpointError:  # unreadable counts cost the counts (the load warns), not the load
-            return None
-        return _step_counts([*((k, v) for k, v in out.items() if k in self._count_meta), *planner.objects.items()])
+        return _step_counts(self._read_steps())
+
+    @property
+    def step(self) -> Optional[int]:
+        return _global_step(self._read_steps())
+
+    def _read_steps(self) -> List[Tuple[str, Any]]:
+        """(key, value) of the step count and global step entries, read on first use; [] when
+        there are none, or they cannot be read: unreadable counts cost the counts (the load
+        warns), not the load."""
+        if self._step_values is None:
+            self._step_values = []
+            if self._step_keys:
+                out: Dict[str, Any] = {k: torch.empty((), dtype=self._count_meta[k][1]) if k in self._count_meta
+                                       else None for k in self._step_keys}
+                planner = _weights_only_planner()()
+                with contextlib.suppress(CorruptCheckpointError):
+                    self._load(out, planner)
+                    self._step_values = [*((k, v) for k, v in out.items() if k in self._count_meta),
+                                         *planner.objects.items()]
+        return self._step_values
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         out = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in dict.fromkeys(keys)}
@@ -351,35 +380,37 @@ def _weights_only_planner() -> Any:
 
 
 # Where recsave's `convert` keeps the sparse optimizer's step counts in a torch.save / DCP state
-# dict: the extra `sparse_optim`'s key path `steps.<table>` (tools/convert.py, EXTRA_PREFIX).
+# dict: the extra `sparse_optim`'s key path `steps.<table>` (tools/convert.py, EXTRA_PREFIX); and
+# a CheckpointManager's global step: its extra `global_step`'s key `global_step` (manager.py).
 STEP_COUNT_PREFIX = "_recsave.extra.sparse_optim.steps."
+GLOBAL_STEP_KEY = "_recsave.extra.global_step.global_step"
 
 
-def _not_tensors(others: Mapping[str, Any]) -> Dict[str, str]:
-    """{key: type name} of the values a source holds beside its tensors (hyper-parameters, strings,
-    None): neither loaded nor converted. recsave's step count entries are read, so not among them."""
-    counts = _step_counts(others.items())
-    return {k: type(v).__name__ for k, v in sorted(others.items()) if not _is_count_key(k, counts)}
-
-
-def _is_count_key(key: str, counts: Optional[Mapping[str, int]]) -> bool:
-    """Whether `key` is the entry a step count in `counts` was read from."""
-    return counts is not None and key.startswith(STEP_COUNT_PREFIX) and key[len(STEP_COUNT_PREFIX):] in counts
+def _count(value: Any) -> Optional[int]:
+    """`value` as a count: an int in [0, 2**63), or a 0-d integer tensor of one; else None."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = int(value)
+    return value if type(value) is int and 0 <= value < 1 << 63 else None
 
 
 def _step_counts(items: Any) -> Optional[Dict[str, int]]:
     """{table: count} of the STEP_COUNT_PREFIX entries among (key, value) `items` that hold a
-    count (an int in [0, 2**63), or a 0-d integer tensor of one); None when there are none."""
-    counts: Dict[str, int] = {}
-    for key, value in items:
-        if not isinstance(key, str) or not key.startswith(STEP_COUNT_PREFIX):
-            continue
-        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
-                and value.dtype != torch.bool:
-            value = int(value)
-        if type(value) is int and 0 <= value < 1 << 63:
-            counts[key[len(STEP_COUNT_PREFIX):]] = value
+    count (_count); None when there are none."""
+    counts = {key[len(STEP_COUNT_PREFIX):]: c for key, value in items
+              if isinstance(key, str) and key.startswith(STEP_COUNT_PREFIX) and (c := _count(value)) is not None}
     return counts or None
+
+
+def _global_step(items: Any) -> Optional[int]:
+    """The count (_count) of the GLOBAL_STEP_KEY entry among (key, value) `items`; None without one."""
+    return next((c for key, value in items if key == GLOBAL_STEP_KEY and (c := _count(value)) is not None), None)
+
+
+def _read_keys(items: Any) -> Set[str]:
+    """The keys of (key, value) `items` read as counts (_step_counts, _global_step)."""
+    return {key for key, value in items if isinstance(key, str) and _count(value) is not None
+            and (key.startswith(STEP_COUNT_PREFIX) or key == GLOBAL_STEP_KEY)}
 
 
 def load_torch_file(path: str) -> Tuple[Any, bool]:

@@ -101,9 +101,10 @@ class CheckpointWriter:
         return Retention(self.max_keep, self.keep_every_n_steps, self.keep_best, self.best_metric, self.best_mode)
 
     def write(self, ckpt_id: str, state: SaveState, rank: int, world: int,
-              metrics: Optional[Mapping[str, float]] = None) -> str:
+              metrics: Optional[Mapping[str, float]] = None, *, step: Optional[int] = None) -> str:
         """Writes `state` as checkpoint `ckpt_id` on every rank and commits it; returns its path.
-        `metrics` (rank 0's) go into the index.
+        `metrics` (rank 0's) go into the index, and so does `step` (rank 0's; default: the step
+        the id names, step_of_id).
         On failure every rank removes the files and directory it created, then rank 0 the partial
         directory, unless another writer may own them now (_clean_up_failed); the previous
         checkpoint stays latest."""
@@ -131,7 +132,7 @@ class CheckpointWriter:
             stage = "commit"
             committed = dist.run_everywhere(f"committing {ckpt_dir}",
                                             lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
-                                                                 metrics),
+                                                                 metrics, step),
                                             world, only_rank0=True, rank=rank)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
@@ -420,7 +421,8 @@ class CheckpointWriter:
 
     def _commit(self, ckpt_dir: str, ckpt_id: str,
                 gathered: Sequence[Tuple[IndexPart, Dict[str, Tuple[int, int]]]],
-                state: SaveState, world: int, metrics: Optional[Mapping[str, float]]) -> int:
+                state: SaveState, world: int, metrics: Optional[Mapping[str, float]],
+                step: Optional[int] = None) -> int:
         """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
         rotates; returns the checkpoint's bytes."""
         st = self.storage
@@ -437,10 +439,9 @@ class CheckpointWriter:
             EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, state.extras, 0),
             IO_COUNT_FILE: torchio.save_bytes(st, ckpt_dir, IO_COUNT_FILE, f"{world}\n".encode(), 0),
         }
-        m = _STEP_ID.match(ckpt_id)
         meta = contents.index_meta(state.tables, state.dense, state.extras, state.io_state, world, rows)
         _check_tensors_described(parts, meta)
-        index = index_mod.merge_parts(parts, step=int(m.group(1)) if m else None, world_size=world,
+        index = index_mod.merge_parts(parts, step=step_of_id(ckpt_id) if step is None else step, world_size=world,
                                       partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta, metrics=metrics,
                                       retention=None if self.retention.plain else self.retention)

@@ -20,10 +20,10 @@ import torch
 
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
-from recsave.format import ckptlist
+from recsave.format import ckptlist, plainstate
 from recsave.load.sources import CheckpointSource, open_source
 from recsave.load.torch_sources import TorchStateSource
-from recsave.save.pipeline import CheckpointWriter
+from recsave.save.pipeline import CheckpointWriter, step_of_id
 from recsave.save.snapshot import SaveState, TableState
 from recsave.storage import Storage, get_storage
 from recsave.tables import partition
@@ -45,7 +45,9 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
       <table>.<slot>, dense entries, _recsave.extra.<name>.<path>}``, loadable with
       ``torch.load(weights_only=True)``;
     - ``"dcp"``: a torch.distributed.checkpoint directory with the same keys;
-    - ``"recsave"``: a checkpoint `ckpt_id` (default ``converted``) committed in output dir `dst`.
+    - ``"recsave"``: a checkpoint `ckpt_id` (default ``converted``) committed in output dir `dst`,
+      recording the source's step (unless the id names one, ``ckpt_<N>``) and a recsave source's
+      extras.
 
     For a torch.save / DCP source, `tables` names the tables to convert (default: every table the
     model bank sees there but bare 2-D tensors: ``<name>.weight`` with ``<name>.ids`` beside it or
@@ -66,7 +68,7 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
     source = open_source(src)
     names, dense = _split(source, tables)
     if isinstance(source, TorchStateSource):
-        _warn_left_out(source, src)
+        _warn_left_out(source, src, to)
     storage = get_storage(dst)
     if isinstance(source, CheckpointSource):
         toolargs.refuse_source_dirs(source, storage, dst, "convert", "the converted checkpoint" if to == "recsave"
@@ -119,13 +121,21 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
     return dst
 
 
-def _warn_left_out(source: TorchStateSource, src: str) -> None:
-    """Warns of a PyTorch source's entries no conversion carries: values that are not tensors (a
-    training file's epoch, hyper-parameters) and recsave's own extras (`_recsave.extra.`, never
-    restored by a conversion), instead of dropping them silently."""
+def _warn_left_out(source: TorchStateSource, src: str, to: str) -> None:
+    """Warns of a PyTorch source's entries the conversion into `to` does not carry, instead of
+    dropping them silently: values that are not tensors (a training file's epoch, hyper-parameters),
+    recsave's own extras (`_recsave.extra.<extra>.*`, never restored by a conversion), the sparse
+    optimizer's step counts among them, and (but into a recsave checkpoint, whose index records it)
+    the global step."""
     dropped = {k: t for k, t in source.not_tensors.items() if not k.startswith(EXTRA_PREFIX)}
-    extras = sum(k.startswith(EXTRA_PREFIX) for k in (*source.not_tensors, *source.meta))
-    if not dropped and not extras:
+    extras: Dict[str, int] = {}  # extra name -> its entries
+    for k in sorted((*source.not_tensors, *source.meta)):
+        if k.startswith(EXTRA_PREFIX):
+            name = k[len(EXTRA_PREFIX):].split(".", 1)[0]
+            extras[name] = extras.get(name, 0) + 1
+    counts = source.optimizer_steps()
+    step = source.step if to != "recsave" else None
+    if not dropped and not extras and counts is None and step is None:
         return
     parts = []
     if dropped:
@@ -134,9 +144,15 @@ def _warn_left_out(source: TorchStateSource, src: str) -> None:
         parts.append(f"{len(dropped)} {'entry is not a tensor' if one else 'entries are not tensors'} and "
                      f"{'is' if one else 'are'} not converted: {shown}{' ...' if len(dropped) > 5 else ''}")
     if extras:
-        parts.append(f"the registered extras' {extras} entr{'y' if extras == 1 else 'ies'} ({EXTRA_PREFIX}*) "
-                     f"are not restored by a conversion")
-    warnings.warn(f"convert: {src}: {'; '.join(parts)} (a converted checkpoint holds tables and dense tensors)",
+        shown = ", ".join(f"{n!r} ({c} entr{'y' if c == 1 else 'ies'})" for n, c in extras.items())
+        parts.append(f"the extra{'s' if len(extras) > 1 else ''} {shown} ({EXTRA_PREFIX}<extra>.*) "
+                     f"{'are' if len(extras) > 1 else 'is'} not restored by a conversion")
+    if counts is not None:
+        parts.append(f"the sparse optimizer's step counts of table(s) {sorted(counts)} are not converted")
+    if step is not None:
+        parts.append(f"the global step {step} is not converted")
+    carried = "tables, dense tensors and the global step" if to == "recsave" else "tables and dense tensors"
+    warnings.warn(f"convert: {src}: {'; '.join(parts)} (a converted checkpoint holds {carried})",
                   UserWarning, stacklevel=3)
 
 
@@ -343,13 +359,20 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
                                   table=_LazyTable(tables, name),  # type: ignore[arg-type]
                                   meta=meta, step=source.table_step(name))  # type: ignore[arg-type]
     model = source.read_pt("model.pt") if dense else {}
-    state = SaveState(states, {k: model[k] for k in dense}, {}, {})
+    # A recsave source's extras (the sparse optimizer's step counts, a manager's global step among
+    # them) go along as a save writes them; a PyTorch source's are not written (_warn_left_out says
+    # so): their strings are not in the file. Io states are per rank of the source's job: not carried.
+    extras = {n: plainstate.encode(v, "extra", n, "state_dict", "load_state_dict")
+              for n, v in source.read_pt("extra.pt").items()} if source.contents.extras else {}
+    state = SaveState(states, {k: model[k] for k in dense}, extras, {})
     storage = get_storage(dst)
     made = toolargs.missing_dirs(storage, dst)  # the output dir and its parents this write makes
     writer = CheckpointWriter(storage, dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS, own_dir=False)
     try:
         try:
-            return writer.write(ckpt_id, state, 0, 1)
+            # The source's step, unless the id names one (ckpt_<N>: step N, as a save records it).
+            step = step_of_id(ckpt_id)
+            return writer.write(ckpt_id, state, 0, 1, step=source.step if step is None else step)
         finally:
             writer.close()
     except BaseException:  # the writer removed its checkpoint directory; the output dir it made goes too
