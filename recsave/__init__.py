@@ -9,6 +9,7 @@ from recsave.errors import (
                             ConfigError,
                             CorruptCheckpointError,
                             FormatVersionError,
+                            OverLimitError,
                             Preempted,
                             RankFailedError,
                             RecsaveError,
@@ -36,7 +37,7 @@ __all__ = [
     "Saver", "CheckpointManager", "LoadReport", "export_serving",
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
-    "FormatVersionError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
+    "FormatVersionError", "OverLimitError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
     "RankFailedError", "ArgumentTypeError", "Preempted", "SaveInfo", "compact",
     "describe",
 ]

@@ -51,6 +51,13 @@ class CorruptCheckpointError(RecsaveError, ValueError):
     offset out of bounds, an index that does not parse. Restore from another checkpoint."""
 
 
+class OverLimitError(CorruptCheckpointError):
+    """A file is larger than the knob that bounds its read allows (``max_index_bytes`` for an
+    index): it may be intact, written by a job that raised the knob; raise it here to read the
+    file. A CorruptCheckpointError, so a fallback load skips it as before; tools that unlist or
+    report damage (``recsave repair``, ``recsave ls``) treat it as unknown, not as damage."""
+
+
 class FormatVersionError(RecsaveError, ValueError):
     """The checkpoint (or export) was written in a format version this recsave cannot read, e.g. by
     a newer recsave; upgrade recsave. Not a CorruptCheckpointError: such a checkpoint is intact, so a

@@ -584,3 +584,23 @@ def test_repair_keeps_a_delta_whose_chain_it_cannot_read_whole(tmp_path, capsys)
     with recsave.knobs.override(max_index_bytes=smallest - 1):
         assert cli_main(["repair", str(out)]) == 0
     assert _list_file(str(out)) == b"ckpt_1\nckpt_2\nckpt_3\nckpt_4\n"
+
+
+def test_ls_and_repair_agree_an_index_over_max_index_bytes_is_not_damage(tmp_path, capsys):
+    """ls called an index over this process's knob max_index_bytes damaged (exit 1, "repair drops
+    or names it") while repair left it listed and exited 0: it may be intact, written by a job that
+    raised the knob. ls names it, not as damage, and both exit 0."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    big = os.path.getsize(out / "ckpt_3" / "index")
+    with recsave.knobs.override(max_index_bytes=big - 1):
+        assert cli_main(["ls", "--json", str(out)]) == 0
+        entries = {e["id"]: e for e in json.loads(capsys.readouterr().out)["checkpoints"]}
+        assert cli_main(["repair", str(out)]) == 0
+    over = [i for i, e in entries.items() if e["problem"] is not None]
+    assert over and all(os.path.getsize(out / i / "index") > big - 1 for i in over)
+    for i in over:
+        assert entries[i]["damaged"] is False
+        assert entries[i]["problem"].endswith(f"over the {big - 1}-byte limit (an index over the knob "
+                                              f"max_index_bytes may be intact: raise the knob to read it)")
+    assert _list_file(str(out)) == b"ckpt_1\nckpt_2\nckpt_3\nckpt_4\n"

@@ -9,7 +9,7 @@ import contextlib
 from concurrent.futures import Future
 from typing import IO, Any, Callable, Collection, List, Optional, Protocol, Sequence, Tuple
 
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, OverLimitError, StorageError
 
 
 def os_error(exc: OSError, path: str, what: str) -> StorageError:
@@ -234,5 +234,6 @@ class Storage(abc.ABC):
         return future
 
 
-def over_limit(path: str, size: int, limit: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{path}: file is {size} bytes, over the {limit}-byte limit", path=path)
+def over_limit(path: str, size: int, limit: int) -> OverLimitError:
+    return OverLimitError(f"{path}: file is {size} bytes, over the {limit}-byte limit (an index over the knob "
+                          f"max_index_bytes may be intact: raise the knob to read it)", path=path)

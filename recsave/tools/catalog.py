@@ -14,6 +14,7 @@ from recsave.errors import (
     ConfigError,
     CorruptCheckpointError,
     FormatVersionError,
+    OverLimitError,
     RecsaveError,
     UsageError,
 )
@@ -63,7 +64,10 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
         try:  # one listed id gone or unreadable here is reported on its line, not for the whole listing
             index = index_mod.read(path, storage)
         except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError) as exc:
-            entry.update(problem=" ".join(str(exc).split()), damaged=not isinstance(exc, FormatVersionError))
+            # Not read whole here (a newer recsave's, one over max_index_bytes) is unknown, not
+            # damage: repair leaves such a checkpoint listed.
+            entry.update(problem=" ".join(str(exc).split()),
+                         damaged=not isinstance(exc, (FormatVersionError, OverLimitError)))
             if isinstance(exc, CheckpointNotFoundError):
                 gone.add(ckpt_id)
             continue
