@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from recsave import knobs
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RecsaveError, UsageError
+from recsave.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    OverLimitError,
+    RecsaveError,
+    UsageError,
+)
 from recsave.format import chain, seal
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
@@ -230,6 +237,7 @@ class IndexState(NamedTuple):
     step: Optional[int] = None
     created_at: str = ""
     why: str = ""  # for "damaged"
+    proven: bool = True  # for "damaged": False when the index was not read whole (over max_index_bytes)
 
 
 # An index opens with its magic and format_version (docs/FORMAT.md section 3), a delta's kind next:
@@ -274,7 +282,7 @@ def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False)
     except CheckpointNotFoundError:  # removed meanwhile
         return IndexState("none")
     except CorruptCheckpointError as exc:
-        return IndexState("damaged", why=str(exc))
+        return IndexState("damaged", why=str(exc), proven=not isinstance(exc, OverLimitError))
 
 
 def holds_valid_index(storage: Storage, output_dir: str, name: str) -> bool:
@@ -288,6 +296,13 @@ def damaged(storage: Storage, output_dir: str, name: str) -> Optional[str]:
     validate), else None. Such a directory is never deleted by rotation or gc (section 1)."""
     state = _index_state(storage, storage.join(output_dir, name))
     return state.why if state.kind == "damaged" else None
+
+
+def proven_damaged(storage: Storage, output_dir: str, name: str) -> Optional[str]:
+    """damaged(), where the index's bytes prove it (read whole, they do not parse or validate),
+    else None: one over the knob max_index_bytes may be intact (a job that raised the knob)."""
+    state = _index_state(storage, storage.join(output_dir, name))
+    return state.why if state.kind == "damaged" and state.proven else None
 
 
 def _newer_order(data: bytes) -> Optional[Tuple[Optional[int], str]]:

@@ -287,25 +287,11 @@ def _recsave_files_at(storage: Storage, path: str) -> bool:
     return bool(name) and ckptlist.looks_like_checkpoint(storage, parent, name)
 
 
-def _proven_damaged(storage: Storage, output_dir: str, ckpt_id: str) -> Optional[str]:
-    """Why checkpoint `ckpt_id`'s index is damaged, where its bytes prove it (they do not parse or
-    validate), else None: an index over the knob max_index_bytes, or one that changed while read,
-    may be intact (a job that raised the knob), and unlisting it would roll the job back."""
-    why = ckptlist.damaged(storage, output_dir, ckpt_id)
-    if why is None:
-        return None
-    try:
-        storage.read_bytes(storage.join(output_dir, ckpt_id, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
-    except (CorruptCheckpointError, OSError):
-        return None  # not read whole: unknown, left listed
-    return why
-
-
 def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
                    known_parents: Optional[Callable[[str], List[str]]] = None,
                    sound: Iterable[str] = ()) -> Dict[str, str]:
     """The delta checkpoints among `ids` whose chain needs a member that is gone (no index) or
-    proven damaged (_proven_damaged) -> why. A member merely unreadable here (over the knob
+    proven damaged (ckptlist.proven_damaged) -> why. A member merely unreadable here (over the knob
     max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back.
     `known_parents` (id -> parent_ids) and `sound` (ids whose index the caller just read whole and
     valid) spare a caller that read the indexes reading them again."""
@@ -321,10 +307,12 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
 
     def problem_of(member: str) -> Optional[str]:
         if member not in problems:
-            problems[member] = (
-                "whose directory or index is gone"
-                if not storage.exists(storage.join(output_dir, member, index_mod.INDEX_FILE))
-                else "whose index is damaged" if _proven_damaged(storage, output_dir, member) is not None else None)
+            if not storage.exists(storage.join(output_dir, member, index_mod.INDEX_FILE)):
+                problems[member] = "whose directory or index is gone"
+            elif ckptlist.proven_damaged(storage, output_dir, member) is not None:
+                problems[member] = "whose index is damaged"
+            else:
+                problems[member] = None
         return problems[member]
 
     broken = {}
@@ -359,7 +347,7 @@ def repair(output_dir: str) -> Dict[str, Any]:
         # says so): it leaves the list, its directory stays (rotation and gc never delete it).
         ids, left_out, rewritten = list(listing.ids), dict(listing.left_out), listing.rewritten
         problem = listing.problem
-        damaged = {i: why for i in ids if (why := _proven_damaged(storage, output_dir, i)) is not None}
+        damaged = {i: why for i in ids if (why := ckptlist.proven_damaged(storage, output_dir, i)) is not None}
         # A delta whose chain lost a member cannot be loaded either: it leaves the list too.
         broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged])
         if damaged or broken:
