@@ -26,7 +26,9 @@ LOAD=alone, by rank 0 alone with shard_num=1, then CheckpointManager.save twice)
 ``load_bad_shard_id`` (BAD_SHARD out_of_range / other_rank, rank 1
 only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; every rank writes the listing
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
-shard_id=1), ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
+shard_id=1), ``save_steps_differ`` (the ranks' table steps of `user` differ; rank r writes the
+RuntimeWarnings of its save to warnings_RANK.json and the steps restored to steps_RANK.json),
+``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
 instead of the HashTables), ``torch_bank`` (bank-load a torch.save file and a DCP directory of
 plain tensors written by the test; dump what this rank holds, and what to_dcp_state_dict says
 of the sharded model with and without replicated=True). OUT_SCHEME=file makes the output dir a
@@ -585,6 +587,18 @@ def main():
             with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
             os._exit(3)
+    elif scenario == "save_steps_differ":  # rank r's `user` at table step 3 + 3r, `item` at 4 on each
+        fill(model, rank, world)
+        model.user.step, model.item.step = 3 + 3 * rank, 4
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            saver.save("ckpt_1")
+        with open(os.path.join(work_dir, f"warnings_{rank}.json"), "w") as f:
+            json.dump([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], f)
+        fresh, again, _ = build(work_dir)
+        again.load()
+        with open(os.path.join(work_dir, f"steps_{rank}.json"), "w") as f:
+            json.dump([fresh.user.step, fresh.item.step], f)
     elif scenario == "save_two":  # ckpt_1 with rows of offset 0, ckpt_2 of offset 20
         fill(model, rank, world)
         reader.position = 1

@@ -715,3 +715,23 @@ def test_a_rewound_restore_saved_at_once_is_relisted_by_every_rank(tmp_path):
     assert all(p.endswith("ckpt_2") for p in paths)
     assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_4", "ckpt_2"]
 
+
+
+def test_ranks_with_different_table_steps_record_the_largest_and_warn(tmp_path):
+    """A sparse optimizer steps a table only on ranks that looked it up: rank 1's `user` at step 6,
+    rank 0's at 3. The index recorded rank 0's step, silently, and rank 1 restored rows whose
+    last_step lay past their table's step. The largest is recorded (every rank restores it) and
+    rank 0, which commits, warns naming the table and each rank's step."""
+    codes, outs = run_ranks("save_steps_differ", 2, tmp_path)
+    assert codes == [0, 0], outs
+    tables = read_index(str(tmp_path / "out" / "ckpt_1")).meta.tables
+    assert (tables["user"].step, tables["item"].step) == (6, 4)
+    warned = json.loads((tmp_path / "warnings_0.json").read_text())
+    assert warned == [
+        "ckpt_1: the ranks hold different table steps ('user': rank 0 at 3, rank 1 at 6); the checkpoint "
+        "records the largest, which every rank restores, and the sparse optimizer's step counts of rank 0. "
+        "A sparse optimizer steps a table only on the ranks that looked it up: look every table up on every "
+        "rank each batch (an empty lookup counts) to keep them equal"]
+    assert json.loads((tmp_path / "warnings_1.json").read_text()) == []
+    for r in range(2):
+        assert json.loads((tmp_path / f"steps_{r}.json").read_text()) == [6, 4]

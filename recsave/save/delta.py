@@ -170,8 +170,10 @@ def take(tables: Mapping[str, TableLike], baseline: Optional[Baseline], incremen
     return Taken(deltas, next_baseline, wanted)
 
 
-def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -> Index:
-    """The index with each table's step and, for a delta, its cleared flag and tombstone count."""
+def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int],
+                steps: Optional[Mapping[str, int]] = None) -> Index:
+    """The index with each table's step (from `steps` where it names the table: the ranks'
+    agreed one; else this rank's) and, for a delta, its cleared flag and tombstone count."""
     if index.meta is None:
         return index
     tables = {}
@@ -180,10 +182,11 @@ def with_tables(index: Index, state: SaveState, tombstones: Mapping[str, int]) -
         if table is None:
             tables[name] = meta
             continue
+        step = (steps or {}).get(name, table.step)
         if state.parent is None:
-            tables[name] = dataclasses.replace(meta, step=table.step)
+            tables[name] = dataclasses.replace(meta, step=step)
         else:
-            tables[name] = dataclasses.replace(meta, step=table.step, cleared=table.cleared,
+            tables[name] = dataclasses.replace(meta, step=step, cleared=table.cleared,
                                                tombstones=int(tombstones.get(name, 0)))
     return dataclasses.replace(index, meta=dataclasses.replace(index.meta, tables=tables))
 

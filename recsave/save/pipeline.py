@@ -53,6 +53,28 @@ def io_state_file(rank: int) -> str:
     return f"io_state_{rank}.pt"
 
 
+# What each rank reports of a table it wrote: live rows, tombstones, its table step (None: none).
+_TableCounts = Tuple[int, int, Optional[int]]
+
+
+def _agreed_steps(ckpt_id: str, steps: Mapping[str, Mapping[int, int]]) -> Dict[str, int]:
+    """The table step the index records for each table: the largest of the ranks' (every rank
+    restores it). Ranks hold different steps when a sparse optimizer stepped a table on some ranks
+    only (no lookup of it there in some batches); recording rank 0's left other ranks' rows with a
+    last_step past their table's step. Warns naming them: rows' ages, and the sparse optimizer's
+    step counts (rank 0's in extra.pt), are then off on the ranks that were behind."""
+    differ = {name: per_rank for name, per_rank in steps.items() if len(set(per_rank.values())) > 1}
+    if differ:
+        named = "; ".join(f"{name!r}: " + ", ".join(f"rank {r} at {v}" for r, v in sorted(per_rank.items()))
+                          for name, per_rank in sorted(differ.items()))
+        warnings.warn(f"{ckpt_id}: the ranks hold different table steps ({named}); the checkpoint records the "
+                      f"largest, which every rank restores, and the sparse optimizer's step counts of rank 0. A "
+                      f"sparse optimizer steps a table only on the ranks that looked it up: look every table "
+                      f"up on every rank each batch (an empty lookup counts) to keep them equal",
+                      RuntimeWarning, stacklevel=2)
+    return {name: max(per_rank.values()) for name, per_rank in steps.items()}
+
+
 @dataclass
 class _Made:
     """What one rank created for a save: its files, and whether it created the directory."""
@@ -361,11 +383,11 @@ class CheckpointWriter:
         self._refuse_committed(self.storage.join(self.output_dir, ckpt_id), ckpt_id, ids)
 
     def _write_rank_files(self, ckpt_dir: str, state: SaveState, rank: int, world: int, made: "_Made",
-                          fence: Callable[[], None]) -> Tuple[IndexPart, Dict[str, Tuple[int, int]]]:
+                          fence: Callable[[], None]) -> Tuple[IndexPart, Dict[str, _TableCounts]]:
         made.directory = not self.storage.exists(ckpt_dir)
         self.storage.makedirs(ckpt_dir)
         part = index_mod.new_part(rank)
-        rows: Dict[str, Tuple[int, int]] = {}  # table -> (live rows, tombstones) of this rank
+        rows: Dict[str, _TableCounts] = {}  # table -> (live rows, tombstones, table step) of this rank
         names = sorted(state.tables)
         # The next table's bucket order is computed while this one is written (two in memory at
         # most). Durable files are fsynced and renamed together when the block exits, before the
@@ -400,7 +422,8 @@ class CheckpointWriter:
                     table_part = self._write_table(ckpt_dir, layout, rank, len(part.files), commits)
                     made.files += [self.storage.join(ckpt_dir, f) for f in table_part.files]
                     table = state.tables[name]
-                    rows[name] = (layout.num_rows if state.parent is None else table.live_rows, layout.tombstones)
+                    rows[name] = (layout.num_rows if state.parent is None else table.live_rows, layout.tombstones,
+                                  table.step)
                     part = part.joined(table_part)
                 fence()  # before the durable files' renames as the block exits
             except BaseException:
@@ -420,7 +443,7 @@ class CheckpointWriter:
                             first_part=first_part, segments=layout.segments, commits=commits)
 
     def _commit(self, ckpt_dir: str, ckpt_id: str,
-                gathered: Sequence[Tuple[IndexPart, Dict[str, Tuple[int, int]]]],
+                gathered: Sequence[Tuple[IndexPart, Dict[str, _TableCounts]]],
                 state: SaveState, world: int, metrics: Optional[Mapping[str, float]],
                 step: Optional[int] = None) -> int:
         """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
@@ -430,10 +453,13 @@ class CheckpointWriter:
         parts = [part for part, _ in gathered]
         rows: Dict[str, int] = {}
         tombstones: Dict[str, int] = {}
-        for _, table_rows in gathered:
-            for name, (count, dead) in table_rows.items():
+        steps: Dict[str, Dict[int, int]] = {}  # table -> {rank: its table step}
+        for k, (_, table_rows) in enumerate(gathered):
+            for name, (count, dead, table_step) in table_rows.items():
                 rows[name] = rows.get(name, 0) + count
                 tombstones[name] = tombstones.get(name, 0) + dead
+                if table_step is not None:
+                    steps.setdefault(name, {})[k] = table_step
         files = {
             MODEL_FILE: torchio.save(st, ckpt_dir, MODEL_FILE, {n: t.cpu() for n, t in state.dense.items()}, 0),
             EXTRA_FILE: torchio.save(st, ckpt_dir, EXTRA_FILE, state.extras, 0),
@@ -445,7 +471,7 @@ class CheckpointWriter:
                                       partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta, metrics=metrics,
                                       retention=None if self.retention.plain else self.retention)
-        index = delta.with_tables(index, state, tombstones)
+        index = delta.with_tables(index, state, tombstones, _agreed_steps(ckpt_id, steps))
         if state.parent is not None:
             index = delta.as_delta(st, self.output_dir, index, state.parent, self._committed.get(state.parent))
         index = index.with_files(files)
