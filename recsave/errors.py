@@ -12,6 +12,7 @@ __all__ = [
     "RecsaveError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "OverLimitError",
     "FormatVersionError",
     "CheckpointExistsError",
     "ConfigError",

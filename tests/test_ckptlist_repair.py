@@ -484,7 +484,28 @@ CHAIN_BROKEN = {
                                          "ckpt_3": "ckpt_1, whose directory or index is gone"}),
     "middle_gone": (["ckpt_1", "ckpt_4"], {"ckpt_3": "ckpt_2, whose directory or index is gone"}),
     "middle_damaged": (["ckpt_1", "ckpt_4"], {"ckpt_3": "ckpt_2, whose index is damaged"}),
+    # ckpt_2 deleted, then saved again (full) by another job: ckpt_3 is no delta of the new one
+    "middle_saved_again": (["ckpt_1", "ckpt_4", "ckpt_2"],
+                           {"ckpt_3": "ckpt_2, whose index is not the one ckpt_3 was saved against (saved again "
+                                      "since)"}),
 }
+
+
+def _break_chain(out, broken):
+    """Does to _chain_saved's chain what CHAIN_BROKEN names."""
+    if broken.startswith("base_gone"):
+        shutil.rmtree(out / "ckpt_1")
+    elif broken in ("middle_gone", "middle_saved_again"):
+        shutil.rmtree(out / "ckpt_2")
+    elif broken == "middle_damaged":
+        (out / "ckpt_2" / "index").write_bytes(b"{not json")
+    if broken == "middle_saved_again":
+        job = make_job(str(out), max_keep=None)
+        job.train(2)
+        job.saver.save("ckpt_2")
+        job.saver.close()
+    if broken.endswith("list_lost"):
+        os.remove(_list_path(str(out)))
 
 
 @pytest.mark.parametrize("broken", sorted(CHAIN_BROKEN))
@@ -495,14 +516,7 @@ def test_repair_unlists_a_delta_whose_chain_is_broken(tmp_path, broken, capsys):
     list now, named with the member they lack, their directories stay, and the exit status is 1."""
     out = tmp_path / "run"
     _chain_saved(out)
-    if broken.startswith("base_gone"):
-        shutil.rmtree(out / "ckpt_1")
-    elif broken == "middle_gone":
-        shutil.rmtree(out / "ckpt_2")
-    else:
-        (out / "ckpt_2" / "index").write_bytes(b"{not json")
-    if broken.endswith("list_lost"):
-        os.remove(_list_path(str(out)))
+    _break_chain(out, broken)
     listed, left_out = CHAIN_BROKEN[broken]
     dirs = _dirs(str(out))
     assert cli_main(["repair", str(out)]) == 1
@@ -519,7 +533,8 @@ def test_repair_unlists_a_delta_whose_chain_is_broken(tmp_path, broken, capsys):
 LS_CHAIN_BROKEN = {
     # what happens to the chain -> (ls's exit status, what it lists, the deltas it names -> the member)
     **{broken: (1, ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], left_out) for broken, (_, left_out)
-       in CHAIN_BROKEN.items() if not broken.endswith("list_lost")},
+       in CHAIN_BROKEN.items() if not broken.endswith(("list_lost", "saved_again"))},
+    "middle_saved_again": (1, ["ckpt_1", "ckpt_3", "ckpt_4", "ckpt_2"], CHAIN_BROKEN["middle_saved_again"][1]),
     # the list rebuilt from the indexes left: the lost base is no listed id, only the chain names it
     "base_gone_list_lost": (1, ["ckpt_2", "ckpt_3", "ckpt_4"], CHAIN_BROKEN["base_gone_list_lost"][1]),
     # an intact base that is not listed: the chain loads, nothing is wrong
@@ -535,15 +550,8 @@ def test_ls_names_a_listed_delta_whose_chain_is_broken(tmp_path, broken, capsys)
     message, its step, size and commit time still shown, and exits 1 (damage found)."""
     out = tmp_path / "run"
     _chain_saved(out)
-    if broken.startswith("base_gone"):
-        shutil.rmtree(out / "ckpt_1")
-    elif broken == "middle_gone":
-        shutil.rmtree(out / "ckpt_2")
-    elif broken == "middle_damaged":
-        (out / "ckpt_2" / "index").write_bytes(b"{not json")
-    if broken == "base_gone_list_lost":
-        os.remove(_list_path(str(out)))
-    elif broken == "base_unlisted":
+    _break_chain(out, broken)
+    if broken == "base_unlisted":
         with open(_list_path(str(out)), "w") as f:
             f.write("ckpt_2\nckpt_3\nckpt_4\n")
     code, listed, named = LS_CHAIN_BROKEN[broken]
@@ -601,6 +609,7 @@ def test_ls_and_repair_agree_an_index_over_max_index_bytes_is_not_damage(tmp_pat
     assert over and all(os.path.getsize(out / i / "index") > big - 1 for i in over)
     for i in over:
         assert entries[i]["damaged"] is False
-        assert entries[i]["problem"].endswith(f"over the {big - 1}-byte limit (an index over the knob "
-                                              f"max_index_bytes may be intact: raise the knob to read it)")
+        assert entries[i]["problem"].endswith(f"over the {big - 1}-byte limit (the knob max_index_bytes): the "
+                                              f"index may be intact, written by a job that raised the knob; raise "
+                                              f"it here to read it")
     assert _list_file(str(out)) == b"ckpt_1\nckpt_2\nckpt_3\nckpt_4\n"

@@ -10,7 +10,7 @@ import json
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import gcpause, knobs
-from recsave.errors import CheckpointNotFoundError, FormatVersionError, UsageError
+from recsave.errors import CheckpointNotFoundError, FormatVersionError, OverLimitError, UsageError
 from recsave.format import checks, seal
 from recsave.format import segments as bucket_rule
 from recsave.format.dtypes import from_name
@@ -534,7 +534,11 @@ def read_bytes(storage: Storage, path: str) -> bytes:
     reading it (CorruptCheckpointError); CheckpointNotFoundError when it is missing."""
     limit = knobs.get("max_index_bytes")
     reader = _reader.get()
-    return storage.read_bytes(path, limit) if reader is None else reader(storage, path, limit)
+    try:
+        return storage.read_bytes(path, limit) if reader is None else reader(storage, path, limit)
+    except OverLimitError as exc:
+        raise OverLimitError(f"{exc} (the knob max_index_bytes): the index may be intact, written by a job "
+                             f"that raised the knob; raise it here to read it", path=path) from None
 
 
 def read(directory: str, storage: Optional[Storage] = None) -> Index:

@@ -35,6 +35,7 @@ from recsave.errors import (
     CheckpointNotFoundError,
     ConfigError,
     FormatVersionError,
+    OverLimitError,
     StorageError,
 )
 from recsave.format.oracle_checks import (
@@ -223,7 +224,8 @@ def _index_bytes(path: str, what: str, missing: str) -> bytes:
     with _open_regular(path, what, missing) as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_INDEX_BYTES:  # size limit first: never read a huge file into memory
-            raise corrupt(path, f"{what} is {size} bytes, over the 256 MiB limit (MAX_INDEX_BYTES)")
+            raise OverLimitError(f"{path}: {what} is {size} bytes, over the 256 MiB limit (MAX_INDEX_BYTES)",
+                                 path=path)
         raw = _read(f, MAX_INDEX_BYTES + 1, path)
     if len(raw) > MAX_INDEX_BYTES:
         raise corrupt(path, f"{what} grew past the size limit while being read")

@@ -235,5 +235,4 @@ class Storage(abc.ABC):
 
 
 def over_limit(path: str, size: int, limit: int) -> OverLimitError:
-    return OverLimitError(f"{path}: file is {size} bytes, over the {limit}-byte limit (an index over the knob "
-                          f"max_index_bytes may be intact: raise the knob to read it)", path=path)
+    return OverLimitError(f"{path}: file is {size} bytes, over the {limit}-byte limit", path=path)

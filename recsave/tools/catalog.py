@@ -4,7 +4,7 @@ gc, repair)."""
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -290,8 +290,9 @@ def _recsave_files_at(storage: Storage, path: str) -> bool:
 def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
                    known_parents: Optional[Callable[[str], List[str]]] = None,
                    sound: Iterable[str] = ()) -> Dict[str, str]:
-    """The delta checkpoints among `ids` whose chain needs a member that is gone (no index) or
-    proven damaged (ckptlist.proven_damaged) -> why. A member merely unreadable here (over the knob
+    """The delta checkpoints among `ids` whose chain needs a member that is gone (no index),
+    proven damaged (ckptlist.proven_damaged) or saved again since (its index bytes are not those
+    the delta recorded, which a restore refuses) -> why. A member merely unreadable here (over the knob
     max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back.
     `known_parents` (id -> parent_ids) and `sound` (ids whose index the caller just read whole and
     valid) spare a caller that read the indexes reading them again."""
@@ -315,10 +316,33 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
                 problems[member] = None
         return problems[member]
 
+    read: Dict[str, Optional[Tuple[Any, int]]] = {}
+
+    def index_of(ckpt_id: str) -> Optional[Tuple[Any, int]]:  # (index, its CRC32C); None: not read whole here
+        if ckpt_id not in read:
+            try:
+                read[ckpt_id] = chain.read_with_crc(storage, storage.join(output_dir, ckpt_id))
+            except (RecsaveError, OSError):  # gone or damaged (problem_of tells), over the limit, newer
+                read[ckpt_id] = None
+        return read[ckpt_id]
+
+    def saved_again(member: str) -> Optional[str]:
+        """The parent of delta `member` when its index is not the one `member` was saved against
+        (another writer saved that id again): what a restore refuses (chain.resolve)."""
+        got = index_of(member)
+        parent = None if got is None else got[0].parent
+        if parent is None:
+            return None
+        read_parent = index_of(parent.id)
+        return parent.id if read_parent is not None and read_parent[1] != parent.crc32c else None
+
     broken = {}
     for ckpt_id in ids:
-        lost = [f"{m}, {why}" for m in sorted(chain.needed_by(storage, output_dir, [ckpt_id], parents_of) - {ckpt_id})
-                if (why := problem_of(m)) is not None]
+        needed = chain.needed_by(storage, output_dir, [ckpt_id], parents_of)
+        lost = [f"{m}, {why}" for m in sorted(needed - {ckpt_id}) if (why := problem_of(m)) is not None]
+        if not lost and len(needed) > 1:  # a delta whose members are all there: are they its chain?
+            lost = [f"{again}, whose index is not the one {m} was saved against (saved again since)"
+                    for m in sorted(needed) if (again := saved_again(m)) is not None]
         if lost:
             broken[ckpt_id] = (f"delta checkpoint {ckpt_id} needs {'; '.join(lost)}: it cannot be restored without "
                                f"its whole chain; restore another checkpoint (its directory stays until `recsave gc`)")

@@ -519,7 +519,7 @@ def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
         return C, "object", {}
     if case == "index_too_large":  # the test makes the index a sparse file of 256 MiB + 1 byte
         base(d)
-        return C, "limit", {"setup": {"sparse_index_bytes": 256 * 1024 * 1024 + 1}}
+        return "OverLimitError", "limit", {"setup": {"sparse_index_bytes": 256 * 1024 * 1024 + 1}}
     if case == "index_shape_overflow":
         base(d)
         edit_index(d, lambda i: i["tensors"]["t"].update(shape=[2**61 + 1, 8]))
