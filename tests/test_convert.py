@@ -338,11 +338,18 @@ def test_convert_to_recsave_keeps_the_global_step(tmp_path, via):
         assert f"{ckpt}: global_step set to 7 (the step its index records); the checkpoint holds no " \
                f"global_step" in manager.last_report.notes
     assert {n: t.step for n, t in tables_of(model).items()} == {"user": 7, "item": 7}
-    # An id naming a step records that step, as a save's does.
+    # An id naming another step than the source's is refused before anything is written: the
+    # checkpoint would record step 3 while holding step 7's state and global_step, and a manager's
+    # restore(global_step=3) return 7. An id naming the source's step records it.
+    source = mid if via else src
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        recsave.convert(mid if via else src, out, "recsave", ckpt_id="ckpt_3")
-    assert catalog.describe(str(tmp_path / "out" / "ckpt_3"))["step"] == 3
+        with pytest.raises(UsageError, match=r"ckpt_id 'ckpt_3' names step 3, but .* holds the state of step 7: "
+                                             r"name the converted checkpoint ckpt_7"):
+            recsave.convert(source, out, "recsave", ckpt_id="ckpt_3")
+        assert not os.path.exists(os.path.join(out, "ckpt_3"))
+        recsave.convert(source, out, "recsave", ckpt_id="ckpt_7")
+    assert catalog.describe(str(tmp_path / "out" / "ckpt_7"))["step"] == 7
     manager.saver.close()
 
 

@@ -365,13 +365,19 @@ def _to_recsave(source: Any, names: Sequence[str], dense: Sequence[str], dst: st
     extras = {n: plainstate.encode(v, "extra", n, "state_dict", "load_state_dict")
               for n, v in source.read_pt("extra.pt").items()} if source.contents.extras else {}
     state = SaveState(states, {k: model[k] for k in dense}, extras, {})
+    # The source's step, unless the id names one (ckpt_<N>: step N, as a save records it). Another
+    # step than the source's would restore a manager at N with the state (and the carried
+    # global_step) of the source's step.
+    step = step_of_id(ckpt_id)
+    if step is not None and source.step is not None and step != source.step:
+        raise UsageError(f"ckpt_id {ckpt_id!r} names step {step}, but {source.ckpt_dir} holds the state of step "
+                         f"{source.step}: name the converted checkpoint ckpt_{source.step}, or give it an id "
+                         f"without a step (it then records step {source.step})", key="ckpt_id")
     storage = get_storage(dst)
     made = toolargs.missing_dirs(storage, dst)  # the output dir and its parents this write makes
     writer = CheckpointWriter(storage, dst, None, concurrency, partition.DEFAULT_NUM_BUCKETS, own_dir=False)
     try:
         try:
-            # The source's step, unless the id names one (ckpt_<N>: step N, as a save records it).
-            step = step_of_id(ckpt_id)
             return writer.write(ckpt_id, state, 0, 1, step=source.step if step is None else step)
         finally:
             writer.close()
