@@ -168,6 +168,28 @@ def test_a_setting_changed_during_a_save_on_another_thread_applies_after_it(tmp_
     job.saver.close()
 
 
+def test_retention_changed_while_an_async_write_runs_applies_from_the_next_save(tmp_path, monkeypatch):
+    """max_keep lowered after async_save returned, while its write ran:
+    the commit pruned by the new settings, deleting checkpoints the call meant to keep. A write
+    commits under the settings of its call; the next save applies the new ones."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=None)
+    for ckpt in ("ckpt_1", "ckpt_2"):
+        job.train(1)
+        job.saver.save(ckpt)
+    job.train(1)
+    gate, write, _ = held_async_save(job, monkeypatch, "ckpt_3")
+    job.saver.max_keep = 1
+    gate.release.set()
+    assert write.result(timeout=60).endswith("ckpt_3")
+    listed = [os.path.basename(p) for p in job.saver.checkpoints()]
+    assert listed == ["ckpt_1", "ckpt_2", "ckpt_3"]
+    job.train(1)
+    job.saver.save("ckpt_4")
+    assert [os.path.basename(p) for p in job.saver.checkpoints()] == ["ckpt_4"]
+    job.saver.close()
+
+
 def test_training_concurrently_with_an_unhindered_write(tmp_path):
     out = str(tmp_path / "run")
     job = make_job(out)

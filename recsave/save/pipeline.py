@@ -123,10 +123,12 @@ class CheckpointWriter:
         return Retention(self.max_keep, self.keep_every_n_steps, self.keep_best, self.best_metric, self.best_mode)
 
     def write(self, ckpt_id: str, state: SaveState, rank: int, world: int,
-              metrics: Optional[Mapping[str, float]] = None, *, step: Optional[int] = None) -> str:
+              metrics: Optional[Mapping[str, float]] = None, *, step: Optional[int] = None,
+              policy: Optional[Retention] = None) -> str:
         """Writes `state` as checkpoint `ckpt_id` on every rank and commits it; returns its path.
         `metrics` (rank 0's) go into the index, and so does `step` (rank 0's; default: the step
-        the id names, step_of_id).
+        the id names, step_of_id). `policy`: the retention the commit records and rotates by
+        (default: the settings in force at the commit; an async save passes those of its call).
         On failure every rank removes the files and directory it created, then rank 0 the partial
         directory, unless another writer may own them now (_clean_up_failed); the previous
         checkpoint stays latest."""
@@ -154,7 +156,7 @@ class CheckpointWriter:
             stage = "commit"
             committed = dist.run_everywhere(f"committing {ckpt_dir}",
                                             lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
-                                                                 metrics, step),
+                                                                 metrics, step, policy or self.retention),
                                             world, only_rank0=True, rank=rank)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
@@ -445,7 +447,7 @@ class CheckpointWriter:
     def _commit(self, ckpt_dir: str, ckpt_id: str,
                 gathered: Sequence[Tuple[IndexPart, Dict[str, _TableCounts]]],
                 state: SaveState, world: int, metrics: Optional[Mapping[str, float]],
-                step: Optional[int] = None) -> int:
+                step: Optional[int], policy: Retention) -> int:
         """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
         rotates; returns the checkpoint's bytes."""
         st = self.storage
@@ -470,7 +472,7 @@ class CheckpointWriter:
         index = index_mod.merge_parts(parts, step=step_of_id(ckpt_id) if step is None else step, world_size=world,
                                       partition=Partition(partition.SCHEME, self.num_buckets),
                                       meta=meta, metrics=metrics,
-                                      retention=None if self.retention.plain else self.retention)
+                                      retention=None if policy.plain else policy)
         index = delta.with_tables(index, state, tombstones, _agreed_steps(ckpt_id, steps))
         if state.parent is not None:
             index = delta.as_delta(st, self.output_dir, index, state.parent, self._committed.get(state.parent))
@@ -485,7 +487,7 @@ class CheckpointWriter:
         self._facts[ckpt_id] = (index.step, index.metrics)
         # What rotation asks of the new checkpoint is known: reading its index back costs a parse.
         self._parents_of[ckpt_id] = chain.needs_of(index)
-        self._publish(ckpt_id)
+        self._publish(ckpt_id, policy)
         return index.total_bytes
 
     def remember_restored(self, ckpt_id: str, read: chain.IndexIdentity) -> None:
@@ -499,7 +501,7 @@ class CheckpointWriter:
         """What this writer committed as `ckpt_id`'s index (None: not known here; rank 0 only)."""
         return self._committed.get(ckpt_id)
 
-    def _publish(self, ckpt_id: str) -> None:
+    def _publish(self, ckpt_id: str, policy: Retention) -> None:
         """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what the
         retention selection (format/retention.py) does not keep and leftovers of crashed saves.
         Never deletes the checkpoint just written."""
@@ -515,7 +517,7 @@ class CheckpointWriter:
         unlisted = self._unlist_damaged(ids, ckpt_id)
         ids = [i for i in ids if i not in unlisted]
         try:
-            kept = retention.select_by(ids, self.retention, step_of=lambda i: self._fact(i)[0],
+            kept = retention.select_by(ids, policy, step_of=lambda i: self._fact(i)[0],
                                        metrics_of=lambda i: self._fact(i)[1], depends_on=self.depends_on)
             keep = [i for i in ids if i in kept or self._written_by_newer(i)]
         except OSError as exc:  # StorageError too: what an index says is unknown, not absent

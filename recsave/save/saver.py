@@ -259,7 +259,7 @@ class Saver:
         self._prefill.join()  # the save moves the change baseline a prefill records
         self._background.collect(consume=True)
         state, after = self._capture(ckpt_id, rank, world, None, incremental)
-        path = self._write(ckpt_id, state, rank, world, values, after)
+        path = self._write(ckpt_id, state, rank, world, values, after, self.retention)
         elapsed = time.monotonic() - start
         self._record_commit(ckpt_id, path, rank, elapsed, elapsed, values, state.parent is not None)
         return path
@@ -310,11 +310,13 @@ class Saver:
         return self._checkpoints.make_latest(ckpt_id, rank, world)
 
     def _write(self, ckpt_id: str, state: SaveState, rank: int, world: int, values: Optional[Dict[str, float]],
-               after: Callable[[str], delta.Baseline]) -> str:
-        """Writes and commits; on success the baseline of the next delta is this checkpoint, on
-        failure it is unknown (the next incremental save is full)."""
+               after: Callable[[str], delta.Baseline], policy: Retention) -> str:
+        """Writes and commits under retention `policy` (the settings of the save's call: a setting
+        changed while an async write runs applies from the next save); on success the baseline of
+        the next delta is this checkpoint, on failure it is unknown (the next incremental save is
+        full)."""
         self._baseline = None
-        path = self._checkpoints.write(ckpt_id, state, rank, world, values)
+        path = self._checkpoints.write(ckpt_id, state, rank, world, values, policy=policy)
         self._baseline = after(ckpt_id)
         return path
 
@@ -381,12 +383,13 @@ class Saver:
         staged_rows = sum(self._stager.rows_copied.values())
         stage_future = done
         write = knobs.carried(self._write)
+        policy = self.retention  # the settings of this call, not those in force when the write commits
         stall = time.monotonic() - start
         self._baseline = None  # until the write succeeds (the next save collects it first)
 
         def write_and_record() -> str:
             begin = time.monotonic()
-            path = write(ckpt_id, state, rank, world, values, after)
+            path = write(ckpt_id, state, rank, world, values, after, policy)
             self._record_commit(ckpt_id, path, rank, time.monotonic() - begin, stall, values, state.parent is not None,
                                 staged_rows)
             return path
