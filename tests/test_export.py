@@ -100,6 +100,25 @@ def test_tables_subset_and_split_files(ckpt, tmp_path):
     assert same_bits(cols["adagrad_acc"], want["adagrad_acc"])
 
 
+def test_a_tables_directory_missing_files_of_its_export_is_refused(ckpt, tmp_path):
+    """An export killed after some of a table's files (or a copy that lost one) left a directory
+    that a load of the table's directory alone, a documented source, took for the whole table: a
+    shorter table, silently. Each file records the rows the export wrote of its table, and a
+    directory holding fewer is refused; one file named alone is still a source of its rows."""
+    out = str(tmp_path / "out")
+    manifest = to_parquet(ckpt, out, ["item"], rows_per_file=40)
+    entry = manifest["tables"]["item"]
+    table_dir = os.path.join(out, "item")
+    assert ParquetSource(table_dir).tables()["item"].rows == entry["rows"]  # whole: fine
+    os.remove(os.path.join(out, entry["files"][-1]["path"]))
+    os.remove(os.path.join(out, MANIFEST))
+    short = entry["rows"] - entry["files"][-1]["rows"]
+    with pytest.raises(CorruptCheckpointError, match=rf"its Parquet files hold {short} rows, but recsave exported "
+                                                     rf"table 'item' with {entry['rows']} \(an export interrupted"):
+        ParquetSource(table_dir)
+    assert [t.rows for t in ParquetSource(os.path.join(out, entry["files"][0]["path"])).tables().values()] == [40]
+
+
 def test_unknown_table_and_existing_output_are_refused(ckpt, tmp_path):
     out = str(tmp_path / "out")
     with pytest.raises(ConfigError, match=r"'nope'.*\['item', 'user'\]"):

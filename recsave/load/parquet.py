@@ -120,6 +120,18 @@ def _value_column(f: pa.Field, path: str) -> Optional[_Column]:
     return _Column(fixed, dim, native) if native is not None else None
 
 
+def _exported_rows(schema: pa.Schema) -> Optional[int]:
+    """The rows of the whole table a recsave export's file says the export wrote (its
+    `recsave.table` metadata, since format 1's `rows`); None for other files and older exports."""
+    raw = (schema.metadata or {}).get(b"recsave.table")
+    try:
+        meta = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    rows = meta.get("rows") if isinstance(meta, dict) and "old" not in meta else None
+    return rows if type(rows) is int and rows >= 0 else None
+
+
 def _is_delta_feed(schema: pa.Schema) -> bool:
     """Whether the file is an export_delta feed's: its `recsave.table` metadata names the two
     checkpoints compared (`old`, `new`), which a table export's never does; or, where a rewrite
@@ -206,7 +218,7 @@ class ParquetSource:
             if not files:
                 raise CheckpointNotFoundError(f"{path}: neither {MANIFEST} nor *.parquet files found; give a "
                                               f"to_parquet output directory or Parquet files", path=path)
-            self._load_plain(_leaf_name(storage, path), files)
+            self._load_plain(_leaf_name(storage, path), files, whole_table=True)
             return
         parent, leaf = storage.split(path)
         self._files = _Files(parent, storage)
@@ -239,11 +251,15 @@ class ParquetSource:
             raise _bad(where, None, f"not a recsave export manifest ({exc!r})", "re-export") from None
         self.step = m.get("step") if type(m.get("step")) is int else None
 
-    def _load_plain(self, name: str, files: List[str]) -> None:
+    def _load_plain(self, name: str, files: List[str], whole_table: bool = False) -> None:
+        """A table of plain Parquet files (`whole_table`: a directory's, which must then hold every
+        row of a recsave export's table whose files it holds)."""
         cols: Dict[str, _Column] = {}
         entries: List[Tuple[str, int, Optional[int]]] = []
+        exported: Optional[int] = None  # the rows recsave's export wrote of the table (its files say)
         for rel in sorted(files):
             pf = self._files.parquet(rel)
+            exported = _exported_rows(pf.schema_arrow) if exported is None else exported
             these = _parse_schema(pf.schema_arrow, self._files.show(rel))
             if entries and _shape_of(these) != _shape_of(cols):
                 raise _bad(self._files.show(rel), None, f"its list columns differ from those of {entries[0][0]!r}",
@@ -264,6 +280,11 @@ class ParquetSource:
                            "write fixed-size lists (pa.list_(pa.float32(), dim)) of the embedding's dim")
         slots = tuple(k for k in cols if k != "embedding")
         rows = sum(e[1] for e in entries)
+        if whole_table and exported is not None and rows != exported:
+            raise _bad(self.path, None, f"its Parquet files hold {rows} rows, but recsave exported table {name!r} "
+                                        f"with {exported} (an export interrupted before its manifest, or files "
+                                        f"missing)", "export the checkpoint again, or load a complete export's "
+                                        "directory (the one holding its manifest)")
         dim = cast(int, emb.dim)  # every column's dim was checked above
         self._tables = {name: _Table(TableInfo(dim, emb.dtype, slots, rows, {s: cols[s].dtype for s in slots}),
                                      {k: c.dtype for k, c in cols.items()}, entries)}

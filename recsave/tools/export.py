@@ -138,8 +138,10 @@ def _export_table(src: Any, name: str, info: TableInfo, storage: Storage, out_di
                                          f"{list(entry.shape)}, expected {want} rows of table {name!r} "
                                          f"(int64 or int32 ids); the checkpoint is inconsistent", path=src.ckpt_dir,
                                          key=t)
+    # `rows`: the table's rows in all its files, so that a load of the table's directory alone
+    # (no manifest to check) refuses the files of an interrupted export or a partial copy.
     table_meta = {"table": name, "dim": info.dim, "dtype": info.dtype, "slots": list(info.slots),
-                  "source": src.ckpt_dir, "step": index.step}
+                  "source": src.ckpt_dir, "step": index.step, "rows": max(n, 0)}
     schema = pa.schema([pa.field("id", pa.int64(), nullable=False)] + [
         pa.field(c, pa.list_(arrow_type(dtypes[c]), info.dim), nullable=False,
                  metadata={DTYPE_KEY: dtypes[c].encode()}) for c in columns],
