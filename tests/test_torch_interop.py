@@ -341,6 +341,24 @@ def test_from_dcp_state_dict_refuses_another_dtype_and_loads_nothing(column):
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
+def test_from_dcp_state_dict_refuses_repeated_ids_and_loads_nothing():
+    """ids [7, 8, 7] with three rows loaded as ids [7, 8]: one of id 7's rows dropped, silently
+    (convert refuses the same input). Refused now, before the model changes."""
+    src = HashTable(2, name="user")
+    src(torch.tensor([7, 8, 9]))
+    state = {f"t.{k}": v for k, v in recsave.to_dcp_state_dict(src).items()}
+    state["t.table.ids"] = torch.tensor([7, 8, 7])
+    dst = torch.nn.Module()
+    dst.t = HashTable(2, name="user")
+    dst.t(torch.arange(2))
+    before = dst.t.export()
+    with pytest.raises(recsave.UsageError, match=r"from_dcp_state_dict: t\.table\.ids repeats ids \(3 ids, 2 "
+                                                 r"distinct\); each id must appear once"):
+        recsave.from_dcp_state_dict(dst, state)
+    after = dst.t.export()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
 # ---------------------------------------------------------------------------------------- DCP
 def test_dcp_save_load_round_trip(tmp_path):
     dcp = pytest.importorskip("torch.distributed.checkpoint")

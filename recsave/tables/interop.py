@@ -141,5 +141,8 @@ def _stage(table: HashTable, key: str, state: Dict[str, Any], names: List[str]) 
     # get that step as last_step (age 0), never another job's count.
     rows.step = int(entry(f"{key}.step")) if f"{key}.step" in names else table.step
     rows.load_rows(ids, values, slots, clear=True, meta=meta)
+    if len(rows) != ids.numel():  # an id twice: one of its rows would be dropped (the model is untouched yet)
+        raise UsageError(f"from_dcp_state_dict: {key}.ids repeats ids ({ids.numel()} ids, {len(rows)} distinct); "
+                         f"each id must appear once, with its one row", key=f"{key}.ids")
     return rows
 
