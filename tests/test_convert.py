@@ -1,6 +1,7 @@
 """recsave.convert / `recsave convert`: recsave <-> torch.save <-> DCP, exact round trips."""
 import os
 import pickle
+import re
 import uuid
 import warnings
 
@@ -438,3 +439,20 @@ def test_a_failed_conversion_leaves_no_directory_it_made(tmp_path, to):
         with pytest.raises(recsave.CorruptCheckpointError):
             recsave.convert(str(ckpt), remote, to)
         assert not get_storage(remote).exists(remote.rsplit("/", 2)[0])
+
+
+@pytest.mark.parametrize("to,name", [("torch", "sub.pt"), ("dcp", "sub")])
+def test_converting_to_a_path_under_a_file_is_a_storage_error_naming_it(tmp_path, to, name):
+    """convert --to torch under a regular file raised a bare NotADirectoryError naming its internal
+    temporary file (the clean-up of that file failed in place of the write); every target now
+    raises recsave's StorageError naming the destination, and the file stays as it was."""
+    job = make_job(str(tmp_path / "job"), register=False)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    (tmp_path / "afile").write_text("x")
+    dst = str(tmp_path / "afile" / name)
+    with pytest.raises(recsave.StorageError, match=re.escape(str(tmp_path / "afile"))) as info:
+        recsave.convert(str(tmp_path / "job"), dst, to)
+    assert ".tmp-" not in str(info.value)
+    assert (tmp_path / "afile").read_text() == "x"
+    job.saver.close()

@@ -98,7 +98,9 @@ class LocalStorage(Storage):
         return True
 
     def remove_file(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        # A path under a file cannot exist either (NotADirectoryError): nothing to remove. A write's
+        # clean-up of its temporary file there raised that error in place of the write's own.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.remove(path)
 
     def _read_raw(self, path: str, offset: int, length: int) -> bytes:
