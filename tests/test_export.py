@@ -416,6 +416,31 @@ def test_cli_in_process_errors(ckpt, tmp_path, capsys):
     assert recsave.__version__ in capsys.readouterr().out
 
 
+def test_converting_an_export_names_the_optimizer_step_counts_it_leaves_out(tmp_path):
+    """An export records each table's sparse optimizer step count; a conversion of it into a
+    checkpoint dropped them without a word (a warm start from the result counts from 0). The
+    conversion carries the tables and warns naming the tables whose counts stay behind."""
+    from recsave.optim import SparseAdam
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = recsave.HashTable(4, name="user")
+
+    src = M()
+    opt = SparseAdam(src, lr=0.01)
+    src.user(torch.arange(10)).sum().backward()
+    opt.step()
+    recsave.Saver(src, sparse_optim=opt, output_dir=str(tmp_path / "run")).save("ckpt_1")
+    export = str(tmp_path / "export")
+    to_parquet(str(tmp_path / "run"), export)
+    with pytest.warns(UserWarning) as caught:
+        recsave.convert(export, str(tmp_path / "out"), "recsave")
+    assert [str(w.message) for w in caught] == [
+        f"convert: {export}: the sparse optimizer's step counts of table(s) ['user'] the export recorded are not "
+        f"converted (a converted checkpoint holds its tables; load the export itself where a warm start needs them)"]
+
+
 @pytest.mark.parametrize("recorded", [True, False])
 def test_a_warm_start_from_an_export_with_slots_takes_the_optimizer_step_counts(tmp_path, recorded):
     """to_parquet records each table's sparse optimizer step count; a bank entry that loads a table

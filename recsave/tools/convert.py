@@ -21,7 +21,7 @@ import torch
 from recsave.argcheck import check
 from recsave.errors import ConfigError, UsageError
 from recsave.format import ckptlist, plainstate
-from recsave.load.sources import CheckpointSource, open_source
+from recsave.load.sources import CheckpointSource, ParquetBankSource, open_source
 from recsave.load.torch_sources import TorchStateSource
 from recsave.save.pipeline import CheckpointWriter, step_of_id
 from recsave.save.snapshot import SaveState, TableState
@@ -69,6 +69,13 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
     names, dense = _split(source, tables)
     if isinstance(source, TorchStateSource):
         _warn_left_out(source, src, to)
+    elif isinstance(source, ParquetBankSource) and source.optimizer_steps():
+        # An export records them per table, but a recsave extra needs the optimizer's name and
+        # hyper-parameters too, and the torch.save / DCP layouts keep them in that extra.
+        warnings.warn(f"convert: {src}: the sparse optimizer's step counts of table(s) "
+                      f"{sorted(source.optimizer_steps() or {})} the export recorded are not converted (a "
+                      f"converted checkpoint holds its tables; load the export itself where a warm start "
+                      f"needs them)", UserWarning, stacklevel=2)
     storage = get_storage(dst)
     if isinstance(source, CheckpointSource):
         toolargs.refuse_source_dirs(source, storage, dst, "convert", "the converted checkpoint" if to == "recsave"
