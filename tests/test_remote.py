@@ -743,3 +743,42 @@ def test_an_output_dir_whose_name_ends_in_a_colon_holds_its_files(tmp_path):
     assert "checkpoint" in _ls(out) and "ckpt_1" in _ls(out)
     saved = recsave.Saver(model, output_dir=f"{root}/a::b")
     assert saved.save("ckpt_1") == f"{root}/a::b/ckpt_1"  # '::' after the scheme is a plain name
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_the_lock(remote):
+    """On memory:// the writer lock under a file failed as "another Saver is competing" (there
+    was none); on S3 a save went ahead beside the object. A UsageError names the file, and nothing
+    is written."""
+    out = f"{remote}/run"
+    _fs(out).pipe(get_storage(out).canonical(out).split("://", 1)[1], b"")
+    job = make_job(out)
+    job.train(1)
+    with pytest.raises(UsageError, match=rf"output_dir {out} is a file, not a directory"):
+        job.saver.save("ckpt_1")
+    assert _fs(out).cat(get_storage(out).canonical(out).split("://", 1)[1]) == b""
+    job.saver.close()
+
+
+@pytest.mark.s3
+def test_checkpoints_under_a_key_that_is_also_an_object_are_never_lost(remote):
+    """An empty object another tool put at the output dir's own key (`run`, beside `run/ckpt_2`):
+    HEAD found the object, the dir was taken for absent, a lost list was rebuilt empty, the restore
+    started fresh and the next save's rotation deleted every checkpoint. The prefix's listing
+    tells: the list is rebuilt from the indexes and the checkpoints stay."""
+    if not remote.startswith("s3://"):
+        pytest.skip("memory:// never lets a key be an object and a prefix at once")
+    out = f"{remote}/run"
+    job = make_job(out, save_interval=2, max_keep=None)
+    job.train(4)
+    job.manager.close()
+    fs, key = _fs(out), out.split("://", 1)[1]
+    fs.pipe(key, b"")
+    fs.rm(f"{key}/checkpoint")
+    _clear_fs_caches()
+    again = make_job(out, save_interval=2, max_keep=None)
+    with pytest.warns(RuntimeWarning, match="rebuilt"):
+        assert again.manager.restore() == 4
+    assert_jobs_equal(job_state(again), job_state(job))
+    again.train(2)
+    again.manager.close()
+    assert {"ckpt_2", "ckpt_4", "ckpt_6"} <= set(_ls(out))

@@ -364,6 +364,11 @@ class CheckpointWriter:
         remembers of other checkpoints' indexes (their parents, steps, metrics) may be stale:
         another writer may have saved those ids again meanwhile, so it is read again."""
         anew = not self._holding or (self._lock is not None and not self._lock.held)
+        if anew and self.storage.exists(self.output_dir) and not self.storage.isdir(self.output_dir):
+            # Before the lock: taking it under a file failed as "another Saver is competing" on
+            # memory://, and on an object store checkpoints beside an object at the key were lost.
+            raise UsageError(f"output_dir {self.output_dir} is a file, not a directory: give a path that is a "
+                             f"directory or does not exist yet", path=self.output_dir)
         self._lock = hold_writer_lock(self._lock, self.storage, self.output_dir)
         if anew:
             self._parents_of.clear()

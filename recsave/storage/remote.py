@@ -91,7 +91,21 @@ class FsspecStorage(Storage):
 
     def isdir(self, path: str, *, follow_links: bool = False) -> bool:
         info = self._info_or_none(path, "checking")
-        return info is not None and info.get("type") == "directory"
+        if info is None or info.get("type") == "directory":
+            return info is not None
+        # An object store's key can be an object and the prefix of others at once (an empty object
+        # another tool put at `run`, checkpoints under `run/`): HEAD finds the object, and the
+        # checkpoints under the prefix were taken for absent (a lost list rebuilt empty, then
+        # rotation deleting them). Its listing tells; a lone object lists only itself.
+        if self._local is not None:
+            return False
+        own = self._local_path(path).rstrip("/")
+        try:
+            entries = retry.call("listing", path, lambda: self.fs.ls(own + "/", detail=False, refresh=True)
+                                 if _accepts_refresh(self.fs) else self.fs.ls(own + "/", detail=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return any(e.rstrip("/") != own for e in entries)
 
     def _info_or_none(self, path: str, what: str) -> Optional[dict]:
         try:
