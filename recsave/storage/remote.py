@@ -94,10 +94,12 @@ class FsspecStorage(Storage):
         if info is None or info.get("type") == "directory":
             return info is not None
         # An object store's key can be an object and the prefix of others at once (an empty object
-        # another tool put at `run`, checkpoints under `run/`): HEAD finds the object, and the
-        # checkpoints under the prefix were taken for absent (a lost list rebuilt empty, then
-        # rotation deleting them). Its listing tells; a lone object lists only itself.
-        if self._local is not None:
+        # another tool put at `run` as a folder marker, checkpoints under `run/`): HEAD finds the
+        # object, and the checkpoints under the prefix were taken for absent (a lost list rebuilt
+        # empty, then rotation deleting them). Its listing tells; a lone object lists only itself.
+        # Only an empty object is asked about: a file recsave reads (an index) costs no LIST. A
+        # writer refuses an output dir that is any other object (CheckpointWriter._hold_lock).
+        if self._local is not None or info.get("size") != 0:
             return False
         own = self._local_path(path).rstrip("/")
         try:
