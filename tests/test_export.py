@@ -416,10 +416,8 @@ def test_cli_in_process_errors(ckpt, tmp_path, capsys):
     assert recsave.__version__ in capsys.readouterr().out
 
 
-def test_converting_an_export_names_the_optimizer_step_counts_it_leaves_out(tmp_path):
-    """An export records each table's sparse optimizer step count; a conversion of it into a
-    checkpoint dropped them without a word (a warm start from the result counts from 0). The
-    conversion carries the tables and warns naming the tables whose counts stay behind."""
+def _adam_user_model():
+    """(a model of one 4-dim HashTable `user`, its SparseAdam)."""
     from recsave.optim import SparseAdam
 
     class M(torch.nn.Module):
@@ -427,8 +425,15 @@ def test_converting_an_export_names_the_optimizer_step_counts_it_leaves_out(tmp_
             super().__init__()
             self.user = recsave.HashTable(4, name="user")
 
-    src = M()
-    opt = SparseAdam(src, lr=0.01)
+    model = M()
+    return model, SparseAdam(model, lr=0.01)
+
+
+def test_converting_an_export_names_the_optimizer_step_counts_it_leaves_out(tmp_path):
+    """An export records each table's sparse optimizer step count; a conversion of it into a
+    checkpoint dropped them without a word (a warm start from the result counts from 0). The
+    conversion carries the tables and warns naming the tables whose counts stay behind."""
+    src, opt = _adam_user_model()
     src.user(torch.arange(10)).sum().backward()
     opt.step()
     recsave.Saver(src, sparse_optim=opt, output_dir=str(tmp_path / "run")).save("ckpt_1")
@@ -447,15 +452,7 @@ def test_a_warm_start_from_an_export_with_slots_takes_the_optimizer_step_counts(
     with its slots from the export resumes Adam's bias correction at that count (at 0, the trained
     m and v would be corrected as if new). An export without the counts (an older recsave's) gives
     0, as before, with a warning."""
-    from recsave.optim import SparseAdam
-
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.user = recsave.HashTable(4, name="user")
-
-    src = M()
-    opt = SparseAdam(src, lr=0.01)
+    src, opt = _adam_user_model()
     for _ in range(3):
         src.user(torch.arange(10)).sum().backward()
         opt.step()
@@ -473,8 +470,7 @@ def test_a_warm_start_from_an_export_with_slots_takes_the_optimizer_step_counts(
     if not recorded:
         del manifest["tables"]["user"]["optimizer_steps"]
         (tmp_path / "export" / MANIFEST).write_text(json.dumps(manifest))
-    dst = M()
-    dopt = SparseAdam(dst, lr=0.01)
+    dst, dopt = _adam_user_model()
     # An export without the counts is said to be one (a warning naming the table).
     with contextlib.ExitStack() as stack:
         if recorded:

@@ -330,12 +330,19 @@ def test_from_dcp_state_dict_refuses_another_dtype_and_loads_nothing(column):
     state = {f"t.{k}": v for k, v in recsave.to_dcp_state_dict(src).items()}  # t.table.ids, ...
     if column == "slot.acc":  # the embedding already matches; only a slot differs
         state = {k: v.float() if k.endswith(".embedding") else v for k, v in state.items()}
+    _refused_and_unchanged(HashTable(4, name="user", dtype=torch.float32), state,
+                           rf"from_dcp_state_dict: t\.table\.{column} is float64; table t\.table is float32; "
+                           rf"convert the state's tensors")
+
+
+def _refused_and_unchanged(table, state, match):
+    """from_dcp_state_dict of `state` into a model holding `table` (ids 0, 1) raises UsageError
+    matching `match`, and the table keeps its ids and rows."""
     dst = torch.nn.Module()
-    dst.t = HashTable(4, name="user", dtype=torch.float32)
+    dst.t = table
     dst.t(torch.arange(2))
     before = dst.t.export()
-    with pytest.raises(recsave.UsageError, match=rf"from_dcp_state_dict: t\.table\.{column} is float64; "
-                                                 rf"table t\.table is float32; convert the state's tensors"):
+    with pytest.raises(recsave.UsageError, match=match):
         recsave.from_dcp_state_dict(dst, state)
     after = dst.t.export()
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
@@ -348,15 +355,9 @@ def test_from_dcp_state_dict_refuses_repeated_ids_and_loads_nothing():
     src(torch.tensor([7, 8, 9]))
     state = {f"t.{k}": v for k, v in recsave.to_dcp_state_dict(src).items()}
     state["t.table.ids"] = torch.tensor([7, 8, 7])
-    dst = torch.nn.Module()
-    dst.t = HashTable(2, name="user")
-    dst.t(torch.arange(2))
-    before = dst.t.export()
-    with pytest.raises(recsave.UsageError, match=r"from_dcp_state_dict: t\.table\.ids repeats ids \(3 ids, 2 "
-                                                 r"distinct\); each id must appear once"):
-        recsave.from_dcp_state_dict(dst, state)
-    after = dst.t.export()
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    _refused_and_unchanged(HashTable(2, name="user"), state,
+                           r"from_dcp_state_dict: t\.table\.ids repeats ids \(3 ids, 2 distinct\); each id "
+                           r"must appear once")
 
 
 # ---------------------------------------------------------------------------------------- DCP
