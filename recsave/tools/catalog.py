@@ -51,11 +51,7 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
     gone = set()  # listed ids whose directory or index is gone
     parents: Dict[str, List[str]] = {}  # what each checkpoint needs, from the index read below
-
-    def parents_of(ckpt_id: str) -> List[str]:  # one not listed, or not valid: its index read as JSON
-        if ckpt_id not in parents:
-            parents[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
-        return parents[ckpt_id]
+    parents_of = _parents(storage, output_dir, parents)  # others: their index read as JSON
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         entry: Dict[str, Any] = {"id": ckpt_id, "path": path, "step": None, "created_at": None, "age_s": None,
@@ -264,9 +260,18 @@ def _require_output_dir(listing: ckptlist.Listing, output_dir: str, consequence:
                                       f"directory with a valid index); {consequence}", path=output_dir)
 
 
-def _parents(storage: Storage, output_dir: str) -> Callable[[str], List[str]]:
-    """retention's depends_on: a delta checkpoint needs its parent (format/chain.py)."""
-    return lambda ckpt_id: chain.parent_ids(storage, output_dir, ckpt_id)
+def _parents(storage: Storage, output_dir: str,
+             known: Optional[Dict[str, List[str]]] = None) -> Callable[[str], List[str]]:
+    """retention's depends_on: a delta checkpoint needs its parent (format/chain.py), each
+    checkpoint's index read once; `known` (id -> parent_ids, filled from indexes the caller read)
+    is taken as it is and completed."""
+    parents = {} if known is None else known
+
+    def parents_of(ckpt_id: str) -> List[str]:
+        if ckpt_id not in parents:
+            parents[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
+        return parents[ckpt_id]
+    return parents_of
 
 
 def _require_dir(storage: Storage, path: str) -> None:
@@ -287,24 +292,15 @@ def _recsave_files_at(storage: Storage, path: str) -> bool:
     return bool(name) and ckptlist.looks_like_checkpoint(storage, parent, name)
 
 
-def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
-                   known_parents: Optional[Callable[[str], List[str]]] = None,
+def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of: Callable[[str], List[str]],
                    sound: Iterable[str] = ()) -> Dict[str, str]:
     """The delta checkpoints among `ids` whose chain needs a member that is gone (no index),
     proven damaged (ckptlist.proven_damaged) or saved again since (its index bytes are not those
     the delta recorded, which a restore refuses) -> why. A member merely unreadable here (over the knob
     max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back.
-    `known_parents` (id -> parent_ids) and `sound` (ids whose index the caller just read whole and
-    valid) spare a caller that read the indexes reading them again."""
-    parents: Dict[str, List[str]] = {}
+    `parents_of` (id -> parent_ids, _parents) and `sound` (ids whose index the caller just read
+    whole and valid) spare a caller that read the indexes reading them again."""
     problems: Dict[str, Optional[str]] = dict.fromkeys(sound)
-
-    def parents_of(ckpt_id: str) -> List[str]:  # each index read once for all the chains
-        if known_parents is not None:
-            return known_parents(ckpt_id)
-        if ckpt_id not in parents:
-            parents[ckpt_id] = chain.parent_ids(storage, output_dir, ckpt_id)
-        return parents[ckpt_id]
 
     def problem_of(member: str) -> Optional[str]:
         if member not in problems:
@@ -373,7 +369,8 @@ def repair(output_dir: str) -> Dict[str, Any]:
         problem = listing.problem
         damaged = {i: why for i in ids if (why := ckptlist.proven_damaged(storage, output_dir, i)) is not None}
         # A delta whose chain lost a member cannot be loaded either: it leaves the list too.
-        broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged])
+        broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged],
+                                _parents(storage, output_dir))
         if damaged or broken:
             ids = [i for i in ids if i not in damaged and i not in broken]
             ckptlist.write(storage, output_dir, ids)
