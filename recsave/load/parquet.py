@@ -120,15 +120,21 @@ def _value_column(f: pa.Field, path: str) -> Optional[_Column]:
     return _Column(fixed, dim, native) if native is not None else None
 
 
-def _exported_rows(schema: pa.Schema) -> Optional[int]:
-    """The rows of the whole table a recsave export's file says the export wrote (its
-    `recsave.table` metadata, since format 1's `rows`); None for other files and older exports."""
+def _table_meta(schema: pa.Schema) -> Optional[Dict[str, Any]]:
+    """A recsave file's `recsave.table` metadata (an export's or a delta feed's), else None."""
     raw = (schema.metadata or {}).get(b"recsave.table")
     try:
         meta = json.loads(raw) if raw else None
     except ValueError:
         return None
-    rows = meta.get("rows") if isinstance(meta, dict) and "old" not in meta else None
+    return meta if isinstance(meta, dict) else None
+
+
+def _exported_rows(schema: pa.Schema) -> Optional[int]:
+    """The rows of the whole table a recsave export's file says the export wrote (its
+    `recsave.table` metadata, since format 1's `rows`); None for other files and older exports."""
+    meta = _table_meta(schema)
+    rows = meta.get("rows") if meta is not None and "old" not in meta else None
     return rows if type(rows) is int and rows >= 0 else None
 
 
@@ -137,12 +143,8 @@ def _is_delta_feed(schema: pa.Schema) -> bool:
     checkpoints compared (`old`, `new`), which a table export's never does; or, where a rewrite
     (pandas, Spark) dropped the metadata, it has the feed's string `op` and numeric `step` columns.
     Loaded as a table, a feed would replace the table with its few changed rows."""
-    raw = (schema.metadata or {}).get(b"recsave.table")
-    try:
-        meta = json.loads(raw) if raw else None
-    except ValueError:
-        meta = None
-    if isinstance(meta, dict) and "old" in meta and "new" in meta:
+    meta = _table_meta(schema)
+    if meta is not None and "old" in meta and "new" in meta:
         return True
     names = schema.names
     if "op" not in names or "step" not in names:
