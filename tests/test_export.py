@@ -529,3 +529,37 @@ def test_an_unreadable_extra_pt_costs_the_export_its_step_counts_not_its_tables(
     with pytest.warns(RuntimeWarning, match="step counts are not exported"):
         manifest = to_parquet(ckpt, str(tmp_path / "export"))
     assert manifest["tables"] and all("optimizer_steps" not in t for t in manifest["tables"].values())
+
+
+def test_direct_path_loads_an_export_and_a_torch_file_as_their_own_path_does(tmp_path):
+    """`direct_path=True` says the path is the checkpoint itself: a Parquet export or a torch.save
+    file is one too, and loads as it does without the flag; a recsave checkpoint whose index is
+    missing still says so."""
+    def model(ids):
+        m = torch.nn.Module()
+        m.user = recsave.HashTable(4, name="user")
+        m.train()
+        m.user.lookup(torch.tensor(ids, dtype=torch.int64), insert=True)
+        return m
+
+    def rows(table):
+        ids, r = table.id_rows()
+        order = torch.argsort(ids)
+        return ids[order], table.weight[r[order]]
+
+    source = model([1, 2, 3])
+    ckpt = recsave.Saver(source, output_dir=str(tmp_path / "run")).save("ckpt_1")
+    to_parquet(ckpt, str(tmp_path / "export"))
+    torch.save({"user.weight": torch.arange(8, dtype=torch.float32).reshape(2, 4)}, str(tmp_path / "plain.pt"))
+    for path in (str(tmp_path / "export"), str(tmp_path / "plain.pt")):
+        loaded = {}
+        for direct in (False, True):
+            live = model([7])
+            report = recsave.Saver(live, output_dir=str(tmp_path / "live")).load(path, direct_path=direct)
+            assert report.checkpoints == [path]
+            loaded[direct] = rows(live.user)
+        assert all(torch.equal(a, b) for a, b in zip(loaded[False], loaded[True]))
+    assert torch.equal(loaded[True][0], torch.tensor([0, 1]))
+    os.remove(os.path.join(ckpt, "index"))
+    with pytest.raises(CheckpointNotFoundError, match="index"):
+        recsave.Saver(model([7]), output_dir=str(tmp_path / "live")).load(ckpt, direct_path=True)

@@ -332,7 +332,14 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
     storage = get_storage(path)
     if ckpt_id is not None:
         ckpt_dir = storage.join(path, ckptlist.validate_id(ckpt_id))
-    elif direct_path or storage.exists(storage.join(path, index_mod.INDEX_FILE)):
+    elif storage.exists(storage.join(path, index_mod.INDEX_FILE)):
+        ckpt_dir = path
+    elif direct_path:
+        # The path is the checkpoint itself: an export or a torch / DCP file may be one too; else
+        # it is a recsave checkpoint whose index is missing, which reading it says.
+        other = _other_source(storage, path)
+        if other is not None:
+            return other
         ckpt_dir = path
     elif (listing := ckptlist.committed(storage, path)).found:  # rebuilt when the list is lost or garbled
         ids = listing.ids
@@ -342,14 +349,10 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
         ckpt_dir = storage.join(path, ids[-1])
     else:
         from recsave.load.arrow import DELTA_MANIFEST
-        from recsave.load.parquet import is_parquet_source
-        from recsave.load.torch_sources import open_torch_source
 
-        if is_parquet_source(path):
-            return ParquetBankSource(path)
-        torch_source = open_torch_source(storage, path)
-        if torch_source is not None:
-            return torch_source
+        other = _other_source(storage, path)
+        if other is not None:
+            return other
         if storage.exists(storage.join(path, DELTA_MANIFEST)):
             raise UsageError(f"{path} is an export_delta feed (upserts and deletes since another checkpoint), "
                              f"not a checkpoint or a table; load the checkpoint itself or a to_parquet export "
@@ -362,3 +365,13 @@ def open_source(path: str, ckpt_id: Optional[str] = None, direct_path: bool = Fa
     if index.is_delta:
         return ChainSource(storage, ckpt_dir, index, crc)
     return CheckpointSource(storage, ckpt_dir, index, crc)
+
+
+def _other_source(storage: Storage, path: str) -> Any:
+    """A Parquet export or file, a torch.save file or a DCP directory at `path`; None if neither."""
+    from recsave.load.parquet import is_parquet_source
+    from recsave.load.torch_sources import open_torch_source
+
+    if is_parquet_source(path):
+        return ParquetBankSource(path)
+    return open_torch_source(storage, path)
