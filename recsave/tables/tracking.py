@@ -54,8 +54,16 @@ class ChangeTracker:
         """Room in the mask for rows [0, rows) (the table calls it as it grows, so mark() needs
         no bounds pass)."""
         if self.enabled and rows > self._changed.numel():
-            grown = torch.zeros(max(rows, 2 * self._changed.numel()), dtype=torch.bool, device=self._changed.device)
-            grown[: self._changed.numel()] = self._changed
+            size, old = max(rows, 2 * self._changed.numel()), self._changed
+            if old.device.type == "cpu":
+                # numpy zeroes and copies on this thread: torch.zeros wakes its intra-op threads, which
+                # took 7-8 ms a table on a busy 2-core machine, after a restore's reads (mark_first).
+                mask = np.zeros(size, dtype=np.bool_)
+                mask[: old.numel()] = old.numpy()
+                self._changed = torch.from_numpy(mask)
+                return
+            grown = torch.zeros(size, dtype=torch.bool, device=old.device)
+            grown[: old.numel()] = old
             self._changed = grown
 
     def mark(self, rows: torch.Tensor) -> None:
