@@ -479,3 +479,24 @@ def test_a_managers_bank_load_keeps_its_own_global_step(tmp_path):
     job.manager.load_model_bank([{"path": str(tmp_path / "a"), "load": ["sparse", "global_step"]}])
     assert job.manager.global_step == 10
     job.manager.close()
+
+
+def test_a_checkpoint_without_a_partition_loads_in_one_process(tmp_path):
+    """docs/FORMAT.md allows `"partition": null` (an index that says nothing of buckets, e.g. a
+    hand-built one): one process needs no buckets to load it whole. It was refused with "cannot
+    be loaded by several ranks", by a load of one rank."""
+    from helpers import read_index_json, write_index_json
+
+    source = _two_tables([1, 2, 3], [7, 8])
+    source.user.add_slot("acc", 0.5)
+    ckpt = Saver(source, output_dir=str(tmp_path / "src")).save("ckpt_1")
+    raw = read_index_json(ckpt)
+    raw["partition"] = None
+    write_index_json(ckpt, raw)
+    model = _two_tables([9], [])
+    model.user.add_slot("acc", 0.0)
+    report = Saver(model, output_dir=str(tmp_path / "t")).load_model_bank([{"path": ckpt}])
+    assert sorted(report.loaded) == ["item", "user", "user@acc"]
+    assert table_state(model.user)["@id"].tolist() == [1, 2, 3] and table_state(model.item)["@id"].tolist() == [7, 8]
+    assert torch.equal(table_state(model.user)["@acc"], torch.full((3, 4), 0.5))
+    assert model.user.partition is None

@@ -26,6 +26,7 @@ from recsave.load.transaction import LoadTransaction, io_state_change, state_dic
 from recsave.storage import dist
 from recsave.tables.devcopy import HostToDevice
 from recsave.tables.hashtable import HashTable
+from recsave.tables.partition import DEFAULT_NUM_BUCKETS
 from recsave.tables.rows import META_COLUMNS
 from recsave.tables.staging import DeferredIds
 from recsave.tables.tablelike import refuse_meta_tensors
@@ -281,8 +282,11 @@ def _stage_tables(target: LoadTarget, tx: LoadTransaction, src: Any, plan: Plan,
             continue
         keep_rows = not (has_embedding and plan.conf.hashtable_clear)
         # A load of a table's rows in one process makes a shard whole; slots alone leave it as it is.
+        # One process needs no buckets (a world of 1 drops the partition): a checkpoint whose index
+        # has none (docs/FORMAT.md allows null) loads there.
+        buckets = src.num_buckets if world > 1 else DEFAULT_NUM_BUCKETS
         table = tx.table(table_name, keep_rows=keep_rows,
-                         partition=(rank, world, src.num_buckets) if world > 1 or has_embedding else None)
+                         partition=(rank, world, buckets) if world > 1 or has_embedding else None)
         # row metadata, for tables that keep it (a TableLike need not)
         keeps_meta = has_embedding and callable(getattr(table, "meta_columns", None))
         meta = src.meta_columns(src_table) if keeps_meta else []
