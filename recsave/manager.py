@@ -2,6 +2,7 @@
 restore by global step, warm start from a model bank."""
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 import signal
@@ -13,6 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from recsave.argcheck import check
 from recsave.errors import ArgumentTypeError, CheckpointExistsError, CheckpointNotFoundError, Preempted, UsageError
 from recsave.format import retention
+from recsave.load.config import CATEGORIES
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
 from recsave.save import policy
@@ -51,7 +53,10 @@ def _keeping_own_step(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]
     for entry in entries:
         if isinstance(entry, dict):
             load, exclude = _items(entry.get("load", ["*"])), _items(entry.get("exclude", []))
-            named = isinstance(load, (list, tuple)) and GLOBAL_STEP in load
+            # A pattern that selects it names it too (["global_*"]); a category ("*", "extra") does not.
+            named = isinstance(load, (list, tuple)) and any(
+                isinstance(item, str) and item not in CATEGORIES and fnmatch.fnmatchcase(GLOBAL_STEP, item)
+                for item in load)
             if not named and isinstance(exclude, (list, tuple)):
                 entry = {**entry, "exclude": [*exclude, GLOBAL_STEP]}
         out.append(entry)

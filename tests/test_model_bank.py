@@ -500,3 +500,21 @@ def test_a_checkpoint_without_a_partition_loads_in_one_process(tmp_path):
     assert table_state(model.user)["@id"].tolist() == [1, 2, 3] and table_state(model.item)["@id"].tolist() == [7, 8]
     assert torch.equal(table_state(model.user)["@acc"], torch.full((3, 4), 0.5))
     assert model.user.partition is None
+
+
+def test_a_managers_bank_load_takes_its_global_step_where_a_load_pattern_names_it(tmp_path):
+    """A `load` pattern that selects global_step names it as the exact word does: it was excluded
+    anyway, so `["user", "global_st?p"]` left the step behind without a word, and `["global_*"]`
+    was refused for an exclude the entry never wrote. Categories (`*`, `extra`) still keep it."""
+    source = CheckpointManager(Saver(_two_tables([1, 2]), output_dir=str(tmp_path / "a")), 0)
+    source.global_step = 77
+    source.save()
+    manager = CheckpointManager(Saver(_two_tables([]), output_dir=str(tmp_path / "b")), 0)
+    report = manager.load_model_bank([{"path": str(tmp_path / "a"), "load": ["user", "global_st?p"]}])
+    assert manager.global_step == 77 and sorted(report.loaded) == ["global_step", "user"]
+    manager.global_step = 0
+    report = manager.load_model_bank([{"path": str(tmp_path / "a"), "load": "global_*"}])
+    assert manager.global_step == 77 and sorted(report.loaded) == ["global_step"]
+    manager.global_step = 0
+    manager.load_model_bank([{"path": str(tmp_path / "a"), "load": ["*"]}])
+    assert manager.global_step == 0
