@@ -12,7 +12,15 @@ import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from recsave.argcheck import check
-from recsave.errors import ArgumentTypeError, CheckpointExistsError, CheckpointNotFoundError, Preempted, UsageError
+from recsave.errors import (
+    ArgumentTypeError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    Preempted,
+    RecsaveError,
+    UsageError,
+)
+from recsave.format import index as index_mod
 from recsave.format import retention
 from recsave.load.config import CATEGORIES
 from recsave.load.plan import LoadPlan
@@ -134,6 +142,7 @@ class CheckpointManager:
         # restoring an earlier step and training back up to it, that id holds the abandoned branch.)
         self._saved: Optional[str] = None
         self._loads_at_save = 0  # saver.loads_started when _saved was set: a Saver load since forgets it
+        self._saved_metrics: Optional[Dict[str, float]] = None  # the metrics _saved records
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
         self._warned_unsaved_metrics = False
         self.last_report: Optional[LoadReport] = None
@@ -262,7 +271,7 @@ class CheckpointManager:
         change of global_step since, returns it without saving again; any other committed checkpoint of this
         step (e.g. after restoring an earlier step and training back up to it, the latest listed
         one too) raises CheckpointExistsError. `metrics` (name -> float) are stored in its index
-        (keep_best).
+        (keep_best); one returned without saving cannot record them (a RuntimeWarning says so).
 
         In an async mode, `wait` (default) waits until it is committed — the save at the end of
         training; with wait=False it returns once the snapshot is taken."""
@@ -297,9 +306,18 @@ class CheckpointManager:
         (this step's checkpoint exists) raises `refused` after the steps every rank takes."""
         saver = self.saver
 
-        def unsaved(path: str) -> str:
+        def unsaved(path: str, recorded: Optional[Mapping[str, float]]) -> str:
             if refused is not None:
                 raise refused
+            if values and dict(values) != dict(recorded or {}):
+                # An index never changes: silently dropped, they would leave this checkpoint
+                # unranked by keep_best (e.g. save(metrics=...) after an evaluation that followed
+                # the step's autosave), and rotation would prune the best one.
+                warnings.warn(f"CheckpointManager.save: {path} holds this state already and is not written "
+                              f"again, so metrics {sorted(values)} are not recorded in it (it records "
+                              f"{dict(recorded) if recorded else 'none'}); keep_best ranks it by what it "
+                              f"records. Pass metrics to the step() that saves instead.",
+                              RuntimeWarning, stacklevel=4)
             return path
         ckpt_id = f"ckpt_{self._global_step}"
         ckpt_dir = saver.storage.join(saver.output_dir, ckpt_id)
@@ -307,16 +325,17 @@ class CheckpointManager:
         if saver.pending_checkpoint == ckpt_id and saved_here:  # written in the background already
             if wait:
                 self.wait()
-            return unsaved(ckpt_dir)
+            return unsaved(ckpt_dir, self._saved_metrics)
         if saver.pending_checkpoint is not None:  # async_save would wait for it too; the policy needs its chain
             self.wait()
         if self._holds_restored_state(ckpt_id):
             # Restored from it and neither stepped, saved nor loaded since: it holds this state.
             # Listed last, a restart resumes from it, not from a branch the restore left. (Before
             # the `latest` check: every rank takes this path together, make_latest is collective.)
-            return unsaved(saver.make_latest(ckpt_id))
+            path = saver.make_latest(ckpt_id)
+            return unsaved(path, self._restored_metrics() if values else None)
         if saved_here and committed:
-            return unsaved(ckpt_dir)
+            return unsaved(ckpt_dir, self._saved_metrics)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
             if dist.group()[1] <= 1:  # a refused save must not have evicted rows first (one process:
                 saver.refuse_committed(ckpt_id)  # several ranks learn of a refusal together, later)
@@ -329,6 +348,7 @@ class CheckpointManager:
         logging.getLogger("recsave").debug("recsave: %s is %s (%s)", ckpt_id,
                                            "a delta" if incremental else "full", why)
         self._saved = ckpt_id  # before: a save that fails after its commit point is committed still
+        self._saved_metrics = values
         self._loads_at_save = saver.loads_started
         if self.async_mode == "disabled":
             try:
@@ -382,6 +402,15 @@ class CheckpointManager:
         path, step, report = self._restored
         return step == self._global_step and path.rstrip("/").rsplit("/", 1)[-1] == ckpt_id \
             and self.saver.last_load is report
+
+    def _restored_metrics(self) -> Optional[Mapping[str, float]]:
+        """The metrics the index of the restored checkpoint records (None: none, or unreadable)."""
+        if self._restored is None:
+            return None
+        try:
+            return index_mod.read(self._restored[0], self.saver.storage).metrics
+        except (RecsaveError, OSError):
+            return None
 
     def wait(self) -> Optional[str]:
         """Waits for the background write of an async save; returns its path (None if none was

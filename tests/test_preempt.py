@@ -412,7 +412,8 @@ def test_last_save_and_one_log_line_per_commit(tmp_path, caplog):
     assert (info.ckpt_id, info.path, info.step, info.kind, info.bytes, info.metrics) == (
         "ckpt_4", os.path.join(out, "ckpt_4"), 4, "full", size, None)
     assert info.seconds > 0 and info.stall_seconds == info.seconds
-    mgr.save(metrics={"auc": 0.5})  # ckpt_4 is the latest already: no new save
+    with pytest.warns(RuntimeWarning, match="not recorded"):
+        mgr.save(metrics={"auc": 0.5})  # ckpt_4 is the latest already: no new save
     assert mgr.last_save is info
     mgr.close()
 

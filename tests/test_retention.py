@@ -373,3 +373,39 @@ def test_no_warning_for_metrics_when_time_based_saves_decide_in_step(tmp_path):
         warnings.simplefilter("error")
         assert mgr.step(metrics={"auc": 0.9}) is None
     mgr.close()
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_metrics_a_save_cannot_record_are_not_dropped_silently(tmp_path, mode):
+    """save(metrics=...) after the step's autosave (an evaluation after a saving step) returns that
+    checkpoint, whose index cannot change: keep_best never ranks it by them, and rotation prunes it
+    even when it is the best. The manager says so; metrics it does record, or none, are quiet."""
+    import warnings
+
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=1, save_interval=2, async_mode=mode,
+                   manager_kw=dict(keep_best=1, best_metric="auc"))
+    mgr = job.manager
+    job.train(2)
+    with pytest.warns(RuntimeWarning, match=r"ckpt_2 holds this state already and is not written again, so "
+                                            r"metrics \['auc'\] are not recorded in it \(it records none\)"):
+        assert mgr.save(metrics={"auc": 0.9}) == os.path.join(out, "ckpt_2")
+    assert read_index(os.path.join(out, "ckpt_2")).metrics is None
+    job.train(1)
+    path = mgr.step(metrics={"auc": 0.7})
+    mgr.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mgr.save(metrics={"auc": 0.7}) == path  # what it records
+        assert mgr.save() == path
+    with pytest.warns(RuntimeWarning, match=r"it records \{'auc': 0.7\}"):
+        mgr.save(metrics={"auc": 0.8})
+    mgr.close()
+    again = make_job(out, max_keep=1, save_interval=2, manager_kw=dict(keep_best=1, best_metric="auc"))
+    assert again.manager.restore() == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.manager.save(metrics={"auc": 0.7})
+    with pytest.warns(RuntimeWarning, match=r"ckpt_4 holds this state already"):
+        again.manager.save(metrics={"auc": 0.1})
+    again.manager.close()
