@@ -148,7 +148,13 @@ class CheckpointManager:
         self.last_report: Optional[LoadReport] = None
         # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
         # step from the checkpoint id).
-        saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self), optional=True)
+        try:
+            saver.register_for_checkpointing(GLOBAL_STEP, _StepState(self), optional=True)
+        except UsageError as exc:  # "pick another name" would be advice the caller cannot follow
+            raise UsageError(f"{where}: this Saver cannot take the manager's step as extra {GLOBAL_STEP!r} "
+                             f"({exc}). A Saver serves one CheckpointManager: if another manager was made on "
+                             f"it, make a new Saver for this one; else rename what of the model or of your "
+                             f"registrations is called {GLOBAL_STEP!r}", key=GLOBAL_STEP) from exc
         saver.set_retention(keep_every_n_steps=keep_every_n_steps, keep_best=keep_best,
                             best_metric=best_metric, best_mode=best_mode)
         self._last_save_at = clock()

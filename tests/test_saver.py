@@ -335,6 +335,24 @@ def test_register_duplicate_names_raise_value_error(tmp_path):
         CheckpointManager(saver, 0)  # a second manager would register "global_step" again
 
 
+def test_a_second_manager_on_one_saver_is_refused_saying_why(tmp_path):
+    """The Saver's own refusal ("pick another name") is advice nobody can follow: the name is the
+    manager's. The refusal says a Saver serves one manager, and changes nothing (retention,
+    signal handlers) of the first."""
+    import signal
+
+    job = make_job(str(tmp_path / "run"), save_interval=2, manager_kw=dict(keep_best=1, best_metric="auc"))
+    job.manager.close()
+    retention, handler = job.saver.retention, signal.getsignal(signal.SIGTERM)
+    with pytest.raises(UsageError, match=r"CheckpointManager: this Saver cannot take the manager's step as extra "
+                                         r"'global_step' \('global_step' is registered already; pick another "
+                                         r"name\)\. A Saver serves one CheckpointManager: if another manager "
+                                         r"was made on it, make a new Saver for this one") as caught:
+        CheckpointManager(job.saver, 1, keep_every_n_steps=5)
+    assert caught.value.key == "global_step"
+    assert job.saver.retention == retention and signal.getsignal(signal.SIGTERM) == handler
+
+
 def test_get_extra_data(tmp_path):
     out = tmp_path / "run"
     job = _trained_job(out, steps=3)
