@@ -19,6 +19,7 @@ from helpers import assert_jobs_equal, make_job
 
 import recsave
 from recsave import ArgumentTypeError, CheckpointManager, Preempted, UsageError
+from recsave.errors import CorruptCheckpointError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "preempt_job.py")
@@ -192,6 +193,33 @@ def test_a_save_of_another_id_after_a_fallback_unlists_the_damaged_one(tmp_path,
     fourth = make_job(out, save_interval=2, max_keep=2)
     assert fourth.manager.restore() == 8
     fourth.manager.close()
+
+
+def test_a_restore_that_finds_every_checkpoint_damaged_lets_a_fresh_start_save_over_them(tmp_path, restore_signals):
+    """When every listed checkpoint is damaged the restore raises (naming them all), and each is
+    marked damaged, the oldest too: a job that starts afresh then saves over them. The oldest was
+    left out, so the fresh job's first autosave (ckpt_2) was refused as committed."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, max_keep=2)
+    job.train(4)
+    job.manager.close()
+    for ckpt in ("ckpt_2", "ckpt_4"):
+        for name in os.listdir(os.path.join(out, ckpt)):
+            if name.startswith("sparse-"):
+                with open(os.path.join(out, ckpt, name), "r+b") as f:
+                    f.truncate(10)
+    again = make_job(out, save_interval=2, max_keep=2)
+    with pytest.warns(RuntimeWarning) as caught, pytest.raises(CorruptCheckpointError, match="ckpt_2"):
+        again.manager.restore()
+    assert [str(w.message).split(" (")[0] for w in caught][-1] == f"every committed checkpoint of {out} was tried " \
+        "and none can be loaded"
+    assert again.saver.damaged_checkpoints == {"ckpt_2", "ckpt_4"}
+    again.train(4)  # a fresh start: steps 2 and 4 save anew over the damaged ones
+    assert _list(out) == ["ckpt_2", "ckpt_4"]
+    again.manager.close()
+    third = make_job(out, save_interval=2, max_keep=2)
+    assert third.manager.restore() == 4
+    third.manager.close()
 
 
 def test_a_checkpoint_loaded_whole_after_a_fallback_is_not_unlisted_as_damaged(tmp_path, restore_signals):

@@ -68,10 +68,13 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
                     f"{version}); upgrade recsave, or restore an explicit older step with "
                     f"restore(global_step=...) (Saver.load(ckpt_id=...))", path=st.join(path, ckpt_id)) from exc
             # Anything else is damage, a version no recsave writes included (e.g. a flipped byte).
-            if n == len(ids) - 1:
-                raise
-            if damaged is not None:
+            if damaged is not None:  # the next save of this id replaces it (a job that starts afresh)
                 damaged.add(ckpt_id)
+            if n == len(ids) - 1:
+                warnings.warn(f"every committed checkpoint of {path} was tried and none can be loaded "
+                              f"({', '.join(reversed(ids))}); the error of the oldest follows",
+                              RuntimeWarning, stacklevel=3)
+                raise
             warnings.warn(f"{st.join(path, ckpt_id)} cannot be loaded ({type(exc).__name__}: {exc}); "
                           f"falling back to the previous committed checkpoint "
                           f"{st.join(path, ids[-n - 2])}", RuntimeWarning, stacklevel=3)
