@@ -481,6 +481,9 @@ class CheckpointManager:
                                 f"checkpoint holds no global_step")
         self.last_report = report
         self._restored = (report.checkpoints[-1], self._global_step, report) if report.checkpoints else None
+        # The state restored is saved already: the time interval runs from here, else a restore
+        # slower than it would make the first step save that state again.
+        self._last_save_at = self.clock()
         self._saved = None
         if self.async_mode != "disabled":  # the first async save after a restart finds its buffers filled
             saver.prepare_async(pinned=self.async_mode == "async_pinned")

@@ -419,6 +419,38 @@ def test_the_time_interval_runs_from_the_end_of_a_slow_save(tmp_path):
     mgr.close()
 
 
+def test_the_time_interval_runs_from_the_end_of_a_restore(tmp_path):
+    """A restore slower than the interval: the state it loaded is saved already, so the first
+    steps after it do not save it again (a redundant checkpoint, taking a max_keep place)."""
+    now = [0.0]
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2)
+    job.train(2)
+    job.manager.close()
+    again = make_job(out, save_interval=None)
+    mgr = CheckpointManager(again.saver, 0, save_interval_seconds=100, clock=lambda: now[0],
+                            save_on_preemption=False)
+    real = again.saver.load
+
+    def slow(*args, **kwargs):
+        report = real(*args, **kwargs)
+        now[0] += 150.0
+        return report
+    again.saver.load = slow
+    assert mgr.restore() == 2
+    saved = []
+    for step in (3, 4):
+        again.train(1)
+        now[0] += 1.0
+        if mgr.step() is not None:
+            saved.append(step)
+    assert saved == [] and [os.path.basename(p) for p in again.saver.checkpoints()] == ["ckpt_2"]
+    now[0] += 100.0
+    again.train(1)
+    assert mgr.step() is not None
+    mgr.close()
+
+
 def test_last_save_and_one_log_line_per_commit(tmp_path, caplog):
     out = str(tmp_path / "run")
     job = make_job(out, save_interval=None)
