@@ -26,6 +26,7 @@ from recsave.load.config import CATEGORIES
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
 from recsave.save import policy
+from recsave.save.pipeline import step_of_id
 from recsave.save.preemption import PreemptionFlag
 from recsave.save.saveinfo import SaveInfo
 from recsave.save.saver import Saver
@@ -347,7 +348,11 @@ class CheckpointManager:
                 saver.refuse_committed(ckpt_id)  # several ranks learn of a refusal together, later)
             policy.evict_rows(saver.model, self.evict)
         incremental, why = False, "full_every is None"
-        if self.full_every is not None:
+        every = saver.retention.keep_every_n_steps
+        if self.full_every is not None and every and \
+                policy.opens_kept_window(self._global_step, every, self._listed_steps()):
+            incremental, why = False, f"the first save of its keep_every_n_steps={every} window, kept for good"
+        elif self.full_every is not None:
             incremental, why = policy.wants_delta(self.full_every, self.rebase_ratio,
                                                   policy.chain_bytes(saver.storage, saver.delta_parent),
                                                   policy.estimate_delta_bytes(saver.model))
@@ -488,6 +493,13 @@ class CheckpointManager:
         if self.async_mode != "disabled":  # the first async save after a restart finds its buffers filled
             saver.prepare_async(pinned=self.async_mode == "async_pinned")
         return self._global_step
+
+    def _listed_steps(self) -> List[Optional[int]]:
+        """The steps of the checkpoints listed in the output dir and of a pending async write (by
+        their ids, ckpt_<step>; None for other ids)."""
+        ids = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.saver.checkpoints()]
+        pending = self.saver.pending_checkpoint
+        return [step_of_id(i) for i in ids + ([pending] if pending else [])]
 
     def plan_model_bank(self, entries: Sequence[Dict[str, Any]]) -> LoadPlan:
         """Dry run of load_model_bank: per name, the source checkpoint and name, rows and bytes to

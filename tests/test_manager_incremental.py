@@ -153,3 +153,27 @@ def test_a_refused_save_evicts_nothing(tmp_path):
         job.manager.save()
     assert {n: sorted(t.ids().tolist()) for n, t in tables_of(job.model).items()} == before
     job.manager.close()
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_the_save_keep_every_n_steps_keeps_for_good_is_full(tmp_path, async_mode):
+    """keep_every_n_steps keeps the first checkpoint of each window; as a delta it kept its whole
+    chain too, so with full_every=10 nearly every checkpoint stayed (28 of 30). Those saves are
+    full now: the windows' first saves, the latest and its chain are kept, each restorable."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=1, max_keep=1, async_mode=async_mode,
+                   manager_kw={"full_every": 10, "rebase_ratio": 100.0, "keep_every_n_steps": 4})
+    job.train(30)
+    job.manager.wait()
+    ids = _ids(out)
+    kept = [f"ckpt_{s}" for s in (1, 4, 8, 12, 16, 20, 24, 28, 29, 30)]
+    assert ids == kept
+    assert sorted(d for d in os.listdir(out) if d.startswith("ckpt_")) == sorted(kept)
+    assert _kinds(out, ids) == ["full"] * 8 + ["delta", "delta"]
+    live = job_state(job)
+    job.manager.close()
+    again = make_job(out, save_interval=1, max_keep=1)
+    assert again.manager.restore() == 30
+    assert_jobs_equal(job_state(again), live)
+    assert again.manager.restore(global_step=12) == 12
+    again.manager.close()

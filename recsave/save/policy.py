@@ -3,7 +3,7 @@ whether an autosave is a delta or a full checkpoint (`full_every`, `rebase_ratio
 of stale rows right before each save (`evict`)."""
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,17 @@ def wants_delta(full_every: Optional[int], rebase_ratio: float, chain: List[int]
         return False, (f"the chain's deltas would reach {projected} bytes, over rebase_ratio "
                        f"{rebase_ratio:g} x the base's {chain[0]}")
     return True, "delta"
+
+
+def opens_kept_window(step: int, keep_every_n_steps: Optional[int], steps: Iterable[Optional[int]]) -> bool:
+    """Whether a save at `step` is the one keep_every_n_steps keeps for good in its window (no
+    checkpoint, of the listed ones' `steps`, has a lower step in it: format/retention.py). Such a
+    save is full: as a delta it would keep its whole chain alive with it, and with a large
+    full_every nearly every checkpoint would stay."""
+    if not keep_every_n_steps:
+        return False
+    window = step // keep_every_n_steps
+    return not any(s is not None and s // keep_every_n_steps == window and s < step for s in steps)
 
 
 def estimate_delta_bytes(model: torch.nn.Module) -> Optional[int]:
