@@ -23,6 +23,7 @@ from recsave.errors import (
 from recsave.format import index as index_mod
 from recsave.format import retention
 from recsave.load.config import CATEGORIES
+from recsave.load.execute import names_executed
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
 from recsave.save import policy
@@ -30,7 +31,7 @@ from recsave.save.pipeline import step_of_id
 from recsave.save.preemption import PreemptionFlag
 from recsave.save.saveinfo import SaveInfo
 from recsave.save.saver import Saver
-from recsave.storage import dist
+from recsave.storage import dist, get_storage
 
 GLOBAL_STEP = "global_step"
 ASYNC_MODES = ("disabled", "async", "async_pinned")
@@ -144,7 +145,8 @@ class CheckpointManager:
         self._saved: Optional[str] = None
         self._loads_at_save = 0  # saver.loads_started when _saved was set: a Saver load since forgets it
         self._saved_metrics: Optional[Dict[str, float]] = None  # the metrics _saved records
-        self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str]]] = None
+        # (entries, each entry's source version, each entry's checkpoint) of the last load_model_bank
+        self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str], List[str]]] = None
         self._warned_unsaved_metrics = False
         self.last_report: Optional[LoadReport] = None
         # Optional: checkpoints of a plain Saver lack it, and still load (restore() then takes the
@@ -515,7 +517,7 @@ class CheckpointManager:
         plan = self.saver.plan_model_bank(entries, collective=True)
         report = self.saver.execute_plan(plan)
         self._saved = None  # the model changed: an id saved before holds other rows now
-        self._bank = (list(entries), plan.source_versions())
+        self._bank = (list(entries), plan.source_versions(), list(plan.checkpoints))
         return report
 
     def update_model_bank(self) -> Optional[LoadReport]:
@@ -524,20 +526,45 @@ class CheckpointManager:
         newer. For jobs that follow another job's embeddings."""
         if self._bank is None:
             return None
-        entries, loaded = self._bank
-        plan = self.saver.plan_model_bank(entries, collective=True)  # every rank calls it: it may load
+        entries, loaded, checkpoints = self._bank
+        # Every rank calls it: it may load. Entries that are not dynamic are planned from the
+        # checkpoint they loaded (a reload may take the slots of its tables from one of them).
+        plan = self.saver.plan_model_bank(_pinned(entries, checkpoints), collective=True)
         current = plan.source_versions()
-        changed = {i for i, entry in enumerate(entries)
-                   if isinstance(entry, dict) and entry.get("is_dynamic") and current.get(i) != loaded.get(i)}
+        changed = {i for i, entry in enumerate(entries) if _dynamic(entry) and current.get(i) != loaded.get(i)}
         names = {n for n, item in plan.items.items() if item.entry in changed}
         if not names:
             return None
+        for name in sorted(names_executed(plan, names)):
+            i = plan.items[name].entry
+            if i not in changed and plan.checkpoints[i] != checkpoints[i]:
+                raise CheckpointNotFoundError(
+                    f"update_model_bank: model bank entry {i} (not is_dynamic) loaded {checkpoints[i]}, which "
+                    f"is gone; reloading entry(ies) {sorted(changed)} needs {name!r} from it. Call "
+                    f"load_model_bank again, or make entry {i} is_dynamic", path=checkpoints[i], key=name)
         report = self.saver.execute_plan(plan, only=names)
         self._saved = None
         for i in changed:
             loaded[i] = current[i]
         return report
 
+
+
+def _dynamic(entry: Any) -> bool:
+    return isinstance(entry, dict) and bool(entry.get("is_dynamic"))
+
+
+def _pinned(entries: Sequence[Any], checkpoints: Sequence[str]) -> List[Any]:
+    """The entries, each one that is not dynamic pointing at the checkpoint it loaded (where that is
+    still there): an output dir's newer checkpoint must not slip into an update."""
+    out = []
+    for entry, ckpt in zip(entries, checkpoints):
+        if not _dynamic(entry) and isinstance(entry, dict) and ckpt and ckpt != entry.get("path"):
+            storage = get_storage(ckpt)
+            if storage.exists(storage.join(ckpt, index_mod.INDEX_FILE)):
+                entry = {**entry, "path": ckpt}
+        out.append(entry)
+    return out
 
 
 def _incremental_settings(full_every: Any, rebase_ratio: Any, evict: Any) -> Tuple[Optional[int], float,

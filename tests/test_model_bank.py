@@ -1,10 +1,12 @@
 """Model bank: dry-run plans equal what the load does, dynamic entries, dim / dtype policies."""
+import os
+
 import pytest
 import torch
 from helpers import make_job, model_state, table_state
 
 from recsave import CheckpointManager, HashTable, Saver
-from recsave.errors import ConfigError, ShapeMismatchError
+from recsave.errors import CheckpointNotFoundError, ConfigError, ShapeMismatchError
 from recsave.tables.optim import SparseAdagrad, SparseAdam
 
 
@@ -80,6 +82,50 @@ def test_dynamic_entry_reloads_only_when_its_source_has_a_newer_version(tmp_path
         assert torch.equal(table_state(follower.model.user)[k], v)
     assert len(follower.model.item) == 0
     assert mgr.update_model_bank() is None  # and not twice
+
+
+def test_an_update_takes_a_static_entrys_part_from_the_checkpoint_it_loaded(tmp_path):
+    """A dynamic entry's table reloaded cleared takes its slots again from the entry that won them:
+    a static entry's from the checkpoint it loaded, not its output dir's newer one (whose slots,
+    and step count, belong to another version). Gone since, the update says so."""
+    a = make_job(str(tmp_path / "a"), max_keep=None, seed=1)
+    a.train(2)
+    a.saver.save("ckpt_2")
+    b = make_job(str(tmp_path / "b"), max_keep=1, seed=2)
+    b.train(3)
+    b.saver.save("ckpt_3")
+    follower = make_job(str(tmp_path / "f"), save_interval=10)
+    mgr = follower.manager
+    mgr.load_model_bank([{"path": str(tmp_path / "a"), "load": ["user"], "is_dynamic": True},
+                         {"path": str(tmp_path / "b"), "load": ["user@*"]}])
+    b.train(3)
+    b.saver.save("ckpt_6")  # max_keep=1: b's ckpt_3 is pruned ...
+    a.train(1)
+    a.saver.save("ckpt_3")
+    with pytest.raises(CheckpointNotFoundError, match="entry 1 .*ckpt_3, which is gone"):
+        mgr.update_model_bank()  # ... and the reload of user needs its slots
+    b.saver.max_keep = None
+    b.train(1)
+    b.saver.save("ckpt_7")
+    mgr.load_model_bank([{"path": str(tmp_path / "a"), "load": ["user"], "is_dynamic": True},
+                         {"path": str(tmp_path / "b"), "load": ["user@*"]}])  # b's ckpt_7
+    at_7 = table_state(b.model.user)
+    b.train(2)
+    b.saver.save("ckpt_9")
+    a.train(1)
+    a.saver.save("ckpt_4")
+    report = mgr.update_model_bank()
+    assert report is not None and set(report.loaded) == {"user", "user@adagrad_acc"}
+    assert report.loaded["user"].checkpoint.endswith(os.path.join("a", "ckpt_4"))
+    assert report.loaded["user@adagrad_acc"].checkpoint.endswith(os.path.join("b", "ckpt_7"))
+    got, b_now = table_state(follower.model.user), table_state(b.model.user)
+    assert torch.equal(got["@id"], table_state(a.model.user)["@id"])
+    # where both tables hold an id, its slot is b's at ckpt_7 (not at ckpt_9, which differs there)
+    common = torch.isin(got["@id"], at_7["@id"])
+    assert common.any() and torch.equal(got["@id"][common], at_7["@id"][torch.isin(at_7["@id"], got["@id"])])
+    assert torch.equal(got["@adagrad_acc"][common], at_7["@adagrad_acc"][torch.isin(at_7["@id"], got["@id"])])
+    later = b_now["@adagrad_acc"][torch.isin(b_now["@id"], got["@id"][common])]
+    assert not torch.equal(later, got["@adagrad_acc"][common])
 
 
 class Small(torch.nn.Module):

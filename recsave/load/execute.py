@@ -39,7 +39,7 @@ def execute(target: LoadTarget, plan: LoadPlan, only: Optional[Set[str]] = None)
         raise ConfigError("this LoadPlan was not made by plan_model_bank / plan_entries")
     tables, dense = contents.model_state(target.model)
     if only is not None:
-        only = _with_slots_of_reloaded_tables(only, ex.won, [p.conf.hashtable_clear for p in ex.plans])
+        only = names_executed(plan, only)
     won = [{n: v for n, v in w.items() if only is None or n in only} for w in ex.won]
     report = LoadReport(checkpoints=[c for c in plan.checkpoints if c], skipped=list(plan.skipped),
                         missing=list(plan.missing), unexpected=list(plan.unexpected), notes=list(plan.notes))
@@ -242,6 +242,15 @@ def _steps_change(optimizer: Any, counts: Dict[str, int]) -> Callable[[], Any]:
         optimizer.steps = dict(counts)
         return lambda: setattr(optimizer, "steps", before)
     return apply
+
+
+def names_executed(plan: LoadPlan, only: Set[str]) -> Set[str]:
+    """What execute(plan, only) loads: `only`, plus the slots of the tables in it that their entry
+    clears (below)."""
+    ex = plan.resolved
+    if ex is None:
+        raise ConfigError("this LoadPlan was not made by plan_model_bank / plan_entries")
+    return _with_slots_of_reloaded_tables(only, ex.won, [p.conf.hashtable_clear for p in ex.plans])
 
 
 def _with_slots_of_reloaded_tables(only: Set[str], won: Sequence[Won], clears: Sequence[bool]) -> Set[str]:
