@@ -258,9 +258,16 @@ def test_a_dim_that_does_not_fit_is_refused_only_where_that_entry_wins_the_name(
     report = saver.load_model_bank([{"path": str(tmp_path / "wide")},
                                     {"path": str(tmp_path / "fits"), "load": ["emb"]}])
     assert report.loaded["emb"].checkpoint.startswith(str(tmp_path / "fits"))
-    with pytest.raises(ShapeMismatchError, match="has dim 8 but the model's 'emb' has dim 4"):
+    with pytest.raises(ShapeMismatchError, match="table 'emb' has dim 8 but the model's 'emb' has dim 4"):
         saver.load_model_bank([{"path": str(tmp_path / "fits"), "load": ["emb"]},
                                {"path": str(tmp_path / "wide"), "load": ["emb"]}])
+    # a slot loaded alone is named as the slot it is
+    model = Small(4)
+    SparseAdagrad(model, lr=0.1, initial_accumulator_value=0.25)
+    with pytest.raises(ShapeMismatchError, match="slot 'emb@adagrad_acc' has dim 8 but the model's "
+                                                 "'emb@adagrad_acc' has dim 4"):
+        Saver(model, output_dir=str(tmp_path / "t2")).load_model_bank([{"path": str(tmp_path / "wide"),
+                                                                         "load": ["emb@*"]}])
 
 
 def test_an_optional_name_a_later_entry_loads_gets_no_kept_note(tmp_path):

@@ -350,8 +350,8 @@ def _check_compatible(name: str, src: str, category: str, model: Contents, ckpt:
         mt, ct = model.tables[table], ckpt.tables[src_table]
         # each slot against its own dtype: a source may hold slots of another dtype than its embedding
         mdtype, cdtype = mt.dtype_of(slot or "embedding"), ct.dtype_of(src_slot or "embedding")
+        what = f"slot {src!r}" if src_slot else f"table {src!r}"
         if mdtype != cdtype and conf.dtype_policy != "cast":
-            what = f"slot {src!r}" if src_slot else f"table {src!r}"
             raise ShapeMismatchError(
                 f"{ckpt_dir}: {what} is {cdtype} but the model's {name!r} is {mdtype}; set "
                 f"dtype_policy='cast' to convert, or exclude it", path=ckpt_dir, key=name)
@@ -360,7 +360,7 @@ def _check_compatible(name: str, src: str, category: str, model: Contents, ckpt:
             if not fits:
                 hint = "truncate" if ct.dim > mt.dim else "pad"
                 raise ShapeMismatchError(
-                    f"{ckpt_dir}: table {src!r} has dim {ct.dim} but the model's {name!r} has dim "
+                    f"{ckpt_dir}: {what} has dim {ct.dim} but the model's {name!r} has dim "
                     f"{mt.dim}; set dim_policy={hint!r} to load it anyway, or exclude it",
                     path=ckpt_dir, key=name)
     elif category == "dense":
