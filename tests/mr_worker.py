@@ -17,6 +17,8 @@ tables are partitioned, or with UNPARTITIONED=1 only their ids tell), ``save_rep
 (every rank holds every id, rank 0 alone saves with shard_num=1; then every rank loads it alone
 with shard_num=1, rank 1 before rank 0, and with the group), ``async_then_bad_metric``
 (rank 1 refuses its second async_save while rank 0's first write still runs),
+``bank_during_async_write`` (a collective plan_model_bank, then load_model_bank, while every rank's
+async write of ckpt_2 runs, rank 0's held up before its first exchange),
 ``manager_bad_metric`` (rank 1 passes a NaN metric to CheckpointManager.step on a saving step),
 ``manager_async_snapshot_fails`` (an async manager whose autosave's snapshot fails on rank 1, then
 save() twice), ``manager_save_after_saver_load`` (an autosave, a load through the Saver by every rank or, with
@@ -375,6 +377,32 @@ def main():
         except recsave.RecsaveError as exc:
             outcome.append(type(exc).__name__)
         saver.save("ckpt_3")  # the group still lines up
+        outcome.append(saver.checkpoints()[-1].rsplit("/", 1)[-1])
+        with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    elif scenario == "bank_during_async_write":  # a collective bank load while ckpt_2's write runs
+        from recsave.save import pipeline
+        slow_prepare = pipeline.CheckpointWriter._prepare_dir
+
+        def prepare(self, ckpt_dir, ckpt_id):
+            if ckpt_id == "ckpt_2" and rank == 0:  # rank 1's write is in its first exchange by then
+                time.sleep(2)
+            return slow_prepare(self, ckpt_dir, ckpt_id)
+        pipeline.CheckpointWriter._prepare_dir = prepare
+        fill(model, rank, world)
+        saver.save("ckpt_1")
+        saver.async_save("ckpt_2")
+        outcome = []
+        for attempt in (lambda: saver.plan_model_bank([{"path": os.path.join(saver.output_dir, "ckpt_1")}],
+                                                      collective=True),
+                        lambda: saver.load_model_bank([{"path": os.path.join(saver.output_dir, "ckpt_1"),
+                                                        "load": ["dense"]}]),
+                        saver.wait):
+            try:
+                attempt()
+                outcome.append("ok")
+            except recsave.RecsaveError as exc:
+                outcome.append(type(exc).__name__)
         outcome.append(saver.checkpoints()[-1].rsplit("/", 1)[-1])
         with open(os.path.join(work_dir, f"report_{world}_{rank}.json"), "w") as f:
             json.dump(outcome, f)

@@ -551,6 +551,19 @@ def test_a_refusal_while_the_previous_async_write_runs_keeps_the_ranks_in_step(t
     assert (tmp_path / "out" / "checkpoint").read_text().split() == ["ckpt_1", "ckpt_3"]
 
 
+def test_a_collective_bank_load_waits_for_the_pending_async_write(tmp_path):
+    """plan_model_bank(collective=True) and load_model_bank exchange on recsave's group, which the
+    background write of an async save uses too: run alongside it, the ranks' collectives paired
+    across the two and both failed at the collective timeout (the checkpoint lost). The planning
+    waits for the pending write first, as loads do."""
+    started = time.monotonic()
+    codes, outs = run_ranks("bank_during_async_write", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "30"})
+    assert codes == [0, 0], outs
+    assert time.monotonic() - started < 60
+    for r in range(2):
+        assert json.loads((tmp_path / f"report_2_{r}.json").read_text()) == ["ok", "ok", "ok", "ckpt_2"]
+
+
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_a_managers_metric_refused_on_one_rank_keeps_the_ranks_in_step(tmp_path, mode):
     """CheckpointManager.step checks the metrics before its own exchange: a refusal on one rank

@@ -603,6 +603,10 @@ class Saver:
         check(shard_id, int, "shard_id", "plan_model_bank", optional=True)
         check(collective, bool, "collective", "plan_model_bank")
         alone = arguments.load_alone("plan_model_bank", shard_id, shard_num)
+        if collective and not alone:
+            # Its exchanges run on recsave's group, as a pending async write's do: run alongside
+            # it, the ranks would pair the two threads' collectives and both fail (or mix up).
+            self._background.collect(consume=False)
         return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True,
                             share_reads=collective, alone=alone)
 
