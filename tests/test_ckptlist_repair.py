@@ -292,6 +292,30 @@ def test_repair_of_a_lost_list_with_only_a_damaged_directory_exits_1_in_text_and
     assert doc["problem"] == "is missing" and list(doc["left_out"]) == ["ckpt_1"]
     assert (out / "ckpt_1" / "index").read_bytes() == b"{garbage"
 
+@pytest.mark.parametrize("damage", ["deleted", "emptied"])
+def test_a_lost_list_with_only_damaged_directories_is_not_a_fresh_output_dir(tmp_path, capsys, damage):
+    """Nothing to rebuild the list from but a directory whose index is damaged: `recsave ls` said
+    "no committed checkpoint" and restore() started at step 0, both without a word about it."""
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=None)
+    job.train(1)
+    job.saver.save("ckpt_1")
+    job.saver.close()
+    (out / "ckpt_1" / "index").write_bytes(b"{garbage")
+    _damage(str(out), damage)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert cli_main(["ls", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out}: no committed checkpoint\n"
+    assert [str(w.message).partition(" (")[0] for w in caught] == [
+        f"{_list_path(str(out))}: {DAMAGE[damage][1]}; no committed checkpoint to rebuild the list from; left out "
+        f"ckpt_1"]
+    job = make_job(str(out), save_interval=10)
+    with pytest.warns(RuntimeWarning, match=r"left out ckpt_1 \(.*index is not UTF-8 JSON"):
+        assert job.manager.restore() == 0
+    job.saver.close()
+    assert (out / "ckpt_1" / "index").read_bytes() == b"{garbage"
+
+
 def test_garbled_file_error_points_to_repair(run):
     out, _ = run
     _damage(out, "bad_line")
