@@ -415,6 +415,22 @@ def test_verify_of_a_checkpoint_with_its_index_deleted_is_damage(output_dir, cap
     assert "BAD" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("cmd", ["verify", "inspect"])
+def test_an_index_over_max_index_bytes_is_not_damage_found(output_dir, capsys, cmd):
+    """An intact checkpoint whose index is over this process's knob max_index_bytes (written by a job
+    that raised it): verify listed it as a problem and exited 1, inspect exited 1, as for damage; a
+    script deleting what verify finds damaged would delete it. Unknown here, as ls and repair say."""
+    ckpt = output_dir / "ckpt_4"
+    with recsave.knobs.override(max_index_bytes=(ckpt / "index").stat().st_size - 1):
+        with pytest.raises(recsave.OverLimitError):
+            catalog.verify(str(ckpt))
+        assert main([cmd, "--json", str(ckpt)]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["type"] == "OverLimitError" and "BAD" not in out
+    assert "max_index_bytes" in err and "the index may be intact" in err
+    assert main(["verify", str(ckpt)]) == 0
+
+
 def test_failed_export_removes_the_output_dir_it_created(output_dir, tmp_path, capsys):
     flip_last_shard_byte(output_dir / "ckpt_4")
     out = tmp_path / "new" / "export"

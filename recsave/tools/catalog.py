@@ -134,7 +134,8 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
     problems found (empty: the checkpoint is intact). `on_start(total_bytes)` and `progress(bytes)`
     report progress. A path that holds no checkpoint at all (missing, or no index, `checkpoint` file
     or checkpoint file in it) raises CheckpointNotFoundError, a Parquet export UsageError, one (or
-    a chain member) written by a newer recsave FormatVersionError: none of them is damage (a script
+    a chain member) written by a newer recsave FormatVersionError, one whose index is over the knob
+    max_index_bytes here OverLimitError: none of them is damage (a script
     deleting what verify finds damaged must not delete an intact checkpoint it cannot read). An
     unreadable index, or a checkpoint directory without one, is a problem found."""
     argcheck.path(ckpt, "ckpt", "verify")
@@ -147,8 +148,8 @@ def verify(ckpt: str, progress: Optional[Callable[[int], None]] = None,
         if not _recsave_files_at(storage, ckpt):
             raise
         return [str(exc)]
-    except FormatVersionError:  # a newer writer's: intact (a version no recsave writes is damage)
-        raise
+    except (FormatVersionError, OverLimitError):  # a newer writer's, or an index over the knob
+        raise  # max_index_bytes here: maybe intact (a version no recsave writes is damage)
     except RecsaveError as exc:
         return [str(exc)]
     require_checkpoint(src, ckpt, "verify")

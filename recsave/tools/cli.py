@@ -6,8 +6,9 @@ stderr, without a traceback (with ``--json`` also an ``{"error": ...}`` document
 
 Exit codes, the same for every command (docs/API.md section 7): 0 ok; 1 damage found (verify's
 problems, or a CorruptCheckpointError); 2 usage error, not found, or another RecsaveError (e.g. the
-output dir is locked); 3 an I/O error (StorageError or another OSError); 4 an unexpected error (its
-traceback is printed); 130 interrupted.
+output dir is locked; an index over the knob max_index_bytes, OverLimitError, which may be intact);
+3 an I/O error (StorageError or another OSError); 4 an unexpected error (its traceback is printed);
+130 interrupted.
 
 To add one::
 
@@ -29,7 +30,7 @@ import traceback
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
-from recsave.errors import CorruptCheckpointError, RecsaveError, StorageError, UsageError
+from recsave.errors import CorruptCheckpointError, OverLimitError, RecsaveError, StorageError, UsageError
 from recsave.version import __version__
 
 Handler = Callable[[argparse.Namespace], int]
@@ -437,6 +438,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with _warnings_as_lines():
             return int(args.handler(args) or EXIT_OK)
+    except OverLimitError as exc:  # an index over max_index_bytes here: maybe intact, not damage found
+        return _error(args, exc, str(exc), EXIT_ERROR)
     except CorruptCheckpointError as exc:
         return _error(args, exc, str(exc), EXIT_DAMAGED)
     except StorageError as exc:
