@@ -409,3 +409,53 @@ def test_metrics_a_save_cannot_record_are_not_dropped_silently(tmp_path, mode):
     with pytest.warns(RuntimeWarning, match=r"ckpt_4 holds this state already"):
         again.manager.save(metrics={"auc": 0.1})
     again.manager.close()
+
+
+def test_an_index_over_max_index_bytes_never_lets_gc_or_rotation_delete_what_it_needs(tmp_path):
+    """ckpt_2, a delta of ckpt_1, is kept as the best; its index is over the knob max_index_bytes
+    here (a job that raised the knob wrote it). Read as "no metrics, no parent", gc unlisted it and
+    deleted ckpt_1, its base: ckpt_2 could no longer be restored. Its metrics and parent are
+    unknown, not absent: gc refuses (deleting nothing), ls shows every checkpoint kept, and a save's
+    rotation keeps everything with a warning."""
+    from recsave import knobs
+    from recsave.errors import OverLimitError
+
+    out = str(tmp_path / "run")
+
+    def manager(job):
+        return CheckpointManager(job.saver, 0, full_every=2, rebase_ratio=100.0, keep_best=1,
+                                 best_metric="auc", save_on_preemption=False)
+    job = make_job(out, max_keep=1, save_interval=None)
+    mgr = manager(job)
+    for step, auc in ((1, 0.05), (2, 0.9), (3, 0.1)):
+        job.train(1)
+        mgr.global_step = step
+        mgr.save(metrics={"auc": auc})
+    mgr.close()
+    assert [read_index(os.path.join(out, i)).kind for i in ("ckpt_1", "ckpt_2", "ckpt_3")] == ["full", "delta", "full"]
+    assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2", "ckpt_3"]
+    index_path = os.path.join(out, "ckpt_2", "index")
+    with open(index_path, "rb") as f:
+        original = f.read()
+    limit = max(os.path.getsize(os.path.join(out, i, "index")) for i in ("ckpt_1", "ckpt_3")) + 100
+    with open(index_path, "ab") as f:
+        f.write(b" " * (limit + 1 - len(original)))  # over the limit: never parsed, so maybe intact
+    with knobs.override(max_index_bytes=limit):
+        with pytest.raises(OverLimitError, match="max_index_bytes"):
+            clean_output_dir(out)
+        assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2", "ckpt_3"]
+        assert {e["id"]: e["kept"] for e in list_checkpoints(out)} == {
+            "ckpt_1": ["latest"], "ckpt_2": ["latest"], "ckpt_3": ["latest"]}
+        assert main(["gc", out]) == 2
+        later = make_job(out, max_keep=1, save_interval=None)
+        mgr = manager(later)
+        mgr.global_step = 4
+        with pytest.warns(RuntimeWarning, match="every checkpoint is kept this time"):
+            mgr.save(metrics={"auc": 0.2})
+        mgr.close()
+        assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"]
+    with open(index_path, "wb") as f:
+        f.write(original)
+    again = make_job(out, max_keep=1, save_interval=1)
+    assert again.manager.restore(global_step=2) == 2
+    again.manager.close()

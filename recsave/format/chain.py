@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
-from recsave import _C, knobs
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError
+from recsave import _C
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, OverLimitError, RecsaveError
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
 from recsave.format.records import KIND_FULL, Index
@@ -143,9 +143,12 @@ def _needs(storage: Storage, ckpt_dir: str) -> List[str]:
     """The `parent.id` and `base` of ckpt_dir's index, read as plain JSON (retention errs on
     keeping: what an index that does not validate names is kept too); [] when there is none: no
     index, or one that is not JSON. A read that fails otherwise (StorageError: a network error, a
-    timeout) is no answer and propagates: taken as "no parent", it would let rotation delete it."""
+    timeout; OverLimitError: an index over the knob max_index_bytes here, maybe intact) is no answer
+    and propagates: taken as "no parent", it would let rotation delete it."""
     try:
-        data = storage.read_bytes(storage.join(ckpt_dir, index_mod.INDEX_FILE), knobs.get("max_index_bytes"))
+        data = index_mod.read_bytes(storage, storage.join(ckpt_dir, index_mod.INDEX_FILE))
+    except OverLimitError:
+        raise
     except (CheckpointNotFoundError, CorruptCheckpointError):  # absent, or damaged (kept as such)
         return []
     try:

@@ -8,7 +8,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from recsave.argcheck import check
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, UsageError
+from recsave.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    OverLimitError,
+    UsageError,
+)
 from recsave.format import index as index_mod
 from recsave.format.checks import is_finite_number
 from recsave.format.records import Index, Retention
@@ -96,6 +102,8 @@ def recorded(storage: Storage, output_dir: str, ids: Sequence[str],
         if ckpt not in indexes:
             try:
                 indexes[ckpt] = index_mod.read(storage.join(output_dir, ckpt), storage)
+            except OverLimitError:  # maybe intact, its step and metrics unknown here: no answer
+                raise
             except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
                 indexes[ckpt] = None  # gone, damaged or newer: no step, no metrics
             # A failed read (StorageError) propagates: taken as "no metrics", it would drop a best

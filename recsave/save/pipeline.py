@@ -17,6 +17,7 @@ from recsave.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
+    OverLimitError,
     UsageError,
     WriterLockedError,
 )
@@ -525,7 +526,7 @@ class CheckpointWriter:
             kept = retention.select_by(ids, policy, step_of=lambda i: self._fact(i)[0],
                                        metrics_of=lambda i: self._fact(i)[1], depends_on=self.depends_on)
             keep = [i for i in ids if i in kept or self._written_by_newer(i)]
-        except OSError as exc:  # StorageError too: what an index says is unknown, not absent
+        except (OSError, OverLimitError) as exc:  # StorageError too: what an index says is unknown, not absent
             warnings.warn(f"{out}: could not read what rotation needs to decide ({exc}); every checkpoint "
                           f"is kept this time, the next save prunes", RuntimeWarning, stacklevel=2)
             keep = ids
@@ -557,7 +558,10 @@ class CheckpointWriter:
         if not damaged:
             return set()
         others = [i for i in ids if i not in damaged]
-        needed = set(chain.needed_by(self.storage, self.output_dir, others, self.depends_on))
+        try:
+            needed = set(chain.needed_by(self.storage, self.output_dir, others, self.depends_on))
+        except (OSError, OverLimitError):  # what they need is unknown: they stay listed (the next save retries)
+            return set()
         return damaged - needed
 
     def _still_held_for_listing(self, ckpt_id: str) -> None:
@@ -576,12 +580,15 @@ class CheckpointWriter:
     def _fact(self, ckpt_id: str) -> Tuple[Optional[int], Optional[Mapping[str, float]]]:
         """(step, metrics) of a committed checkpoint, from its index (read once: indexes never
         change); (None, None) when it is gone, damaged or newer (kept by other rules). A failed
-        read (StorageError) raises: without its step and metrics a best or every-n checkpoint
-        would fall out of the selection and be deleted."""
+        read (StorageError) raises, as does an index over the knob max_index_bytes here
+        (OverLimitError): without its step and metrics a best or every-n checkpoint would fall out
+        of the selection and be deleted."""
         if ckpt_id not in self._facts:
             try:
                 index = index_mod.read(self.storage.join(self.output_dir, ckpt_id), self.storage)
                 self._facts[ckpt_id] = (index.step, index.metrics)
+            except OverLimitError:
+                raise
             except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
                 return None, None
         return self._facts[ckpt_id]

@@ -78,7 +78,11 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     broken = _broken_chains(storage, output_dir, readable, parents_of, sound=readable)
     # What gc keeps, as gc decides it: without the listed ids whose directory or index is gone
     # (gc drops them from the list first).
-    reasons = retention.recorded(storage, output_dir, [i for i in ids if i not in gone], parents_of)
+    present = [i for i in ids if i not in gone]
+    try:
+        reasons = retention.recorded(storage, output_dir, present, parents_of)
+    except OverLimitError:  # an index over max_index_bytes here: gc refuses to select, and keeps all
+        reasons = {i: [retention.LATEST] for i in present}
     for entry in out:
         entry["kept"] = reasons.get(entry["id"], [])
         if entry["id"] in broken:
@@ -335,7 +339,10 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of
 
     broken = {}
     for ckpt_id in ids:
-        needed = chain.needed_by(storage, output_dir, [ckpt_id], parents_of)
+        try:
+            needed = chain.needed_by(storage, output_dir, [ckpt_id], parents_of)
+        except OverLimitError:  # a member's index over max_index_bytes here: its chain is unknown, not broken
+            continue
         lost = [f"{m}, {why}" for m in sorted(needed - {ckpt_id}) if (why := problem_of(m)) is not None]
         if not lost and len(needed) > 1:  # a delta whose members are all there: are they its chain?
             lost = [f"{again}, whose index is not the one {m} was saved against (saved again since)"
