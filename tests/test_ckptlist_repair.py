@@ -276,13 +276,18 @@ def test_repair_drops_a_list_whose_every_id_is_gone(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["stale"] == []
 
 
-def test_repair_of_a_lost_list_with_only_a_damaged_directory_exits_1_in_text_and_json(tmp_path, capsys):
-    out = tmp_path / "run"
+def _one_damaged_checkpoint(out) -> None:
+    """An output dir whose only checkpoint, ckpt_1, has a damaged index."""
     job = make_job(str(out), max_keep=None)
     job.train(1)
     job.saver.save("ckpt_1")
     job.saver.close()
     (out / "ckpt_1" / "index").write_bytes(b"{garbage")
+
+
+def test_repair_of_a_lost_list_with_only_a_damaged_directory_exits_1_in_text_and_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    _one_damaged_checkpoint(out)
     os.remove(_list_path(str(out)))
     assert cli_main(["repair", str(out)]) == 1
     text = capsys.readouterr().out
@@ -292,16 +297,13 @@ def test_repair_of_a_lost_list_with_only_a_damaged_directory_exits_1_in_text_and
     assert doc["problem"] == "is missing" and list(doc["left_out"]) == ["ckpt_1"]
     assert (out / "ckpt_1" / "index").read_bytes() == b"{garbage"
 
+
 @pytest.mark.parametrize("damage", ["deleted", "emptied"])
 def test_a_lost_list_with_only_damaged_directories_is_not_a_fresh_output_dir(tmp_path, capsys, damage):
     """Nothing to rebuild the list from but a directory whose index is damaged: `recsave ls` said
     "no committed checkpoint" and restore() started at step 0, both without a word about it."""
     out = tmp_path / "run"
-    job = make_job(str(out), max_keep=None)
-    job.train(1)
-    job.saver.save("ckpt_1")
-    job.saver.close()
-    (out / "ckpt_1" / "index").write_bytes(b"{garbage")
+    _one_damaged_checkpoint(out)
     _damage(str(out), damage)
     with pytest.warns(RuntimeWarning) as caught:
         assert cli_main(["ls", str(out)]) == 0

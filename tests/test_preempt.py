@@ -395,6 +395,17 @@ def test_time_interval_saves_by_the_clock(tmp_path):
     mgr.close()
 
 
+def _taking(saver, method: str, now, seconds: float) -> None:
+    """Makes saver.<method> advance the test clock `now` by `seconds` (a slow save or load)."""
+    real = getattr(saver, method)
+
+    def slow(*args, **kwargs):
+        out = real(*args, **kwargs)
+        now[0] += seconds
+        return out
+    setattr(saver, method, slow)
+
+
 def test_the_time_interval_runs_from_the_end_of_a_slow_save(tmp_path):
     """1 s per step, saves taking 15 s against an interval of 10 s: measured from a save's start,
     every step after the first save would save."""
@@ -402,13 +413,7 @@ def test_the_time_interval_runs_from_the_end_of_a_slow_save(tmp_path):
     job = make_job(str(tmp_path / "run"), save_interval=None, max_keep=2)
     mgr = CheckpointManager(job.saver, 0, save_interval_seconds=10, clock=lambda: now[0],
                             save_on_preemption=False)
-    real = job.saver.save
-
-    def slow(*args, **kwargs):
-        path = real(*args, **kwargs)
-        now[0] += 15.0
-        return path
-    job.saver.save = slow
+    _taking(job.saver, "save", now, 15.0)
     saved = []
     for step in range(1, 25):
         job.train(1)
@@ -430,13 +435,7 @@ def test_the_time_interval_runs_from_the_end_of_a_restore(tmp_path):
     again = make_job(out, save_interval=None)
     mgr = CheckpointManager(again.saver, 0, save_interval_seconds=100, clock=lambda: now[0],
                             save_on_preemption=False)
-    real = again.saver.load
-
-    def slow(*args, **kwargs):
-        report = real(*args, **kwargs)
-        now[0] += 150.0
-        return report
-    again.saver.load = slow
+    _taking(again.saver, "load", now, 150.0)
     assert mgr.restore() == 2
     saved = []
     for step in (3, 4):
