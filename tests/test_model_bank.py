@@ -128,6 +128,31 @@ def test_an_update_takes_a_static_entrys_part_from_the_checkpoint_it_loaded(tmp_
     assert not torch.equal(later, got["@adagrad_acc"][common])
 
 
+def test_a_merge_that_wins_a_table_an_earlier_entry_loads_says_the_earlier_one_is_not_read(tmp_path):
+    """[load A's user, merge B's user]: the later entry wins `user`, so A's rows are never read and
+    B merges into the model's live rows, which reads as "A, then B on top". Said, not silent."""
+    import warnings
+
+    a = make_job(str(tmp_path / "a"), max_keep=None, seed=1)
+    a.train(1)
+    a.saver.save("ckpt_1")
+    b = make_job(str(tmp_path / "b"), max_keep=None, seed=2)
+    b.train(2)
+    b.saver.save("ckpt_2")
+    target = make_job(str(tmp_path / "t"))
+    live_ids = set(target.model.user.ids().tolist())
+    with pytest.warns(RuntimeWarning, match=r"entry 1 merges table 'user' .* entry\(ies\) \[0\] do not load it"):
+        report = target.saver.load_model_bank([
+            {"path": str(tmp_path / "a"), "load": ["user"]},
+            {"path": str(tmp_path / "b"), "load": ["user"], "hashtable_clear": False}])
+    assert report.loaded["user"].checkpoint.endswith(os.path.join("b", "ckpt_2"))
+    assert set(target.model.user.ids().tolist()) == live_ids | set(b.model.user.ids().tolist())
+    with warnings.catch_warnings():  # a merge alone, or after an entry of other tables, is quiet
+        warnings.simplefilter("error")
+        target.saver.load_model_bank([{"path": str(tmp_path / "a"), "load": ["item"]},
+                                      {"path": str(tmp_path / "b"), "load": ["user"], "hashtable_clear": False}])
+
+
 class Small(torch.nn.Module):
     def __init__(self, dim, dtype=torch.float32):
         super().__init__()

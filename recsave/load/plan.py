@@ -3,6 +3,7 @@
 result is a LoadPlan that load/execute.py carries out (docs/ARCHITECTURE.md, "A load")."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
@@ -143,6 +144,8 @@ def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_i
     result.checkpoints = [opened[i].ckpt_dir if i in opened else "" for i in range(len(confs))]
     won = config.winners(plans)
     config.raise_incompatible(plans, won)
+    if rank == 0:  # every rank plans alike: said once
+        _warn_merges_over_earlier_entries(plans, won, entry_of)
     _check_io_states(won, sources, world, target)
     notes: List[Tuple[str, str]] = []  # (model name, note)
     for k, (src, p, w) in enumerate(zip(sources, plans, won)):
@@ -163,6 +166,22 @@ def _plan_entries(target: LoadTarget, entries: Sequence[Dict[str, Any]], shard_i
     result.nbytes = sum(it.nbytes for it in result.items.values())
     result.resolved = ResolvedEntries(rank, world, plans, sources, won, entry_of)
     return result
+
+
+def _warn_merges_over_earlier_entries(plans: Sequence[Plan], won: Sequence[Won], entry_of: Sequence[int]) -> None:
+    """A table won by a merging entry (hashtable_clear=False) that an earlier entry also loads: the
+    later entry wins the name, so the earlier one's rows are never read, and the merge goes into
+    the model's live rows. Written as [load A, merge B] that reads as "A, then B on top"."""
+    for j, (p, w) in enumerate(zip(plans, won)):
+        if p.conf.hashtable_clear:
+            continue
+        for name, (category, _) in sorted(w.items()):
+            earlier = [entry_of[i] for i in range(j) if category == "sparse" and name in plans[i].items]
+            if earlier:
+                warnings.warn(f"model bank entry {entry_of[j]} merges table {name!r} into the model's live rows "
+                              f"(hashtable_clear=False) and, as the later entry, wins it: entry(ies) {earlier} "
+                              f"do not load it. To merge into what an earlier entry loads, load that entry "
+                              f"first (its own load_model_bank call), then merge", RuntimeWarning, stacklevel=2)
 
 
 def table_columns(won: Won) -> Dict[str, Tuple[str, Dict[str, str]]]:
