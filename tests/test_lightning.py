@@ -145,6 +145,52 @@ def test_a_fit_sent_sigterm_during_validation_saves_and_exits_143(tmp_path, wher
     assert (out / "checkpoint").read_text().split() == ["ckpt_10"]
 
 
+_SIGTERM_IN_ACCUMULATION = """
+import os, signal, sys, warnings
+warnings.filterwarnings("ignore")
+import lightning.pytorch as pl
+import torch
+import lightning_job as J
+from recsave import CheckpointManager, Saver
+from recsave.lightning import RecsaveCallback
+
+class Module(J.Module):
+    def training_step(self, batch, batch_idx):  # steps every 2 batches: gradient accumulation
+        index, uid, iid, label = batch
+        if batch_idx == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGTERM)
+        dense = self.optimizers()
+        self.manual_backward(torch.nn.functional.binary_cross_entropy_with_logits(self.model(uid, iid), label))
+        if batch_idx % 2 == 1:
+            dense.step(); self.sparse_opt.step()
+            dense.zero_grad(); self.sparse_opt.zero_grad()
+        self.sampler.advance(self.current_epoch, batch_idx)
+
+sampler = J.ResumableSampler(J.N_SAMPLES, J.BATCH)
+module = Module(sampler)
+saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=sys.argv[1], max_keep=2)
+saver.register_io_state("sampler", sampler)
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                     callbacks=[RecsaveCallback(CheckpointManager(saver, 3))], enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(J.dataset(), batch_size=J.BATCH, sampler=sampler))
+"""
+
+
+@pytest.mark.parametrize("batch_idx, latest", [(10, "ckpt_5"), (12, "ckpt_6")])
+def test_a_fit_sent_sigterm_in_a_batch_that_does_not_step_saves_and_exits_143(tmp_path, batch_idx, latest):
+    """A batch without an optimizer step (gradient accumulation) has no new global step, and
+    Lightning ends the fit right after it on SIGTERM (exit 0, nothing saved): the callback acts on
+    the preemption there too, saving ckpt_<global step> (batch 10: step 5, not autosaved; batch 12:
+    step 6, whose autosave holds it already) and raising Preempted."""
+    out = tmp_path / "run"
+    env = dict(os.environ, RECSAVE_FSYNC="0", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.run([sys.executable, "-c", _SIGTERM_IN_ACCUMULATION, str(out), str(batch_idx)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 143, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
+    assert (out / "checkpoint").read_text().split()[-1] == latest
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fresh_fit_saves_every_interval_and_at_the_end(tmp_path):
     module, trainer, callback = fit(str(tmp_path / "run"), save_interval=60)

@@ -87,7 +87,8 @@ class RecsaveCallback(pl.Callback):
     - ``on_train_batch_end``: at each new global step, the manager's ``step()``: saves
       ``ckpt_<trainer.global_step>`` at multiples of save_interval or after save_interval_seconds
       (the manager's async_mode applies), and after a preemption signal saves, waits and raises
-      ``recsave.Preempted`` (exit 143).
+      ``recsave.Preempted`` (exit 143); a batch without an optimizer step (gradient
+      accumulation) acts on a preemption signal too.
     - ``on_validation_batch_end`` / ``on_validation_end`` (during fit, in a single process): the
       same for a preemption signal that arrives while validation runs.
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
@@ -145,7 +146,14 @@ class RecsaveCallback(pl.Callback):
                            batch_idx: int) -> None:
         step = trainer.global_step
         if step == self.manager.global_step:
-            return  # no optimizer step in this batch (gradient accumulation), or saved already
+            # No optimizer step in this batch (gradient accumulation), or saved already. Lightning
+            # still ends the fit right after this batch on SIGTERM (exit 0, nothing saved): act on
+            # a preemption here too. Every rank runs the same training batches, so the check (a
+            # collective) stays in step. It saves ckpt_<step>: the autosave of that step if there
+            # is one (the resumed fit replays the batches since), else the state now.
+            if self.manager.save_on_preemption:
+                self.manager.check_preemption()
+            return
         # The manager's own step() decides, as in a plain loop: save_interval, save_interval_seconds
         # and a preemption signal (save ckpt_<step>, wait, raise Preempted: exit 143).
         self.manager.global_step = step - 1
