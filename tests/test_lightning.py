@@ -191,6 +191,27 @@ def test_a_fit_sent_sigterm_in_a_batch_that_does_not_step_saves_and_exits_143(tm
     assert (out / "checkpoint").read_text().split()[-1] == latest
 
 
+def test_a_plain_checkpoint_restored_into_a_fit_that_accumulates_gradients(tmp_path):
+    """A checkpoint without Lightning state (a plain manager's) restores the model and starts the
+    loop at 0; a first batch without an optimizer step (gradient accumulation) then has global
+    step 0, which the callback used to turn into the manager's global_step -1 (UsageError)."""
+    out = tmp_path / "run"
+    env = dict(os.environ, RECSAVE_FSYNC="0", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    plain = _SIGTERM_IN_ACCUMULATION.replace("trainer = pl.Trainer", """
+plain_saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=sys.argv[1])
+plain_saver.register_io_state("sampler", sampler)
+mgr = CheckpointManager(plain_saver, 100)
+mgr.global_step = 5
+mgr.save()
+mgr.close()
+trainer = pl.Trainer""") + "print('steps', trainer.global_step)\n"
+    child = subprocess.run([sys.executable, "-c", plain, str(out), "-1"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
+    assert "steps 25" in child.stdout
+    assert (out / "checkpoint").read_text().split()[-1] == "ckpt_25"
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fresh_fit_saves_every_interval_and_at_the_end(tmp_path):
     module, trainer, callback = fit(str(tmp_path / "run"), save_interval=60)

@@ -141,6 +141,10 @@ class RecsaveCallback(pl.Callback):
         if report is not None and self.name in report.skipped:
             log.info("%s: restored without Lightning loop state (the checkpoint has no %r); the fit "
                      "loop starts at epoch 0", self.manager.saver.output_dir, self.name)
+            # The manager's steps follow the Trainer's, which start at 0 again: left at the
+            # restored step, a first batch without an optimizer step (gradient accumulation) set
+            # global_step to -1 (UsageError).
+            self.manager.global_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
