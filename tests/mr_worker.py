@@ -30,6 +30,8 @@ only), ``save_foreign`` (rank 1's second save holds ids of rank 0: UsageError; e
 of its output dir before that save to listing_RANK.json), ``save_as_rank1`` (every rank passes
 shard_id=1), ``save_steps_differ`` (the ranks' table steps of `user` differ; rank r writes the
 RuntimeWarnings of its save to warnings_RANK.json and the steps restored to steps_RANK.json),
+``save_rotating`` (ckpt_1 .. ckpt_4, then close(); rank r writes the listing of its output dir,
+whether it removed its own copies of pruned checkpoints and its RuntimeWarnings to report_RANK.json),
 ``tt_save`` / ``tt_load`` (the same with a TableLike table, tests/tablelike_table.py,
 instead of the HashTables), ``torch_bank`` (bank-load a torch.save file and a DCP directory of
 plain tensors written by the test; dump what this rank holds, and what to_dcp_state_dict says
@@ -142,7 +144,7 @@ def build(work_dir):
     if os.environ.get("OUT_SCHEME") == "file":  # the fsspec path, shared by the ranks
         out = "file://" + out
     out = os.environ.get("OUT_URL", out)  # e.g. a bucket on the test's S3 server
-    saver = Saver(model, sparse_optim=opt, output_dir=out, max_keep=2)
+    saver = Saver(model, sparse_optim=opt, output_dir=out, max_keep=int(os.environ.get("MAX_KEEP", "2")))
     reader = Reader()
     saver.register_io_state("reader", reader)
     return model, saver, reader
@@ -627,6 +629,26 @@ def main():
         again.load()
         with open(os.path.join(work_dir, f"steps_{rank}.json"), "w") as f:
             json.dump([fresh.user.step, fresh.item.step], f)
+    elif scenario == "save_rotating":  # ckpt_1 .. ckpt_4 (MAX_KEEP=1 in the test: rotation prunes three)
+        from recsave.format import ckptlist
+        removals = []  # the times this rank removed its own copies of pruned checkpoints
+        real_remove = getattr(ckptlist, "remove_rank_copies", None)  # (a recsave without it prunes rank 0's dir alone)
+
+        def counted(*args, **kwargs):
+            removals.append(args[2])
+            return real_remove(*args, **kwargs)
+        if real_remove is not None:
+            ckptlist.remove_rank_copies = counted
+        fill(model, rank, world)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for k in range(1, 5):
+                reader.position = k
+                saver.save(f"ckpt_{k}")
+            saver.close()
+        with open(os.path.join(work_dir, f"report_{rank}.json"), "w") as f:
+            json.dump({"listing": listing(saver.output_dir), "removals": len(removals),
+                       "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}, f)
     elif scenario == "save_two":  # ckpt_1 with rows of offset 0, ckpt_2 of offset 20
         fill(model, rank, world)
         reader.position = 1

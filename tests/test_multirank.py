@@ -417,6 +417,39 @@ def test_a_failed_save_leaves_every_ranks_output_dir_as_before(tmp_path, layout)
         assert stable(listing(out)) == stable(before)
 
 
+@pytest.mark.parametrize("layout", ["shared", "per_rank"])
+def test_rotation_prunes_every_ranks_output_dir(tmp_path, layout):
+    """max_keep=1, four saves: each output dir holds the kept checkpoint's files alone. With an
+    output dir per rank, rank 1 removes its own shards and io states of the checkpoints rank 0's
+    rotation pruned (nothing else would); on a shared dir rank 0's rotation does it all, and rank 1
+    removes nothing itself."""
+    env = {"MAX_KEEP": "1", **({"PER_RANK_OUT": "1"} if layout == "per_rank" else {})}
+    codes, outs = run_ranks("save_rotating", 2, tmp_path, env)
+    assert codes == [0, 0], outs
+    reports = [json.loads((tmp_path / f"report_{r}.json").read_text()) for r in range(2)]
+    for rep in reports:
+        assert rep["warnings"] == [], rep
+    rank0_dir = tmp_path / ("out" if layout == "shared" else "out_0")
+    files = sorted(read_index(str(rank0_dir / "ckpt_4")).files)
+    assert any(f.startswith("sparse-1-") for f in files) and "io_state_1.pt" in files
+
+    def of_rank(name):  # the rank whose files a checkpoint file is, None: rank 0's dense files
+        if name.startswith("sparse-"):
+            return int(name.split("-")[1])
+        if name.startswith("io_state_") and name != "io_state_count":
+            return int(name[len("io_state_"):-len(".pt")])
+        return None
+    if layout == "shared":
+        assert reports[0]["listing"] == sorted(["checkpoint", "ckpt_4/", "ckpt_4/index"]
+                                               + [f"ckpt_4/{f}" for f in files])
+        assert reports[1]["removals"] == 0  # a shared dir: rank 1 never removes anything itself
+    else:
+        assert reports[0]["listing"] == sorted(["checkpoint", "ckpt_4/", "ckpt_4/index"]
+                                               + [f"ckpt_4/{f}" for f in files if of_rank(f) in (0, None)])
+        assert reports[1]["listing"] == sorted(["ckpt_4/"] + [f"ckpt_4/{f}" for f in files if of_rank(f) == 1])
+        assert reports[1]["removals"] == 3
+
+
 def test_a_shard_id_other_than_the_group_rank_is_refused(tmp_path):
     """Both ranks pass shard_id=1: without the check nobody commits, yet both saves return."""
     codes, outs = run_ranks("save_as_rank1", 2, tmp_path, {"RECSAVE_COLLECTIVE_TIMEOUT_S": "5"})

@@ -383,3 +383,46 @@ def test_a_failed_pruning_warns_and_the_committed_save_returns(tmp_path, monkeyp
     job.saver.wait()
     assert [n for n in listing(out) if n.startswith("ckpt_")] == ["ckpt_3"]
     job.saver.close()
+
+
+def _rank_copy(out, ckpt_id, files=("sparse-1-0.safetensors", "io_state_1.pt")):
+    """A checkpoint directory as a rank other than 0 writes it into its own output dir."""
+    os.makedirs(os.path.join(out, ckpt_id))
+    for name in files:
+        with open(os.path.join(out, ckpt_id, name), "wb") as f:
+            f.write(b"x")
+
+
+def test_a_rank_prunes_its_own_dir_of_what_rank_0_pruned_never_a_shared_one(tmp_path, monkeypatch):
+    """What a rank other than 0 does after a commit whose rotation removed checkpoints from rank 0's
+    dir (the multi-rank runs: tests/test_multirank.py): in a dir of its own it removes its copies
+    of those (recsave's files alone), never the one just written nor another program's directory;
+    in a dir holding a `checkpoint` list or a writer lock (shared with rank 0) nothing; a failure
+    is a RuntimeWarning."""
+    from recsave.save.pipeline import CheckpointWriter
+
+    out = str(tmp_path / "rank1")
+    for ckpt_id in ("ckpt_1", "ckpt_2", "ckpt_3"):
+        _rank_copy(out, ckpt_id)
+    _rank_copy(out, "ckpt_0", files=("sparse-1-0.safetensors", "notes.txt"))  # not recsave's alone
+    writer = CheckpointWriter(LocalStorage(), out, 1, 1, 16)
+    writer._prune_own_dir("ckpt_3", ["ckpt_0", "ckpt_1", "ckpt_3", "ckpt_7"])
+    writer.settle()
+    assert sorted(os.listdir(out)) == ["ckpt_0", "ckpt_2", "ckpt_3"]
+
+    for marker in (ckptlist.LIST_FILE, LOCK_FILE):  # a dir rank 0 writes into: its rotation prunes it
+        shared = str(tmp_path / f"shared-{marker}")
+        _rank_copy(shared, "ckpt_1")
+        open(os.path.join(shared, marker), "w").close()
+        writer = CheckpointWriter(LocalStorage(), shared, 1, 1, 16)
+        writer._prune_own_dir("ckpt_2", ["ckpt_1"])
+        writer.settle()
+        assert sorted(os.listdir(shared)) == sorted(["ckpt_1", marker])
+
+    def failing(self, path):
+        raise OSError(5, "Input/output error (injected)")
+    monkeypatch.setattr(LocalStorage, "move_tree_aside", lambda self, path, to: False)
+    monkeypatch.setattr(LocalStorage, "remove_tree", failing)
+    writer = CheckpointWriter(LocalStorage(), out, 1, 1, 16)
+    with pytest.warns(RuntimeWarning, match="ckpt_2.*Input/output error"):
+        writer._prune_own_dir("ckpt_3", ["ckpt_2"])

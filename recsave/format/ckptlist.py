@@ -450,6 +450,31 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     return removed
 
 
+def writers_files_in(storage: Storage, output_dir: str) -> bool:
+    """Whether output_dir holds the `checkpoint` list or a writer lock (or a temporary name of
+    either): a dir some rank 0 writes into. A rank other than 0 whose own output dir holds
+    neither has a dir of its own (per-rank local disks, docs/API.md), where only it writes."""
+    return any(n in (LIST_FILE, LOCK_FILE) or _OUTPUT_DIR_TEMP.match(n) for n in storage.listdir(output_dir))
+
+
+def remove_rank_copies(storage: Storage, output_dir: str, names: Iterable[str],
+                       remove: Optional[Callable[[str], None]] = None) -> List[str]:
+    """On a rank other than 0 with an output dir of its own (writers_files_in is False there; the
+    caller checks): removes, through `remove` (default storage.remove_tree), its directories of
+    `names`, the checkpoints rank 0's rotation just removed from rank 0's dir; returns their
+    names. As collect_garbage would: only a directory that looks_like_checkpoint (recsave's
+    files alone) whose index is absent (this rank's shards and io state) or valid; one holding
+    a damaged index, or written by a newer recsave, stays."""
+    remove = remove or storage.remove_tree
+    removed = []
+    for name in names:
+        if looks_like_checkpoint(storage, output_dir, name) \
+                and _index_state(storage, storage.join(output_dir, name)).kind in ("none", "valid"):
+            remove(storage.join(output_dir, name))
+            removed.append(name)
+    return removed
+
+
 # Temporary names recsave's writers leave when a process dies mid-write: Storage.open_write's
 # ``<file>.tmp-<pid>-<thread>`` (the `checkpoint` list, the writer lock's renewal, index, .pt files) and the
 # engine's ``<shard>.tmp-<pid>-<n>``.

@@ -132,7 +132,8 @@ class CheckpointWriter:
         (default: the settings in force at the commit; an async save passes those of its call).
         On failure every rank removes the files and directory it created, then rank 0 the partial
         directory, unless another writer may own them now (_clean_up_failed); the previous
-        checkpoint stays latest."""
+        checkpoint stays latest. After the commit a rank other than 0 with an output dir of its
+        own removes there the checkpoints rank 0's rotation removed (_prune_own_dir)."""
         ckpt_dir = self.storage.join(self.output_dir, ckpt_id)
         self._parents_of.pop(ckpt_id, None)  # this id gets a new index (and maybe another parent)
         made = _Made()
@@ -155,10 +156,11 @@ class CheckpointWriter:
                                        world)
             parts = dist.gather_to_rank0(mine, world, rank)  # only rank 0 commits: only it needs them
             stage = "commit"
+            # Every rank learns which checkpoints rank 0's rotation removed (in the same exchange).
             committed = dist.run_everywhere(f"committing {ckpt_dir}",
                                             lambda: self._commit(ckpt_dir, ckpt_id, parts or [], state, world,
                                                                  metrics, step, policy or self.retention),
-                                            world, only_rank0=True, rank=rank)
+                                            world, only_rank0=True, rank=rank, rank0_result=True)
         except BaseException as exc:
             if stage != "prepare":  # a failed prepare created nothing (and may concern a kept dir)
                 self._clean_up_failed(ckpt_dir, ckpt_id, made, rank, world, stage == "commit",
@@ -166,8 +168,34 @@ class CheckpointWriter:
             raise
         # Rank 0 knows every file's size (it commits); the others know their own files only.
         own = sum(f.size for f in mine[0].files.values()) if mine is not None else 0
-        self.last_bytes = committed if committed is not None else own
+        total, pruned = committed if committed is not None else (None, [])
+        self.last_bytes = total if rank == 0 and total is not None else own
+        if rank != 0 and pruned:
+            self._prune_own_dir(ckpt_id, pruned)
         return ckpt_dir
+
+    def _prune_own_dir(self, ckpt_id: str, pruned: Sequence[str]) -> None:
+        """A rank other than 0, after a commit whose rotation removed `pruned` from rank 0's output
+        dir: when this rank's output dir is its own (per-rank local disks: it holds neither a
+        `checkpoint` list nor a writer lock, ckptlist.writers_files_in), removes its directories of
+        those checkpoints (its shards and io states), which nothing else would ever delete. On a
+        dir shared with rank 0 (or when that cannot be told) it removes nothing: rank 0's rotation
+        did. Never raises: the checkpoint is committed; a failure is a warning."""
+        st, out = self.storage, self.output_dir
+        names = [n for n in pruned if n != ckpt_id]
+        if not self.own_dir or not names:
+            return
+        try:
+            if ckptlist.writers_files_in(st, out):
+                return
+            self._pruner.join()  # this rank's last deletion (one thread at a time on PRUNED_DIR)
+            ckptlist.remove_rank_copies(st, out, names, remove=self._pruner.remove)
+        except Exception as exc:  # not only OSError: raising would report a committed save as failed
+            warnings.warn(f"{out}: removing this rank's files of the checkpoints rotation pruned "
+                          f"({', '.join(names)}) failed ({type(exc).__name__}: {exc}); {ckpt_id} is committed",
+                          RuntimeWarning, stacklevel=3)
+        finally:
+            self._pruner.start()
 
     @staticmethod
     def _preparing(ckpt_dir: str) -> str:
@@ -453,9 +481,9 @@ class CheckpointWriter:
     def _commit(self, ckpt_dir: str, ckpt_id: str,
                 gathered: Sequence[Tuple[IndexPart, Dict[str, _TableCounts]]],
                 state: SaveState, world: int, metrics: Optional[Mapping[str, float]],
-                step: Optional[int], policy: Retention) -> int:
+                step: Optional[int], policy: Retention) -> Tuple[int, List[str]]:
         """Rank 0: writes model.pt, extra.pt, the index (the commit point), lists the checkpoint and
-        rotates; returns the checkpoint's bytes."""
+        rotates; returns the checkpoint's bytes and the checkpoints rotation removed (_publish)."""
         st = self.storage
         check_held(self._lock)  # before model.pt and extra.pt; renewed again before the index
         parts = [part for part, _ in gathered]
@@ -493,8 +521,7 @@ class CheckpointWriter:
         self._facts[ckpt_id] = (index.step, index.metrics)
         # What rotation asks of the new checkpoint is known: reading its index back costs a parse.
         self._parents_of[ckpt_id] = chain.needs_of(index)
-        self._publish(ckpt_id, policy)
-        return index.total_bytes
+        return index.total_bytes, self._publish(ckpt_id, policy)
 
     def remember_restored(self, ckpt_id: str, read: chain.IndexIdentity) -> None:
         """After a whole restore from `ckpt_id` (the next delta's parent), on the rank that commits:
@@ -507,10 +534,12 @@ class CheckpointWriter:
         """What this writer committed as `ckpt_id`'s index (None: not known here; rank 0 only)."""
         return self._committed.get(ckpt_id)
 
-    def _publish(self, ckpt_id: str, policy: Retention) -> None:
+    def _publish(self, ckpt_id: str, policy: Retention) -> List[str]:
         """Lists the new checkpoint (one atomic replace of `checkpoint`), then deletes what the
-        retention selection (format/retention.py) does not keep and leftovers of crashed saves.
-        Never deletes the checkpoint just written."""
+        retention selection (format/retention.py) does not keep and leftovers of crashed saves;
+        returns the ids of the checkpoint directories it removed (also when pruning failed part
+        way), for the other ranks' own output dirs (_prune_own_dir). Never deletes the checkpoint
+        just written."""
         st, out = self.storage, self.output_dir
         self._still_held_for_listing(ckpt_id)  # the listing below may rewrite the list
         listing = ckptlist.committed(st, out, rewrite=True, warned=self.list_warnings, being_written=ckpt_id)
@@ -539,10 +568,15 @@ class CheckpointWriter:
         # Directories with a damaged index (a rebuilt list left them out) are never pruned there.
         # The checkpoint is committed and listed: a failure to prune is the next save's to retry.
         # Pruned directories are moved aside here and deleted on a thread (save/pruning.py).
+        removed: List[str] = []
+
+        def remove(path: str) -> None:
+            self._pruner.remove(path, lock=self._lock)
+            removed.append(st.split(path.rstrip("/"))[1])
+
         try:
             check_held(self._lock)  # a writer that took the lock over meanwhile owns what is here now
-            ckptlist.collect_garbage(st, out, keep + sorted(unlisted), self.depends_on,
-                                     remove=functools.partial(self._pruner.remove, lock=self._lock),
+            ckptlist.collect_garbage(st, out, keep + sorted(unlisted), self.depends_on, remove=remove,
                                      pruned=set(ids) - set(keep))
         except Exception as exc:  # not only OSError: raising would report a committed save as failed
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({type(exc).__name__}: {exc}); "
@@ -550,6 +584,8 @@ class CheckpointWriter:
                           RuntimeWarning, stacklevel=2)
         finally:
             self._pruner.start(self._lock)
+        staying = set(keep) | unlisted | {ckpt_id}  # collect_garbage keeps them; never named to the others
+        return [name for name in removed if name not in staying]
 
     def _unlist_damaged(self, ids: Sequence[str], ckpt_id: str) -> Set[str]:
         """The listed ids found damaged that no other listed, undamaged checkpoint needs (as a
