@@ -222,6 +222,30 @@ def test_a_restore_that_finds_every_checkpoint_damaged_lets_a_fresh_start_save_o
     third.manager.close()
 
 
+def test_a_fallback_never_skips_an_index_over_max_index_bytes(tmp_path, restore_signals):
+    """An index over the knob max_index_bytes here may be intact (a job that raised the knob wrote
+    it): a fallback restore skipped it as damage, marked it, and the next save of its id replaced
+    the intact checkpoint. It stops there instead, marking nothing."""
+    from recsave import knobs
+    from recsave.errors import OverLimitError
+
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, max_keep=3)
+    job.train(6)
+    job.manager.close()
+    index = os.path.join(out, "ckpt_6", "index")
+    with open(index, "rb") as f:
+        original = f.read()
+    again = make_job(out, save_interval=2, max_keep=3)
+    with knobs.override(max_index_bytes=len(original) - 1), pytest.raises(OverLimitError, match="max_index_bytes"):
+        again.manager.restore()
+    assert again.saver.damaged_checkpoints == frozenset() and _list(out) == ["ckpt_2", "ckpt_4", "ckpt_6"]
+    assert again.manager.restore() == 6
+    again.manager.close()
+    with open(index, "rb") as f:
+        assert f.read() == original
+
+
 def test_a_checkpoint_loaded_whole_after_a_fallback_is_not_unlisted_as_damaged(tmp_path, restore_signals):
     """A shard missing for a while (a network file system) makes a fallback skip ckpt_6; once a
     load reads it whole it is intact, and a preemption's make_latest keeps it listed."""

@@ -12,7 +12,13 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError, RankFailedError
+from recsave.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    OverLimitError,
+    RankFailedError,
+)
 from recsave.format import ckptlist
 from recsave.format import index as index_mod
 from recsave.load import contents
@@ -60,6 +66,10 @@ def load_with_fallback(target: LoadTarget, conf: Dict[str, Any], shard_id: Optio
             # as RankFailedError: every rank skips, or every rank raises, on the same facts (all
             # ranks' failures, which each of them knows), else they would load different checkpoints.
             if not dist.failed_only_with(exc, _DAMAGE):
+                raise
+            if dist.failed_anywhere_with(exc, (OverLimitError,)):
+                # An index over the knob max_index_bytes here may be intact (a job that raised the
+                # knob wrote it): not damage, never skipped, and so never replaced by a later save.
                 raise
             version = ckptlist.newer_format_version(st, path, ckpt_id)
             if version is not None:  # intact, written by a newer recsave: not damage, never skipped
