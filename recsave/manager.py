@@ -352,7 +352,7 @@ class CheckpointManager:
         incremental, why = False, "full_every is None"
         every = saver.retention.keep_every_n_steps
         if self.full_every is not None and every and \
-                policy.opens_kept_window(self._global_step, every, self._listed_steps()):
+                policy.opens_kept_window(self._global_step, every, self._listed_steps_or_none()):
             incremental, why = False, f"the first save of its keep_every_n_steps={every} window, kept for good"
         elif self.full_every is not None:
             incremental, why = policy.wants_delta(self.full_every, self.rebase_ratio,
@@ -496,10 +496,15 @@ class CheckpointManager:
             saver.prepare_async(pinned=self.async_mode == "async_pinned")
         return self._global_step
 
-    def _listed_steps(self) -> List[Optional[int]]:
+    def _listed_steps_or_none(self) -> List[Optional[int]]:
         """The steps of the checkpoints listed in the output dir and of a pending async write (by
-        their ids, ckpt_<step>; None for other ids)."""
-        ids = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.saver.checkpoints()]
+        their ids, ckpt_<step>; None for other ids); [] when the list cannot be read here (this
+        save is then full: a rank's failure must not stop it alone before the save's collectives,
+        and the save's vote makes every rank's save full when one asks for it)."""
+        try:
+            ids = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.saver.checkpoints()]
+        except (RecsaveError, OSError):
+            return []
         pending = self.saver.pending_checkpoint
         return [step_of_id(i) for i in ids + ([pending] if pending else [])]
 
@@ -535,13 +540,22 @@ class CheckpointManager:
         names = {n for n, item in plan.items.items() if item.entry in changed}
         if not names:
             return None
-        for name in sorted(names_executed(plan, names)):
-            i = plan.items[name].entry
-            if i not in changed and plan.checkpoints[i] != checkpoints[i]:
-                raise CheckpointNotFoundError(
-                    f"update_model_bank: model bank entry {i} (not is_dynamic) loaded {checkpoints[i]}, which "
-                    f"is gone; reloading entry(ies) {sorted(changed)} needs {name!r} from it. Call "
-                    f"load_model_bank again, or make entry {i} is_dynamic", path=checkpoints[i], key=name)
+
+        def check_static_parts() -> None:
+            # What a reload takes from an entry that is not dynamic must be what it loaded: the same
+            # version (its checkpoint, not gone, nor saved again since).
+            for name in sorted(names_executed(plan, names)):
+                i = plan.items[name].entry
+                if i not in changed and current.get(i) != loaded.get(i):
+                    raise CheckpointNotFoundError(
+                        f"update_model_bank: model bank entry {i} (not is_dynamic) loaded {checkpoints[i]}, "
+                        f"which is gone or was saved again since; reloading entry(ies) {sorted(changed)} needs "
+                        f"{name!r} from it. Call load_model_bank again, or make entry {i} is_dynamic",
+                        path=checkpoints[i], key=name)
+        # Each rank decided its pins alone: a refusal on one raises on all before any collective.
+        rank, world = dist.group()
+        dist.run_everywhere("checking what update_model_bank takes from static entries", check_static_parts,
+                            world, rank=rank)
         report = self.saver.execute_plan(plan, only=names)
         self._saved = None
         for i in changed:

@@ -177,3 +177,24 @@ def test_the_save_keep_every_n_steps_keeps_for_good_is_full(tmp_path, async_mode
     assert_jobs_equal(job_state(again), live)
     assert again.manager.restore(global_step=12) == 12
     again.manager.close()
+
+
+def test_a_list_that_cannot_be_read_makes_the_save_full_not_failed(tmp_path):
+    """Whether a save opens a keep_every_n_steps window needs the list; read on each rank alone,
+    a failure there must not stop that rank before the save's collectives: the save is full."""
+    from recsave.errors import StorageError
+
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=1, max_keep=None,
+                   manager_kw={"full_every": 10, "rebase_ratio": 100.0, "keep_every_n_steps": 4})
+    job.train(2)
+    real = job.saver.checkpoints
+
+    def failing():
+        raise StorageError(f"{out}/checkpoint: read timed out")
+    job.saver.checkpoints = failing
+    job.train(1)  # ckpt_3 would be a delta (window [0, 4) opened by ckpt_1)
+    job.saver.checkpoints = real
+    job.train(1)
+    assert _kinds(out, _ids(out)) == ["full", "delta", "full", "full"]
+    job.manager.close()
