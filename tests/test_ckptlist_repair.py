@@ -309,7 +309,7 @@ def test_a_lost_list_with_only_damaged_directories_is_not_a_fresh_output_dir(tmp
         assert cli_main(["ls", str(out)]) == 0
     assert capsys.readouterr().out == f"{out}: no committed checkpoint\n"
     assert [str(w.message).partition(" (")[0] for w in caught] == [
-        f"{_list_path(str(out))}: {DAMAGE[damage][1]}; no committed checkpoint to rebuild the list from; left out "
+        f"{_list_path(str(out))}: {DAMAGE[damage][1]}; no checkpoint readable here to rebuild the list from; left out "
         f"ckpt_1"]
     job = make_job(str(out), save_interval=10)
     with pytest.warns(RuntimeWarning, match=r"left out ckpt_1 \(.*index is not UTF-8 JSON"):

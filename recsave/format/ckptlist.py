@@ -159,8 +159,8 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
     if not ids and not garbled:  # nothing to rebuild from
         found = bool(listed or left_out) or problem != "is missing"
         if not (rewrite and listed):  # the file stands (loads report what is missing)
-            if left_out:  # not a fresh output dir: its only checkpoints are damaged, never "none yet"
-                _warn(f"{path}: {problem}; no committed checkpoint to rebuild the list from" +
+            if left_out:  # not a fresh output dir: its checkpoints are damaged or unreadable here, never "none yet"
+                _warn(f"{path}: {problem}; no checkpoint readable here to rebuild the list from" +
                       "".join(f"; left out {n} ({why})" for n, why in left_out.items()), warn,
                       None if rewrite else warned)
             return Listing(listed, found, problem if found else None, left_out=left_out)
