@@ -164,6 +164,13 @@ def test_preempted_right_after_restoring_an_older_checkpoint(tmp_path, restore_s
     third.manager.close()
 
 
+def _assert_restores(out: str, step: int) -> None:
+    """A restarted job (save_interval=2, max_keep=2) restores `step` from `out`."""
+    job = make_job(out, save_interval=2, max_keep=2)
+    assert job.manager.restore() == step
+    job.manager.close()
+
+
 def test_a_save_of_another_id_after_a_fallback_unlists_the_damaged_one(tmp_path, restore_signals):
     """Fallback past a damaged ckpt_8 to ckpt_6, then a save of ckpt_7 (a preemption): ckpt_8
     left listed made every restart refuse its autosave of step 8 as committed (a crash loop),
@@ -190,9 +197,7 @@ def test_a_save_of_another_id_after_a_fallback_unlists_the_damaged_one(tmp_path,
     third.train(1)  # step 8 saves anew
     assert _list(out) == ["ckpt_7", "ckpt_8"]
     third.manager.close()
-    fourth = make_job(out, save_interval=2, max_keep=2)
-    assert fourth.manager.restore() == 8
-    fourth.manager.close()
+    _assert_restores(out, 8)
 
 
 def test_a_restore_that_finds_every_checkpoint_damaged_lets_a_fresh_start_save_over_them(tmp_path, restore_signals):
@@ -217,9 +222,7 @@ def test_a_restore_that_finds_every_checkpoint_damaged_lets_a_fresh_start_save_o
     again.train(4)  # a fresh start: steps 2 and 4 save anew over the damaged ones
     assert _list(out) == ["ckpt_2", "ckpt_4"]
     again.manager.close()
-    third = make_job(out, save_interval=2, max_keep=2)
-    assert third.manager.restore() == 4
-    third.manager.close()
+    _assert_restores(out, 4)
 
 
 def test_a_fallback_never_skips_an_index_over_max_index_bytes(tmp_path, restore_signals):
