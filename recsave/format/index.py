@@ -10,7 +10,13 @@ import json
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave import gcpause, knobs
-from recsave.errors import CheckpointNotFoundError, FormatVersionError, OverLimitError, UsageError
+from recsave.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    OverLimitError,
+    UsageError,
+)
 from recsave.format import checks, seal
 from recsave.format import segments as bucket_rule
 from recsave.format.dtypes import from_name
@@ -545,6 +551,19 @@ def read(directory: str, storage: Optional[Storage] = None) -> Index:
     """Reads and validates `<directory>/index` (through `storage`, by default the one of
     `directory`), refusing one over the ``max_index_bytes`` knob before reading it."""
     return parse(*read_raw(directory, storage))
+
+
+def read_for_retention(directory: str, storage: Optional[Storage] = None) -> Optional[Index]:
+    """`read`, None when the index is gone, damaged or a newer recsave's: a checkpoint retention
+    knows no step or metrics of (kept by its other rules). An index over the knob max_index_bytes
+    here (OverLimitError, maybe intact) or a failed read (StorageError) raises: no answer, which
+    taken as "no metrics" would drop a best or every-n checkpoint from the selection."""
+    try:
+        return read(directory, storage)
+    except OverLimitError:
+        raise
+    except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
+        return None
 
 
 def read_raw(directory: str, storage: Optional[Storage] = None) -> Tuple[bytes, str]:

@@ -9,10 +9,6 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from recsave.argcheck import check
 from recsave.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    FormatVersionError,
-    OverLimitError,
     UsageError,
 )
 from recsave.format import index as index_mod
@@ -99,15 +95,8 @@ def recorded(storage: Storage, output_dir: str, ids: Sequence[str],
     indexes: Dict[str, Optional[Index]] = {}
 
     def index_of(ckpt: str) -> Optional[Index]:
-        if ckpt not in indexes:
-            try:
-                indexes[ckpt] = index_mod.read(storage.join(output_dir, ckpt), storage)
-            except OverLimitError:  # maybe intact, its step and metrics unknown here: no answer
-                raise
-            except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
-                indexes[ckpt] = None  # gone, damaged or newer: no step, no metrics
-            # A failed read (StorageError) propagates: taken as "no metrics", it would drop a best
-            # or every-n checkpoint from the selection, and gc would delete it.
+        if ckpt not in indexes:  # gone, damaged or newer: None; unreadable here: raises (gc deletes nothing)
+            indexes[ckpt] = index_mod.read_for_retention(storage.join(output_dir, ckpt), storage)
         return indexes[ckpt]
 
     # The callers pass ids whose index exists (gc drops stale ids first; ls leaves them out): a

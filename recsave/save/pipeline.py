@@ -15,8 +15,6 @@ from recsave import _C, knobs, threads
 from recsave.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    FormatVersionError,
     OverLimitError,
     UsageError,
     WriterLockedError,
@@ -620,13 +618,10 @@ class CheckpointWriter:
         (OverLimitError): without its step and metrics a best or every-n checkpoint would fall out
         of the selection and be deleted."""
         if ckpt_id not in self._facts:
-            try:
-                index = index_mod.read(self.storage.join(self.output_dir, ckpt_id), self.storage)
-                self._facts[ckpt_id] = (index.step, index.metrics)
-            except OverLimitError:
-                raise
-            except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
+            index = index_mod.read_for_retention(self.storage.join(self.output_dir, ckpt_id), self.storage)
+            if index is None:
                 return None, None
+            self._facts[ckpt_id] = (index.step, index.metrics)
         return self._facts[ckpt_id]
 
     def _written_by_newer(self, ckpt_id: str) -> bool:
