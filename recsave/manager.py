@@ -465,7 +465,7 @@ class CheckpointManager:
         saver.wait_for_pending()
 
         def committed() -> bool:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in saver.checkpoints()]
+            names = self._listed_ids()
             if ckpt_id is not None and ckpt_id not in names:
                 raise CheckpointNotFoundError(
                     f"{saver.output_dir}: no committed checkpoint {ckpt_id}; committed: {names or 'none'}",
@@ -496,13 +496,17 @@ class CheckpointManager:
             saver.prepare_async(pinned=self.async_mode == "async_pinned")
         return self._global_step
 
+    def _listed_ids(self) -> List[str]:
+        """The ids of the output dir's committed checkpoints, oldest first (Saver.checkpoints)."""
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.saver.checkpoints()]
+
     def _listed_steps_or_none(self) -> List[Optional[int]]:
         """The steps of the checkpoints listed in the output dir and of a pending async write (by
         their ids, ckpt_<step>; None for other ids); [] when the list cannot be read here (this
         save is then full: a rank's failure must not stop it alone before the save's collectives,
         and the save's vote makes every rank's save full when one asks for it)."""
         try:
-            ids = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.saver.checkpoints()]
+            ids = self._listed_ids()
         except (RecsaveError, OSError):
             return []
         pending = self.saver.pending_checkpoint
