@@ -442,12 +442,17 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
         return removed
     needed = chain.needed_by(storage, output_dir, keep, parents_of)
     for name in candidates:
-        # One read of the index decides: only a leftover without one, or an unkept valid one, goes.
-        if name not in needed and _index_state(storage, storage.join(output_dir, name),
-                                               intact_is_valid=name in pruned).kind in ("none", "valid"):
+        if name not in needed and _may_remove(storage, output_dir, name, intact_is_valid=name in pruned):
             remove(storage.join(output_dir, name))
             removed.append(name)
     return removed
+
+
+def _may_remove(storage: Storage, output_dir: str, name: str, intact_is_valid: bool = False) -> bool:
+    """One read of the index decides whether pruning may remove checkpoint directory `name`: only a
+    leftover without one, or one whose index is valid (a damaged or newer one stays)."""
+    return _index_state(storage, storage.join(output_dir, name), intact_is_valid=intact_is_valid).kind \
+        in ("none", "valid")
 
 
 def writers_files_in(storage: Storage, output_dir: str) -> bool:
@@ -468,8 +473,7 @@ def remove_rank_copies(storage: Storage, output_dir: str, names: Iterable[str],
     remove = remove or storage.remove_tree
     removed = []
     for name in names:
-        if looks_like_checkpoint(storage, output_dir, name) \
-                and _index_state(storage, storage.join(output_dir, name)).kind in ("none", "valid"):
+        if looks_like_checkpoint(storage, output_dir, name) and _may_remove(storage, output_dir, name):
             remove(storage.join(output_dir, name))
             removed.append(name)
     return removed
