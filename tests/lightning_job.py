@@ -5,6 +5,10 @@ the fit itself and its end state; also a child script for the SIGKILL test.
                                                   global batch K write "STEP EPOCH BATCH_IDX" (the
                                                   batch reached, not trained) to PROGRESS and SIGKILL
                                                   this process
+    python lightning_job.py term OUT K -          the same, sending SIGTERM (a preemption notice) at
+                                                  global batch K instead
+    python lightning_job.py term-epoch-end OUT E -  the same, sending SIGTERM from the module's
+                                                  on_train_epoch_end of epoch E
 """
 from __future__ import annotations
 
@@ -70,12 +74,13 @@ class Module(pl.LightningModule):
     """The helpers' CTR model; dense Adam from configure_optimizers, sparse Adagrad stepped by hand."""
 
     def __init__(self, sampler: ResumableSampler, fail_at: Optional[int] = None, kill_at: Optional[int] = None,
-                 progress: Optional[str] = None):
+                 progress: Optional[str] = None, term_at_epoch_end: Optional[int] = None):
         super().__init__()
         self.automatic_optimization = False  # the sparse optimizer is not a torch optimizer
         self.model = CTR(seed=3)
         self.sparse_opt = SparseAdagrad(self.model, lr=0.05, initial_accumulator_value=0.1)
         self.sampler, self.fail_at, self.kill_at, self.progress = sampler, fail_at, kill_at, progress
+        self.term_at_epoch_end = term_at_epoch_end
         self.seen: List[Tuple[int, int, int, List[int]]] = []  # (global step, epoch, batch_idx, samples)
 
     def training_step(self, batch, batch_idx):
@@ -98,19 +103,27 @@ class Module(pl.LightningModule):
         self.sampler.advance(self.current_epoch, batch_idx)
         return loss
 
+    def on_train_epoch_end(self):
+        # A preemption notice during epoch-end work (e.g. a metric over the whole epoch): after
+        # the callback's on_train_epoch_end, which Lightning calls before the module's.
+        if self.term_at_epoch_end == self.current_epoch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def configure_optimizers(self):
         return torch.optim.Adam(self.model.parameters(), lr=1e-2)
 
 
 def fit(output_dir: str, fail_at: Optional[int] = None, save_interval: int = INTERVAL, *,
-        kill_at: Optional[int] = None, progress: Optional[str] = None, close: bool = True):
+        kill_at: Optional[int] = None, progress: Optional[str] = None, term_at_epoch_end: Optional[int] = None,
+        close: bool = True):
     """A 4-epoch fit autosaving every `save_interval` steps into `output_dir` (resuming from it when
-    it holds a checkpoint); it raises at global batch `fail_at`, or SIGKILLs itself at `kill_at`.
+    it holds a checkpoint); it raises at global batch `fail_at`, or SIGKILLs itself at `kill_at`
+    (SIGTERM with progress="SIGTERM"), or SIGTERMs itself at the end of epoch `term_at_epoch_end`.
     With `close` the Saver is closed after the fit, as a careful script does; without, only the
     callback releases it."""
     torch.manual_seed(0)
     sampler = ResumableSampler(N_SAMPLES, BATCH)
-    module = Module(sampler, fail_at, kill_at, progress)
+    module = Module(sampler, fail_at, kill_at, progress, term_at_epoch_end)
     saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=output_dir, max_keep=2)
     saver.register_io_state("sampler", sampler)
     callback = RecsaveCallback(CheckpointManager(saver, save_interval))
@@ -147,7 +160,10 @@ if __name__ == "__main__":
 
     warnings.filterwarnings("ignore")  # Lightning's tips and "not resumable" warnings
     command, out, kill_at, progress = sys.argv[1:]
-    if command not in ("kill", "term"):
+    if command == "term-epoch-end":
+        fit(out, term_at_epoch_end=int(kill_at))
+    elif command in ("kill", "term"):
+        fit(out, kill_at=int(kill_at), progress="SIGTERM" if command == "term" else progress)
+    else:
         sys.exit(f"unknown command {command!r}")
-    fit(out, kill_at=int(kill_at), progress="SIGTERM" if command == "term" else progress)
     sys.exit("the fit ended without being killed")

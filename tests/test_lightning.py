@@ -96,6 +96,26 @@ def test_a_fit_sent_sigterm_saves_exits_143_and_resumes_equal(tmp_path, referenc
     assert_resumed_equal(reference, resumed, trainer, callback, saved)
 
 
+def run_child(*args: str) -> subprocess.CompletedProcess:
+    """A child Python (a script path or ``-c`` and its code) with tests/ on its path."""
+    env = dict(os.environ, RECSAVE_FSYNC="0", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_fit_sent_sigterm_in_on_train_epoch_end_saves_exits_143_and_resumes_equal(tmp_path, reference):
+    """The module's on_train_epoch_end runs after every callback hook of the epoch; Lightning then
+    ends the fit (SIGTERMException: exit 0, and the autosave of step 98 the latest). The
+    callback's on_exception saves the end of the epoch (step 100) and makes the exit 143; a
+    restart begins the next epoch and ends equal to an uninterrupted fit."""
+    out = tmp_path / "run"
+    child = run_child(os.path.join(HERE, "lightning_job.py"), "term-epoch-end", str(out), "1", "-")
+    assert child.returncode == 143, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
+    assert (out / "checkpoint").read_text().split() == ["ckpt_98", "ckpt_100"]
+    resumed, trainer, callback = fit(str(out))
+    assert_resumed_equal(reference, resumed, trainer, callback, 100)
+
+
 _SIGTERM_IN_VALIDATION = """
 import os, signal, sys, warnings
 warnings.filterwarnings("ignore")
@@ -119,6 +139,10 @@ class Module(J.Module):
         if sys.argv[2] == "on_validation_epoch_end":
             self.term()
 
+    def on_validation_end(self):  # after the callback's on_validation_end
+        if sys.argv[2] == "on_validation_end":
+            self.term()
+
 sampler = J.ResumableSampler(J.N_SAMPLES, J.BATCH)
 module = Module(sampler)
 saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=sys.argv[1], max_keep=2)
@@ -132,11 +156,12 @@ trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(J.dataset(), b
 """
 
 
-@pytest.mark.parametrize("where", ["validation_step", "on_validation_epoch_end"])
+@pytest.mark.parametrize("where", ["validation_step", "on_validation_epoch_end", "on_validation_end"])
 def test_a_fit_sent_sigterm_during_validation_saves_and_exits_143(tmp_path, where):
     """Lightning ends a validation loop on SIGTERM right after the batch, or the fit right after
     validation (exit 0, nothing saved); the callback saves the fit's state first and raises
-    Preempted."""
+    Preempted (a signal in the module's on_validation_end, after the callback's: saves in
+    on_exception of the SIGTERMException Lightning raises next, exit 143 as well)."""
     out = tmp_path / "run"
     env = dict(os.environ, RECSAVE_FSYNC="0", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = subprocess.run([sys.executable, "-c", _SIGTERM_IN_VALIDATION, str(out), where], env=env,

@@ -19,8 +19,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("recsave.lightning needs the `lightning` package: pip install 'recsave[lightning]' "
                       "(or pip install lightning)") from exc
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 from recsave.argcheck import check
-from recsave.errors import UsageError
+from recsave.errors import Preempted, UsageError
 from recsave.manager import CheckpointManager
 from recsave.storage import dist
 
@@ -92,6 +94,9 @@ class RecsaveCallback(pl.Callback):
     - ``on_validation_batch_end`` / ``on_validation_end`` (during fit, in a single process): the
       same for a preemption signal that arrives while validation runs.
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
+    - ``on_exception``: on Lightning's SIGTERMException (its stop on SIGTERM where no hook of this
+      callback follows, e.g. after the module's ``on_train_epoch_end``), in a single process,
+      saves the preempted state and sets the exit status to 143.
     - ``on_exception`` / ``teardown`` of the fit: waits for a background write, then closes the
       Saver (its writer lock released; the next save takes it again), so a fit retried in this
       process with a new Saver of the same output dir can write.
@@ -197,11 +202,29 @@ class RecsaveCallback(pl.Callback):
             self.manager.wait()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        try:  # let a background write of the last autosave finish; the fit's own error is what counts
-            self.manager.wait()
-        except Exception as exc:  # reported as a warning: it must not hide `exception`
-            log.warning("%s: the last background save failed too: %s", self.manager.saver.output_dir, exc)
-        self._release()
+        try:
+            if isinstance(exception, SIGTERMException):
+                self._save_at_sigterm_stop(trainer, exception)
+        finally:
+            try:  # let a background write of the last autosave finish; the fit's own error is what counts
+                self.manager.wait()
+            except Exception as exc:  # reported as a warning: it must not hide `exception`
+                log.warning("%s: the last background save failed too: %s", self.manager.saver.output_dir, exc)
+            self._release()
+
+    def _save_at_sigterm_stop(self, trainer: pl.Trainer, stop: SIGTERMException) -> None:
+        """Lightning also stops a fit on SIGTERM where no hook of this callback follows the signal
+        (after the module's on_train_epoch_end or on_validation_end, between batches), with exit
+        status 0 and the state since the last save lost. The manager saves that state now and the
+        status becomes Preempted's 143. Not raised from here: Lightning's other on_exception hooks,
+        its loggers' finalize and its teardown still run before it re-raises `stop`."""
+        if trainer.state.fn != "fit" or not self.manager.save_on_preemption or dist.group()[1] > 1:
+            return  # several ranks may stop at different points: a collective save could hang
+        self.manager.global_step = trainer.global_step
+        try:
+            self.manager.check_preemption()  # saves ckpt_<step> (or finds it saved) and raises
+        except Preempted as preempted:
+            stop.code = preempted.code
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.trainer = None
