@@ -10,6 +10,7 @@ import pickle
 import signal
 import subprocess
 import sys
+from typing import List
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ from helpers import CTR, assert_obj_equal, assert_states_equal, model_state  # n
 from lightning_job import BATCH, EPOCHS, INTERVAL, N_SAMPLES, Module, ResumableSampler, dataset, fit, state  # noqa: E402
 
 from recsave import CheckpointManager, Saver  # noqa: E402
-from recsave.errors import ArgumentTypeError  # noqa: E402
+from recsave.errors import ArgumentTypeError, UsageError  # noqa: E402
 from recsave.lightning import RecsaveCallback  # noqa: E402
+from recsave.tools.catalog import list_checkpoints  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAIL_AT = 123       # global batch that raises: epoch 2, batch 23; the last save is step 119 (batch 19)
@@ -245,6 +247,82 @@ def test_fresh_fit_saves_every_interval_and_at_the_end(tmp_path):
     assert trainer.global_step == 200
 
 
+VAL_AUC = [0.5, 0.875, 0.75, 0.625]  # logged at the end of each epoch's validation (exact in float32)
+
+
+class ValidatedModule(Module):
+    """The fit's module with a validation at each epoch's end that logs auc[epoch] as `metric`."""
+
+    def __init__(self, sampler: ResumableSampler, metric: str, auc: List[float]):
+        super().__init__(sampler)
+        self.metric, self.auc = metric, auc
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def on_validation_epoch_end(self):
+        self.log(self.metric, self.auc[self.current_epoch])
+
+
+def monitored_fit(output_dir: str, logged: str = "val_auc", auc: List[float] = VAL_AUC) -> RecsaveCallback:
+    """A 4-epoch fit (a sanity check, then validation at each epoch's end: global steps 50, 100,
+    150, 200) autosaving every 25 steps, keeping the latest and the 2 best by val_auc."""
+    torch.manual_seed(0)
+    sampler = ResumableSampler(N_SAMPLES, BATCH)
+    module = ValidatedModule(sampler, logged, auc)
+    saver = Saver(module, sparse_optim=module.sparse_opt, output_dir=output_dir, max_keep=1)
+    saver.register_io_state("sampler", sampler)
+    manager = CheckpointManager(saver, 25, keep_best=2, best_metric="val_auc", best_mode="max")
+    callback = RecsaveCallback(manager, monitor="val_auc")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=2, limit_val_batches=2)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
+    try:
+        trainer.fit(module, train_dataloaders=loader, val_dataloaders=torch.utils.data.DataLoader(dataset(), 64))
+    finally:
+        saver.close()
+    return callback
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("error:.*not recorded:RuntimeWarning")
+def test_monitor_records_each_validation_metric_and_keep_best_ranks_them(tmp_path):
+    """Each validation's end saves its step with {monitor: value}; the step's autosave is left to
+    that save (saved first, it would take the id and the manager could not record the metric:
+    "not recorded" warning, made an error here); the sanity check saves nothing; other autosaves
+    and the end-of-training save go on."""
+    out = str(tmp_path / "run")
+    callback = monitored_fit(out)
+    assert [p.rsplit("/", 1)[-1] for p in callback.saved] == [f"ckpt_{s}" for s in range(25, 201, 25)]
+    listed = {c["id"]: (c["metrics"], c["kept"]) for c in list_checkpoints(out)}
+    # ckpt_50 (0.5) and the autosaves without metrics are pruned: 0.875 and 0.75 are the 2 best.
+    assert listed == {"ckpt_100": ({"val_auc": 0.875}, ["best"]), "ckpt_150": ({"val_auc": 0.75}, ["best"]),
+                      "ckpt_200": ({"val_auc": 0.625}, ["latest"])}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_monitor_of_a_metric_not_logged_raises_naming_the_logged_ones(tmp_path):
+    out = str(tmp_path / "run")
+    with pytest.raises(UsageError, match=r"^RecsaveCallback\(monitor='val_auc'\): the validation that ended at "
+                                         r"global step 50 logged no 'val_auc' \(trainer.callback_metrics has "
+                                         r"\['val_loss'\]\); log it with self.log\('val_auc', ...\)"):
+        monitored_fit(out, logged="val_loss")
+    assert [c["id"] for c in list_checkpoints(out)] == ["ckpt_25"]  # step 50's save was validation's
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_monitor_of_a_nan_saves_without_metrics(tmp_path, caplog):
+    """The manager refuses a NaN metric (an index stores finite numbers): the save goes on without
+    it, so the checkpoint is never kept as best, as ModelCheckpoint ranks a NaN last."""
+    out = str(tmp_path / "run")
+    monitored_fit(out, auc=VAL_AUC[:3] + [float("nan")])
+    listed = {c["id"]: (c["metrics"], c["kept"]) for c in list_checkpoints(out)}
+    assert listed == {"ckpt_100": ({"val_auc": 0.875}, ["best"]), "ckpt_150": ({"val_auc": 0.75}, ["best"]),
+                      "ckpt_200": (None, ["latest"])}
+    assert "val_auc is nan at global step 200: ckpt_200 is saved without metrics" in caplog.text
+
+
 def lightning_fit(module: Module, root, *, max_epochs: int, callbacks=(), ckpt_path=None, weights_only=None):
     """A plain Lightning fit of `module` with Lightning's own ModelCheckpoint on (under `root`)."""
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=list(callbacks),
@@ -341,3 +419,18 @@ def test_arguments_are_checked(tmp_path):
         RecsaveCallback(saver)  # a Saver, not a CheckpointManager
     with pytest.raises(ArgumentTypeError):
         RecsaveCallback(CheckpointManager(saver, 5), restore=1)
+
+
+def test_monitor_must_be_the_metric_keep_best_ranks_by(tmp_path):
+    def manager(name: str, **kw) -> CheckpointManager:
+        return CheckpointManager(Saver(CTR(), output_dir=str(tmp_path / name)), 5, **kw)
+    with pytest.raises(ArgumentTypeError, match="monitor must be a str or None"):
+        RecsaveCallback(manager("a"), monitor=1)
+    with pytest.raises(UsageError, match="monitor must be a metric name or None, got ''"):
+        RecsaveCallback(manager("b"), monitor="")
+    with pytest.raises(UsageError, match=r"^RecsaveCallback: monitor='val_loss', but the manager's keep_best "
+                                         r"ranks by 'auc'; give monitor='auc', or best_metric='val_loss' to"):
+        RecsaveCallback(manager("c", keep_best=1, best_metric="auc", best_mode="max"), monitor="val_loss")
+    with pytest.warns(RuntimeWarning, match=r"keeps the 2 best checkpoints by 'auc', but no monitor is given"):
+        RecsaveCallback(manager("d", keep_best=2, best_metric="auc"))
+    assert RecsaveCallback(manager("e"), monitor="val_loss").monitor == "val_loss"  # recorded, not ranked

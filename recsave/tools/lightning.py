@@ -11,6 +11,8 @@ the *data* continues is the job of the user's reader / sampler, registered as io
 from __future__ import annotations
 
 import logging
+import math
+import warnings
 from typing import Any, Dict, List, Optional
 
 try:
@@ -19,6 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("recsave.lightning needs the `lightning` package: pip install 'recsave[lightning]' "
                       "(or pip install lightning)") from exc
 
+import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from recsave.argcheck import check
@@ -93,6 +96,12 @@ class RecsaveCallback(pl.Callback):
       accumulation) acts on a preemption signal too.
     - ``on_validation_batch_end`` / ``on_validation_end`` (during fit, in a single process): the
       same for a preemption signal that arrives while validation runs.
+    - With ``monitor`` (a metric name, as ModelCheckpoint's): ``on_validation_end`` of a fit (not
+      the sanity check) saves ``ckpt_<trainer.global_step>`` with ``metrics={monitor: value}``
+      from ``trainer.callback_metrics``, which the manager's keep_best ranks (its best_metric and
+      best_mode; a different best_metric is a UsageError). The autosave of a step that validation
+      follows is left to that save. A metric not logged raises UsageError; a NaN / inf one saves
+      without metrics (never ranked best).
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
     - ``on_exception``: on Lightning's SIGTERMException (its stop on SIGTERM where no hook of this
       callback follows, e.g. after the module's ``on_train_epoch_end``), in a single process,
@@ -108,14 +117,17 @@ class RecsaveCallback(pl.Callback):
     """
 
     def __init__(self, manager: CheckpointManager, *, restore: bool = True, global_step: Optional[int] = None,
-                 save_on_train_end: bool = True, fallback: bool = True, name: str = LIGHTNING_STATE):
+                 save_on_train_end: bool = True, fallback: bool = True, name: str = LIGHTNING_STATE,
+                 monitor: Optional[str] = None):
         check(manager, CheckpointManager, "manager", "RecsaveCallback", expected="a recsave.CheckpointManager")
         check(restore, bool, "restore", "RecsaveCallback")
         check(global_step, int, "global_step", "RecsaveCallback", optional=True)
         check(save_on_train_end, bool, "save_on_train_end", "RecsaveCallback")
         check(fallback, bool, "fallback", "RecsaveCallback")
         check(name, str, "name", "RecsaveCallback")
-        self.manager = manager
+        check(monitor, str, "monitor", "RecsaveCallback", optional=True)
+        _check_monitor(manager, monitor)
+        self.manager, self.monitor = manager, monitor
         self.restore, self.global_step, self.fallback = restore, global_step, fallback
         self.save_on_train_end, self.name = save_on_train_end, name
         self.trainer: Optional[pl.Trainer] = None
@@ -163,6 +175,15 @@ class RecsaveCallback(pl.Callback):
             if self.manager.save_on_preemption:
                 self.manager.check_preemption()
             return
+        if self.monitor is not None and _validates_after_this_batch(trainer):
+            # Validation's end saves ckpt_<step> with the monitored metric: an autosave here would
+            # take that id first, and an index never changes (the metric then went unrecorded).
+            # That save also restarts save_interval_seconds; a preemption is acted on now, at the
+            # point where step() would have agreed on it with the other ranks.
+            self.manager.global_step = step
+            if self.manager.save_on_preemption:
+                self.manager.check_preemption()
+            return
         # The manager's own step() decides, as in a plain loop: save_interval, save_interval_seconds
         # and a preemption signal (save ckpt_<step>, wait, raise Preempted: exit 143).
         self.manager.global_step = step - 1
@@ -177,9 +198,41 @@ class RecsaveCallback(pl.Callback):
         self._preempted_in_validation(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._save_monitored(trainer)
         # A signal after the last batch's hook (e.g. in on_validation_epoch_end) is acted on by the
         # training loop right after validation, before the next on_train_batch_end.
         self._preempted_in_validation(trainer)
+
+    def _save_monitored(self, trainer: pl.Trainer) -> None:
+        """Saves ckpt_<global step> recording the monitored metric (every rank: a collective)."""
+        self.manager.global_step = trainer.global_step
+        path = self.manager.save(wait=False, metrics=self._monitored(trainer))
+        if path not in self.saved:
+            self.saved.append(path)
+
+    def _monitored(self, trainer: pl.Trainer) -> Optional[Dict[str, float]]:
+        """{monitor: value} from trainer.callback_metrics; None for a NaN / inf value. UsageError
+        on every rank when a rank lacks the metric (raised on one rank alone, the others would
+        wait in the save's collectives)."""
+        assert self.monitor is not None
+        value = trainer.callback_metrics.get(self.monitor)
+        missing = dist.max_over_ranks([int(value is None)], dist.group()[1],
+                                      f"RecsaveCallback: agreeing whether {self.monitor!r} was logged")[0]
+        if missing:
+            raise UsageError(f"RecsaveCallback(monitor={self.monitor!r}): the validation that ended at global "
+                             f"step {trainer.global_step} logged no {self.monitor!r}"
+                             f"{'' if value is None else ' on another rank'} (trainer.callback_metrics has "
+                             f"{sorted(trainer.callback_metrics)}); log it with self.log({self.monitor!r}, "
+                             f"...) in validation_step or on_validation_epoch_end, or monitor a logged metric",
+                             key="monitor")
+        number = _scalar(self.monitor, value)
+        if not math.isfinite(number):
+            log.warning("%s: %s is %s at global step %d: ckpt_%d is saved without metrics (keep_best never "
+                        "keeps it as best)", self.manager.saver.output_dir, self.monitor, number,
+                        trainer.global_step, trainer.global_step)
+            return None
+        return {self.monitor: number}
 
     def _preempted_in_validation(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != "fit" or trainer.sanity_checking or not self.manager.save_on_preemption:
@@ -240,3 +293,43 @@ class RecsaveCallback(pl.Callback):
             self.manager.saver.close()
         except Exception as exc:  # a write already reported (on_train_end, on_exception waited for it)
             log.warning("%s: closing the Saver after the fit: %s", self.manager.saver.output_dir, exc)
+
+
+def _check_monitor(manager: CheckpointManager, monitor: Optional[str]) -> None:
+    """The metric saved must be the one keep_best ranks by (its best_mode gives the direction):
+    another name leaves every checkpoint unranked, and keep_best keeps none."""
+    if monitor == "":
+        raise UsageError("RecsaveCallback: monitor must be a metric name or None, got ''", key="monitor")
+    retention = manager.saver.retention
+    if not retention.keep_best:
+        return
+    if monitor is None:
+        warnings.warn(f"RecsaveCallback: the manager keeps the {retention.keep_best} best checkpoints by "
+                      f"{retention.best_metric!r}, but no monitor is given, so no save of the fit records it; "
+                      f"give monitor={retention.best_metric!r}", RuntimeWarning, stacklevel=3)
+    elif monitor != retention.best_metric:
+        raise UsageError(f"RecsaveCallback: monitor={monitor!r}, but the manager's keep_best ranks by "
+                         f"{retention.best_metric!r}; give monitor={retention.best_metric!r}, or "
+                         f"best_metric={monitor!r} to the CheckpointManager", key="monitor")
+
+
+def _validates_after_this_batch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning runs validation right after the training batch that just ended: its own
+    decision, from its training loop (private API, tested with Lightning 2.6; elsewhere False, and
+    a step autosaved before validation cannot record the metric: the manager warns)."""
+    loop, fetcher = trainer.fit_loop.epoch_loop, getattr(trainer.fit_loop, "_data_fetcher", None)
+    try:
+        validates = loop._should_check_val_fx(fetcher)  # type: ignore[arg-type]  # noqa: SLF001 (see above)
+        return bool(validates) and not loop._skip_next_val  # noqa: SLF001 (see above)
+    except (AttributeError, TypeError):
+        return False
+
+
+def _scalar(name: str, value: Any) -> float:
+    """A logged metric (a one-element tensor or a number) as a float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise UsageError(f"RecsaveCallback: monitored metric {name!r} is a tensor of shape "
+                             f"{tuple(value.shape)}; log a scalar", key="monitor")
+        return float(value.item())
+    return float(value)
