@@ -9,6 +9,7 @@ from recsave.errors import (
                             ConfigError,
                             CorruptCheckpointError,
                             FormatVersionError,
+                            IncompleteCheckpointError,
                             OverLimitError,
                             Preempted,
                             RankFailedError,
@@ -37,7 +38,8 @@ __all__ = [
     "Saver", "CheckpointManager", "LoadReport", "export_serving",
     "LoadedItem", "errors", "knobs", "partition", "__version__", "RecsaveError",
     "CheckpointExistsError", "CheckpointNotFoundError", "ConfigError", "CorruptCheckpointError",
-    "FormatVersionError", "OverLimitError", "ShapeMismatchError", "StorageError", "UsageError", "WriterLockedError",
+    "FormatVersionError", "IncompleteCheckpointError", "OverLimitError", "ShapeMismatchError", "StorageError",
+    "UsageError", "WriterLockedError",
     "RankFailedError", "ArgumentTypeError", "Preempted", "SaveInfo", "compact",
     "describe",
 ]

@@ -12,6 +12,7 @@ __all__ = [
     "RecsaveError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "IncompleteCheckpointError",
     "OverLimitError",
     "FormatVersionError",
     "CheckpointExistsError",
@@ -50,6 +51,15 @@ class CheckpointExistsError(RecsaveError, FileExistsError):
 class CorruptCheckpointError(RecsaveError, ValueError):
     """Bytes on disk disagree with the index: a checksum mismatch, a truncated file, a header or
     offset out of bounds, an index that does not parse. Restore from another checkpoint."""
+
+
+class IncompleteCheckpointError(CheckpointNotFoundError, CorruptCheckpointError):
+    """A file the checkpoint's committed index lists is missing: the checkpoint exists but is
+    damaged (incomplete); restore from another checkpoint. A CheckpointNotFoundError (and so a
+    FileNotFoundError), as it was before it had a class of its own, so that ``except`` clauses
+    written for a missing file keep catching it; also a CorruptCheckpointError, since the bytes
+    on disk disagree with the index as much as for a truncated file: the command line reports it
+    as damage found (exit 1), never as "no such checkpoint" (exit 2)."""
 
 
 class OverLimitError(CorruptCheckpointError):

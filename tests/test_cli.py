@@ -322,9 +322,9 @@ def test_inspect_json(output_dir, capsys):
     assert main(["inspect", "--json", str(output_dir)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert sorted(doc) == ["base", "bytes", "chain", "created_at", "dense", "extras", "format_version", "io_states",
-                           "kind", "parent", "partition", "path", "recsave_version", "sealed", "shards", "step",
-                           "tables", "world_size"]
-    assert doc["sealed"] is True
+                           "kind", "missing", "parent", "partition", "path", "recsave_version", "sealed", "shards",
+                           "step", "tables", "world_size"]
+    assert doc["sealed"] is True and doc["missing"] == []
     assert (doc["kind"], doc["parent"], doc["base"], doc["chain"]) == ("full", None, "ckpt_4", ["ckpt_4"])
     assert doc["path"] == str(output_dir / "ckpt_4") and doc["step"] == 4 and doc["world_size"] == 1
     assert sorted(doc["tables"]) == ["item", "user"]
@@ -406,6 +406,58 @@ def test_exit_codes_from_a_subprocess(output_dir, tmp_path):
         assert res.returncode == 1, (cmd, res.stdout, res.stderr)
     assert run_cli("export", str(ckpt), str(tmp_path / "out")).returncode == 1
     assert not (tmp_path / "out").exists()
+
+
+# command -> its arguments after the checkpoint (tmp_path / "dst" is where a command writes)
+READERS = {
+    "inspect": [], "verify": [], "export": ["dst"], "export-serving": ["dst"], "compact": ["dst"],
+    "convert": ["dst.pt", "--to", "torch"],
+}
+
+
+@pytest.mark.parametrize("cmd", sorted(READERS))
+def test_a_file_the_index_lists_gone_is_damage_for_every_command(output_dir, tmp_path, capsys, cmd):
+    """A shard of ckpt_4 deleted: inspect exited 0, export-serving and compact 2 (as for no such
+    checkpoint), export and convert 3 (an I/O error of the file they write), verify 1. It is
+    damage of a checkpoint that exists: exit 1 everywhere, IncompleteCheckpointError where a
+    command stops on it, and nothing left where a command writes."""
+    ckpt = output_dir / "ckpt_4"
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    shard.unlink()
+    argv = [cmd, str(ckpt), *(str(tmp_path / a) if a.startswith("dst") else a for a in READERS[cmd])]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    if cmd == "inspect":
+        assert f"MISSING  {shard}: listed in the index; the checkpoint is incomplete" in out and err == ""
+    elif cmd == "verify":
+        assert f"BAD  {shard}: file listed in the index is missing" in out
+    else:
+        assert err == f"recsave: error: {shard}: file listed in the index is missing; the checkpoint is " \
+                      f"incomplete — restore from another checkpoint\n"
+    assert not any(p.name.startswith("dst") for p in tmp_path.iterdir())
+    if cmd in ("inspect", "compact"):  # the two that stop on it, with --json too
+        assert main([argv[0], "--json", *argv[1:]]) == 1
+        doc = json.loads(capsys.readouterr().out)
+        if cmd == "inspect":
+            assert doc["missing"] == [str(shard)] and doc["path"] == str(ckpt)
+        else:
+            assert doc["error"]["type"] == "IncompleteCheckpointError" and doc["error"]["exit_code"] == 1
+
+
+def test_a_missing_listed_file_keeps_its_old_except_clauses_and_is_damage():
+    """IncompleteCheckpointError: caught as before by `except CheckpointNotFoundError` and
+    `except FileNotFoundError`, and as damage by `except CorruptCheckpointError`."""
+    assert issubclass(recsave.IncompleteCheckpointError, recsave.CheckpointNotFoundError)
+    assert issubclass(recsave.IncompleteCheckpointError, FileNotFoundError)
+    assert issubclass(recsave.IncompleteCheckpointError, recsave.CorruptCheckpointError)
+    assert not issubclass(recsave.CheckpointNotFoundError, recsave.CorruptCheckpointError)
+
+
+def test_a_checkpoint_that_is_not_there_is_still_not_found(output_dir, tmp_path, capsys):
+    """Exit 2 stays "no such checkpoint": an id that is not there at all."""
+    for argv in (["inspect", str(output_dir / "ckpt_9")], ["compact", str(output_dir / "ckpt_9"), str(tmp_path / "d")]):
+        assert main([argv[0], "--json", *argv[1:]]) == 2
+        assert json.loads(capsys.readouterr().out)["error"]["type"] == "CheckpointNotFoundError"
 
 
 def test_verify_of_a_checkpoint_with_its_index_deleted_is_damage(output_dir, capsys):

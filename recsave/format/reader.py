@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from recsave import knobs
-from recsave.errors import CheckpointNotFoundError, ConfigError, UsageError
+from recsave.errors import CheckpointNotFoundError, ConfigError, IncompleteCheckpointError, UsageError
 from recsave.format import checks, header
 from recsave.format import index as index_mod
 from recsave.format.records import Chunk, Index, TensorEntry
@@ -71,9 +71,11 @@ def check_listed_file(ckpt_dir: str, fname: str, index: Index,
     return path
 
 
-def _missing(path: str) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(f"{path}: file listed in the index is missing; the checkpoint is "
-                                   f"incomplete — restore from another checkpoint", path=path)
+def _missing(path: str) -> IncompleteCheckpointError:
+    # Damage of a checkpoint that exists, not an absent one: its own class tells the two apart
+    # (the command line exits 1 for it, 2 for "no such checkpoint").
+    return IncompleteCheckpointError(f"{path}: file listed in the index is missing; the checkpoint is "
+                                     f"incomplete — restore from another checkpoint", path=path)
 
 
 def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
@@ -93,7 +95,8 @@ def read_tensors(ckpt_dir: str, names: Optional[Iterable[str]] = None, *,
     instead of allocating — e.g. a table's own storage. `checked`, shared by calls reading one
     checkpoint with the same `index`, keeps the files whose size and header were checked, so a
     later call reads neither again (on object stores a HEAD and two ranged GETs per file). Raises
-    CheckpointNotFoundError, CorruptCheckpointError (incl. FormatVersionError) or ConfigError for a
+    CheckpointNotFoundError (IncompleteCheckpointError for a file the index lists that is missing),
+    CorruptCheckpointError (incl. FormatVersionError) or ConfigError for a
     name the checkpoint does not have.
     """
     storage = storage or get_storage(ckpt_dir)

@@ -12,7 +12,7 @@ import time
 from typing import IO, Any, Iterator, List, Optional, Tuple
 
 from recsave import _C, knobs
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, RecsaveError
 from recsave.storage.base import Commits, ShardContent, ShardReader, Storage, os_error, over_limit
 
 # An empty file younger than this may be one create_exclusive is still filling.
@@ -155,6 +155,12 @@ class LocalStorage(Storage):
             os.replace(temp, path)
             if durable:
                 _C.fsync_directory(os.path.dirname(path) or ".")
+        except RecsaveError:
+            # recsave's own error, raised by the block (a source file it reads is missing, a
+            # StorageError of that read) or by the engine's fsync: it says what failed already;
+            # taken for a failed write, a missing file of the source read as an I/O error here.
+            self.remove_file(temp)
+            raise
         except OSError as exc:
             self.remove_file(temp)
             raise os_error(exc, path, "writing") from exc

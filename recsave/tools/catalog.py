@@ -91,8 +91,9 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
 
 
 def describe(ckpt: str, tool: str = "describe") -> Dict[str, Any]:
-    """What a checkpoint holds, from its index alone. `tool`: the command named when `ckpt` is no
-    checkpoint (a CLI command describing its source first)."""
+    """What a checkpoint holds, from its index, and `missing`: the files its index (or a chain
+    member's) lists that are not there (one listing per directory). `tool`: the command named when
+    `ckpt` is no checkpoint (a CLI command describing its source first)."""
     argcheck.path(ckpt, "ckpt", tool)
     src = open_source(ckpt)
     require_checkpoint(src, ckpt, tool)
@@ -123,7 +124,20 @@ def describe(ckpt: str, tool: str = "describe") -> Dict[str, Any]:
         "extras": list(index.meta.extras) if index.meta is not None else [],
         "io_states": list(index.meta.io_states) if index.meta is not None else [],
         "bytes": _own_bytes(src.storage, src.ckpt_dir, index),
+        "missing": _missing_files(src),
     }
+
+
+def _missing_files(src: CheckpointSource) -> List[str]:
+    """Paths of the files that the index of `src` or of a member of its chain lists and that are
+    not there, base first: such a checkpoint is damaged (incomplete). Names only, from one listing
+    per directory: sizes and checksums are verify's."""
+    members = [src.member_source(m) for m in src.members] if isinstance(src, ChainSource) else [src]
+    missing: List[str] = []
+    for member in members:
+        present = set(member.storage.listdir(member.ckpt_dir))
+        missing += [member.storage.join(member.ckpt_dir, f) for f in sorted(member.index.files) if f not in present]
+    return missing
 
 
 def _own_bytes(storage: Storage, ckpt_dir: str, index: index_mod.Index) -> int:

@@ -236,9 +236,12 @@ def _inspect(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import describe
 
     d = describe(args.ckpt, tool="inspect")
+    # A file the index lists that is gone is damage of this checkpoint (exit 1), as verify and
+    # every command reading that file find it; "no such checkpoint" (exit 2) is for a path with none.
+    code = EXIT_DAMAGED if d["missing"] else EXIT_OK
     if args.json:
         _print_json(d)
-        return EXIT_OK
+        return code
     kind = "" if d["kind"] == "full" else f" ({d['kind']})"
     seal = "" if d["sealed"] else " (index not sealed: written before recsave sealed its indexes)"
     print(f"{d['path']}: step {d['step']}, {d['world_size']} rank(s), format {d['format_version']}{kind}, "
@@ -253,7 +256,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"shards: {d['shards']['files']} file(s), {_human(d['shards']['bytes'])}")
     print(f"dense ({len(d['dense'])}): {', '.join(d['dense']) or '-'}")
     print(f"extras: {', '.join(d['extras']) or '-'}; io states: {', '.join(d['io_states']) or '-'}")
-    return EXIT_OK
+    for path in d["missing"]:
+        print(f"MISSING  {path}: listed in the index; the checkpoint is incomplete — restore from another checkpoint")
+    return code
 
 
 @command("verify", "check every file and checksum of a checkpoint (exit 0 intact, 1 damaged)", _ckpt_argument)
