@@ -301,13 +301,17 @@ def test_repair_of_a_lost_list_with_only_a_damaged_directory_exits_1_in_text_and
 @pytest.mark.parametrize("damage", ["deleted", "emptied"])
 def test_a_lost_list_with_only_damaged_directories_is_not_a_fresh_output_dir(tmp_path, capsys, damage):
     """Nothing to rebuild the list from but a directory whose index is damaged: `recsave ls` said
-    "no committed checkpoint" and restore() started at step 0, both without a word about it."""
+    "no committed checkpoint" and restore() started at step 0, both without a word about it. ls
+    names the directory left out and exits 1, as repair does."""
     out = tmp_path / "run"
     _one_damaged_checkpoint(out)
     _damage(str(out), damage)
     with pytest.warns(RuntimeWarning) as caught:
-        assert cli_main(["ls", str(out)]) == 0
-    assert capsys.readouterr().out == f"{out}: no committed checkpoint\n"
+        assert cli_main(["ls", str(out)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{out}: no committed checkpoint" and len(lines) == 2
+    assert lines[1].startswith("left out ckpt_1: ") and "index is not UTF-8 JSON" in lines[1]
+    assert lines[1].endswith(f"; `recsave repair {out}` names it")
     assert [str(w.message).partition(" (")[0] for w in caught] == [
         f"{_list_path(str(out))}: {DAMAGE[damage][1]}; no checkpoint readable here to rebuild the list from; left out "
         f"ckpt_1"]
@@ -316,6 +320,57 @@ def test_a_lost_list_with_only_damaged_directories_is_not_a_fresh_output_dir(tmp
         assert job.manager.restore() == 0
     job.saver.close()
     assert (out / "ckpt_1" / "index").read_bytes() == b"{garbage"
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("ckpt_20", ["intact", "damaged"])
+def test_ls_and_repair_agree_on_what_a_rebuilt_list_left_out(run, capsys, damage, ckpt_20):
+    """A lost or garbled list rebuilt without ckpt_20, whose index is damaged, or without ids the
+    file listed whose directory is gone: repair exits 1, ls exited 0 and did not name them. ls
+    names each (text and --json `left_out`) and exits 1 too; 0 when nothing was left out."""
+    out, _ = run
+    if ckpt_20 == "damaged":
+        with open(os.path.join(out, "ckpt_20", "index"), "w") as f:
+            f.write("{not json")
+    _damage(out, damage)
+    gone = {"all_stale": ["ckpt_98", "ckpt_99"], "cut_short": ["ckpt_"]}.get(damage, [])
+    left = sorted(gone + (["ckpt_20"] if ckpt_20 == "damaged" else []))
+    expected = 1 if left else 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the rebuild's warning (tested above)
+        assert cli_main(["ls", "--json", out]) == expected
+        doc = json.loads(capsys.readouterr().out)
+        assert cli_main(["ls", out]) == expected
+        text = capsys.readouterr().out
+    assert [e["id"] for e in doc["checkpoints"]] == [i for i in IDS if i not in left]
+    assert sorted(e["id"] for e in doc["left_out"]) == left
+    for e in doc["left_out"]:
+        assert sorted(e) == ["damaged", "id", "path", "problem"] and e["damaged"] is True
+        assert e["path"] == os.path.join(out, e["id"]) and f"left out {e['id']}: {e['problem']}" in text
+        assert e["problem"] == ("listed in the 'checkpoint' file, but its directory or index is gone" if e["id"] in gone
+                                else e["problem"])
+    if ckpt_20 == "damaged":
+        assert "index is not UTF-8 JSON" in next(e for e in doc["left_out"] if e["id"] == "ckpt_20")["problem"]
+    assert cli_main(["repair", out]) == expected
+
+
+def test_ls_names_directories_left_out_over_max_index_bytes_without_calling_them_damage(run, capsys):
+    """A lost list rebuilt under a knob max_index_bytes below every index: the directories are
+    left out as unreadable here, which is not damage (they may be intact): named, exit 0."""
+    out, _ = run
+    _damage(out, "deleted")
+    smallest = min(os.path.getsize(os.path.join(out, i, "index")) for i in IDS)
+    with recsave.knobs.override(max_index_bytes=smallest - 1), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert cli_main(["ls", "--json", out]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert cli_main(["ls", out]) == 0
+        text = capsys.readouterr().out
+    assert doc["checkpoints"] == [] and [e["id"] for e in doc["left_out"]] == IDS
+    assert all(e["damaged"] is False and e["problem"].endswith(f"over the {smallest - 1}-byte limit")
+               for e in doc["left_out"])
+    assert text.splitlines()[0] == f"{out}: no committed checkpoint" and "`recsave repair" not in text
+    assert [line.split(":")[0] for line in text.splitlines()[1:]] == [f"left out {i}" for i in IDS]
 
 
 def test_garbled_file_error_points_to_repair(run):

@@ -235,7 +235,8 @@ def flip_last_shard_byte(ckpt):
 def test_ls_json(output_dir, capsys):
     assert main(["ls", "--json", str(output_dir)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert sorted(doc) == ["checkpoints", "output_dir"] and doc["output_dir"] == str(output_dir)
+    assert sorted(doc) == ["checkpoints", "left_out", "output_dir"] and doc["output_dir"] == str(output_dir)
+    assert doc["left_out"] == []
     assert [c["id"] for c in doc["checkpoints"]] == ["ckpt_2", "ckpt_4"]
     assert [c["step"] for c in doc["checkpoints"]] == [2, 4]
     for c in doc["checkpoints"]:
@@ -315,7 +316,7 @@ def test_usage_errors_of_commands_without_json_print_no_document_and_build_parse
 
 def test_ls_json_of_an_empty_output_dir(tmp_path, capsys):
     assert main(["ls", "--json", str(tmp_path)]) == 0
-    assert json.loads(capsys.readouterr().out) == {"output_dir": str(tmp_path), "checkpoints": []}
+    assert json.loads(capsys.readouterr().out) == {"output_dir": str(tmp_path), "checkpoints": [], "left_out": []}
 
 
 def test_inspect_json(output_dir, capsys):

@@ -4,6 +4,7 @@ gc, repair)."""
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -29,6 +30,21 @@ from recsave.storage.lock import hold as hold_writer_lock
 from recsave.tables.rows import META_COLUMNS, TOMBSTONE_COLUMN
 
 
+@dataclass(frozen=True)
+class OutputDirListing:
+    """What `recsave ls` shows of an output dir: its committed checkpoints (list_checkpoints'
+    dicts) and the directories that a rebuilt `checkpoint` list left out, because their index does
+    not validate (dicts with id, path, problem, and damaged: False where the index may be intact,
+    over the knob max_index_bytes here)."""
+    checkpoints: List[Dict[str, Any]]
+    left_out: List[Dict[str, Any]]
+
+    @property
+    def damaged(self) -> bool:
+        """Whether damage was found: a listed checkpoint or a left-out directory that is damaged."""
+        return any(e["damaged"] for e in (*self.checkpoints, *self.left_out))
+
+
 def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     """Committed checkpoints, oldest first: id, path, step, bytes, created_at, age in seconds,
     metrics (None when the save recorded none), kept (why retention keeps it: "latest",
@@ -38,7 +54,13 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
     listed delta cannot be restored: its chain needs a member that is gone or damaged (`damaged`
     True, its other fields from its index; `recsave repair` drops and names it). Raises
     CheckpointNotFoundError when `output_dir` does not exist ([] when it holds none)."""
-    argcheck.path(output_dir, "output_dir", "list_checkpoints")
+    return list_output_dir(output_dir, "list_checkpoints").checkpoints
+
+
+def list_output_dir(output_dir: str, tool: str = "list_output_dir") -> OutputDirListing:
+    """list_checkpoints, and the directories a rebuilt `checkpoint` list left out (`recsave ls`).
+    `tool`: the function named in an argument error."""
+    argcheck.path(output_dir, "output_dir", tool)
     storage = get_storage(output_dir)
     _require_dir(storage, output_dir)
     if storage.exists(storage.join(output_dir, index_mod.INDEX_FILE)) \
@@ -48,7 +70,8 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
                          path=output_dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     out = []
-    ids = ckptlist.committed(storage, output_dir).ids  # rebuilt (warning) if the list is lost
+    listing = ckptlist.committed(storage, output_dir)  # rebuilt (warning) if the list is lost
+    ids = listing.ids
     gone = set()  # listed ids whose directory or index is gone
     parents: Dict[str, List[str]] = {}  # what each checkpoint needs, from the index read below
     parents_of = _parents(storage, output_dir, parents)  # others: their index read as JSON
@@ -87,7 +110,22 @@ def list_checkpoints(output_dir: str) -> List[Dict[str, Any]]:
         entry["kept"] = reasons.get(entry["id"], [])
         if entry["id"] in broken:
             entry.update(problem=broken[entry["id"]], damaged=True)
-    return out
+    return OutputDirListing(out, _left_out(storage, output_dir, listing))
+
+
+def _left_out(storage: Storage, output_dir: str, listing: ckptlist.Listing) -> List[Dict[str, Any]]:
+    """What a rebuilt list left out, as ls reports it (repair exits 1 for the same): directories
+    whose index does not validate, damaged where the index's bytes prove it (one over the knob
+    max_index_bytes here may be intact: named, not called damage, as a listed one is), and ids
+    the lost file listed whose directory or index is gone. A list used as it is leaves nothing
+    out: its ids are all entries, gone or damaged ones included."""
+    dirs = [{"id": name, "path": storage.join(output_dir, name), "problem": " ".join(why.split()),
+             "damaged": ckptlist.proven_damaged(storage, output_dir, name) is not None}
+            for name, why in sorted(listing.left_out.items())]
+    gone = [{"id": i, "path": storage.join(output_dir, i), "damaged": True,
+             "problem": f"listed in the {ckptlist.LIST_FILE!r} file, but its directory or index is gone"}
+            for i in (listing.stale if listing.rebuilt else [])]
+    return dirs + gone
 
 
 def describe(ckpt: str, tool: str = "describe") -> Dict[str, Any]:

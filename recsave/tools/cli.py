@@ -205,18 +205,21 @@ def _age(seconds: Optional[float]) -> str:
 
 @command("ls", "list the committed checkpoints of an output dir (step, size, age)", _output_dir_argument)
 def _ls(args: argparse.Namespace) -> int:
-    from recsave.tools.catalog import list_checkpoints
+    from recsave.tools.catalog import list_output_dir
 
-    entries = list_checkpoints(args.output_dir)
-    # A listed id gone or damaged, or a listed delta whose chain lost a member, is damage found
-    # (exit 1); one a newer recsave wrote is not.
-    code = EXIT_DAMAGED if any(e["damaged"] for e in entries) else EXIT_OK
+    listing = list_output_dir(args.output_dir, "ls")
+    entries = listing.checkpoints
+    # A listed id gone or damaged, a listed delta whose chain lost a member, or a directory with a
+    # damaged index that a rebuilt list left out (repair exits 1 for it too) is damage found
+    # (exit 1); one a newer recsave wrote, or with an index over max_index_bytes here, is not.
+    code = EXIT_DAMAGED if listing.damaged else EXIT_OK
     if args.json:
-        _print_json({"output_dir": args.output_dir, "checkpoints": entries})
+        _print_json({"output_dir": args.output_dir, "checkpoints": entries, "left_out": listing.left_out})
         return code
     if not entries:
         print(f"{args.output_dir}: no committed checkpoint")
-        return EXIT_OK
+        _print_left_out(args.output_dir, listing.left_out)
+        return code
     print(f"{'checkpoint':24} {'step':>10} {'size':>11} {'age':>8}  {'created':27}  kept because")
     for e in entries:
         hint = f"; `recsave repair {args.output_dir}` drops or names it" if e["damaged"] else ""
@@ -228,7 +231,15 @@ def _ls(args: argparse.Namespace) -> int:
         kept = (', '.join(e['kept']) or '-') if e["problem"] is None else f"{e['problem']}{hint}"
         print(f"{e['id']:24} {step:>10} {_human(e['bytes']):>11} {_age(e['age_s']):>8}  {e['created_at']:27}  "
               f"{kept}")
+    _print_left_out(args.output_dir, listing.left_out)
     return code
+
+
+def _print_left_out(output_dir: str, left_out: List[Dict[str, Any]]) -> None:
+    """The directories a rebuilt list left out, one line each, as `recsave repair` names them."""
+    for e in left_out:
+        hint = f"; `recsave repair {output_dir}` names it" if e["damaged"] else ""
+        print(f"left out {e['id']}: {e['problem']}{hint}")
 
 
 @command("inspect", "describe a checkpoint: tables, rows, dims, slots, shards, dense keys", _ckpt_argument)
