@@ -873,3 +873,106 @@ def test_a_stale_lock_is_taken_over_while_something_else_flocks_the_directory(tm
         job.saver.close()
     finally:
         os.close(held)
+
+
+# Lock records without a renewal time a live writer could have written: cut short, garbled, or
+# written by another program. (A file that is no JSON object at all is "unreadable": taken at once.)
+NO_RENEWAL_TIME = {
+    "empty_object": {},
+    "no_pid_no_time": {"host": "other-host", "token": "theirs"},
+    "null_time": {"host": "other-host", "pid": 1, "token": "theirs", "renewed_at": None},
+    "text_time": {"host": "other-host", "pid": 1, "token": "theirs", "renewed_at": "2026-01-01"},
+    "bool_time": {"host": "other-host", "pid": 1, "token": "theirs", "renewed_at": True},
+    "nan_time": {"host": "other-host", "pid": 1, "token": "theirs", "renewed_at": float("nan")},
+    "far_future": {"host": "other-host", "pid": 1, "token": "theirs", "renewed_at": 1e300},
+}
+
+
+def _put_lock_record(out, record, age_s=0.0):
+    """A lock file holding `record` (json.dumps writes NaN as JSON's NaN), last modified `age_s` ago."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, LOCK_FILE)
+    with open(path + ".new", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".new", path)  # whole, as a writer renewing by rename leaves it
+    if age_s:
+        then = time.time() - age_s
+        os.utime(path, (then, then))
+
+
+@pytest.mark.parametrize("record", sorted(NO_RENEWAL_TIME))
+def test_a_lock_without_a_renewal_time_goes_stale_by_its_files_age(tmp_path, caplog, record):
+    """Such a lock was never stale: every later Saver on the directory was refused forever. Its
+    file's last modification stands in for the renewal: refused while younger than the lease (the
+    message says when it goes stale and what to do), taken over once older."""
+    out = str(tmp_path / "run")
+    _put_lock_record(out, NO_RENEWAL_TIME[record])
+    with open(os.path.join(out, LOCK_FILE), "rb") as f:
+        theirs = f.read()
+    lock = WriterLock(LocalStorage(), out)
+    with knobs.override(writer_lease_s=50):
+        with pytest.raises(WriterLockedError) as refused:
+            lock.acquire()
+        message = str(refused.value)
+        assert message.startswith(f"{out} is being written by another Saver (")
+        assert "its record has no renewal time (cut short, or not written by recsave): it is taken over once its " \
+               "file is unchanged for writer_lease_s=50 s (last modified 0 s ago)" in message
+        assert message.endswith(f"wait for that, save into another output_dir, or delete the lock file if no writer "
+                                f"uses {out}")
+        with open(os.path.join(out, LOCK_FILE), "rb") as f:
+            assert f.read() == theirs
+        _put_lock_record(out, NO_RENEWAL_TIME[record], age_s=100)
+        with caplog.at_level(logging.INFO, logger="recsave"):
+            lock.acquire()
+    assert _lock(out)["token"] == lock.token and lock.held
+    (line,) = [r.getMessage() for r in caplog.records if "stale writer lock" in r.getMessage()]
+    assert "it records no renewal time, and its file was last modified 100 s ago > writer_lease_s=50" in line
+    lock.release()
+    assert not os.path.exists(os.path.join(out, LOCK_FILE))
+
+
+def test_a_lock_without_a_renewal_time_kept_fresh_by_its_holder_is_never_taken(tmp_path):
+    """Another program holding the lock file without recsave's renewed_at, rewriting it while it
+    works: never taken over however many leases pass; once it stops, taken a lease later."""
+    out = str(tmp_path / "run")
+    _put_lock_record(out, {"owner": "another program"})
+    stop = threading.Event()
+
+    def renew():
+        while not stop.wait(0.05):
+            _put_lock_record(out, {"owner": "another program"})
+
+    holder = threading.Thread(target=renew)
+    holder.start()
+    try:
+        lock = WriterLock(LocalStorage(), out)
+        with knobs.override(writer_lease_s=1.0):
+            deadline = time.monotonic() + 3.0  # three leases
+            while time.monotonic() < deadline:
+                with pytest.raises(WriterLockedError, match="its record has no renewal time"):
+                    lock.acquire()
+                time.sleep(0.1)
+    finally:
+        stop.set()
+        holder.join()
+    assert _lock(out) == {"owner": "another program"}
+    _put_lock_record(out, {"owner": "another program"}, age_s=1.5)
+    with knobs.override(writer_lease_s=1.0):
+        lock.acquire()
+    assert _lock(out)["token"] == lock.token
+    lock.release()
+
+
+def test_a_lock_with_a_dead_pid_and_no_renewal_time_is_taken_at_once(tmp_path):
+    """The dead-pid rule still applies to a record without a renewal time (same host and pid space)."""
+    from recsave.storage.lock import _pid_space
+
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    _put_lock_record(out, {"host": socket.gethostname(), "pid": proc.pid, "pid_space": _pid_space(), "token": "theirs"})
+    lock = WriterLock(LocalStorage(), out)
+    with knobs.override(writer_lease_s=1000):
+        lock.acquire()
+    assert _lock(out)["token"] == lock.token
+    lock.release()

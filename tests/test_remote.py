@@ -782,3 +782,28 @@ def test_checkpoints_under_a_key_that_is_also_an_object_are_never_lost(remote):
     again.train(2)
     again.manager.close()
     assert {"ckpt_2", "ckpt_4", "ckpt_6"} <= set(_ls(out))
+
+
+def test_a_lock_without_a_renewal_time_goes_stale_by_the_objects_last_modified_time(remote):
+    """A lock object whose record has no renewed_at (cut short, another program's) refused every
+    writer forever. The object's last-modified time, as the store reports it, stands in for the
+    renewal: refused while younger than the lease, taken over once older."""
+    from recsave import knobs
+    from recsave.errors import WriterLockedError
+    from recsave.storage.lock import WriterLock
+
+    out = f"{remote}/run"
+    storage = get_storage(out)
+    path = storage.join(out, LOCK_FILE)
+    _write(path, b'{"owner": "another program"}')
+    assert storage.modified_at(path) == pytest.approx(time.time(), abs=5)
+    lock = WriterLock(storage, out)
+    with knobs.override(writer_lease_s=3):
+        with pytest.raises(WriterLockedError, match="its record has no renewal time"):
+            lock.acquire()
+        assert _read(path) == b'{"owner": "another program"}'
+        time.sleep(4.5)  # the store's times may have a resolution of a second
+        lock.acquire()
+    assert json.loads(_read(path))["token"] == lock.token
+    lock.release()
+    assert not storage.exists(path)

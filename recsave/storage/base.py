@@ -109,6 +109,13 @@ class Storage(abc.ABC):
     def ukey(self, path: str) -> str:
         """A token that changes when the file changes (size, modification time or ETag)."""
 
+    def modified_at(self, path: str) -> Optional[float]:
+        """When the file at `path` was last written, in seconds since the epoch by the storage's
+        own clock (a local file's mtime, an object's last-modified time); None where the storage
+        does not say. CheckpointNotFoundError when nothing is there."""
+        self.size(path)  # CheckpointNotFoundError when missing, as where the storage tells
+        return None
+
     # ------------------------------------------------------------------------------------- removal
     @abc.abstractmethod
     def remove_tree(self, path: str) -> None: ...

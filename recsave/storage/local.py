@@ -76,6 +76,12 @@ class LocalStorage(Storage):
             raise _missing(path) from None
         return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
+    def modified_at(self, path: str) -> Optional[float]:
+        try:
+            return os.stat(path).st_mtime
+        except FileNotFoundError:
+            raise _missing(path) from None
+
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 

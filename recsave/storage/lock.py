@@ -9,7 +9,10 @@ on a helper thread for remote storage; exit waits for it at most ``lock_release_
 gone endpoint cannot hang the interpreter; the lock is then taken over as stale later). A lock is
 stale, and taken over with one INFO line on the ``recsave`` logger naming the dead holder (expected
 after a crash), when its process is dead on this host (same hostname, boot and pid namespace) or
-when it was not renewed for ``writer_lease_s`` seconds. The file is created with
+when it was not renewed for ``writer_lease_s`` seconds. A record without a usable ``renewed_at``
+(cut short, garbled, or written by another program) is judged by its file's last modification
+as the storage reports it (mtime; an object's last-modified time) instead: stale once that is a
+lease old. Holders rewrite the file to renew it, so a live one is never taken that way. The file is created with
 ``Storage.create_exclusive``: O_EXCL locally; on object stores (no exclusive create) written and
 read back, which is best effort.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -122,10 +126,7 @@ class WriterLock:
                 break
             why = self._stale(holder, raw)
             if why is None:
-                raise WriterLockedError(
-                    f"{self.output_dir} is being written by another Saver ({_describe(holder)}; lock "
-                    f"file {self.path}); close that Saver or let it finish, save into another "
-                    f"output_dir, or delete the lock file if that writer is gone", path=self.path)
+                raise WriterLockedError(self._held(holder), path=self.path)
             log.info("%s: taking over a stale writer lock (%s; %s)", self.path, why, _describe(holder))
             if self._replace(raw, self._record(now)):
                 break
@@ -280,8 +281,16 @@ class WriterLock:
         lease = float(knobs.get("writer_lease_s"))
         if holder is None:
             return None if raw == b"" and self._young() else "the lock file is unreadable"
-        renewed = holder.get("renewed_at")
-        if isinstance(renewed, (int, float)) and time.time() - renewed > lease:
+        renewed = _renewal_time(holder)
+        if renewed is None:
+            # No renewal time to go by: without another rule such a lock would refuse every writer
+            # forever. A holder renews by rewriting the file, so the file's own age (by the
+            # storage's clock) is how long ago it was renewed; None where the storage cannot say.
+            age = self._file_age()
+            if age is not None and age > lease:
+                return (f"it records no renewal time, and its file was last modified {age:.0f} s ago > "
+                        f"writer_lease_s={lease:g}")
+        elif time.time() - renewed > lease:
             return f"not renewed for {time.time() - renewed:.0f} s > writer_lease_s={lease:g}"
         pid = holder.get("pid")
         # A pid means this process's pid only on the same host (hostname), boot and pid namespace:
@@ -295,6 +304,31 @@ class WriterLock:
     def _young(self) -> bool:
         """An empty lock file may be one another writer's create is still filling."""
         return self.storage.being_created(self.path)
+
+    def _file_age(self) -> Optional[float]:
+        """Seconds since the lock file was last written, by the storage's clock against this
+        host's (they must agree to well within a lease, as for renewed_at); None when the storage
+        does not say or the file is gone."""
+        try:
+            modified = self.storage.modified_at(self.path)
+        except CheckpointNotFoundError:
+            return None
+        return None if modified is None else time.time() - modified
+
+    def _held(self, holder: Optional[Dict[str, Any]]) -> str:
+        """The message of a WriterLockedError for a lock that is not stale: whose it is, and what to do."""
+        held = f"{self.output_dir} is being written by another Saver ({_describe(holder)}; lock file {self.path}); "
+        if holder is None or _renewal_time(holder) is not None:
+            return held + ("close that Saver or let it finish, save into another output_dir, or delete the "
+                           "lock file if that writer is gone")
+        lease = float(knobs.get("writer_lease_s"))
+        age = self._file_age()
+        when = (f"it is taken over once its file is unchanged for writer_lease_s={lease:g} s (last modified "
+                f"{age:.0f} s ago)" if age is not None else
+                "the storage reports no modification time for it, so it never goes stale by itself")
+        return held + (f"its record has no renewal time (cut short, or not written by recsave): {when}; "
+                       f"wait for that, save into another output_dir, or delete the lock file if no writer "
+                       f"uses {self.output_dir}")
 
 
 def read_holder(storage: Storage, path: str) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]:
@@ -413,12 +447,24 @@ def _dumps(record: Dict[str, Any]) -> bytes:
     return json.dumps(record, sort_keys=True).encode()
 
 
+def _renewal_time(holder: Dict[str, Any]) -> Optional[float]:
+    """The holder's renewed_at when it is one a live writer could have written: a finite number
+    (not a bool), at most a lease ahead of this host's clock (hosts' clocks agree to well within a
+    quarter lease); None otherwise (missing, garbled, written by something else)."""
+    renewed = holder.get("renewed_at")
+    if isinstance(renewed, bool) or not isinstance(renewed, (int, float)) or not math.isfinite(renewed):
+        return None
+    return float(renewed) if renewed - time.time() <= float(knobs.get("writer_lease_s")) else None
+
+
 def _describe(holder: Optional[Dict[str, Any]]) -> str:
     if not holder:
         return "holder unknown"
-    renewed = holder.get("renewed_at")
-    age = f", renewed {time.time() - renewed:.0f} s ago" if isinstance(renewed, (int, float)) else ""
-    return f"held by pid {holder.get('pid')} on host {holder.get('host')!r}{age}"
+    renewed = _renewal_time(holder)
+    age = f", renewed {time.time() - renewed:.0f} s ago" if renewed is not None else ""
+    pid = holder.get("pid")
+    who = f"pid {pid} on host {holder.get('host')!r}" if pid is not None else "an unknown holder (no pid recorded)"
+    return f"held by {who}{age}"
 
 
 def _release_now(storage: Storage, path: str, token: str) -> bool:

@@ -3,7 +3,9 @@ on transient errors (recsave.storage.retry), files published by one put or one u
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
+import math
 import re
 import sys
 import time
@@ -150,6 +152,23 @@ class FsspecStorage(Storage):
         if etag is None:
             return str(self._call(self.fs.ukey, path, "stat"))
         return f"etag:{str(etag).strip(chr(34))}:{info.get('size')}"
+
+    def modified_at(self, path: str) -> Optional[float]:
+        if self._local is not None:
+            return self._local.modified_at(self._local_path(path))
+        # Asked afresh, as ukey: a cached answer would keep the time of an older write.
+        stamp = _last_modified(self._call(self._fresh_info, path, "stat"))
+        if stamp is None:  # not in the listing's fields (memory://): the file system's own accessor
+            stamp = _epoch_seconds(self._call(self._modified_or_none, path, "stat"))
+        return stamp
+
+    def _modified_or_none(self, path: str) -> Any:
+        """fs.modified(path), None where the file system keeps no such time (fsspec's default
+        raises NotImplementedError, which retry.call would report as a failed request)."""
+        try:
+            return self.fs.modified(path)
+        except (NotImplementedError, IsADirectoryError):
+            return None
 
     # ------------------------------------------------------------------------------------- removal
     def remove_tree(self, path: str) -> None:
@@ -411,6 +430,38 @@ class _Pieces:
     def write_to(self, f: IO[bytes]) -> None:
         for view in self._views:
             f.write(view)
+
+
+# The fields in which fsspec file systems report when a file was last written: s3fs, adlfs, the
+# local file system (and others), gcsfs. Not "created": on a file system that updates files in
+# place, a file created long ago may have been written just now.
+_MODIFIED_FIELDS = ("LastModified", "last_modified", "mtime", "updated")
+
+
+def _last_modified(info: Dict[str, Any]) -> Optional[float]:
+    """When a file was last written, from its fsspec info (seconds since the epoch); None when no
+    field says."""
+    for name in _MODIFIED_FIELDS:
+        stamp = _epoch_seconds(info.get(name))
+        if stamp is not None:
+            return stamp
+    return None
+
+
+def _epoch_seconds(value: Any) -> Optional[float]:
+    """A time as fsspec file systems report it (a datetime, naive ones in UTC; seconds since the
+    epoch; an ISO-8601 string) in seconds since the epoch; None for anything else."""
+    if isinstance(value, str):
+        try:
+            value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if isinstance(value, datetime.datetime):
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=datetime.timezone.utc)
+        return aware.timestamp()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _creates_exclusively(fs: Any) -> bool:
