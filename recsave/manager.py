@@ -445,7 +445,8 @@ class CheckpointManager:
         finally:
             self._preemption.uninstall()
 
-    def restore(self, global_step: Optional[int] = None, fallback: bool = True) -> int:
+    def restore(self, global_step: Optional[int] = None, fallback: bool = True,
+                load_conf: Optional[Dict[str, Any]] = None) -> int:
         """Loads ``ckpt_<global_step>``, or the latest committed checkpoint; returns the global step.
         With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing.
         With `fallback` (and global_step None), a corrupt or incomplete latest checkpoint is skipped
@@ -453,9 +454,16 @@ class CheckpointManager:
         newer recsave stops it (FormatVersionError). A checkpoint without global_step (written by a
         plain Saver, or by `convert`) restores too: global_step becomes the step its index records
         (that of its id ``ckpt_<N>``, or the one `convert` carried), else 0, and
-        ``last_report.notes`` says so."""
+        ``last_report.notes`` says so. `load_conf` selects what to load, as Saver.load's (e.g.
+        ``{"exclude": ["io_state"]}`` when the number of workers changed); it has no ``path``: a
+        restore reads this manager's output dir (load_model_bank reads others)."""
         check(global_step, int, "global_step", "CheckpointManager.restore", optional=True)
         check(fallback, bool, "fallback", "CheckpointManager.restore")
+        check(load_conf, dict, "load_conf", "CheckpointManager.restore", optional=True)
+        if load_conf is not None and "path" in load_conf:
+            raise UsageError(f"CheckpointManager.restore: load_conf has a 'path' ({load_conf['path']!r}); a "
+                             f"restore reads the manager's output dir {self.saver.output_dir}: drop 'path', or "
+                             f"warm-start from another checkpoint with load_model_bank", key="path")
         saver = self.saver
         if global_step is not None and global_step < 0:
             raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
@@ -479,7 +487,8 @@ class CheckpointManager:
                                     agree_on_result="whether there is a checkpoint to restore")
         if not found:
             return 0
-        report = saver.load(fallback=fallback) if ckpt_id is None else saver.load(ckpt_id=ckpt_id)
+        report = saver.load(fallback=fallback, load_conf=load_conf) if ckpt_id is None else \
+            saver.load(ckpt_id=ckpt_id, load_conf=load_conf)
         if GLOBAL_STEP not in report.loaded:  # e.g. a plain Saver's checkpoint: its index's step, or 0
             self._global_step = int(report.step) if report.step is not None else 0
             where = report.checkpoints[-1] if report.checkpoints else saver.output_dir

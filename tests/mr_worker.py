@@ -728,10 +728,16 @@ def main():
         torch.save({"ids": ids, "values": values}, os.path.join(work_dir, f"user_{world}_{rank}.pt"))
     elif scenario == "load":
         whole_reads = count_whole_file_reads()
-        report = saver.load(load_conf={"exclude": ["io_state"]} if os.environ.get("NO_IO") else None,
-                            ckpt_id=os.environ.get("CKPT_ID"))
+        conf = {"exclude": ["io_state"]} if os.environ.get("NO_IO") else None
+        step = None
+        if os.environ.get("MANAGER"):  # through CheckpointManager.restore (the latest checkpoint)
+            manager = recsave.CheckpointManager(saver, 100)
+            step = manager.restore(load_conf=conf)
+            report = manager.last_report
+        else:
+            report = saver.load(load_conf=conf, ckpt_id=os.environ.get("CKPT_ID"))
         out = {"bytes_read": report.bytes_read, "rows_read": report.rows_read, "position": reader.position,
-               "whole_reads": dict(whole_reads), "checkpoints": report.checkpoints}
+               "whole_reads": dict(whole_reads), "checkpoints": report.checkpoints, "step": step}
         for name in ("user", "item"):
             table = getattr(model, name)
             ids, values, slots = table.export()

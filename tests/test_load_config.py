@@ -9,7 +9,15 @@ import pytest
 import torch
 from helpers import assert_jobs_equal, assert_obj_equal, job_state, make_job, same_bits, train
 
-from recsave import CheckpointManager, CheckpointNotFoundError, ConfigError, HashTable, Saver, ShapeMismatchError
+from recsave import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    ConfigError,
+    HashTable,
+    Saver,
+    ShapeMismatchError,
+    UsageError,
+)
 from recsave.optim import SparseAdagrad
 
 SLOT = "adagrad_acc"
@@ -611,3 +619,25 @@ def test_an_entry_that_selects_nothing_is_refused_unless_ignore_error(tmp_path, 
     assert_jobs_equal(job_state(job), before)
     report = job.saver.load(out, load_conf={"exclude": ["*"], "ignore_error": True})
     assert report.loaded == {} and "user" in report.skipped
+
+
+def test_manager_restore_takes_a_load_conf(tmp_path, saved):
+    """restore(load_conf=...) selects what to load as Saver.load does (e.g. no io states when the
+    number of workers changed); a 'path' there is refused before anything loads: a restore reads
+    the manager's own output dir."""
+    out, ckpt, state = saved
+    job = make_job(out)
+    job.reader.offset = 123
+    before = job_state(job)
+    mgr = CheckpointManager(job.saver, 0)
+    with pytest.raises(UsageError, match="drop 'path'"):
+        mgr.restore(load_conf={"path": ckpt})
+    assert_obj_equal(job_state(job), before)
+    assert mgr.restore(load_conf={"exclude": ["io_state"]}) == 8
+    after = job_state(job)
+    assert after["reader"] == 123  # excluded: left as it was
+    assert_table(after, "user", table(state, "user"))
+    assert_table(after, "item", table(state, "item"))
+    assert_dense(after, state, DENSE)
+    assert mgr.last_report.checkpoints == [ckpt]
+

@@ -670,6 +670,21 @@ def _check_loaded(tmp_path, world, state):
         assert sorted(seen) == sorted(state)
 
 
+def test_manager_restore_takes_a_load_conf_when_the_world_size_changed(tmp_path):
+    """Io states saved by 2 workers cannot load on 3 (the Reader cannot reshard them): the
+    manager's restore excludes them through its load_conf, as Saver.load does, instead of
+    leaving the job no way to restart on 3 ranks."""
+    codes, outs = run_ranks("save", 2, tmp_path)
+    assert codes == [0, 0], outs
+    codes, outs = run_ranks("load", 3, tmp_path, {"MANAGER": "1"})
+    assert all(c != 0 for c in codes) and "saved by 2 worker(s) but 3 are loading" in outs[0], outs
+    codes, outs = run_ranks("load", 3, tmp_path, {"MANAGER": "1", "NO_IO": "1"})
+    assert codes == [0, 0, 0], outs
+    _check_loaded(tmp_path, 3, {i: 0.0 for i in global_ids().tolist()})
+    reports = [json.loads((tmp_path / f"report_3_{r}.json").read_text()) for r in range(3)]
+    assert [(rep["step"], rep["position"]) for rep in reports] == [(1, 0)] * 3  # ckpt_1's step; io states left
+
+
 def _check_index_read_once(reports, ckpt_dir, chain_length):
     """Rank 0 read every index of the chain, the checkpoint list and the dense files once; the
     others took its bytes and its resolution of the latest checkpoint (load/shared_reads.py),
