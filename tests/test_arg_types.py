@@ -299,6 +299,9 @@ def test_empty_or_wrongly_typed_output_dirs_are_argument_errors_not_io_errors(tm
             fn(5)
         with pytest.raises(UsageError, match="must name a directory"):
             fn("")
+    for fn in (catalog.clean_output_dir, catalog.collect_garbage):
+        with pytest.raises(ArgumentTypeError, match="clean_output_dir: remove_broken must be a bool, got int 1"):
+            fn("somewhere", remove_broken=1)
 
 
 @pytest.mark.parametrize("kw,match", [({"seed": -1}, r"seed must be in \[0, 2\*\*64\)"),

@@ -648,7 +648,8 @@ def test_ls_names_a_listed_delta_whose_chain_is_broken(tmp_path, broken, capsys)
         e = entries[line.split()[0]]
         if e["id"] in named:
             why = (f"delta checkpoint {e['id']} needs {named[e['id']]}: it cannot be restored without its whole "
-                   f"chain; restore another checkpoint (its directory stays until `recsave gc`)")
+                   f"chain; restore another checkpoint (its directory stays: `recsave gc` keeps it, `recsave gc "
+                   f"--remove-broken` removes it)")
             assert (e["problem"], e["damaged"], e["step"]) == (why, True, int(e["id"][-1]))
             assert e["bytes"] > 0 and e["created_at"] is not None
             assert line[24:35].strip() == str(e["step"]) and line.endswith(f"  {e['created_at']}  {why}{hint}")
@@ -694,3 +695,113 @@ def test_ls_and_repair_agree_an_index_over_max_index_bytes_is_not_damage(tmp_pat
                                               f"index may be intact, written by a job that raised the knob; raise "
                                               f"it here to read it")
     assert _list_file(str(out)) == b"ckpt_1\nckpt_2\nckpt_3\nckpt_4\n"
+
+
+# ------------------------------------------------------------------ gc after repair left a delta out
+# The deltas repair leaves out because of their chain, with an index of their own that validates
+# (what gc took for pruned checkpoints), -> how gc names the member that breaks it: (member, its
+# child, what is wrong); a damaged member stays, as damaged directories always do.
+MISSING = "is missing ({member}/index does not exist); the delta cannot be restored without its whole chain: " \
+          "restore another checkpoint"
+DAMAGED = "is damaged ({member}/index: index is not UTF-8 JSON"
+SAVED_AGAIN = "is not the one the delta was saved against (CRC32C "
+GC_BROKEN = {
+    "base_gone": {"ckpt_2": ("ckpt_1", "ckpt_2", MISSING), "ckpt_3": ("ckpt_1", "ckpt_2", MISSING)},
+    "base_gone_list_lost": {"ckpt_2": ("ckpt_1", "ckpt_2", MISSING), "ckpt_3": ("ckpt_1", "ckpt_2", MISSING)},
+    "middle_gone": {"ckpt_3": ("ckpt_2", "ckpt_3", MISSING)},
+    "middle_damaged": {"ckpt_3": ("ckpt_2", "ckpt_3", DAMAGED)},
+    "middle_saved_again": {"ckpt_3": ("ckpt_2", "ckpt_3", SAVED_AGAIN)},
+}
+
+
+def _check_kept_broken(out, broken, kept):
+    """gc's kept_broken names what GC_BROKEN says, as chain.resolve words it."""
+    assert sorted(kept) == sorted(GC_BROKEN[broken])
+    for delta, why in kept.items():
+        member, child, wrong = GC_BROKEN[broken][delta]
+        subject = "the index of this parent" if wrong == SAVED_AGAIN else "the parent"
+        assert why.startswith(f"{out / member}: {subject} of delta checkpoint {out / child} "
+                              f"{wrong.format(member=out / member)}"), why
+
+
+@pytest.mark.parametrize("then", ["gc", "save"])
+@pytest.mark.parametrize("broken", sorted(GC_BROKEN))
+def test_gc_and_rotation_keep_a_delta_repair_left_out_for_its_chain(tmp_path, broken, then, capsys):
+    """repair unlists a delta whose chain lost a member (gone, damaged, saved again): nothing wrong
+    with the delta itself, and a member restored from a backup (a damaged index replaced) makes it
+    loadable again. The next `recsave gc`, or the next save's rotation, deleted it as a pruned
+    checkpoint. Both keep it now; gc names it (exit 0)."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    _break_chain(out, broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the rebuilt list's
+        left_out = catalog.repair(str(out))["left_out"]
+    assert sorted(i for i, why in left_out.items() if why.startswith("delta ")) == sorted(GC_BROKEN[broken])
+    dirs = _dirs(str(out))
+    listed = _list_file(str(out))
+    if then == "gc":
+        assert cli_main(["gc", "--json", str(out)]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["removed_checkpoints"] == []
+        _check_kept_broken(out, broken, doc["kept_broken"])
+        assert cli_main(["gc", str(out)]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith("removed 0 directories\n")
+        assert f"kept {len(GC_BROKEN[broken])} delta checkpoint(s) whose chain is broken: " \
+               f"{', '.join(sorted(GC_BROKEN[broken]))}; `recsave gc --remove-broken {out}` removes them\n" in text
+        for delta, why in doc["kept_broken"].items():
+            assert f"\n  kept {delta}: {' '.join(why.split())}\n" in text
+    else:
+        job = make_job(str(out), max_keep=None)
+        job.train(1)
+        job.saver.save("ckpt_5")
+        job.saver.close()
+        dirs = sorted([*dirs, "ckpt_5"])
+        listed += b"ckpt_5\n"
+    assert _dirs(str(out)) == dirs
+    assert _list_file(str(out)) == listed
+
+
+@pytest.mark.parametrize("broken", sorted(GC_BROKEN))
+def test_gc_remove_broken_removes_only_the_deltas_whose_chain_is_broken(tmp_path, broken, capsys):
+    """Asked explicitly (`--remove-broken`), gc removes those deltas; a member whose index is damaged
+    stays (the user's to look at), as does everything listed."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    _break_chain(out, broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        catalog.repair(str(out))
+    dirs = _dirs(str(out))
+    listed = _list_file(str(out))
+    assert cli_main(["gc", "--remove-broken", "--json", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["removed_checkpoints"], doc["kept_broken"]) == (sorted(GC_BROKEN[broken]), {})
+    assert _dirs(str(out)) == [d for d in dirs if d not in GC_BROKEN[broken]]
+    assert _list_file(str(out)) == listed
+    if broken == "middle_damaged":
+        assert (out / "ckpt_2" / "index").read_bytes() == b"{not json"
+
+
+def test_gc_still_removes_a_delta_left_by_a_save_that_crashed_before_listing_it(tmp_path):
+    """An unlisted delta whose chain is whole is a save that crashed between its index and the
+    list (or a pruned one): gc removes it as before, also without --remove-broken."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    (out / "checkpoint").write_bytes(b"ckpt_1\nckpt_2\nckpt_4\n")
+    assert catalog.clean_output_dir(str(out)) == {"removed_checkpoints": ["ckpt_3"], "removed_temp_files": [],
+                                                   "aborted_uploads": [], "kept_broken": {}}
+    assert _dirs(str(out)) == ["ckpt_1", "ckpt_2", "ckpt_4"]
+
+
+def test_gc_keeps_the_unlisted_chain_of_a_listed_delta(tmp_path):
+    """ckpt_1 and ckpt_2 are not listed, ckpt_3 (a delta of ckpt_2 of ckpt_1) is: gc keeps its whole
+    chain (safe already before; this proves it)."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    (out / "checkpoint").write_bytes(b"ckpt_3\nckpt_4\n")
+    for remove_broken in (False, True):
+        assert catalog.clean_output_dir(str(out), remove_broken=remove_broken)["removed_checkpoints"] == []
+    assert _dirs(str(out)) == ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"]
+    assert _list_file(str(out)) == b"ckpt_3\nckpt_4\n"

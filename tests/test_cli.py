@@ -513,7 +513,7 @@ def test_gc_removes_stray_temp_files_and_nothing_else(output_dir, capsys):
     assert main(["gc", "--json", str(output_dir)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc == {"output_dir": str(output_dir), "removed_checkpoints": [], "removed_temp_files": sorted(strays),
-                   "aborted_uploads": []}
+                   "aborted_uploads": [], "kept_broken": {}}
     for s in strays:
         assert not (output_dir / s).exists()
     for s in foreign:
@@ -531,7 +531,8 @@ def test_gc_json_lists_removed_checkpoint_dirs(output_dir, capsys):
     (output_dir / "ckpt_9" / "sparse-0-0.safetensors.tmp-1-0").write_bytes(b"partial")
     assert main(["gc", "--json", str(output_dir)]) == 0
     assert json.loads(capsys.readouterr().out) == {"output_dir": str(output_dir), "removed_checkpoints": ["ckpt_9"],
-                                                    "removed_temp_files": [], "aborted_uploads": []}
+                                                    "removed_temp_files": [], "aborted_uploads": [],
+                                                    "kept_broken": {}}
 
 
 def test_gc_leaves_temp_files_alone_while_a_saver_holds_the_lock(output_dir, capsys):

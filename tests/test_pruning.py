@@ -355,7 +355,7 @@ def test_gc_names_a_pruned_dir_a_dead_writer_left(tmp_path):
     job.saver.close()
     shutil.copytree(out / "ckpt_1", out / PRUNED_DIR / "ckpt_0-999-0")
     assert catalog.clean_output_dir(str(out)) == {"removed_checkpoints": [PRUNED_DIR], "removed_temp_files": [],
-                                                  "aborted_uploads": []}
+                                                  "aborted_uploads": [], "kept_broken": {}}
     assert listing(out) == ["checkpoint", "ckpt_1", "ckpt_2"]
 
 

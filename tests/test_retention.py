@@ -110,7 +110,8 @@ def test_thirty_saves_keep_exactly_the_expected_set_across_a_restart(tmp_path, c
         "max_keep": 3, "keep_every_n_steps": 10, "keep_best": 2, "best_metric": "auc", "best_mode": "max"}
 
     # gc agrees: nothing to remove, the list stays.
-    assert clean_output_dir(out) == {"removed_checkpoints": [], "removed_temp_files": [], "aborted_uploads": []}
+    assert clean_output_dir(out) == {"removed_checkpoints": [], "removed_temp_files": [], "aborted_uploads": [],
+                                     "kept_broken": {}}
     assert listing(out) == sorted(["checkpoint", *EXPECTED])
 
     assert main(["ls", "--json", out]) == 0

@@ -21,7 +21,7 @@ from recsave.format import chain, seal
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
 from recsave.format.index import INDEX_FILE
-from recsave.format.records import is_newer_index, readable_version
+from recsave.format.records import Index, is_newer_index, readable_version
 from recsave.storage import Storage
 from recsave.storage.lock import LOCK_FILE
 
@@ -242,6 +242,7 @@ class IndexState(NamedTuple):
     created_at: str = ""
     why: str = ""  # for "damaged"
     proven: bool = True  # for "damaged": False when the index was not read whole (over max_index_bytes)
+    parsed: Optional[Index] = None  # for "valid": the index, when it was parsed (not only its seal checked)
 
 
 # An index opens with its magic and format_version (docs/FORMAT.md section 3), a delta's kind next:
@@ -279,7 +280,7 @@ def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False)
         if intact_is_valid and seal.intact(data) and _reads_as_valid(data):
             return IndexState("valid")
         index = index_mod.parse(data, path)
-        return IndexState("valid", index.step, index.created_at)
+        return IndexState("valid", index.step, index.created_at, parsed=index)
     except FormatVersionError as exc:
         newer = _newer_order(data)
         return IndexState("damaged", why=str(exc)) if newer is None else IndexState("newer", *newer)
@@ -417,7 +418,8 @@ def newer_format_version(storage: Storage, output_dir: str, name: str) -> Option
 
 def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
                     parents_of: Optional[Callable[[str], Iterable[str]]] = None,
-                    remove: Optional[Callable[[str], None]] = None, pruned: Collection[str] = ()) -> List[str]:
+                    remove: Optional[Callable[[str], None]] = None, pruned: Collection[str] = (), *,
+                    remove_broken: bool = False, kept_broken: Optional[Dict[str, str]] = None) -> List[str]:
     """Removes checkpoint directories of output_dir not in `keep` (pruned ones and leftovers of
     crashed saves) through `remove` (default storage.remove_tree); returns their names. Other
     files and directories, checkpoints written by a newer recsave (newer_format_version) and
@@ -430,7 +432,14 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     `pruned`: the ids the list held that retention dropped. Their indexes validated when they
     were listed, so one sealed intact goes without a parse (a large index costs seconds); any
     other directory's index is parsed in full first: sealed is not valid (an index a newer
-    writer or a faulty one wrote, left out of a rebuilt list as damaged)."""
+    writer or a faulty one wrote, left out of a rebuilt list as damaged).
+
+    An unlisted delta (not in `pruned`) whose own index validates but whose chain does not resolve
+    (a member gone, damaged or saved again: what `recsave repair` leaves a delta out for) stays,
+    unless `remove_broken`: it is not damaged itself, and a member put back (a damaged index
+    replaced from a backup) makes it loadable again. `kept_broken` (a dict) receives those kept,
+    id -> why. Every decision is made before the first removal, so that removing one directory
+    never makes another look broken."""
     remove = remove or storage.remove_tree
     names = storage.listdir(output_dir)
     removed = []
@@ -441,18 +450,33 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     if not candidates:
         return removed
     needed = chain.needed_by(storage, output_dir, keep, parents_of)
+    doomed = []
     for name in candidates:
-        if name not in needed and _may_remove(storage, output_dir, name, intact_is_valid=name in pruned):
-            remove(storage.join(output_dir, name))
-            removed.append(name)
+        if name in needed:
+            continue
+        state = _index_state(storage, storage.join(output_dir, name), intact_is_valid=name in pruned)
+        if state.kind not in ("none", "valid"):  # a damaged or newer index stays
+            continue
+        why = None if remove_broken or name in pruned or state.parsed is None else _broken_chain(
+            storage, storage.join(output_dir, name), state.parsed)
+        if why is not None:
+            if kept_broken is not None:
+                kept_broken[name] = why
+            continue
+        doomed.append(name)
+    for name in doomed:
+        remove(storage.join(output_dir, name))
+        removed.append(name)
     return removed
 
 
-def _may_remove(storage: Storage, output_dir: str, name: str, intact_is_valid: bool = False) -> bool:
-    """One read of the index decides whether pruning may remove checkpoint directory `name`: only a
-    leftover without one, or one whose index is valid (a damaged or newer one stays)."""
-    return _index_state(storage, storage.join(output_dir, name), intact_is_valid=intact_is_valid).kind \
-        in ("none", "valid")
+def _broken_chain(storage: Storage, ckpt_dir: str, index: Index) -> Optional[str]:
+    """Why the chain of the delta checkpoint at ckpt_dir (its parsed index `index`) does not
+    resolve, else None (also for a full checkpoint). A member merely unreadable here (over the knob
+    max_index_bytes, a newer recsave's) counts as broken too: never a reason to delete."""
+    if not index.is_delta:
+        return None
+    return chain.describe(storage, ckpt_dir, index)[1]
 
 
 def writers_files_in(storage: Storage, output_dir: str) -> bool:
@@ -473,7 +497,8 @@ def remove_rank_copies(storage: Storage, output_dir: str, names: Iterable[str],
     remove = remove or storage.remove_tree
     removed = []
     for name in names:
-        if looks_like_checkpoint(storage, output_dir, name) and _may_remove(storage, output_dir, name):
+        if looks_like_checkpoint(storage, output_dir, name) and \
+                _index_state(storage, storage.join(output_dir, name)).kind in ("none", "valid"):
             remove(storage.join(output_dir, name))
             removed.append(name)
     return removed

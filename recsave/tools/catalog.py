@@ -249,37 +249,43 @@ def _verify_shard(src: CheckpointSource, fname: str) -> None:
                                                  path=path, key=name)
 
 
-def collect_garbage(output_dir: str) -> List[str]:
+def collect_garbage(output_dir: str, *, remove_broken: bool = False) -> List[str]:
     """Removes uncommitted leftovers (and pruned checkpoints) of an output dir; returns their names.
-    Also removes stray temporary files (see clean_output_dir, which returns both lists).
+    Also removes stray temporary files (see clean_output_dir, which returns both lists, and what
+    `remove_broken` does).
 
     Takes the output dir's writer lock first (knob ``writer_lock``): a save in progress looks like
     a leftover, so while a Saver holds the lock this raises WriterLockedError and removes nothing."""
-    return clean_output_dir(output_dir)["removed_checkpoints"]
+    return clean_output_dir(output_dir, remove_broken=remove_broken)["removed_checkpoints"]
 
 
-def clean_output_dir(output_dir: str) -> Dict[str, List[str]]:
+def clean_output_dir(output_dir: str, *, remove_broken: bool = False) -> Dict[str, Any]:
     """What ``recsave gc`` does, under the writer lock: removes uncommitted leftovers and pruned
     checkpoint directories (``removed_checkpoints``: their names), then the temporary files that
     interrupted writes leave in output_dir and its checkpoint directories (``removed_temp_files``:
     paths relative to output_dir), then, on S3, the multipart uploads a killed writer left
     unfinished under output_dir, begun before this call took the lock (``aborted_uploads``: keys
-    relative to output_dir; a later writer's uploads are never touched). Raises
+    relative to output_dir; a later writer's uploads are never touched). An unlisted delta whose
+    own index validates but whose chain is broken (a member gone, damaged or saved again: what
+    `repair` leaves out) is kept and named (``kept_broken``: id -> why) unless `remove_broken`
+    (``recsave gc --remove-broken``), which removes it. Raises
     CheckpointNotFoundError when output_dir does not exist or is no output dir (neither a
     `checkpoint` file nor a committed checkpoint: removing nothing), WriterLockedError (removing
     nothing) while a Saver holds it."""
     argcheck.path(output_dir, "output_dir", "clean_output_dir")
+    argcheck.check(remove_broken, bool, "remove_broken", "clean_output_dir")
     storage = get_storage(output_dir)
     _require_dir(storage, output_dir)  # before the lock, which would create the directory
     lock = hold_writer_lock(None, storage, output_dir)
     try:
-        return _clean_locked(storage, output_dir, lock)
+        return _clean_locked(storage, output_dir, lock, remove_broken)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock]) -> Dict[str, List[str]]:
+def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock],
+                  remove_broken: bool) -> Dict[str, Any]:
     """clean_output_dir's work under the writer lock `lock` (None: the knob writer_lock off)."""
     # A lost or garbled `checkpoint` file is rebuilt from the indexes first (with a warning):
     # every committed checkpoint is kept (collect_garbage keeps damaged directories itself).
@@ -298,7 +304,9 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     def remove(path: str) -> None:  # a directory another writer may be saving into is not ours
         check_held(lock)
         storage.remove_tree(path)
-    dirs = ckptlist.collect_garbage(storage, output_dir, keep, remove=remove, pruned=set(listing.ids) - set(keep))
+    broken: Dict[str, str] = {}
+    dirs = ckptlist.collect_garbage(storage, output_dir, keep, remove=remove, pruned=set(listing.ids) - set(keep),
+                                    remove_broken=remove_broken, kept_broken=broken)
     check_held(lock)
     temps = ckptlist.remove_temp_files(storage, output_dir)
     # By the store's clock: uploads begun before the lock file was written are dead writers'.
@@ -306,7 +314,8 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock])
     # saving into an output dir below it (gc of a bucket root).
     uploads = storage.abort_stale_uploads(output_dir, lock.path,
                                          ckptlist.writes_there(storage, output_dir, dirs)) if lock is not None else []
-    return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads}
+    return {"removed_checkpoints": dirs, "removed_temp_files": temps, "aborted_uploads": uploads,
+            "kept_broken": broken}
 
 
 def _require_output_dir(listing: ckptlist.Listing, output_dir: str, consequence: str) -> None:
@@ -401,7 +410,8 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of
                     for m in sorted(needed) if (again := saved_again(m)) is not None]
         if lost:
             broken[ckpt_id] = (f"delta checkpoint {ckpt_id} needs {'; '.join(lost)}: it cannot be restored without "
-                               f"its whole chain; restore another checkpoint (its directory stays until `recsave gc`)")
+                               f"its whole chain; restore another checkpoint (its directory stays: `recsave gc` keeps "
+                               f"it, `recsave gc --remove-broken` removes it)")
     return broken
 
 

@@ -309,23 +309,35 @@ def _compact(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _gc_arguments(p: argparse.ArgumentParser) -> None:
+    _output_dir_argument(p)
+    p.add_argument("--remove-broken", action="store_true",
+                   help="also remove unlisted delta checkpoints whose chain is broken (a member gone, damaged or "
+                        "saved again: what `recsave repair` leaves out); kept and named otherwise")
+
+
 @command("gc", "remove uncommitted leftovers and stray temporary files of crashed saves from an output dir "
               "(and abort the S3 uploads they left unfinished)",
-         _output_dir_argument)
+         _gc_arguments)
 def _gc(args: argparse.Namespace) -> int:
     from recsave.tools.catalog import clean_output_dir
 
-    done = clean_output_dir(args.output_dir)
+    done = clean_output_dir(args.output_dir, remove_broken=args.remove_broken)
     if args.json:
         _print_json({"output_dir": args.output_dir, **done})
         return EXIT_OK
-    removed, temps = done["removed_checkpoints"], done["removed_temp_files"]
+    removed, temps, broken = done["removed_checkpoints"], done["removed_temp_files"], done["kept_broken"]
     print(f"removed {len(removed)} director{'y' if len(removed) == 1 else 'ies'}" +
           (f": {', '.join(removed)}" if removed else ""))
     if temps:
         print(f"removed {len(temps)} temporary file(s): {', '.join(temps)}")
     if done["aborted_uploads"]:
         print(f"aborted {len(done['aborted_uploads'])} unfinished upload(s): {', '.join(done['aborted_uploads'])}")
+    if broken:
+        print(f"kept {len(broken)} delta checkpoint(s) whose chain is broken: {', '.join(broken)}; "
+              f"`recsave gc --remove-broken {args.output_dir}` removes them")
+        for name, why in broken.items():
+            print(f"  kept {name}: {' '.join(why.split())}")
     return EXIT_OK
 
 
