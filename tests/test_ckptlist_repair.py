@@ -3,6 +3,7 @@
 committed" and never delete a committed checkpoint; `recsave repair` rewrites the file."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from helpers import assert_jobs_equal, job_state, make_job, read_index_json, wri
 
 import recsave
 from recsave.format import ckptlist
-from recsave.storage import get_storage
+from recsave.storage import LocalStorage, get_storage
 from recsave.tools import catalog
 from recsave.tools.cli import main as cli_main
 
@@ -805,3 +806,55 @@ def test_gc_keeps_the_unlisted_chain_of_a_listed_delta(tmp_path):
         assert catalog.clean_output_dir(str(out), remove_broken=remove_broken)["removed_checkpoints"] == []
     assert _dirs(str(out)) == ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"]
     assert _list_file(str(out)) == b"ckpt_3\nckpt_4\n"
+
+
+# ------------------------------------------------------------------- how often a repair reads an index
+class CountingStorage(LocalStorage):
+    """Local disk, counting whole-file reads (read_bytes) per path relative to `root`."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = str(root)
+        self.reads = collections.Counter()
+
+    def read_bytes(self, path, limit):
+        self.reads[os.path.relpath(path, self.root)] += 1
+        return super().read_bytes(path, limit)
+
+
+# the state of _chain_saved's chain -> the index paths a repair tries to read (each exactly once)
+REPAIR_READS = {
+    "intact": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
+    "base_gone": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],  # ckpt_1: a read that finds no index
+    "base_gone_list_lost": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
+    "middle_gone": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
+    "middle_damaged": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
+    "middle_saved_again": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
+}
+
+
+@pytest.mark.parametrize("broken", sorted(REPAIR_READS))
+def test_repair_reads_each_index_once(tmp_path, broken, monkeypatch):
+    """A repair asks of each index whether it validates, what the checkpoint needs, and (for a
+    chain) its CRC32C: it read one member's index up to four times (the list, damage, the chain's
+    parents, the CRC check). Each index is read once now, with the same outcome."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    if broken != "intact":
+        _break_chain(out, broken)
+    storage = CountingStorage(out)
+    monkeypatch.setattr(catalog, "get_storage", lambda path: storage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the rebuilt list's
+        done = catalog.repair(str(out))
+    listed, left_out = CHAIN_BROKEN.get(broken, (["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], {}))
+    assert done["ids"] == listed
+    assert {i: why for i, why in done["left_out"].items() if why.startswith("delta ")} == \
+        {i: f"delta checkpoint {i} needs {member}: it cannot be restored without its whole chain; restore another "
+            f"checkpoint (its directory stays: `recsave gc` keeps it, `recsave gc --remove-broken` removes it)"
+         for i, member in left_out.items()}
+    expected = {f"{i}/index": 1 for i in REPAIR_READS[broken]}
+    expected[".recsave-writer.lock"] = 1  # taking the lock
+    if not broken.endswith("list_lost"):
+        expected["checkpoint"] = 1
+    assert dict(storage.reads) == expected

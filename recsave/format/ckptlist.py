@@ -276,7 +276,7 @@ def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False)
     if storage.isdir(path, follow_links=True):
         return IndexState("damaged", why=f"{path} is a directory")
     try:
-        data = storage.read_bytes(path, knobs.get("max_index_bytes"))
+        data = index_mod.read_bytes(storage, path)  # through a repair's ReadOnce, when it installed one
         if intact_is_valid and seal.intact(data) and _reads_as_valid(data):
             return IndexState("valid")
         index = index_mod.parse(data, path)

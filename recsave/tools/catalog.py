@@ -22,6 +22,7 @@ from recsave.errors import (
 from recsave.format import chain, ckptlist, retention, torchio
 from recsave.format import index as index_mod
 from recsave.format.reader import check_shard_header
+from recsave.format.readonce import ReadOnce
 from recsave.format.records import KIND_FULL
 from recsave.load.sources import ChainSource, CheckpointSource, open_source, require_checkpoint
 from recsave.storage import Storage, get_storage
@@ -365,7 +366,8 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of
     the delta recorded, which a restore refuses) -> why. A member merely unreadable here (over the knob
     max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back.
     `parents_of` (id -> parent_ids, _parents) and `sound` (ids whose index the caller just read
-    whole and valid) spare a caller that read the indexes reading them again."""
+    whole and valid) spare a caller that read the indexes reading them again; repair reads each
+    index once in all (format/readonce.py)."""
     problems: Dict[str, Optional[str]] = dict.fromkeys(sound)
 
     def problem_of(member: str) -> Optional[str]:
@@ -378,12 +380,14 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of
                 problems[member] = None
         return problems[member]
 
+    # (its index's parent, its CRC32C), not the parsed index: a large one takes as much memory as its bytes
     read: Dict[str, Optional[Tuple[Any, int]]] = {}
 
-    def index_of(ckpt_id: str) -> Optional[Tuple[Any, int]]:  # (index, its CRC32C); None: not read whole here
+    def index_of(ckpt_id: str) -> Optional[Tuple[Any, int]]:  # None: not read whole here
         if ckpt_id not in read:
             try:
-                read[ckpt_id] = chain.read_with_crc(storage, storage.join(output_dir, ckpt_id))
+                index, crc = chain.read_with_crc(storage, storage.join(output_dir, ckpt_id))
+                read[ckpt_id] = (index.parent, crc)
             except (RecsaveError, OSError):  # gone or damaged (problem_of tells), over the limit, newer
                 read[ckpt_id] = None
         return read[ckpt_id]
@@ -392,7 +396,7 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of
         """The parent of delta `member` when its index is not the one `member` was saved against
         (another writer saved that id again): what a restore refuses (chain.resolve)."""
         got = index_of(member)
-        parent = None if got is None else got[0].parent
+        parent = None if got is None else got[0]
         if parent is None:
             return None
         read_parent = index_of(parent.id)
@@ -432,24 +436,10 @@ def repair(output_dir: str) -> Dict[str, Any]:
     _require_dir(storage, output_dir)
     lock = hold_writer_lock(None, storage, output_dir)
     try:
-        listing = ckptlist.committed(storage, output_dir, rewrite=True, warn=False)
-        # A list that reads fine may still name a checkpoint whose index no longer validates (ls
-        # says so): it leaves the list, its directory stays (rotation and gc never delete it).
-        ids, left_out, rewritten = list(listing.ids), dict(listing.left_out), listing.rewritten
-        problem = listing.problem
-        damaged = {i: why for i in ids if (why := ckptlist.proven_damaged(storage, output_dir, i)) is not None}
-        # A delta whose chain lost a member cannot be loaded either: it leaves the list too.
-        broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged],
-                                _parents(storage, output_dir))
-        if damaged or broken:
-            ids = [i for i in ids if i not in damaged and i not in broken]
-            ckptlist.write(storage, output_dir, ids)
-            left_out.update(damaged)
-            left_out.update(broken)
-            rewritten = True
-            found = ([f"it lists {', '.join(damaged)}, whose index is damaged"] if damaged else []) + \
-                ([f"it lists {', '.join(broken)}, whose chain of deltas is broken"] if broken else [])
-            problem = problem or "; ".join(found)
+        # Each index is read once: whether it validates (the list, damage), what it needs and its
+        # CRC32C (_broken_chains) all come from those bytes; none changes under the lock.
+        with index_mod.reading_through(ReadOnce().read):
+            listing, ids, left_out, rewritten, problem = _repair_locked(storage, output_dir)
     finally:
         if lock is not None:
             lock.release()
@@ -457,3 +447,27 @@ def repair(output_dir: str) -> Dict[str, Any]:
     return {"output_dir": output_dir, "file": storage.join(output_dir, ckptlist.LIST_FILE),
             "problem": problem, "ids": ids, "stale": list(listing.stale),
             "left_out": left_out, "rebuilt": listing.rebuilt, "rewritten": rewritten}
+
+
+def _repair_locked(storage: Storage, output_dir: str
+                   ) -> Tuple[ckptlist.Listing, List[str], Dict[str, str], bool, Optional[str]]:
+    """repair's work under the writer lock: (listing, ids, left_out, rewritten, problem)."""
+    listing = ckptlist.committed(storage, output_dir, rewrite=True, warn=False)
+    # A list that reads fine may still name a checkpoint whose index no longer validates (ls
+    # says so): it leaves the list, its directory stays (rotation and gc never delete it).
+    ids, left_out, rewritten = list(listing.ids), dict(listing.left_out), listing.rewritten
+    problem = listing.problem
+    damaged = {i: why for i in ids if (why := ckptlist.proven_damaged(storage, output_dir, i)) is not None}
+    # A delta whose chain lost a member cannot be loaded either: it leaves the list too.
+    broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged],
+                            _parents(storage, output_dir))
+    if damaged or broken:
+        ids = [i for i in ids if i not in damaged and i not in broken]
+        ckptlist.write(storage, output_dir, ids)
+        left_out.update(damaged)
+        left_out.update(broken)
+        rewritten = True
+        found = ([f"it lists {', '.join(damaged)}, whose index is damaged"] if damaged else []) + \
+            ([f"it lists {', '.join(broken)}, whose chain of deltas is broken"] if broken else [])
+        problem = problem or "; ".join(found)
+    return listing, ids, left_out, rewritten, problem
