@@ -451,12 +451,15 @@ class CheckpointManager:
         With nothing to restore (global_step None and no checkpoint) returns 0 and changes nothing.
         With `fallback` (and global_step None), a corrupt or incomplete latest checkpoint is skipped
         with a warning and the previous committed one restored (see Saver.load); one written by a
-        newer recsave stops it (FormatVersionError). A checkpoint without global_step (written by a
-        plain Saver, or by `convert`) restores too: global_step becomes the step its index records
-        (that of its id ``ckpt_<N>``, or the one `convert` carried), else 0, and
-        ``last_report.notes`` says so. `load_conf` selects what to load, as Saver.load's (e.g.
-        ``{"exclude": ["io_state"]}`` when the number of workers changed); it has no ``path``: a
-        restore reads this manager's output dir (load_model_bank reads others)."""
+        newer recsave stops it (FormatVersionError). A background write of an async save still
+        pending is waited for first; when it failed, its error is raised (once, as by wait()) and
+        nothing is restored: the checkpoint the caller took for the latest is missing, and the
+        error must not wait for the first autosave after the restore. A checkpoint without
+        global_step (written by a plain Saver, or by `convert`) restores too: global_step becomes
+        the step its index records (that of its id ``ckpt_<N>``, or the one `convert` carried),
+        else 0, and ``last_report.notes`` says so. `load_conf` selects what to load, as
+        Saver.load's (e.g. ``{"exclude": ["io_state"]}`` when the number of workers changed); it
+        has no ``path``: a restore reads this manager's output dir (load_model_bank reads others)."""
         check(global_step, int, "global_step", "CheckpointManager.restore", optional=True)
         check(fallback, bool, "fallback", "CheckpointManager.restore")
         check(load_conf, dict, "load_conf", "CheckpointManager.restore", optional=True)
@@ -468,11 +471,14 @@ class CheckpointManager:
         if global_step is not None and global_step < 0:
             raise UsageError(f"global_step must be an int >= 0, got {global_step!r}")
         ckpt_id = None if global_step is None else f"ckpt_{global_step}"
-        # A save of this manager still being written in the background is listed only once done:
-        # restoring before would miss it (or find nothing and return 0, rewinding nothing).
-        saver.wait_for_pending()
 
         def committed() -> bool:
+            # A save of this manager still being written in the background is listed only once
+            # done: restoring before would miss it (or find nothing and return 0, rewinding
+            # nothing). Its outcome is taken here: a failure is raised, restoring nothing, not left
+            # for the first autosave after the restore (a save of another state) to raise. Inside
+            # the exchange below, so that every rank raises at once.
+            self.wait()
             names = self._listed_ids()
             if ckpt_id is not None and ckpt_id not in names:
                 raise CheckpointNotFoundError(

@@ -540,3 +540,36 @@ def test_a_child_forked_while_pruning_runs_does_not_wait_for_it(tmp_path, monkey
     assert os.waitstatus_to_exitcode(status) == 0
     job.saver.close()
     assert sorted(os.listdir(out)) == ["checkpoint", "ckpt_2"]
+
+
+def test_restore_raises_the_error_of_a_background_write_from_before_it(faulty):
+    """An autosave's background write failed, then the job called restore(): restore() went back to
+    the previous checkpoint without a word, and the error surfaced at the first autosave after it,
+    which then saved nothing (an unrelated step failing for a write of the abandoned state).
+    restore() raises it now, restoring nothing (the latest the user knew of is gone); reported
+    once, a second restore() goes back to the previous checkpoint, and autosaves go on."""
+    from test_faults import FaultyFS
+
+    out = f"{faulty}/run"
+    job = make_job(out, save_interval=2, async_mode="async")
+    job.train(2)
+    assert job.manager.wait() == f"{out}/ckpt_2"
+    at_2 = job_state(job)
+    inject("open", _enospc, times=100, path_contains="sparse-")
+    job.train(2)  # the autosave of ckpt_4 fails in the background
+    assert job.saver.pending_checkpoint == "ckpt_4"
+    job.saver.wait_for_pending()
+    at_4 = job_state(job)
+    FaultyFS.rules = []  # the disk has room again: only the write of ckpt_4 failed
+    with pytest.raises(StorageError) as exc:
+        job.manager.restore()
+    assert exc.value.errno == errno.ENOSPC
+    assert any("async_save('ckpt_4')" in note for note in exc.value.__notes__)
+    assert job.manager.global_step == 4 and job.saver.pending_checkpoint is None
+    assert_jobs_equal(job_state(job), at_4)  # nothing restored
+    assert job.manager.restore() == 2
+    assert_jobs_equal(job_state(job), at_2)
+    job.train(2)  # the autosave of ckpt_4 again: nothing from before the restore is raised
+    assert job.manager.wait() == f"{out}/ckpt_4"
+    assert job.saver.checkpoints() == [f"{out}/ckpt_2", f"{out}/ckpt_4"]
+    job.manager.close()
