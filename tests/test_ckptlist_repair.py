@@ -858,3 +858,31 @@ def test_repair_reads_each_index_once(tmp_path, broken, monkeypatch):
     if not broken.endswith("list_lost"):
         expected["checkpoint"] = 1
     assert dict(storage.reads) == expected
+
+
+def test_read_once_remembers_bytes_and_absence_but_not_a_failed_read(tmp_path):
+    """ReadOnce answers a path's later reads from its first (bytes, or the error of an index that is
+    absent), but a StorageError (maybe transient) is read again next time."""
+    from recsave.errors import CheckpointNotFoundError, StorageError
+    from recsave.format.readonce import ReadOnce
+
+    (tmp_path / "index").write_bytes(b"{}")
+    storage = CountingStorage(tmp_path)
+    fail = [True]
+
+    def flaky(path, limit):
+        storage.reads[os.path.relpath(path, storage.root)] += 1
+        if fail.pop() if fail else False:
+            raise StorageError(f"{path}: injected timeout", path=path)
+        return LocalStorage.read_bytes(storage, path, limit)
+    storage.read_bytes = flaky
+    once = ReadOnce()
+    index, missing = str(tmp_path / "index"), str(tmp_path / "gone" / "index")
+    with pytest.raises(StorageError, match="injected timeout"):
+        once.read(storage, index, 100)
+    assert [once.read(storage, index, 100) for _ in range(2)] == [b"{}", b"{}"]
+    for _ in range(2):
+        with pytest.raises(CheckpointNotFoundError) as exc:
+            once.read(storage, missing, 100)
+        assert exc.value.path == missing
+    assert dict(storage.reads) == {"index": 2, "gone/index": 1}
