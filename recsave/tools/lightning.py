@@ -100,8 +100,8 @@ class RecsaveCallback(pl.Callback):
       the sanity check) saves ``ckpt_<trainer.global_step>`` with ``metrics={monitor: value}``
       from ``trainer.callback_metrics``, which the manager's keep_best ranks (its best_metric and
       best_mode; a different best_metric is a UsageError). The autosave of a step that validation
-      follows is left to that save. A metric not logged raises UsageError; a NaN / inf one saves
-      without metrics (never ranked best).
+      follows is left to that save (taken by the next hook where no validation ends). A metric
+      not logged raises UsageError; a NaN / inf one saves without metrics (never ranked best).
     - ``on_train_end``: saves the final step (``save_on_train_end``) and waits for the write.
     - ``on_exception``: on Lightning's SIGTERMException (its stop on SIGTERM where no hook of this
       callback follows, e.g. after the module's ``on_train_epoch_end``), in a single process,
@@ -133,11 +133,15 @@ class RecsaveCallback(pl.Callback):
         self.trainer: Optional[pl.Trainer] = None
         self.restored_step: Optional[int] = None  # the global step restored by the last fit, if any
         self.saved: List[str] = []  # checkpoint paths saved during the last fit
+        # The global step whose autosave on_train_batch_end left to the validation it predicted,
+        # until that validation's end saves it (or a later hook finds it did not end).
+        self._left_to_validation: Optional[int] = None
         # Optional: a checkpoint of a plain Saver / CheckpointManager still restores (loop from 0).
         manager.register_for_checkpointing(name, _TrainerState(self), optional=True)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.trainer, self.saved, self.restored_step = trainer, [], None
+        self._left_to_validation = None
         if not self.restore:
             return
         if trainer.ckpt_path is not None:
@@ -181,15 +185,37 @@ class RecsaveCallback(pl.Callback):
             # That save also restarts save_interval_seconds; a preemption is acted on now, at the
             # point where step() would have agreed on it with the other ranks.
             self.manager.global_step = step
+            self._left_to_validation = step
             if self.manager.save_on_preemption:
                 self.manager.check_preemption()
             return
+        self._autosave(step)
+
+    def _autosave(self, step: int) -> None:
+        """What the manager's step() decides for global step `step`, reached by the last batch."""
         # The manager's own step() decides, as in a plain loop: save_interval, save_interval_seconds
         # and a preemption signal (save ckpt_<step>, wait, raise Preempted: exit 143).
         self.manager.global_step = step - 1
         path = self.manager.step()
         if path is not None:
             self.saved.append(path)
+
+    def _autosave_unless_validated(self) -> None:
+        """The autosave left to a validation that ended without saving: Lightning decided against
+        it after all, or ran none (a validation loader with no batches skips every hook, the end's
+        too), so without this each such step's autosave (every one, where save_interval is a
+        multiple of the validation interval) was lost. Called by the next hook of the fit, before
+        any training: the model still holds that step's state."""
+        step, self._left_to_validation = self._left_to_validation, None
+        if step is not None and self.trainer is not None and self.trainer.global_step == step:
+            self._autosave(step)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._autosave_unless_validated()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._autosave_unless_validated()
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -207,6 +233,7 @@ class RecsaveCallback(pl.Callback):
     def _save_monitored(self, trainer: pl.Trainer) -> None:
         """Saves ckpt_<global step> recording the monitored metric (every rank: a collective)."""
         self.manager.global_step = trainer.global_step
+        self._left_to_validation = None  # saved here, with the metric (or raising)
         path = self.manager.save(wait=False, metrics=self._monitored(trainer))
         if path not in self.saved:
             self.saved.append(path)
@@ -246,6 +273,7 @@ class RecsaveCallback(pl.Callback):
         self.manager.check_preemption()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._autosave_unless_validated()
         self.manager.global_step = trainer.global_step
         if self.save_on_train_end and trainer.global_step > 0:
             path = self.manager.save(wait=True)
