@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from recsave import knobs
+from recsave import _C, knobs
 from recsave.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -99,6 +99,7 @@ class Listing:
     problem: Optional[str] = None  # what was wrong with the file; None: it was used as it is
     stale: List[str] = field(default_factory=list)  # listed ids left out: directory or index gone
     left_out: Dict[str, str] = field(default_factory=dict)  # directories with an invalid index -> why
+    broken: Set[str] = field(default_factory=set)  # of left_out: deltas whose chain is proven broken (damage)
     rebuilt: bool = False  # `ids` come from the indexes, not from the file
     rewritten: bool = False  # the file was replaced by `ids`
 
@@ -155,7 +156,7 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
         problem = f"lists checkpoints whose directory or index is gone: {', '.join(stale)}"
         _warn(f"{path}: {problem}; dropped them; rewrote the file", warn, None)
         return Listing(ids, True, problem, stale, rewritten=True)
-    ids, left_out = rebuild(storage, output_dir, skip=being_written)
+    ids, left_out, broken = rebuild(storage, output_dir, skip=being_written)
     if not ids and not garbled:  # nothing to rebuild from
         found = bool(listed or left_out) or problem != "is missing"
         if not (rewrite and listed):  # the file stands (loads report what is missing)
@@ -163,11 +164,11 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
                 _warn(f"{path}: {problem}; no checkpoint readable here to rebuild the list from" +
                       "".join(f"; left out {n} ({why})" for n, why in left_out.items()), warn,
                       None if rewrite else warned)
-            return Listing(listed, found, problem if found else None, left_out=left_out)
+            return Listing(listed, found, problem if found else None, left_out=left_out, broken=broken)
         # Every listed id is gone: a writer drops them, as it drops some (max_keep slots).
         write(storage, output_dir, [])
         _warn(f"{path}: {problem}; dropped them; rewrote the file", warn, None)
-        return Listing([], True, problem, list(listed), left_out, rewritten=True)
+        return Listing([], True, problem, list(listed), left_out, broken, rewritten=True)
     stale = [i for i in listed if i not in ids and i not in left_out]
     if rewrite:
         write(storage, output_dir, ids)
@@ -177,7 +178,7 @@ def committed(storage: Storage, output_dir: str, *, rewrite: bool = False, warn:
              "; a directory is in its place: move it away (recsave never removes it)" if storage.isdir(path) else
              f"; the file is left as it is: run `recsave repair {output_dir}` to rewrite it"),
           warn, None if rewrite else warned)
-    return Listing(ids, True, problem, stale, left_out, rebuilt=True, rewritten=rewrite)
+    return Listing(ids, True, problem, stale, left_out, broken, rebuilt=True, rewritten=rewrite)
 
 
 def _warn(message: str, warn: bool, warned: Optional[Set[str]]) -> None:
@@ -188,14 +189,19 @@ def _warn(message: str, warn: bool, warned: Optional[Set[str]]) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tuple[List[str], Dict[str, str]]:
-    """The committed checkpoints of output_dir found by their indexes, and the directories left
-    out because their index is not valid (name -> why). `skip`: a directory not to look at (the
-    checkpoint a save is committing: its index was just written, parsing it back is wasted).
+def rebuild(storage: Storage, output_dir: str,
+            skip: Optional[str] = None) -> Tuple[List[str], Dict[str, str], Set[str]]:
+    """The committed checkpoints of output_dir found by their indexes, the directories left out
+    (name -> why) and which of those are deltas whose chain is proven broken. `skip`: a directory
+    not to look at (the checkpoint a save is committing: its index was just written, parsing it
+    back is wasted).
 
     A directory is committed when its `index` validates (section 3), or was written by a newer
-    recsave (newer_format_version). Order: the commit time (`created_at`; one that does not read as
-    a UTC time before any), then `step` (none before any), then the id. Commit order, not step
+    recsave (newer_format_version), unless it is a delta whose chain is proven broken
+    (_broken_links): listed again, it would be restored as the latest and fail, ranked by
+    keep_best, and refuse a save of its id as "committed already". Order: the commit time
+    (`created_at`; one that does not read as a UTC time before any), then `step` (none before
+    any), then the id. Commit order, not step
     order: after a rewind (a restore of an older step, then saves) the abandoned branch's
     checkpoints have higher steps but committed earlier, and must not come back as the latest.
     Directories without an index (leftovers of crashed saves) and anything that is not a
@@ -203,16 +209,65 @@ def rebuild(storage: Storage, output_dir: str, skip: Optional[str] = None) -> Tu
     found: List[Tuple[Tuple[float, int, str], str]] = []
     left_out: Dict[str, str] = {}
     if not storage.isdir(output_dir, follow_links=True):
-        return [], left_out
+        return [], left_out, set()
+    links: Dict[str, Tuple[str, int]] = {}  # delta -> (its parent, the CRC32C of the index it was saved against)
+    crcs: Dict[str, Optional[int]] = {}  # a found directory -> its index's CRC32C (None: a newer recsave's)
+    unproven: Set[str] = set()  # left out, but maybe intact (over max_index_bytes here)
     for name in storage.listdir(output_dir):
         if not is_plain_name(name) or name in (LIST_FILE, skip) or not storage.isdir(storage.join(output_dir, name)):
             continue
         state = _index_state(storage, storage.join(output_dir, name))
         if state.kind == "damaged":
             left_out[name] = state.why
+            if not state.proven:
+                unproven.add(name)
         elif state.kind != "none":  # valid, or written by a newer recsave
             found.append(((commit_time(state.created_at), -1 if state.step is None else state.step, name), name))
-    return [name for _, name in sorted(found)], left_out
+            crcs[name] = state.crc32c
+            parent = None if state.parsed is None else state.parsed.parent
+            if parent is not None:
+                links[name] = (parent.id, parent.crc32c)
+    broken = _broken_links(links, crcs, set(left_out) - unproven, unproven | ({skip} if skip else set()))
+    left_out.update(broken)
+    return [name for _, name in sorted(found) if name not in broken], left_out, set(broken)
+
+
+def _broken_links(links: Dict[str, Tuple[str, int]], crcs: Dict[str, Optional[int]], damaged: Set[str],
+                  unknown: Set[str]) -> Dict[str, str]:
+    """The deltas of `links` (delta -> its parent and the CRC32C of the parent's index it was saved
+    against) whose chain is proven broken -> why: a member gone (no directory or index among
+    `crcs`), `damaged`, or saved again since (another CRC32C), as a restore finds it. A member only
+    unreadable here (`unknown`, or a newer recsave's: CRC None) breaks nothing: leaving its deltas
+    out would roll the job back."""
+    def lost(name: str, seen: Set[str]) -> Optional[str]:
+        parent, crc = links[name]
+        if parent in seen:
+            return f"{parent}, whose chain of parents loops back to it"
+        if parent in unknown:
+            return None
+        if parent in damaged:
+            return f"{parent}, whose index is damaged"
+        if parent not in crcs:
+            return f"{parent}, whose directory or index is gone"
+        got = crcs[parent]
+        if got is not None and got != crc:
+            return f"{parent}, whose index is not the one {name} was saved against (saved again since)"
+        return lost(parent, seen | {parent}) if got is not None and parent in links else None
+
+    broken = {}
+    for name in links:
+        member = lost(name, {name})
+        if member is not None:
+            broken[name] = chain_broken_why(name, [member])
+    return broken
+
+
+def chain_broken_why(delta: str, lost: Sequence[str]) -> str:
+    """Why delta checkpoint `delta` is left out of the list: the members of its chain it lacks
+    (each "<id>, <why>")."""
+    return (f"delta checkpoint {delta} needs {'; '.join(lost)}: it cannot be restored without its whole chain; "
+            f"restore another checkpoint (its directory stays: `recsave gc` keeps it, `recsave gc "
+            f"--remove-broken` removes it)")
 
 
 def commit_time(created_at: str) -> float:
@@ -243,6 +298,7 @@ class IndexState(NamedTuple):
     why: str = ""  # for "damaged"
     proven: bool = True  # for "damaged": False when the index was not read whole (over max_index_bytes)
     parsed: Optional[Index] = None  # for "valid": the index, when it was parsed (not only its seal checked)
+    crc32c: Optional[int] = None  # for "valid": the CRC32C of the index's bytes (what a delta records of its parent)
 
 
 # An index opens with its magic and format_version (docs/FORMAT.md section 3), a delta's kind next:
@@ -280,7 +336,7 @@ def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False)
         if intact_is_valid and seal.intact(data) and _reads_as_valid(data):
             return IndexState("valid")
         index = index_mod.parse(data, path)
-        return IndexState("valid", index.step, index.created_at, parsed=index)
+        return IndexState("valid", index.step, index.created_at, parsed=index, crc32c=int(_C.crc32c(data)))
     except FormatVersionError as exc:
         newer = _newer_order(data)
         return IndexState("damaged", why=str(exc)) if newer is None else IndexState("newer", *newer)

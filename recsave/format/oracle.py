@@ -35,6 +35,7 @@ from recsave.errors import (
     CheckpointNotFoundError,
     ConfigError,
     FormatVersionError,
+    IncompleteCheckpointError,
     OverLimitError,
     StorageError,
 )
@@ -382,8 +383,9 @@ def read_shard_header(path: str) -> dict:
         return _parse_header(f, os.fstat(f.fileno()).st_size, path)[0]
 
 
-def _open_regular(path: str, what: str, missing: str, nofollow: bool = False) -> Any:
-    """Opens a regular file for reading (a missing one is CheckpointNotFoundError). Refuses directories,
+def _open_regular(path: str, what: str, missing: str, nofollow: bool = False,
+                  missing_error: type = CheckpointNotFoundError) -> Any:
+    """Opens a regular file for reading (a missing one is `missing_error`). Refuses directories,
     FIFOs and devices, which could block or never end, and with ``nofollow`` symbolic links."""
     try:
         st = os.lstat(path) if nofollow else os.stat(path)
@@ -395,7 +397,7 @@ def _open_regular(path: str, what: str, missing: str, nofollow: bool = False) ->
         # followed or blocking.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (getattr(os, "O_NOFOLLOW", 0) * nofollow))
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: {missing}", path=path) from None
+        raise missing_error(f"{path}: {missing}", path=path) from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise corrupt(path, f"{what} is a symbolic link; refusing to follow it") from None
@@ -416,8 +418,9 @@ def _read(f: Any, n: int, path: str) -> bytes:
 def _open_listed(ckpt_dir: str, fname: str, size: int) -> Any:
     """Opens a file named in the index, refusing symlinks and files whose size is not the indexed one."""
     path = os.path.join(ckpt_dir, fname)
+    # A file the index lists that is gone is damage of a checkpoint that exists (docs/API.md, errors)
     f = _open_regular(path, f"listed file {fname!r}", f"file {fname!r} listed in the index does not exist",
-                      nofollow=True)
+                      nofollow=True, missing_error=IncompleteCheckpointError)
     actual = os.fstat(f.fileno()).st_size
     if actual != size:
         f.close()

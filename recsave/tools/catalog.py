@@ -121,7 +121,7 @@ def _left_out(storage: Storage, output_dir: str, listing: ckptlist.Listing) -> L
     the lost file listed whose directory or index is gone. A list used as it is leaves nothing
     out: its ids are all entries, gone or damaged ones included."""
     dirs = [{"id": name, "path": storage.join(output_dir, name), "problem": " ".join(why.split()),
-             "damaged": ckptlist.proven_damaged(storage, output_dir, name) is not None}
+             "damaged": name in listing.broken or ckptlist.proven_damaged(storage, output_dir, name) is not None}
             for name, why in sorted(listing.left_out.items())]
     gone = [{"id": i, "path": storage.join(output_dir, i), "damaged": True,
              "problem": f"listed in the {ckptlist.LIST_FILE!r} file, but its directory or index is gone"}
@@ -413,9 +413,7 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of
             lost = [f"{again}, whose index is not the one {m} was saved against (saved again since)"
                     for m in sorted(needed) if (again := saved_again(m)) is not None]
         if lost:
-            broken[ckpt_id] = (f"delta checkpoint {ckpt_id} needs {'; '.join(lost)}: it cannot be restored without "
-                               f"its whole chain; restore another checkpoint (its directory stays: `recsave gc` keeps "
-                               f"it, `recsave gc --remove-broken` removes it)")
+            broken[ckpt_id] = ckptlist.chain_broken_why(ckpt_id, lost)
     return broken
 
 

@@ -496,7 +496,7 @@ def build(case: str, d: Path) -> Tuple[Optional[str], str, dict]:
     if case == "missing_shard":
         base(d)
         (d / F).unlink()
-        return NF, F, {}
+        return "IncompleteCheckpointError", F, {}  # the checkpoint exists; a file it lists does not
     if case == "missing_index":
         base(d)
         (d / "index").unlink()
