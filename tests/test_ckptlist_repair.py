@@ -892,6 +892,19 @@ def test_read_once_remembers_bytes_and_absence_but_not_a_failed_read(tmp_path):
     assert dict(storage.reads) == {"index": 2, "gone/index": 1}
 
 
+def test_read_once_remembers_no_more_bytes_than_its_budget(tmp_path):
+    """Past its budget ReadOnce reads again instead of holding every index of the output dir."""
+    from recsave.format.readonce import ReadOnce
+
+    for name, size in (("a", 60), ("b", 50), ("c", 30)):
+        (tmp_path / name).write_bytes(b"x" * size)
+    storage = CountingStorage(tmp_path)
+    once = ReadOnce(budget=100)
+    for _ in range(3):
+        assert [len(once.read(storage, str(tmp_path / n), 1000)) for n in "abc"] == [60, 50, 30]
+    assert dict(storage.reads) == {"a": 1, "b": 3, "c": 1}  # b no longer fits beside a; c does
+
+
 @pytest.mark.parametrize("broken", sorted(GC_BROKEN))
 def test_a_rebuilt_list_leaves_out_a_kept_delta_whose_chain_is_broken(tmp_path, broken, capsys):
     """gc and rotation keep a delta repair left out for its chain; when the `checkpoint` file is
