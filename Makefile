@@ -32,8 +32,8 @@ lint: setup
 	exit $$status
 
 # Test processes (pytest-xdist): many tests wait on child processes, gloo ranks or a local S3
-# server, so two workers on 2 cores take the suite from about 23 to 13-19 minutes; 0 runs them
-# in this process (for pdb, or one test's output).
+# server, so two workers on 2 cores took the suite from about 23 minutes to 16 (a clean-clone CI
+# run, quiet VM); 0 runs them in this process (for pdb, or one test's output).
 TEST_WORKERS ?= 2
 
 # The whole suite (what CI runs).
