@@ -718,6 +718,18 @@ GC_BROKEN = {
 }
 
 
+def _repaired_broken_chain(tmp_path, broken):
+    """_chain_saved's chain broken as `broken` names, then repaired (its warnings not shown): the
+    output dir."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    _break_chain(out, broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        catalog.repair(str(out))
+    return out
+
+
 def _check_kept_broken(out, broken, kept):
     """gc's kept_broken names what GC_BROKEN says, as chain.resolve words it."""
     assert sorted(kept) == sorted(GC_BROKEN[broken])
@@ -771,12 +783,7 @@ def test_gc_and_rotation_keep_a_delta_repair_left_out_for_its_chain(tmp_path, br
 def test_gc_remove_broken_removes_only_the_deltas_whose_chain_is_broken(tmp_path, broken, capsys):
     """Asked explicitly (`--remove-broken`), gc removes those deltas; a member whose index is damaged
     stays (the user's to look at), as does everything listed."""
-    out = tmp_path / "run"
-    _chain_saved(out)
-    _break_chain(out, broken)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        catalog.repair(str(out))
+    out = _repaired_broken_chain(tmp_path, broken)
     dirs = _dirs(str(out))
     listed = _list_file(str(out))
     assert cli_main(["gc", "--remove-broken", "--json", str(out)]) == 0
@@ -912,12 +919,7 @@ def test_a_rebuilt_list_leaves_out_a_kept_delta_whose_chain_is_broken(tmp_path, 
     save of that id then failed as "committed already", keep_best could rank it, a restore of it
     failed. The rebuild leaves such a delta out, ls calls it damage (exit 1) as repair does, and
     a save of its id replaces the directory."""
-    out = tmp_path / "run"
-    _chain_saved(out)
-    _break_chain(out, broken)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        catalog.repair(str(out))
+    out = _repaired_broken_chain(tmp_path, broken)
     deltas = sorted(GC_BROKEN[broken])
     listed = _list_file(str(out)).decode().split()
     os.remove(_list_path(str(out)))
