@@ -184,14 +184,18 @@ def test_file_url_shards_are_committed_by_the_engine_like_plain_paths(tmp_path):
     assert torch.equal(fmt.read_tensors(url, storage=storage)["x"], torch.arange(1000.0))
 
 
-def test_many_small_taken_rows_span_write_pieces_and_segments(tmp_path):
-    """8-byte rows (ids, row metadata) in random order, many write pieces' worth: the batched copy
-    of small rows gives the bytes and CRCs of storage[rows]."""
+@pytest.mark.parametrize("order", ["random", "in_order_then_random"])
+def test_many_small_taken_rows_span_write_pieces_and_segments(tmp_path, order):
+    """8-byte rows (ids, row metadata), many write pieces' worth, in random order or first in
+    storage order (a restored table: whole pieces copied as one block) then random: the batched
+    copy of small rows gives the bytes and CRCs of storage[rows]."""
     from recsave.format import RowSource
 
     g = torch.Generator().manual_seed(3)
     storage = torch.randint(-(2 ** 62), 2 ** 62, (1_000_000, 1), generator=g)
     rows = torch.randperm(1_000_000, generator=g)[:400_000]
+    if order == "in_order_then_random":
+        rows[:300_001] = torch.arange(5, 300_006)
     ends = [8 * r for r in (1, 131_071, 131_072, 250_001, 400_000)]
     written = {}
     for kind, src in (("taken", RowSource.take(storage, rows)), ("plain", storage[rows])):
