@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_jobs_equal, job_state, make_job, read_index_json, write_index_json
 
 import recsave
-from recsave.format import ckptlist
+from recsave.format import chain, ckptlist
 from recsave.storage import LocalStorage, get_storage
 from recsave.tools import catalog
 from recsave.tools.cli import main as cli_main
@@ -666,7 +666,7 @@ def test_ls_names_a_listed_delta_whose_chain_is_broken(tmp_path, broken, capsys)
     left_out = json.loads(capsys.readouterr().out)["left_out"]
     expected = {i: entries[i]["problem"] for i in named}
     if broken == "base_gone_list_lost":  # left out by the rebuild already, in the same words
-        expected = {i: ckptlist.chain_broken_why(i, [m]) for i, m in CHAIN_BROKEN[broken][1].items()}
+        expected = {i: chain.broken_why(i, [m]) for i, m in CHAIN_BROKEN[broken][1].items()}
     assert {i: why for i, why in left_out.items() if why.startswith("delta ")} == expected
 
 
@@ -703,19 +703,9 @@ def test_ls_and_repair_agree_an_index_over_max_index_bytes_is_not_damage(tmp_pat
 
 # ------------------------------------------------------------------ gc after repair left a delta out
 # The deltas repair leaves out because of their chain, with an index of their own that validates
-# (what gc took for pruned checkpoints), -> how gc names the member that breaks it: (member, its
-# child, what is wrong); a damaged member stays, as damaged directories always do.
-MISSING = "is missing ({member}/index does not exist); the delta cannot be restored without its whole chain: " \
-          "restore another checkpoint"
-DAMAGED = "is damaged ({member}/index: index is not UTF-8 JSON"
-SAVED_AGAIN = "is not the one the delta was saved against (CRC32C "
-GC_BROKEN = {
-    "base_gone": {"ckpt_2": ("ckpt_1", "ckpt_2", MISSING), "ckpt_3": ("ckpt_1", "ckpt_2", MISSING)},
-    "base_gone_list_lost": {"ckpt_2": ("ckpt_1", "ckpt_2", MISSING), "ckpt_3": ("ckpt_1", "ckpt_2", MISSING)},
-    "middle_gone": {"ckpt_3": ("ckpt_2", "ckpt_3", MISSING)},
-    "middle_damaged": {"ckpt_3": ("ckpt_2", "ckpt_3", DAMAGED)},
-    "middle_saved_again": {"ckpt_3": ("ckpt_2", "ckpt_3", SAVED_AGAIN)},
-}
+# (what gc took for pruned checkpoints): gc names them in repair's words (CHAIN_BROKEN: one rule,
+# chain.broken_chains); a damaged member stays, as damaged directories always do.
+GC_BROKEN = {broken: left_out for broken, (_, left_out) in CHAIN_BROKEN.items()}
 
 
 def _repaired_broken_chain(tmp_path, broken):
@@ -731,13 +721,8 @@ def _repaired_broken_chain(tmp_path, broken):
 
 
 def _check_kept_broken(out, broken, kept):
-    """gc's kept_broken names what GC_BROKEN says, as chain.resolve words it."""
-    assert sorted(kept) == sorted(GC_BROKEN[broken])
-    for delta, why in kept.items():
-        member, child, wrong = GC_BROKEN[broken][delta]
-        subject = "the index of this parent" if wrong == SAVED_AGAIN else "the parent"
-        assert why.startswith(f"{out / member}: {subject} of delta checkpoint {out / child} "
-                              f"{wrong.format(member=out / member)}"), why
+    """gc's kept_broken names what GC_BROKEN says, in the words repair leaves them out with."""
+    assert kept == {delta: chain.broken_why(delta, [member]) for delta, member in GC_BROKEN[broken].items()}
 
 
 @pytest.mark.parametrize("then", ["gc", "save"])
@@ -835,10 +820,10 @@ class CountingStorage(LocalStorage):
 # the state of _chain_saved's chain -> the index paths a repair tries to read (each exactly once)
 REPAIR_READS = {
     "intact": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
-    "base_gone": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],  # ckpt_1: a read that finds no index
-    # the rebuild finds ckpt_1 gone from the directory listing: its deltas are left out, unread again
+    # the member gone has no index to read (its absence is seen, not read)
+    "base_gone": ["ckpt_2", "ckpt_3", "ckpt_4"],
     "base_gone_list_lost": ["ckpt_2", "ckpt_3", "ckpt_4"],
-    "middle_gone": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
+    "middle_gone": ["ckpt_1", "ckpt_3", "ckpt_4"],
     "middle_damaged": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
     "middle_saved_again": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
 }
@@ -939,3 +924,74 @@ def test_a_rebuilt_list_leaves_out_a_kept_delta_whose_chain_is_broken(tmp_path, 
     job.saver.close()
     assert _list_file(str(out)).decode().split() == [*listed, deltas[-1]]
     assert read_index_json(str(out / deltas[-1])).get("kind", "full") == "full"
+
+
+# ------------------------------------------------------------------ the one rule for broken chains
+def _states(**members):
+    """MemberStates by id: "gone", "damaged", "unknown", or (crc, parent id, parent crc, base) of a
+    delta / (crc,) of a full checkpoint."""
+    from recsave.format.records import Parent
+
+    out = {}
+    for name, what in members.items():
+        if what in ("gone", "damaged"):
+            out[name] = chain.MemberState(problem=chain.GONE if what == "gone" else chain.DAMAGED)
+        elif what == "unknown":
+            out[name] = chain.MemberState(unread="over the limit")
+        elif len(what) == 1:
+            out[name] = chain.MemberState(crc32c=what[0])
+        else:
+            out[name] = chain.MemberState(crc32c=what[0], parent=Parent(what[1], what[2]), base=what[3])
+    return lambda name: out.get(name, chain.MemberState(problem=chain.GONE))
+
+
+BROKEN_RULE = {
+    # members -> (delta ckpt_3's lost member, with unknown_breaks too when it differs)
+    "whole": (dict(ckpt_1=(11,), ckpt_2=(12, "ckpt_1", 11, "ckpt_1")), None, None),
+    "base_gone": (dict(ckpt_2=(12, "ckpt_1", 11, "ckpt_1")), "ckpt_1, whose directory or index is gone", None),
+    "middle_damaged": (dict(ckpt_1=(11,), ckpt_2="damaged"), "ckpt_2, whose index is damaged", None),
+    "middle_saved_again": (dict(ckpt_1=(11,), ckpt_2=(99, "ckpt_1", 11, "ckpt_1")),
+                           "ckpt_2, whose index is not the one ckpt_3 was saved against (saved again since)", None),
+    "middle_unknown": (dict(ckpt_1=(11,), ckpt_2="unknown"), None,
+                       "ckpt_2, whose index cannot be read here (over the limit)"),
+    # the walk stops at the unknown member, but the base ckpt_3 names is gone: broken either way
+    "middle_unknown_base_gone": (dict(ckpt_2="unknown"), "ckpt_1, whose directory or index is gone",
+                                 "ckpt_2, whose index cannot be read here (over the limit)"),
+    "loop": (dict(ckpt_1=(11, "ckpt_2", 12, "ckpt_1"), ckpt_2=(12, "ckpt_1", 11, "ckpt_1")),
+             "ckpt_2, whose chain of parents loops back to it", None),
+    "other_base": (dict(ckpt_0=(10,), ckpt_1=(11,), ckpt_2=(12, "ckpt_0", 10, "ckpt_0")),
+                   "ckpt_1, which its index names as its chain's base, where its parents end at ckpt_0", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_RULE))
+def test_broken_chains_is_one_rule_for_rebuild_ls_repair_and_gc(case):
+    """chain.broken_chains: what a rebuilt list, ls, repair (unknown breaks nothing) and gc (unknown
+    breaks: it keeps) decide of delta ckpt_3 (parent ckpt_2 of CRC 12, base ckpt_1); a full
+    checkpoint and an id unreadable itself are never broken."""
+    members, lost, lost_for_gc = BROKEN_RULE[case]
+    state_of = _states(ckpt_3=(13, "ckpt_2", 12, "ckpt_1"), ckpt_4=(14,), ckpt_5="unknown", **members)
+    ids = ["ckpt_3", "ckpt_4", "ckpt_5"]
+    for unknown_breaks, member in ((False, lost), (True, lost_for_gc or lost)):
+        expected = {} if member is None else {"ckpt_3": chain.broken_why("ckpt_3", [member])}
+        assert chain.broken_chains(ids, state_of, unknown_breaks=unknown_breaks) == expected
+
+
+def test_gc_keeps_a_delta_whose_member_it_cannot_read_and_a_rebuild_lists_it(tmp_path, capsys):
+    """A member written by a newer recsave (unreadable here, maybe whole): gc keeps the unlisted
+    delta of it, and a rebuilt list keeps that delta listed (leaving it out would roll the job
+    back); gc --remove-broken removes it."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    with open(_list_path(str(out)), "w") as f:
+        f.write("ckpt_1\nckpt_4\n")  # ckpt_3 unlisted: one of gc's candidates
+    index = read_index_json(out / "ckpt_2")
+    index["format_version"] = 5
+    write_index_json(out / "ckpt_2", index)
+    storage = get_storage(str(out))
+    kept = {}
+    assert ckptlist.collect_garbage(storage, str(out), ["ckpt_1", "ckpt_4"], kept_broken=kept) == []
+    assert list(kept) == ["ckpt_3"] and "ckpt_2, whose index cannot be read here (written by a newer" in kept["ckpt_3"]
+    os.remove(_list_path(str(out)))
+    assert ckptlist.rebuild(storage, str(out)) == (["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], {}, set())
+    assert ckptlist.collect_garbage(storage, str(out), ["ckpt_1", "ckpt_4"], remove_broken=True) == ["ckpt_3"]

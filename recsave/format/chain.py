@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from recsave import _C
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, OverLimitError, RecsaveError
+from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, OverLimitError
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
-from recsave.format.records import KIND_FULL, Index
+from recsave.format.records import KIND_FULL, Index, Parent
 from recsave.storage import Storage, get_storage
 
 MAX_CHAIN = 100_000  # a cycle of parents is damage, never followed for ever
@@ -171,12 +171,92 @@ def _dependencies(parent: Any, base: Any) -> List[str]:
     return out
 
 
-def describe(storage: Storage, ckpt_dir: str, index: Index) -> Tuple[List[str], Optional[str]]:
-    """(chain ids base first, problem): the chain as far as it verifies, and why not further."""
-    try:
-        return [m.ckpt_id for m in resolve(storage, ckpt_dir, index)], None
-    except RecsaveError as exc:
-        return [], str(exc)
+GONE = "whose directory or index is gone"
+DAMAGED = "whose index is damaged"
+
+
+@dataclass(frozen=True)
+class MemberState:
+    """What broken_chains() needs of one checkpoint, from whatever its caller already read of the
+    index: `problem` (GONE, or DAMAGED where the bytes prove it) when it cannot be a chain's member;
+    else, when the index was read whole here, the CRC32C of its bytes and, for a delta, its parent
+    and its chain's base. With neither (crc32c None) it is unknown here: `unread` says why (over
+    the knob max_index_bytes, written by a newer recsave)."""
+    problem: Optional[str] = None
+    crc32c: Optional[int] = None
+    parent: Optional[Parent] = None
+    base: Optional[str] = None
+    unread: str = ""
+
+
+def state_of_index(index: Index, crc32c: int) -> MemberState:
+    """The MemberState of a checkpoint whose index was read whole and validated."""
+    return MemberState(crc32c=crc32c, parent=index.parent, base=index.base)
+
+
+def read_state(storage: Storage, ckpt_dir: str) -> Tuple[Index, MemberState]:
+    """index.read(ckpt_dir) (and its errors) with the checkpoint's MemberState, from one read."""
+    data, path = index_mod.read_raw(ckpt_dir, storage)
+    index = index_mod.parse(data, path)
+    return index, state_of_index(index, int(_C.crc32c(data)))
+
+
+def broken_chains(ids: Iterable[str], state_of: Callable[[str], MemberState], *,
+                  unknown_breaks: bool = False) -> Dict[str, str]:
+    """The deltas among `ids` whose chain is proven broken -> why (broken_why): following parents
+    from the delta, a member gone or damaged, one whose index is not the one its child was saved
+    against (saved again since), a loop of parents, a chain that does not end at the base the
+    delta names, or that base gone or damaged, as resolve() finds it when a restore reads the
+    chain. A member only unreadable here (MemberState.unread) breaks nothing: leaving the delta
+    out of the list would roll the job back; with `unknown_breaks` (may gc delete this?) it counts
+    as broken, which errs toward keeping. Full checkpoints, and ids unreadable themselves, are
+    never broken. The one rule of ckptlist.rebuild, `recsave ls` / `repair` and collect_garbage."""
+    broken = {}
+    for delta in ids:
+        lost = _lost_members(delta, state_of, unknown_breaks)
+        if lost:
+            broken[delta] = broken_why(delta, lost)
+    return broken
+
+
+def _lost_members(delta: str, state_of: Callable[[str], MemberState], unknown_breaks: bool) -> List[str]:
+    """What broken_chains() finds missing from the chain of `delta`, each "<id>, <why>"; []: none."""
+    own = state_of(delta)
+    if own.parent is None:
+        return []
+    child, at, walked = delta, own, {delta}
+    while at.parent is not None:
+        parent = at.parent
+        if parent.id in walked or len(walked) > MAX_CHAIN:
+            return [f"{parent.id}, whose chain of parents loops back to it"]
+        walked.add(parent.id)
+        got = state_of(parent.id)
+        if got.problem is not None:
+            return [f"{parent.id}, {got.problem}"]
+        if got.crc32c is None:  # unknown here: the walk ends; the base it names may still be gone
+            if unknown_breaks:
+                return [f"{parent.id}, whose index cannot be read here ({got.unread or 'unreadable'})"]
+            break
+        if got.crc32c != parent.crc32c:
+            return [f"{parent.id}, whose index is not the one {child} was saved against (saved again since)"]
+        child, at = parent.id, got
+    else:  # the walk reached a checkpoint without a parent: the chain's base
+        if own.base is not None and child != own.base:
+            return [f"{own.base}, which its index names as its chain's base, where its parents end at {child}"]
+        return []
+    if own.base is not None and own.base not in walked:
+        base = state_of(own.base)
+        if base.problem is not None:
+            return [f"{own.base}, {base.problem}"]
+    return []
+
+
+def broken_why(delta: str, lost: Sequence[str]) -> str:
+    """Why delta checkpoint `delta` is left out of the list: the members of its chain it lacks
+    (each "<id>, <why>")."""
+    return (f"delta checkpoint {delta} needs {'; '.join(lost)}: it cannot be restored without its whole chain; "
+            f"restore another checkpoint (its directory stays: `recsave gc` keeps it, `recsave gc "
+            f"--remove-broken` removes it)")
 
 
 def open_chain(ckpt_dir: str, storage: Optional[Storage] = None) -> List[Member]:

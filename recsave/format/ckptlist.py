@@ -198,7 +198,7 @@ def rebuild(storage: Storage, output_dir: str,
 
     A directory is committed when its `index` validates (section 3), or was written by a newer
     recsave (newer_format_version), unless it is a delta whose chain is proven broken
-    (_broken_links): listed again, it would be restored as the latest and fail, ranked by
+    (chain.broken_chains): listed again, it would be restored as the latest and fail, ranked by
     keep_best, and refuse a save of its id as "committed already". Order: the commit time
     (`created_at`; one that does not read as a UTC time before any), then `step` (none before
     any), then the id. Commit order, not step order: after a rewind (a restore of an older step,
@@ -210,64 +210,40 @@ def rebuild(storage: Storage, output_dir: str,
     left_out: Dict[str, str] = {}
     if not storage.isdir(output_dir, follow_links=True):
         return [], left_out, set()
-    links: Dict[str, Tuple[str, int]] = {}  # delta -> (its parent, the CRC32C of the index it was saved against)
-    crcs: Dict[str, Optional[int]] = {}  # a found directory -> its index's CRC32C (None: a newer recsave's)
-    unproven: Set[str] = set()  # left out, but maybe intact (over max_index_bytes here)
+    # What the chains need of each directory, from the index read here (absent: gone). The one
+    # being committed (`skip`) is not read: unknown, which breaks no chain.
+    states: Dict[str, chain.MemberState] = {skip: chain.MemberState(unread="being committed")} if skip else {}
+    deltas: List[str] = []
     for name in storage.listdir(output_dir):
         if not is_plain_name(name) or name in (LIST_FILE, skip) or not storage.isdir(storage.join(output_dir, name)):
             continue
         state = _index_state(storage, storage.join(output_dir, name))
         if state.kind == "damaged":
             left_out[name] = state.why
-            if not state.proven:
-                unproven.add(name)
         elif state.kind != "none":  # valid, or written by a newer recsave
             found.append(((commit_time(state.created_at), -1 if state.step is None else state.step, name), name))
-            crcs[name] = state.crc32c
-            parent = None if state.parsed is None else state.parsed.parent
-            if parent is not None:
-                links[name] = (parent.id, parent.crc32c)
-    broken = _broken_links(links, crcs, set(left_out) - unproven, unproven | ({skip} if skip else set()))
+            if state.parsed is not None and state.parsed.is_delta:
+                deltas.append(name)
+        if state.kind != "none":
+            states[name] = _member_state(state)
+    broken = chain.broken_chains(deltas, lambda name: states.get(name, chain.MemberState(problem=chain.GONE)))
     left_out.update(broken)
     return [name for _, name in sorted(found) if name not in broken], left_out, set(broken)
 
 
-def _broken_links(links: Dict[str, Tuple[str, int]], crcs: Dict[str, Optional[int]], damaged: Set[str],
-                  unknown: Set[str]) -> Dict[str, str]:
-    """The deltas of `links` (delta -> its parent and the CRC32C of the parent's index it was saved
-    against) whose chain is proven broken -> why: a member gone (no directory or index among
-    `crcs`), `damaged`, or saved again since (another CRC32C), as a restore finds it. A member only
-    unreadable here (`unknown`, or a newer recsave's: CRC None) breaks nothing: leaving its deltas
-    out would roll the job back."""
-    def lost(name: str, seen: Set[str]) -> Optional[str]:
-        parent, crc = links[name]
-        if parent in seen:
-            return f"{parent}, whose chain of parents loops back to it"
-        if parent in unknown:
-            return None
-        if parent in damaged:
-            return f"{parent}, whose index is damaged"
-        if parent not in crcs:
-            return f"{parent}, whose directory or index is gone"
-        got = crcs[parent]
-        if got is not None and got != crc:
-            return f"{parent}, whose index is not the one {name} was saved against (saved again since)"
-        return lost(parent, seen | {parent}) if got is not None and parent in links else None
-
-    broken = {}
-    for name in links:
-        member = lost(name, {name})
-        if member is not None:
-            broken[name] = chain_broken_why(name, [member])
-    return broken
+def member_state(storage: Storage, output_dir: str, name: str) -> chain.MemberState:
+    """What chain.broken_chains needs of checkpoint directory output_dir/name, from its index."""
+    return _member_state(_index_state(storage, storage.join(output_dir, name)))
 
 
-def chain_broken_why(delta: str, lost: Sequence[str]) -> str:
-    """Why delta checkpoint `delta` is left out of the list: the members of its chain it lacks
-    (each "<id>, <why>")."""
-    return (f"delta checkpoint {delta} needs {'; '.join(lost)}: it cannot be restored without its whole chain; "
-            f"restore another checkpoint (its directory stays: `recsave gc` keeps it, `recsave gc "
-            f"--remove-broken` removes it)")
+def _member_state(state: "IndexState") -> chain.MemberState:
+    if state.kind == "none":
+        return chain.MemberState(problem=chain.GONE)
+    if state.kind == "damaged":
+        return chain.MemberState(problem=chain.DAMAGED) if state.proven else chain.MemberState(unread=state.why)
+    if state.parsed is None or state.crc32c is None:  # a newer recsave's (or only its seal checked)
+        return chain.MemberState(unread="written by a newer recsave" if state.kind == "newer" else "not parsed")
+    return chain.state_of_index(state.parsed, state.crc32c)
 
 
 def commit_time(created_at: str) -> float:
@@ -491,7 +467,8 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     writer or a faulty one wrote, left out of a rebuilt list as damaged).
 
     An unlisted delta (not in `pruned`) whose own index validates but whose chain does not resolve
-    (a member gone, damaged or saved again: what `recsave repair` leaves a delta out for) stays,
+    (a member gone, damaged or saved again: what `recsave repair` leaves a delta out for; here
+    also one only unreadable here, chain.broken_chains' `unknown_breaks`) stays,
     unless `remove_broken`: it is not damaged itself, and a member put back (a damaged index
     replaced from a backup) makes it loadable again. `kept_broken` (a dict) receives those kept,
     id -> why. Every decision is made before the first removal, so that removing one directory
@@ -507,14 +484,22 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
         return removed
     needed = chain.needed_by(storage, output_dir, keep, parents_of)
     doomed = []
+    states: Dict[str, chain.MemberState] = {}  # chain members read once across the candidates
+
+    def state_of(member: str) -> chain.MemberState:
+        if member not in states:
+            states[member] = member_state(storage, output_dir, member)
+        return states[member]
     for name in candidates:
         if name in needed:
             continue
         state = _index_state(storage, storage.join(output_dir, name), intact_is_valid=name in pruned)
         if state.kind not in ("none", "valid"):  # a damaged or newer index stays
             continue
-        why = None if remove_broken or name in pruned or state.parsed is None else _broken_chain(
-            storage, storage.join(output_dir, name), state.parsed)
+        why = None
+        if not remove_broken and name not in pruned and state.parsed is not None and state.parsed.is_delta:
+            states[name] = _member_state(state)
+            why = chain.broken_chains([name], state_of, unknown_breaks=True).get(name)
         if why is not None:
             if kept_broken is not None:
                 kept_broken[name] = why
@@ -524,15 +509,6 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
         remove(storage.join(output_dir, name))
         removed.append(name)
     return removed
-
-
-def _broken_chain(storage: Storage, ckpt_dir: str, index: Index) -> Optional[str]:
-    """Why the chain of the delta checkpoint at ckpt_dir (its parsed index `index`) does not
-    resolve, else None (also for a full checkpoint). A member merely unreadable here (over the knob
-    max_index_bytes, a newer recsave's) counts as broken too: never a reason to delete."""
-    if not index.is_delta:
-        return None
-    return chain.describe(storage, ckpt_dir, index)[1]
 
 
 def writers_files_in(storage: Storage, output_dir: str) -> bool:

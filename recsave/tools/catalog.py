@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -76,13 +76,14 @@ def list_output_dir(output_dir: str, tool: str = "list_output_dir") -> OutputDir
     gone = set()  # listed ids whose directory or index is gone
     parents: Dict[str, List[str]] = {}  # what each checkpoint needs, from the index read below
     parents_of = _parents(storage, output_dir, parents)  # others: their index read as JSON
+    states: Dict[str, chain.MemberState] = {}  # what the chains need of the indexes read below
     for ckpt_id in ids:
         path = storage.join(output_dir, ckpt_id)
         entry: Dict[str, Any] = {"id": ckpt_id, "path": path, "step": None, "created_at": None, "age_s": None,
                                  "bytes": None, "metrics": None, "kept": [], "problem": None, "damaged": False}
         out.append(entry)
         try:  # one listed id gone or unreadable here is reported on its line, not for the whole listing
-            index = index_mod.read(path, storage)
+            index, states[ckpt_id] = chain.read_state(storage, path)
         except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError) as exc:
             # Not read whole here (a newer recsave's, one over max_index_bytes) is unknown, not
             # damage: repair leaves such a checkpoint listed.
@@ -99,7 +100,7 @@ def list_output_dir(output_dir: str, tool: str = "list_output_dir") -> OutputDir
     # A listed delta whose chain lost a member cannot be restored: damage, as a damaged index is
     # (repair unlists it). The listed ids whose index was just read whole are no lost member.
     readable = [e["id"] for e in out if e["problem"] is None]
-    broken = _broken_chains(storage, output_dir, readable, parents_of, sound=readable)
+    broken = _broken_chains(storage, output_dir, readable, states)
     # What gc keeps, as gc decides it: without the listed ids whose directory or index is gone
     # (gc drops them from the list first).
     present = [i for i in ids if i not in gone]
@@ -359,62 +360,19 @@ def _recsave_files_at(storage: Storage, path: str) -> bool:
     return bool(name) and ckptlist.looks_like_checkpoint(storage, parent, name)
 
 
-def _broken_chains(storage: Storage, output_dir: str, ids: List[str], parents_of: Callable[[str], List[str]],
-                   sound: Iterable[str] = ()) -> Dict[str, str]:
-    """The delta checkpoints among `ids` whose chain needs a member that is gone (no index),
-    proven damaged (ckptlist.proven_damaged) or saved again since (its index bytes are not those
-    the delta recorded, which a restore refuses) -> why. A member merely unreadable here (over the knob
-    max_index_bytes, written by a newer recsave) breaks nothing: unlisting would roll the job back.
-    `parents_of` (id -> parent_ids, _parents) and `sound` (ids whose index the caller just read
-    whole and valid) spare a caller that read the indexes reading them again; repair reads each
-    index once in all (format/readonce.py)."""
-    problems: Dict[str, Optional[str]] = dict.fromkeys(sound)
+def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
+                   known: Optional[Dict[str, chain.MemberState]] = None) -> Dict[str, str]:
+    """The delta checkpoints among `ids` whose chain is proven broken -> why (chain.broken_chains,
+    the rule a rebuilt list and gc follow too). `known` (id -> MemberState of indexes the caller
+    just read whole) spares reading those again; repair reads each index once in all
+    (format/readonce.py)."""
+    states = dict(known or {})
 
-    def problem_of(member: str) -> Optional[str]:
-        if member not in problems:
-            if not storage.exists(storage.join(output_dir, member, index_mod.INDEX_FILE)):
-                problems[member] = "whose directory or index is gone"
-            elif ckptlist.proven_damaged(storage, output_dir, member) is not None:
-                problems[member] = "whose index is damaged"
-            else:
-                problems[member] = None
-        return problems[member]
-
-    # (its index's parent, its CRC32C), not the parsed index: a large one takes as much memory as its bytes
-    read: Dict[str, Optional[Tuple[Any, int]]] = {}
-
-    def index_of(ckpt_id: str) -> Optional[Tuple[Any, int]]:  # None: not read whole here
-        if ckpt_id not in read:
-            try:
-                index, crc = chain.read_with_crc(storage, storage.join(output_dir, ckpt_id))
-                read[ckpt_id] = (index.parent, crc)
-            except (RecsaveError, OSError):  # gone or damaged (problem_of tells), over the limit, newer
-                read[ckpt_id] = None
-        return read[ckpt_id]
-
-    def saved_again(member: str) -> Optional[str]:
-        """The parent of delta `member` when its index is not the one `member` was saved against
-        (another writer saved that id again): what a restore refuses (chain.resolve)."""
-        got = index_of(member)
-        parent = None if got is None else got[0]
-        if parent is None:
-            return None
-        read_parent = index_of(parent.id)
-        return parent.id if read_parent is not None and read_parent[1] != parent.crc32c else None
-
-    broken = {}
-    for ckpt_id in ids:
-        try:
-            needed = chain.needed_by(storage, output_dir, [ckpt_id], parents_of)
-        except OverLimitError:  # a member's index over max_index_bytes here: its chain is unknown, not broken
-            continue
-        lost = [f"{m}, {why}" for m in sorted(needed - {ckpt_id}) if (why := problem_of(m)) is not None]
-        if not lost and len(needed) > 1:  # a delta whose members are all there: are they its chain?
-            lost = [f"{again}, whose index is not the one {m} was saved against (saved again since)"
-                    for m in sorted(needed) if (again := saved_again(m)) is not None]
-        if lost:
-            broken[ckpt_id] = ckptlist.chain_broken_why(ckpt_id, lost)
-    return broken
+    def state_of(member: str) -> chain.MemberState:
+        if member not in states:
+            states[member] = ckptlist.member_state(storage, output_dir, member)
+        return states[member]
+    return chain.broken_chains(ids, state_of)
 
 
 def repair(output_dir: str) -> Dict[str, Any]:
@@ -457,8 +415,7 @@ def _repair_locked(storage: Storage, output_dir: str
     problem = listing.problem
     damaged = {i: why for i in ids if (why := ckptlist.proven_damaged(storage, output_dir, i)) is not None}
     # A delta whose chain lost a member cannot be loaded either: it leaves the list too.
-    broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged],
-                            _parents(storage, output_dir))
+    broken = _broken_chains(storage, output_dir, [i for i in ids if i not in damaged])
     if damaged or broken:
         ids = [i for i in ids if i not in damaged and i not in broken]
         ckptlist.write(storage, output_dir, ids)
