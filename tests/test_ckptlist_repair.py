@@ -995,3 +995,44 @@ def test_gc_keeps_a_delta_whose_member_it_cannot_read_and_a_rebuild_lists_it(tmp
     os.remove(_list_path(str(out)))
     assert ckptlist.rebuild(storage, str(out)) == (["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"], {}, set())
     assert ckptlist.collect_garbage(storage, str(out), ["ckpt_1", "ckpt_4"], remove_broken=True) == ["ckpt_3"]
+
+
+@pytest.mark.parametrize("by", ["gc", "rotation"])
+def test_pruning_a_chain_goes_newest_first_so_a_kill_leaves_it_whole(tmp_path, by, monkeypatch):
+    """Pruning ckpt_1 <- ckpt_2 <- ckpt_3 removed ckpt_1 first (directory order): a process killed
+    after that left ckpt_2 and ckpt_3 as unlisted deltas of a gone base, which gc then kept for
+    ever. The pruned go newest first now: killed after the first removal, the chain left is whole,
+    and the next gc removes it."""
+    out = tmp_path / "run"
+    _chain_saved(out)
+    storage = get_storage(str(out))
+    order = []
+
+    def killed_after_one(path):
+        order.append(os.path.basename(path))
+        if len(order) == 2:
+            raise KeyboardInterrupt  # the process dies here
+        storage.remove_tree(path)
+    if by == "gc":
+        with pytest.raises(KeyboardInterrupt):
+            ckptlist.collect_garbage(storage, str(out), ["ckpt_4"], remove=killed_after_one,
+                                     pruned=["ckpt_1", "ckpt_2", "ckpt_3"])
+    else:
+        job = make_job(str(out), max_keep=2)
+        job.train(1)
+        from recsave.save.pruning import Pruner
+        real = Pruner.remove
+
+        def remove(self, path, lock=None):  # the first removal done, the others lost with the process
+            order.append(os.path.basename(path))
+            if len(order) == 1:
+                real(self, path, lock)
+        monkeypatch.setattr(Pruner, "remove", remove)
+        job.saver.save("ckpt_5")
+        job.saver.close()
+    assert order[:2] == ["ckpt_3", "ckpt_2"]
+    keep = ["ckpt_4"] if by == "gc" else ["ckpt_4", "ckpt_5"]
+    assert _dirs(str(out)) == ["ckpt_1", "ckpt_2", *keep]
+    kept = {}
+    assert ckptlist.collect_garbage(storage, str(out), keep, kept_broken=kept) == ["ckpt_1", "ckpt_2"]
+    assert kept == {}

@@ -461,7 +461,8 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     process that died while deleting goes first (named among the removed). The caller holds the
     writer lock.
 
-    `pruned`: the ids the list held that retention dropped. Their indexes validated when they
+    `pruned`: the ids the list held that retention dropped, in list order (a set: no order), which
+    go newest first. Their indexes validated when they
     were listed, so one sealed intact goes without a parse (a large index costs seconds); any
     other directory's index is parsed in full first: sealed is not valid (an index a newer
     writer or a faulty one wrote, left out of a rebuilt list as damaged).
@@ -505,6 +506,11 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
                 kept_broken[name] = why
             continue
         doomed.append(name)
+    # The pruned newest first (`pruned` in list order: commit order): a delta commits after its
+    # parent, so a process killed part way never leaves a delta whose parent went first (an
+    # unlisted broken delta, which gc would keep); leftovers of crashed saves before them.
+    newest = {name: k for k, name in enumerate(pruned)} if isinstance(pruned, Sequence) else {}
+    doomed.sort(key=lambda name: -newest.get(name, len(newest)))
     for name in doomed:
         remove(storage.join(output_dir, name))
         removed.append(name)

@@ -575,7 +575,7 @@ class CheckpointWriter:
         try:
             check_held(self._lock)  # a writer that took the lock over meanwhile owns what is here now
             ckptlist.collect_garbage(st, out, keep + sorted(unlisted), self.depends_on, remove=remove,
-                                     pruned=set(ids) - set(keep))
+                                     pruned=[i for i in ids if i not in keep])
         except Exception as exc:  # not only OSError: raising would report a committed save as failed
             warnings.warn(f"{out}: pruning old checkpoint directories failed ({type(exc).__name__}: {exc}); "
                           f"{ckpt_id} is committed and listed, the next save prunes again",

@@ -307,7 +307,8 @@ def _clean_locked(storage: Storage, output_dir: str, lock: Optional[WriterLock],
         check_held(lock)
         storage.remove_tree(path)
     broken: Dict[str, str] = {}
-    dirs = ckptlist.collect_garbage(storage, output_dir, keep, remove=remove, pruned=set(listing.ids) - set(keep),
+    dirs = ckptlist.collect_garbage(storage, output_dir, keep, remove=remove,
+                                    pruned=[i for i in listing.ids if i not in keep],
                                     remove_broken=remove_broken, kept_broken=broken)
     check_held(lock)
     temps = ckptlist.remove_temp_files(storage, output_dir)
