@@ -820,10 +820,10 @@ class CountingStorage(LocalStorage):
 # the state of _chain_saved's chain -> the index paths a repair tries to read (each exactly once)
 REPAIR_READS = {
     "intact": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
-    # the member gone has no index to read (its absence is seen, not read)
-    "base_gone": ["ckpt_2", "ckpt_3", "ckpt_4"],
+    "base_gone": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],  # ckpt_1: a read that finds no index
+    # the rebuild finds ckpt_1 gone from the directory listing: its deltas are left out, unread again
     "base_gone_list_lost": ["ckpt_2", "ckpt_3", "ckpt_4"],
-    "middle_gone": ["ckpt_1", "ckpt_3", "ckpt_4"],
+    "middle_gone": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
     "middle_damaged": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
     "middle_saved_again": ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4"],
 }
@@ -928,9 +928,10 @@ def test_a_rebuilt_list_leaves_out_a_kept_delta_whose_chain_is_broken(tmp_path, 
 
 # ------------------------------------------------------------------ the one rule for broken chains
 def _states(**members):
-    """MemberStates by id: "gone", "damaged", "unknown", or (crc, parent id, parent crc, base) of a
-    delta / (crc,) of a full checkpoint."""
-    from recsave.format.records import Parent
+    """MemberStates by id: "gone", "damaged", "unknown" (bytes not read), (crc,) of a full
+    checkpoint, ("serving", crc) of a serving export, (crc, parent id, parent crc, base) of a delta,
+    ("newer", crc, parent id, parent crc, base) of a newer recsave's delta."""
+    from recsave.format.records import KIND_FULL, Parent
 
     out = {}
     for name, what in members.items():
@@ -939,12 +940,19 @@ def _states(**members):
         elif what == "unknown":
             out[name] = chain.MemberState(unread="over the limit")
         elif len(what) == 1:
-            out[name] = chain.MemberState(crc32c=what[0])
+            out[name] = chain.MemberState(crc32c=what[0], kind=KIND_FULL)
+        elif what[0] == "serving":
+            out[name] = chain.MemberState(crc32c=what[1], kind="serving")
+        elif what[0] == "newer":
+            out[name] = chain.MemberState(crc32c=what[1], parent=Parent(what[2], what[3]), base=what[4],
+                                          unread="written by a newer recsave")
         else:
-            out[name] = chain.MemberState(crc32c=what[0], parent=Parent(what[1], what[2]), base=what[3])
+            out[name] = chain.MemberState(crc32c=what[0], parent=Parent(what[1], what[2]), base=what[3],
+                                          kind="delta")
     return lambda name: out.get(name, chain.MemberState(problem=chain.GONE))
 
 
+NEWER = "ckpt_2, whose index cannot be read here (written by a newer recsave)"
 BROKEN_RULE = {
     # members -> (delta ckpt_3's lost member, with unknown_breaks too when it differs)
     "whole": (dict(ckpt_1=(11,), ckpt_2=(12, "ckpt_1", 11, "ckpt_1")), None, None),
@@ -957,10 +965,20 @@ BROKEN_RULE = {
     # the walk stops at the unknown member, but the base ckpt_3 names is gone: broken either way
     "middle_unknown_base_gone": (dict(ckpt_2="unknown"), "ckpt_1, whose directory or index is gone",
                                  "ckpt_2, whose index cannot be read here (over the limit)"),
+    # a newer recsave's member is followed by the parent its bytes name (review)
+    "middle_newer": (dict(ckpt_1=(11,), ckpt_2=("newer", 12, "ckpt_1", 11, "ckpt_1")), None, NEWER),
+    "middle_newer_base_gone": (dict(ckpt_2=("newer", 12, "ckpt_1", 11, "ckpt_1")),
+                               "ckpt_1, whose directory or index is gone", NEWER),
+    "middle_newer_saved_again": (dict(ckpt_1=(11,), ckpt_2=("newer", 99, "ckpt_1", 11, "ckpt_1")),
+                                 "ckpt_2, whose index is not the one ckpt_3 was saved against (saved again since)",
+                                 None),
     "loop": (dict(ckpt_1=(11, "ckpt_2", 12, "ckpt_1"), ckpt_2=(12, "ckpt_1", 11, "ckpt_1")),
              "ckpt_2, whose chain of parents loops back to it", None),
     "other_base": (dict(ckpt_0=(10,), ckpt_1=(11,), ckpt_2=(12, "ckpt_0", 10, "ckpt_0")),
                    "ckpt_1, which its index names as its chain's base, where its parents end at ckpt_0", None),
+    # a chain must end at a full checkpoint, as a restore checks (review: gc deleted such a delta)
+    "serving_base": (dict(ckpt_1=("serving", 11), ckpt_2=(12, "ckpt_1", 11, "ckpt_1")),
+                     "ckpt_1, a checkpoint of kind 'serving' where a chain's base must be a full checkpoint", None),
 }
 
 
@@ -977,6 +995,17 @@ def test_broken_chains_is_one_rule_for_rebuild_ls_repair_and_gc(case):
         assert chain.broken_chains(ids, state_of, unknown_breaks=unknown_breaks) == expected
 
 
+def _made_newer(out, member, child):
+    """`member`'s index rewritten as a newer recsave writes it (format_version 5), `child` (a
+    delta of it) recording the CRC32C of those bytes, as if saved against them."""
+    index = read_index_json(out / member)
+    index["format_version"] = 5
+    write_index_json(out / member, index)
+    delta = read_index_json(out / child)
+    delta["parent"]["crc32c"] = chain.index_crc(get_storage(str(out)), str(out / member))
+    write_index_json(out / child, delta)
+
+
 def test_gc_keeps_a_delta_whose_member_it_cannot_read_and_a_rebuild_lists_it(tmp_path, capsys):
     """A member written by a newer recsave (unreadable here, maybe whole): gc keeps the unlisted
     delta of it, and a rebuilt list keeps that delta listed (leaving it out would roll the job
@@ -985,9 +1014,7 @@ def test_gc_keeps_a_delta_whose_member_it_cannot_read_and_a_rebuild_lists_it(tmp
     _chain_saved(out)
     with open(_list_path(str(out)), "w") as f:
         f.write("ckpt_1\nckpt_4\n")  # ckpt_3 unlisted: one of gc's candidates
-    index = read_index_json(out / "ckpt_2")
-    index["format_version"] = 5
-    write_index_json(out / "ckpt_2", index)
+    _made_newer(out, "ckpt_2", "ckpt_3")
     storage = get_storage(str(out))
     kept = {}
     assert ckptlist.collect_garbage(storage, str(out), ["ckpt_1", "ckpt_4"], kept_broken=kept) == []
@@ -1036,3 +1063,26 @@ def test_pruning_a_chain_goes_newest_first_so_a_kill_leaves_it_whole(tmp_path, b
     kept = {}
     assert ckptlist.collect_garbage(storage, str(out), keep, kept_broken=kept) == ["ckpt_1", "ckpt_2"]
     assert kept == {}
+
+
+def test_a_member_gone_beyond_a_newer_recsaves_member_breaks_the_chain(tmp_path, capsys):
+    """ckpt_1 <- ckpt_2 <- ckpt_3 <- ckpt_5, ckpt_3 rewritten by a newer recsave, ckpt_2 gone: no
+    recsave can restore ckpt_5. The one rule stopped at the member it could not read and called
+    ckpt_5 whole (ls exited 0, repair kept it listed); it follows the parent the newer index names
+    (review)."""
+    out = tmp_path / "run"
+    job = make_job(str(out), max_keep=None)
+    for k, incremental in ((1, False), (2, True), (3, True), (5, True)):
+        job.train(1)
+        job.saver.save(f"ckpt_{k}", incremental=incremental)
+    job.saver.close()
+    _made_newer(out, "ckpt_3", "ckpt_5")
+    shutil.rmtree(out / "ckpt_2")
+    os.remove(_list_path(str(out)))
+    why = chain.broken_why("ckpt_5", ["ckpt_2, whose directory or index is gone"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert ckptlist.rebuild(get_storage(str(out)), str(out)) == (["ckpt_1", "ckpt_3"], {"ckpt_5": why}, {"ckpt_5"})
+        assert cli_main(["ls", str(out)]) == 1
+        repaired = catalog.repair(str(out))
+    assert repaired["ids"] == ["ckpt_1", "ckpt_3"] and repaired["left_out"] == {"ckpt_5": why}

@@ -151,14 +151,18 @@ def _needs(storage: Storage, ckpt_dir: str) -> List[str]:
         raise
     except (CheckpointNotFoundError, CorruptCheckpointError):  # absent, or damaged (kept as such)
         return []
+    raw = _raw_json(data)
+    parent = raw.get("parent")
+    return _dependencies(parent.get("id") if isinstance(parent, dict) else None, raw.get("base"))
+
+
+def _raw_json(data: bytes) -> Dict[str, Any]:
+    """Index bytes as a JSON object, {} when they are not one."""
     try:
         raw = json.loads(data.decode("utf-8"))
     except ValueError:  # UnicodeDecodeError included
-        return []
-    if not isinstance(raw, dict):
-        return []
-    parent = raw.get("parent")
-    return _dependencies(parent.get("id") if isinstance(parent, dict) else None, raw.get("base"))
+        return {}
+    return raw if isinstance(raw, dict) else {}
 
 
 def _dependencies(parent: Any, base: Any) -> List[str]:
@@ -179,19 +183,32 @@ DAMAGED = "whose index is damaged"
 class MemberState:
     """What broken_chains() needs of one checkpoint, from whatever its caller already read of the
     index: `problem` (GONE, or DAMAGED where the bytes prove it) when it cannot be a chain's member;
-    else, when the index was read whole here, the CRC32C of its bytes and, for a delta, its parent
-    and its chain's base. With neither (crc32c None) it is unknown here: `unread` says why (over
-    the knob max_index_bytes, written by a newer recsave)."""
+    else the CRC32C of the index's bytes when they were read, and what they name: a delta's parent
+    and its chain's base, and the checkpoint's `kind` when it validated. `unread` (why: over the
+    knob max_index_bytes, written by a newer recsave) when this recsave cannot read it whole: a
+    newer recsave's bytes still name a parent, read as plain JSON (raw_links)."""
     problem: Optional[str] = None
     crc32c: Optional[int] = None
     parent: Optional[Parent] = None
     base: Optional[str] = None
+    kind: Optional[str] = None
     unread: str = ""
 
 
 def state_of_index(index: Index, crc32c: int) -> MemberState:
     """The MemberState of a checkpoint whose index was read whole and validated."""
-    return MemberState(crc32c=crc32c, parent=index.parent, base=index.base)
+    return MemberState(crc32c=crc32c, parent=index.parent, base=index.base, kind=index.kind)
+
+
+def raw_links(data: bytes) -> Tuple[Optional[Parent], Optional[str]]:
+    """(parent, base) that index bytes name, read as plain JSON without validating them (an index
+    of a newer recsave); None for what is absent or not well formed."""
+    raw = _raw_json(data)
+    parent, base = raw.get("parent"), raw.get("base")
+    pid, pcrc = (parent.get("id"), parent.get("crc32c")) if isinstance(parent, dict) else (None, None)
+    link = Parent(pid, pcrc) if isinstance(pid, str) and is_plain_name(pid) and isinstance(pcrc, int) \
+        and not isinstance(pcrc, bool) and 0 <= pcrc <= 0xFFFFFFFF else None
+    return link, base if isinstance(base, str) and is_plain_name(base) else None
 
 
 def read_state(storage: Storage, ckpt_dir: str) -> Tuple[Index, MemberState]:
@@ -207,10 +224,13 @@ def broken_chains(ids: Iterable[str], state_of: Callable[[str], MemberState], *,
     from the delta, a member gone or damaged, one whose index is not the one its child was saved
     against (saved again since), a loop of parents, a chain that does not end at the base the
     delta names, or that base gone or damaged, as resolve() finds it when a restore reads the
-    chain. A member only unreadable here (MemberState.unread) breaks nothing: leaving the delta
-    out of the list would roll the job back; with `unknown_breaks` (may gc delete this?) it counts
-    as broken, which errs toward keeping. Full checkpoints, and ids unreadable themselves, are
-    never broken. The one rule of ckptlist.rebuild, `recsave ls` / `repair` and collect_garbage."""
+    chain, or a base that is not a full checkpoint. A member only unreadable here
+    (MemberState.unread) breaks nothing: leaving the delta out of the list would roll the job back
+    (a newer recsave's member is followed by the parent its bytes name; the walk ends at one whose
+    bytes were not read, the base the delta names still checked); with `unknown_breaks` (may gc
+    delete this?) it counts as broken, which errs toward keeping. Full checkpoints, and ids
+    unreadable themselves, are never broken. The one rule of ckptlist.rebuild, `recsave ls` /
+    `repair` and collect_garbage."""
     broken = {}
     for delta in ids:
         lost = _lost_members(delta, state_of, unknown_breaks)
@@ -222,7 +242,7 @@ def broken_chains(ids: Iterable[str], state_of: Callable[[str], MemberState], *,
 def _lost_members(delta: str, state_of: Callable[[str], MemberState], unknown_breaks: bool) -> List[str]:
     """What broken_chains() finds missing from the chain of `delta`, each "<id>, <why>"; []: none."""
     own = state_of(delta)
-    if own.parent is None:
+    if own.parent is None or own.unread:
         return []
     child, at, walked = delta, own, {delta}
     while at.parent is not None:
@@ -233,16 +253,19 @@ def _lost_members(delta: str, state_of: Callable[[str], MemberState], unknown_br
         got = state_of(parent.id)
         if got.problem is not None:
             return [f"{parent.id}, {got.problem}"]
-        if got.crc32c is None:  # unknown here: the walk ends; the base it names may still be gone
-            if unknown_breaks:
-                return [f"{parent.id}, whose index cannot be read here ({got.unread or 'unreadable'})"]
-            break
-        if got.crc32c != parent.crc32c:
+        if got.crc32c is not None and got.crc32c != parent.crc32c:
             return [f"{parent.id}, whose index is not the one {child} was saved against (saved again since)"]
-        child, at = parent.id, got
+        if got.unread:
+            if unknown_breaks:
+                return [f"{parent.id}, whose index cannot be read here ({got.unread})"]
+            if got.crc32c is None:  # its bytes were not read: the walk ends (the base is checked below)
+                break
+        child, at = parent.id, got  # a newer recsave's member: followed by the parent its bytes name
     else:  # the walk reached a checkpoint without a parent: the chain's base
         if own.base is not None and child != own.base:
             return [f"{own.base}, which its index names as its chain's base, where its parents end at {child}"]
+        if at.kind is not None and at.kind != KIND_FULL:
+            return [f"{child}, a checkpoint of kind {at.kind!r} where a chain's base must be a full checkpoint"]
         return []
     if own.base is not None and own.base not in walked:
         base = state_of(own.base)

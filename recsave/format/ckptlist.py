@@ -21,7 +21,7 @@ from recsave.format import chain, seal
 from recsave.format import index as index_mod
 from recsave.format.checks import is_plain_name
 from recsave.format.index import INDEX_FILE
-from recsave.format.records import Index, is_newer_index, readable_version
+from recsave.format.records import Index, Parent, is_newer_index, readable_version
 from recsave.storage import Storage
 from recsave.storage.lock import LOCK_FILE
 
@@ -233,7 +233,7 @@ def rebuild(storage: Storage, output_dir: str,
 
 def member_state(storage: Storage, output_dir: str, name: str) -> chain.MemberState:
     """What chain.broken_chains needs of checkpoint directory output_dir/name, from its index."""
-    return _member_state(_index_state(storage, storage.join(output_dir, name)))
+    return _member_state(_index_state(storage, storage.join(output_dir, name), probe=False))
 
 
 def _member_state(state: "IndexState") -> chain.MemberState:
@@ -241,8 +241,11 @@ def _member_state(state: "IndexState") -> chain.MemberState:
         return chain.MemberState(problem=chain.GONE)
     if state.kind == "damaged":
         return chain.MemberState(problem=chain.DAMAGED) if state.proven else chain.MemberState(unread=state.why)
-    if state.parsed is None or state.crc32c is None:  # a newer recsave's (or only its seal checked)
-        return chain.MemberState(unread="written by a newer recsave" if state.kind == "newer" else "not parsed")
+    if state.kind == "newer":
+        parent, base = state.links
+        return chain.MemberState(crc32c=state.crc32c, parent=parent, base=base, unread="written by a newer recsave")
+    if state.parsed is None or state.crc32c is None:  # only its seal checked (rotation's question)
+        return chain.MemberState(unread="not parsed")
     return chain.state_of_index(state.parsed, state.crc32c)
 
 
@@ -274,7 +277,8 @@ class IndexState(NamedTuple):
     why: str = ""  # for "damaged"
     proven: bool = True  # for "damaged": False when the index was not read whole (over max_index_bytes)
     parsed: Optional[Index] = None  # for "valid": the index, when it was parsed (not only its seal checked)
-    crc32c: Optional[int] = None  # for "valid": the CRC32C of the index's bytes (what a delta records of its parent)
+    crc32c: Optional[int] = None  # "valid", "newer": the CRC32C of the index's bytes (a delta records its parent's)
+    links: Tuple[Optional[Parent], Optional[str]] = (None, None)  # "newer": the parent and base it names
 
 
 # An index opens with its magic and format_version (docs/FORMAT.md section 3), a delta's kind next:
@@ -296,16 +300,17 @@ def _reads_as_valid(data: bytes) -> bool:
     return readable_version(int(head.group(1)), (kind or b"full").decode())
 
 
-def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False) -> IndexState:
+def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False, probe: bool = True) -> IndexState:
     """The IndexState of ckpt_dir. An index is renamed into place whole, so one that exists but
     does not validate is damage, never a crash leftover. With `intact_is_valid` (what rotation asks:
     may this go?) an index whose seal matches its bytes, of a version this recsave reads, is
     "valid" without being parsed (step and created_at then unknown): the seal proves the bytes
-    are the ones written, and parsing a large index costs seconds."""
+    are the ones written, and parsing a large index costs seconds. Without `probe` the index is
+    read at once, not looked for first (one request instead of three where most are there)."""
     path = storage.join(ckpt_dir, INDEX_FILE)
-    if not storage.exists(path):
+    if probe and not storage.exists(path):
         return IndexState("none")
-    if storage.isdir(path, follow_links=True):
+    if probe and storage.isdir(path, follow_links=True):
         return IndexState("damaged", why=f"{path} is a directory")
     try:
         data = index_mod.read_bytes(storage, path)  # through a repair's ReadOnce, when it installed one
@@ -315,8 +320,12 @@ def _index_state(storage: Storage, ckpt_dir: str, intact_is_valid: bool = False)
         return IndexState("valid", index.step, index.created_at, parsed=index, crc32c=int(_C.crc32c(data)))
     except FormatVersionError as exc:
         newer = _newer_order(data)
-        return IndexState("damaged", why=str(exc)) if newer is None else IndexState("newer", *newer)
-    except CheckpointNotFoundError:  # removed meanwhile
+        if newer is None:
+            return IndexState("damaged", why=str(exc))
+        return IndexState("newer", *newer, crc32c=int(_C.crc32c(data)), links=chain.raw_links(data))
+    except CheckpointNotFoundError:  # removed meanwhile (or, without `probe`, never there)
+        if not probe and storage.isdir(path, follow_links=True):
+            return IndexState("damaged", why=f"{path} is a directory")
         return IndexState("none")
     except CorruptCheckpointError as exc:
         return IndexState("damaged", why=str(exc), proven=not isinstance(exc, OverLimitError))
