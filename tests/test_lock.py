@@ -18,7 +18,7 @@ import pytest
 from helpers import assert_jobs_equal, job_state, make_job, save_outliving_the_lease
 
 from recsave import knobs
-from recsave.errors import RecsaveError, WriterLockedError
+from recsave.errors import RecsaveError, StorageError, WriterLockedError
 from recsave.storage import LocalStorage, get_storage
 from recsave.storage.lock import LOCK_FILE, LeaseGrant, LeaseWatch, WriterLock
 
@@ -976,3 +976,56 @@ def test_a_lock_with_a_dead_pid_and_no_renewal_time_is_taken_at_once(tmp_path):
         lock.acquire()
     assert _lock(out)["token"] == lock.token
     lock.release()
+
+
+class _StatCountingStorage(LocalStorage):
+    """Local storage counting modified_at calls; from call `fail_from` on they raise StorageError
+    (a store gone unreachable, a file vanishing between two stats)."""
+
+    def __init__(self, fail_from=None):
+        super().__init__()
+        self.stats, self.fail_from = 0, fail_from
+
+    def modified_at(self, path):
+        self.stats += 1
+        if self.fail_from is not None and self.stats >= self.fail_from:
+            raise StorageError(f"{path}: stat failed (injected)", path=path)
+        return super().modified_at(path)
+
+
+@pytest.mark.parametrize("fail_from", [1, 2])
+def test_a_refusal_whose_stat_of_the_lock_file_fails_is_still_a_writer_locked_error(tmp_path, fail_from):
+    """A fresh lock without a renewal time, whose file's age cannot be read (the first stat fails)
+    or could no longer be read when the refusal was worded (a second stat did): the refusal is
+    the WriterLockedError all the same, not the storage's error, its wording without the age."""
+    out = str(tmp_path / "run")
+    _put_lock_record(out, NO_RENEWAL_TIME["no_pid_no_time"])
+    lock = WriterLock(_StatCountingStorage(fail_from=fail_from), out)
+    with knobs.override(writer_lease_s=50):
+        with pytest.raises(RecsaveError) as refused:
+            lock.acquire()
+    assert type(refused.value) is WriterLockedError
+    message = str(refused.value)
+    assert message.startswith(f"{out} is being written by another Saver (")
+    if fail_from == 1:
+        assert "it is taken over once its file is unchanged for writer_lease_s=50 s (when it was last modified " \
+               "could not be read: " in message and "stat failed (injected)" in message
+    else:  # the one stat succeeded
+        assert "writer_lease_s=50 s (last modified 0 s ago)" in message
+    assert _lock(out) == NO_RENEWAL_TIME["no_pid_no_time"] and not lock.held
+
+
+@pytest.mark.parametrize("renewal_time", [False, True])
+def test_a_refusal_stats_the_lock_file_once_at_most(tmp_path, renewal_time):
+    """Judging the lock stale and wording its refusal share one stat of the lock file (none for a
+    record with a usable renewal time)."""
+    out = str(tmp_path / "run")
+    record = dict(NO_RENEWAL_TIME["no_pid_no_time"])
+    if renewal_time:
+        record["renewed_at"] = time.time()
+    _put_lock_record(out, record)
+    storage = _StatCountingStorage()
+    with knobs.override(writer_lease_s=50):
+        with pytest.raises(WriterLockedError, match="is being written by another Saver"):
+            WriterLock(storage, out).acquire()
+    assert storage.stats == (0 if renewal_time else 1)

@@ -46,7 +46,7 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from recsave import knobs
 from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterLockedError
@@ -124,9 +124,9 @@ class WriterLock:
                 continue  # released in between: try to create it again
             if holder is not None and holder.get("token") == self.token:
                 break
-            why = self._stale(holder, raw)
+            why, age = self._stale(holder, raw)
             if why is None:
-                raise WriterLockedError(self._held(holder), path=self.path)
+                raise WriterLockedError(self._held(holder, age), path=self.path)
             log.info("%s: taking over a stale writer lock (%s; %s)", self.path, why, _describe(holder))
             if self._replace(raw, self._record(now)):
                 break
@@ -276,59 +276,77 @@ class WriterLock:
         """(raw bytes, parsed holder or None if unparseable); (None, None) when there is no lock."""
         return read_holder(self.storage, self.path)
 
-    def _stale(self, holder: Optional[Dict[str, Any]], raw: bytes) -> Optional[str]:
-        """Why the lock is abandoned, or None if its holder may be alive."""
+    def _stale(self, holder: Optional[Dict[str, Any]], raw: bytes) -> Tuple[Optional[str], Optional[_FileAge]]:
+        """Why the lock is abandoned (None if its holder may be alive), and the lock file's age
+        when the record has no usable renewal time (else None), which `_held` words the refusal
+        with: one stat of the file per refusal."""
         lease = float(knobs.get("writer_lease_s"))
         if holder is None:
-            return None if raw == b"" and self._young() else "the lock file is unreadable"
+            return (None if raw == b"" and self._young() else "the lock file is unreadable"), None
         renewed = _renewal_time(holder)
+        age: Optional[_FileAge] = None
         if renewed is None:
             # No renewal time to go by: without another rule such a lock would refuse every writer
             # forever. A holder renews by rewriting the file, so the file's own age (by the
-            # storage's clock) is how long ago it was renewed; None where the storage cannot say.
+            # storage's clock) is how long ago it was renewed; unknown where the storage cannot say
+            # (or asking it failed: a live holder's lock is never taken on a guess).
             age = self._file_age()
-            if age is not None and age > lease:
-                return (f"it records no renewal time, and its file was last modified {age:.0f} s ago > "
-                        f"writer_lease_s={lease:g}")
+            if age.seconds is not None and age.seconds > lease:
+                return (f"it records no renewal time, and its file was last modified {age.seconds:.0f} s ago > "
+                        f"writer_lease_s={lease:g}"), age
         elif time.time() - renewed > lease:
-            return f"not renewed for {time.time() - renewed:.0f} s > writer_lease_s={lease:g}"
+            return f"not renewed for {time.time() - renewed:.0f} s > writer_lease_s={lease:g}", None
         pid = holder.get("pid")
         # A pid means this process's pid only on the same host (hostname), boot and pid namespace:
         # containers sharing a hostname have pid spaces of their own.
         space = _pid_space()
         if holder.get("host") == socket.gethostname() and space is not None and holder.get("pid_space") == space \
                 and isinstance(pid, int) and not _pid_alive(pid):
-            return f"process {pid} on this host is dead"
-        return None
+            return f"process {pid} on this host is dead", age
+        return None, age
 
     def _young(self) -> bool:
         """An empty lock file may be one another writer's create is still filling."""
         return self.storage.being_created(self.path)
 
-    def _file_age(self) -> Optional[float]:
-        """Seconds since the lock file was last written, by the storage's clock against this
-        host's (they must agree to well within a lease, as for renewed_at); None when the storage
-        does not say or the file is gone."""
+    def _file_age(self) -> _FileAge:
+        """How long ago the lock file was last written, by the storage's clock against this
+        host's (they must agree to well within a lease, as for renewed_at): unknown when the
+        storage does not say, the file is gone, or asking failed (never raises an OSError)."""
         try:
             modified = self.storage.modified_at(self.path)
         except CheckpointNotFoundError:
-            return None
-        return None if modified is None else time.time() - modified
+            return _FileAge(None)
+        except OSError as exc:  # StorageError is an OSError: the store unreachable, the file unreadable
+            return _FileAge(None, str(exc) or type(exc).__name__)
+        return _FileAge(None if modified is None else time.time() - modified)
 
-    def _held(self, holder: Optional[Dict[str, Any]]) -> str:
-        """The message of a WriterLockedError for a lock that is not stale: whose it is, and what to do."""
+    def _held(self, holder: Optional[Dict[str, Any]], age: Optional[_FileAge]) -> str:
+        """The message of a WriterLockedError for a lock that is not stale: whose it is, and what to
+        do; `age`: what `_stale` found of the lock file's age (None when the record has a usable
+        renewal time, so it did not look)."""
         held = f"{self.output_dir} is being written by another Saver ({_describe(holder)}; lock file {self.path}); "
-        if holder is None or _renewal_time(holder) is not None:
+        if holder is None or age is None:
             return held + ("close that Saver or let it finish, save into another output_dir, or delete the "
                            "lock file if that writer is gone")
         lease = float(knobs.get("writer_lease_s"))
-        age = self._file_age()
-        when = (f"it is taken over once its file is unchanged for writer_lease_s={lease:g} s (last modified "
-                f"{age:.0f} s ago)" if age is not None else
-                "the storage reports no modification time for it, so it never goes stale by itself")
+        unchanged = f"it is taken over once its file is unchanged for writer_lease_s={lease:g} s"
+        if age.seconds is not None:
+            when = f"{unchanged} (last modified {age.seconds:.0f} s ago)"
+        elif age.error is not None:
+            when = f"{unchanged} (when it was last modified could not be read: {age.error})"
+        else:
+            when = "the storage reports no modification time for it, so it never goes stale by itself"
         return held + (f"its record has no renewal time (cut short, or not written by recsave): {when}; "
                        f"wait for that, save into another output_dir, or delete the lock file if no writer "
                        f"uses {self.output_dir}")
+
+
+class _FileAge(NamedTuple):
+    """The lock file's age as WriterLock._file_age found it: seconds since it was last written;
+    None when unknown, with `error` saying why when asking the storage failed."""
+    seconds: Optional[float]
+    error: Optional[str] = None
 
 
 def read_holder(storage: Storage, path: str) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]:
