@@ -813,9 +813,9 @@ def test_a_forked_child_releasing_its_copy_neither_blocks_nor_frees_the_parents_
 def test_no_pid_space_known_here_takes_no_dead_pid_shortcut(tmp_path, monkeypatch):
     """Where this process's pid space cannot be read (no /proc/self/ns), a same-host dead pid
     proves nothing either: the holder's fresh lease holds."""
-    import recsave.storage.lock as lock_mod
+    import recsave.storage.lockrecord as lockrecord
 
-    monkeypatch.setattr(lock_mod, "_pid_space", lambda: None)
+    monkeypatch.setattr(lockrecord, "pid_space", lambda: None)
     out = str(tmp_path / "run")
     os.makedirs(out)
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -965,12 +965,12 @@ def test_a_lock_without_a_renewal_time_kept_fresh_by_its_holder_is_never_taken(t
 
 def test_a_lock_with_a_dead_pid_and_no_renewal_time_is_taken_at_once(tmp_path):
     """The dead-pid rule still applies to a record without a renewal time (same host and pid space)."""
-    from recsave.storage.lock import _pid_space
+    from recsave.storage.lockrecord import pid_space
 
     out = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    _put_lock_record(out, {"host": socket.gethostname(), "pid": proc.pid, "pid_space": _pid_space(), "token": "theirs"})
+    _put_lock_record(out, {"host": socket.gethostname(), "pid": proc.pid, "pid_space": pid_space(), "token": "theirs"})
     lock = WriterLock(LocalStorage(), out)
     with knobs.override(writer_lease_s=1000):
         lock.acquire()

@@ -30,12 +30,14 @@ rank 0 has not renewed it for three quarters of a lease (rank 0 renews every qua
 stalled, and another writer may take the lock over once a whole lease has passed; at once when the
 holder's pid is dead on the taker's host, which the watch sees at its next read only). With the
 group broken, such a rank removes its files only while `may_discard()` finds the lock not lost.
+
+The lock file's record, its reading, and the verdict on another writer's lock (stale, or held and
+the refusal's message) are storage/lockrecord.py's; this module holds and watches the lock.
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -46,37 +48,26 @@ import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from recsave import knobs
-from recsave.errors import CheckpointNotFoundError, CorruptCheckpointError, WriterLockedError
+from recsave.errors import CheckpointNotFoundError, WriterLockedError
 from recsave.storage.base import Storage
 
+# The lock file's record and the judging of another's lock: lockrecord.py. LOCK_FILE, MAX_LOCK_BYTES
+# and read_holder were defined here before it, and are still imported from here.
+from recsave.storage.lockrecord import (
+    LOCK_FILE,
+    MAX_LOCK_BYTES,
+    describe,
+    dumps,
+    held_message,
+    pid_space,
+    read_holder,
+    stale_reason,
+)
+
 log = logging.getLogger("recsave")
-
-LOCK_FILE = ".recsave-writer.lock"
-MAX_LOCK_BYTES = 64 << 10
-
-
-def _pid_space() -> Optional[str]:
-    """This process's pid space: the boot id and the pid namespace (None where unknown: then no
-    dead-pid shortcut is taken, only the lease decides)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 class WriterLock:
@@ -124,10 +115,10 @@ class WriterLock:
                 continue  # released in between: try to create it again
             if holder is not None and holder.get("token") == self.token:
                 break
-            why, age = self._stale(holder, raw)
+            why, age = stale_reason(self.storage, self.path, holder, raw)
             if why is None:
-                raise WriterLockedError(self._held(holder, age), path=self.path)
-            log.info("%s: taking over a stale writer lock (%s; %s)", self.path, why, _describe(holder))
+                raise WriterLockedError(held_message(self.output_dir, self.path, holder, age), path=self.path)
+            log.info("%s: taking over a stale writer lock (%s; %s)", self.path, why, describe(holder))
             if self._replace(raw, self._record(now)):
                 break
         else:
@@ -246,131 +237,35 @@ class WriterLock:
             self.held = False
             self._finalizer.detach()
             self._lost = (f"{self.path}: this Saver lost the writer lock of {self.output_dir} (now "
-                          f"{_describe(holder) if holder else 'released'}), probably because it was not "
+                          f"{describe(holder) if holder else 'released'}), probably because it was not "
                           f"renewed within writer_lease_s={knobs.get('writer_lease_s')} s; not saving")
             raise WriterLockedError(self._lost, path=self.path)
-        self.storage.write_atomic(self.path, _dumps(self._record(time.time())))
+        self.storage.write_atomic(self.path, dumps(self._record(time.time())))
         self._renew_started = started
 
     def _record(self, now: float) -> Dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
-                "acquired_at": self._acquired_at, "renewed_at": now, "pid_space": _pid_space()}
+                "acquired_at": self._acquired_at, "renewed_at": now, "pid_space": pid_space()}
 
     def _create(self, record: Dict[str, Any]) -> bool:
         """Creates the lock file if absent; whether this call created it."""
-        return self.storage.create_exclusive(self.path, _dumps(record))
+        return self.storage.create_exclusive(self.path, dumps(record))
 
     def _replace(self, old_raw: bytes, record: Dict[str, Any]) -> bool:
         """Overwrites a stale lock, if it still holds `old_raw`; whether we hold the lock now."""
-        exclusive = self.storage.replace_exclusive(self.path, old_raw, _dumps(record))
+        exclusive = self.storage.replace_exclusive(self.path, old_raw, dumps(record))
         if exclusive is not None:  # local: one taker of racing ones wins
             return exclusive
         raw, _ = self._read()
         if raw is not None and raw != old_raw:
             return False
-        self.storage.write_atomic(self.path, _dumps(record))
+        self.storage.write_atomic(self.path, dumps(record))
         _, back = self._read()
         return back is not None and back.get("token") == self.token
 
     def _read(self) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]:
         """(raw bytes, parsed holder or None if unparseable); (None, None) when there is no lock."""
         return read_holder(self.storage, self.path)
-
-    def _stale(self, holder: Optional[Dict[str, Any]], raw: bytes) -> Tuple[Optional[str], Optional[_FileAge]]:
-        """Why the lock is abandoned (None if its holder may be alive), and the lock file's age
-        when the record has no usable renewal time (else None), which `_held` words the refusal
-        with: one stat of the file per refusal."""
-        lease = float(knobs.get("writer_lease_s"))
-        if holder is None:
-            return (None if raw == b"" and self._young() else "the lock file is unreadable"), None
-        renewed = _renewal_time(holder)
-        age: Optional[_FileAge] = None
-        if renewed is None:
-            # No renewal time to go by: without another rule such a lock would refuse every writer
-            # forever. A holder renews by rewriting the file, so the file's own age (by the
-            # storage's clock) is how long ago it was renewed; unknown where the storage cannot say
-            # (or asking it failed: a live holder's lock is never taken on a guess).
-            age = self._file_age()
-            if age.seconds is not None and age.seconds > lease:
-                return (f"it records no renewal time, and its file was last modified {age.seconds:.0f} s ago > "
-                        f"writer_lease_s={lease:g}"), age
-        elif time.time() - renewed > lease:
-            return f"not renewed for {time.time() - renewed:.0f} s > writer_lease_s={lease:g}", None
-        pid = holder.get("pid")
-        # A pid means this process's pid only on the same host (hostname), boot and pid namespace:
-        # containers sharing a hostname have pid spaces of their own.
-        space = _pid_space()
-        if holder.get("host") == socket.gethostname() and space is not None and holder.get("pid_space") == space \
-                and isinstance(pid, int) and not _pid_alive(pid):
-            return f"process {pid} on this host is dead", age
-        return None, age
-
-    def _young(self) -> bool:
-        """An empty lock file may be one another writer's create is still filling."""
-        return self.storage.being_created(self.path)
-
-    def _file_age(self) -> _FileAge:
-        """How long ago the lock file was last written, by the storage's clock against this
-        host's (they must agree to well within a lease, as for renewed_at): unknown when the
-        storage does not say, the file is gone, or asking failed (never raises an OSError)."""
-        try:
-            modified = self.storage.modified_at(self.path)
-        except CheckpointNotFoundError:
-            return _FileAge(None)
-        except OSError as exc:  # StorageError is an OSError: the store unreachable, the file unreadable
-            return _FileAge(None, str(exc) or type(exc).__name__)
-        return _FileAge(None if modified is None else time.time() - modified)
-
-    def _held(self, holder: Optional[Dict[str, Any]], age: Optional[_FileAge]) -> str:
-        """The message of a WriterLockedError for a lock that is not stale: whose it is, and what to
-        do; `age`: what `_stale` found of the lock file's age (None when the record has a usable
-        renewal time, so it did not look)."""
-        held = f"{self.output_dir} is being written by another Saver ({_describe(holder)}; lock file {self.path}); "
-        if holder is None or age is None:
-            return held + ("close that Saver or let it finish, save into another output_dir, or delete the "
-                           "lock file if that writer is gone")
-        lease = float(knobs.get("writer_lease_s"))
-        unchanged = f"it is taken over once its file is unchanged for writer_lease_s={lease:g} s"
-        if age.seconds is not None:
-            when = f"{unchanged} (last modified {age.seconds:.0f} s ago)"
-        elif age.error is not None:
-            when = f"{unchanged} (when it was last modified could not be read: {age.error})"
-        else:
-            when = "the storage reports no modification time for it, so it never goes stale by itself"
-        return held + (f"its record has no renewal time (cut short, or not written by recsave): {when}; "
-                       f"wait for that, save into another output_dir, or delete the lock file if no writer "
-                       f"uses {self.output_dir}")
-
-
-class _FileAge(NamedTuple):
-    """The lock file's age as WriterLock._file_age found it: seconds since it was last written;
-    None when unknown, with `error` saying why when asking the storage failed."""
-    seconds: Optional[float]
-    error: Optional[str] = None
-
-
-def read_holder(storage: Storage, path: str) -> Tuple[Optional[bytes], Optional[Dict[str, Any]]]:
-    """The lock file at `path`: (raw bytes, parsed holder or None if unparseable); (None, None) when
-    there is none. WriterLockedError when it cannot be read three times over."""
-    for attempt in range(3):
-        try:
-            raw = storage.read_bytes(path, MAX_LOCK_BYTES)
-            break
-        except (CheckpointNotFoundError, FileNotFoundError):
-            return None, None
-        except CorruptCheckpointError as exc:  # replaced between its size and its read: another taker?
-            last = exc
-            time.sleep(0.05 * (attempt + 1))
-    else:
-        # The same error three times is the file itself (too big, not a file), not a race.
-        raise WriterLockedError(f"{path}: the writer lock cannot be read ({last}); if no Saver is "
-                                f"writing its directory, delete the lock file", path=path) from last
-    try:
-        holder = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return raw, None
-    return raw, holder if isinstance(holder, dict) else None
-
 
 @dataclass(frozen=True)
 class LeaseGrant:
@@ -445,7 +340,7 @@ class LeaseWatch:
         newer = isinstance(acquired, (int, float)) and acquired >= self.grant.acquired_at
         if self._seen or (newer and not first):
             return "lost", (f"{path}: the writer lock that rank 0 held for this save is now "
-                            f"{_describe(holder) if holder is not None else 'released'}: another writer "
+                            f"{describe(holder) if holder is not None else 'released'}: another writer "
                             f"took the output dir over")
         self._blind = True
         return "blind", ""
@@ -459,30 +354,6 @@ def _renewals(ref: "weakref.ReferenceType[WriterLock]", stop: threading.Event, i
         if lock is None or not lock.beat(stop, interval):
             return
         del lock
-
-
-def _dumps(record: Dict[str, Any]) -> bytes:
-    return json.dumps(record, sort_keys=True).encode()
-
-
-def _renewal_time(holder: Dict[str, Any]) -> Optional[float]:
-    """The holder's renewed_at when it is one a live writer could have written: a finite number
-    (not a bool), at most a lease ahead of this host's clock (hosts' clocks agree to well within a
-    quarter lease); None otherwise (missing, garbled, written by something else)."""
-    renewed = holder.get("renewed_at")
-    if isinstance(renewed, bool) or not isinstance(renewed, (int, float)) or not math.isfinite(renewed):
-        return None
-    return float(renewed) if renewed - time.time() <= float(knobs.get("writer_lease_s")) else None
-
-
-def _describe(holder: Optional[Dict[str, Any]]) -> str:
-    if not holder:
-        return "holder unknown"
-    renewed = _renewal_time(holder)
-    age = f", renewed {time.time() - renewed:.0f} s ago" if renewed is not None else ""
-    pid = holder.get("pid")
-    who = f"pid {pid} on host {holder.get('host')!r}" if pid is not None else "an unknown holder (no pid recorded)"
-    return f"held by {who}{age}"
 
 
 def _release_now(storage: Storage, path: str, token: str) -> bool:
