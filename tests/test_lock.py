@@ -815,6 +815,8 @@ def test_no_pid_space_known_here_takes_no_dead_pid_shortcut(tmp_path, monkeypatc
     proves nothing either: the holder's fresh lease holds."""
     import recsave.storage.lockrecord as lockrecord
 
+    space = lockrecord.pid_space()  # the record's: were it known here, the dead pid would free the lock
+    assert space is not None
     monkeypatch.setattr(lockrecord, "pid_space", lambda: None)
     out = str(tmp_path / "run")
     os.makedirs(out)
@@ -822,7 +824,7 @@ def test_no_pid_space_known_here_takes_no_dead_pid_shortcut(tmp_path, monkeypatc
     proc.wait()
     with open(os.path.join(out, LOCK_FILE), "w") as f:
         json.dump({"host": socket.gethostname(), "pid": proc.pid, "token": "theirs", "acquired_at": time.time(),
-                   "renewed_at": time.time()}, f)
+                   "renewed_at": time.time(), "pid_space": space}, f)
     job = make_job(out)
     job.train(1)
     with pytest.raises(WriterLockedError, match="is being written by another Saver"):
