@@ -943,9 +943,9 @@ def _states(**members):
             out[name] = chain.MemberState(crc32c=what[0], kind=KIND_FULL)
         elif what[0] == "serving":
             out[name] = chain.MemberState(crc32c=what[1], kind="serving")
-        elif what[0] == "newer":
-            out[name] = chain.MemberState(crc32c=what[1], parent=Parent(what[2], what[3]), base=what[4],
-                                          unread="written by a newer recsave")
+        elif what[0] == "newer":  # parent id None: one its bytes name in a form this recsave cannot read
+            out[name] = chain.MemberState(crc32c=what[1], parent=None if what[2] is None else Parent(what[2], what[3]),
+                                          base=what[4], unread="written by a newer recsave")
         else:
             out[name] = chain.MemberState(crc32c=what[0], parent=Parent(what[1], what[2]), base=what[3],
                                           kind="delta")
@@ -969,6 +969,10 @@ BROKEN_RULE = {
     "middle_newer": (dict(ckpt_1=(11,), ckpt_2=("newer", 12, "ckpt_1", 11, "ckpt_1")), None, NEWER),
     "middle_newer_base_gone": (dict(ckpt_2=("newer", 12, "ckpt_1", 11, "ckpt_1")),
                                "ckpt_1, whose directory or index is gone", NEWER),
+    # its parent link unreadable here: it may or may not be the base, the walk ends there (review)
+    "middle_newer_parent_unreadable": (dict(ckpt_1=(11,), ckpt_2=("newer", 12, None, None, "ckpt_1")), None, NEWER),
+    "middle_newer_parent_unreadable_base_gone": (dict(ckpt_2=("newer", 12, None, None, "ckpt_1")),
+                                                 "ckpt_1, whose directory or index is gone", NEWER),
     "middle_newer_saved_again": (dict(ckpt_1=(11,), ckpt_2=("newer", 99, "ckpt_1", 11, "ckpt_1")),
                                  "ckpt_2, whose index is not the one ckpt_3 was saved against (saved again since)",
                                  None),

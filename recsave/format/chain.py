@@ -258,7 +258,9 @@ def _lost_members(delta: str, state_of: Callable[[str], MemberState], unknown_br
         if got.unread:
             if unknown_breaks:
                 return [f"{parent.id}, whose index cannot be read here ({got.unread})"]
-            if got.crc32c is None:  # its bytes were not read: the walk ends (the base is checked below)
+            # Its bytes not read, or naming no parent this recsave reads (none, or one in a newer
+            # form: it may be the base or not): the walk ends here (the named base is checked below).
+            if got.crc32c is None or got.parent is None:
                 break
         child, at = parent.id, got  # a newer recsave's member: followed by the parent its bytes name
     else:  # the walk reached a checkpoint without a parent: the chain's base
