@@ -1031,3 +1031,42 @@ def test_a_refusal_stats_the_lock_file_once_at_most(tmp_path, renewal_time):
         with pytest.raises(WriterLockedError, match="is being written by another Saver"):
             WriterLock(storage, out).acquire()
     assert storage.stats == (0 if renewal_time else 1)
+
+
+class _ReleasedBeforeStatStorage(LocalStorage):
+    """Local storage on which the holder releases its lock just as another writer stats it."""
+
+    def modified_at(self, path):
+        os.remove(path)
+        return super().modified_at(path)
+
+
+def test_a_lock_released_while_a_writer_looks_at_its_age_is_taken(tmp_path):
+    """The holder released the lock between a writer's read of it and the stat of its file: the
+    writer was refused, told the storage kept no modification time so the lock never went stale,
+    though the lock was free (review). It tries to take it again and does."""
+    out = str(tmp_path / "run")
+    _put_lock_record(out, NO_RENEWAL_TIME["no_pid_no_time"])
+    lock = WriterLock(_ReleasedBeforeStatStorage(), out)
+    with knobs.override(writer_lease_s=50):
+        lock.acquire()
+    assert lock.held and _lock(out)["token"] == lock.token
+    lock.release()
+
+
+@pytest.mark.parametrize("record", [{"renewed_at": 10 ** 400}, {"pid": 2 ** 64}, {"pid": -1}, {"pid": 0}],
+                         ids=["renewed_at_beyond_float", "pid_beyond_c_long", "pid_negative", "pid_zero"])
+def test_a_lock_record_with_numbers_out_of_range_is_refused_as_held(tmp_path, record):
+    """A fresh record whose renewed_at is too large for a float, or whose pid is no process id
+    here, raised OverflowError (or for pid 0 / -1 asked about a process group): such a record is
+    garbage, judged by the file's age like one without the field (the holder may be alive)."""
+    from recsave.storage.lockrecord import pid_space
+
+    out = str(tmp_path / "run")
+    full = {"host": socket.gethostname(), "pid_space": pid_space(), "token": "theirs", **record}
+    _put_lock_record(out, full)
+    with knobs.override(writer_lease_s=50):
+        with pytest.raises(RecsaveError) as refused:
+            WriterLock(LocalStorage(), out).acquire()
+    assert type(refused.value) is WriterLockedError
+    assert _lock(out) == full

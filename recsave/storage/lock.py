@@ -116,6 +116,8 @@ class WriterLock:
             if holder is not None and holder.get("token") == self.token:
                 break
             why, age = stale_reason(self.storage, self.path, holder, raw)
+            if why is None and age is not None and age.gone:
+                continue  # released between the read and the look at its age: try to create it again
             if why is None:
                 raise WriterLockedError(held_message(self.output_dir, self.path, holder, age), path=self.path)
             log.info("%s: taking over a stale writer lock (%s; %s)", self.path, why, describe(holder))

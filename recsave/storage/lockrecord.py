@@ -35,11 +35,17 @@ def pid_space() -> Optional[str]:
 
 
 def pid_alive(pid: int) -> bool:
+    """False only when no process `pid` exists here; a number that is no process id (0 or less:
+    a process group; too large for the system call) proves nothing, and counts as alive."""
+    if pid <= 0:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
+        return True
+    except (OverflowError, OSError):  # not a pid this system has
         return True
     return True
 
@@ -76,9 +82,15 @@ def renewal_time(holder: Dict[str, Any]) -> Optional[float]:
     (not a bool), at most a lease ahead of this host's clock (hosts' clocks agree to well within a
     quarter lease); None otherwise (missing, garbled, written by something else)."""
     renewed = holder.get("renewed_at")
-    if isinstance(renewed, bool) or not isinstance(renewed, (int, float)) or not math.isfinite(renewed):
+    if isinstance(renewed, bool) or not isinstance(renewed, (int, float)):
         return None
-    return float(renewed) if renewed - time.time() <= float(knobs.get("writer_lease_s")) else None
+    try:  # an int too large for a float (JSON allows any number of digits) is garbage too
+        renewed = float(renewed)
+    except OverflowError:
+        return None
+    if not math.isfinite(renewed):
+        return None
+    return renewed if renewed - time.time() <= float(knobs.get("writer_lease_s")) else None
 
 
 def describe(holder: Optional[Dict[str, Any]]) -> str:
@@ -93,9 +105,11 @@ def describe(holder: Optional[Dict[str, Any]]) -> str:
 
 class FileAge(NamedTuple):
     """The lock file's age as `file_age` found it: seconds since it was last written; None when
-    unknown, with `error` saying why when asking the storage failed."""
+    unknown, with `error` saying why when asking the storage failed, or `gone` when the file was
+    released meanwhile (the lock is free: try to take it again)."""
     seconds: Optional[float]
     error: Optional[str] = None
+    gone: bool = False
 
 
 def file_age(storage: Storage, path: str) -> FileAge:
@@ -105,7 +119,7 @@ def file_age(storage: Storage, path: str) -> FileAge:
     try:
         modified = storage.modified_at(path)
     except CheckpointNotFoundError:
-        return FileAge(None)
+        return FileAge(None, gone=True)
     except OSError as exc:  # StorageError is an OSError: the store unreachable, the file unreadable
         return FileAge(None, str(exc) or type(exc).__name__)
     return FileAge(None if modified is None else time.time() - modified)
