@@ -34,12 +34,13 @@ EPOCHS = 4          # 200 batches in all
 INTERVAL = 7        # autosave every 7 steps
 
 
-def dataset() -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(7)
-    uid = user_ids(torch.randint(0, 300, (N_SAMPLES,), generator=g))
-    iid = item_ids(torch.randint(0, 200, (N_SAMPLES,), generator=g))
-    label = torch.randint(0, 2, (N_SAMPLES,), generator=g).to(torch.float32)
-    return torch.utils.data.TensorDataset(torch.arange(N_SAMPLES), uid, iid, label)
+def dataset(n: int = N_SAMPLES, users: int = 300, items: int = 200, seed: int = 7) -> torch.utils.data.TensorDataset:
+    """(sample index, user id, item id, label) of `n` samples drawn from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    uid = user_ids(torch.randint(0, users, (n,), generator=g))
+    iid = item_ids(torch.randint(0, items, (n,), generator=g))
+    label = torch.randint(0, 2, (n,), generator=g).to(torch.float32)
+    return torch.utils.data.TensorDataset(torch.arange(n), uid, iid, label)
 
 
 class ResumableSampler(torch.utils.data.Sampler):

@@ -23,9 +23,9 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl
+import lightning_job
 import torch
 from gloo_exit import exit_now
-from helpers import item_ids, user_ids
 from lightning_job import ResumableSampler
 
 from recsave import CheckpointManager, HashTable, Saver, partition
@@ -48,11 +48,7 @@ RANK_SHIFT = (-0.0625, 0.0625)
 
 
 def dataset() -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(11)
-    uid = user_ids(torch.randint(0, 120, (N_SAMPLES,), generator=g))
-    iid = item_ids(torch.randint(0, 80, (N_SAMPLES,), generator=g))
-    label = torch.randint(0, 2, (N_SAMPLES,), generator=g).to(torch.float32)
-    return torch.utils.data.TensorDataset(torch.arange(N_SAMPLES), uid, iid, label)
+    return lightning_job.dataset(N_SAMPLES, users=120, items=80, seed=11)
 
 
 class Module(pl.LightningModule):
