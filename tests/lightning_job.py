@@ -34,6 +34,16 @@ EPOCHS = 4          # 200 batches in all
 INTERVAL = 7        # autosave every 7 steps
 
 
+def manual_step(module: pl.LightningModule, loss: torch.Tensor) -> None:
+    """One step of a module's dense optimizer (Lightning's) and its `sparse_opt`, by hand."""
+    dense = module.optimizers()
+    dense.zero_grad()
+    module.sparse_opt.zero_grad()
+    module.manual_backward(loss)
+    dense.step()
+    module.sparse_opt.step()
+
+
 def dataset(n: int = N_SAMPLES, users: int = 300, items: int = 200, seed: int = 7) -> torch.utils.data.TensorDataset:
     """(sample index, user id, item id, label) of `n` samples drawn from `seed`."""
     g = torch.Generator().manual_seed(seed)
@@ -94,13 +104,8 @@ class Module(pl.LightningModule):
             else:
                 _die(self.progress, (self.global_step, self.current_epoch, batch_idx))
         self.seen.append((self.global_step, self.current_epoch, batch_idx, index.tolist()))
-        dense = self.optimizers()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(uid, iid), label)
-        dense.zero_grad()
-        self.sparse_opt.zero_grad()
-        self.manual_backward(loss)
-        dense.step()
-        self.sparse_opt.step()
+        manual_step(self, loss)
         self.sampler.advance(self.current_epoch, batch_idx)
         return loss
 

@@ -98,12 +98,7 @@ class Module(pl.LightningModule):
         self.seen.append([self.global_step, self.current_epoch, batch_idx])
         logits = self.head(torch.cat([self.embed(self.user, uid), self.embed(self.item, iid)], -1)).squeeze(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, label)
-        dense = self.optimizers()
-        dense.zero_grad()
-        self.sparse_opt.zero_grad()
-        self.manual_backward(loss)
-        dense.step()
-        self.sparse_opt.step()
+        lightning_job.manual_step(self, loss)
         self.sampler.advance(self.current_epoch, batch_idx)
 
     def validation_step(self, batch, batch_idx):

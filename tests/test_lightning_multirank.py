@@ -34,7 +34,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fit_ranks(out: str, result: str, max_steps: int, max_keep: int, timeout: float = 120) -> List[Dict[str, Any]]:
+def fit_ranks(out: str, result: str, max_steps: int, max_keep: int, timeout: float = 300) -> List[Dict[str, Any]]:
     """One fit of tests/lightning_ranks_job.py with WORLD ranks, each its own process; the ranks'
     reports. A rank that fails, or a fit that outlasts `timeout` (a hang: every rank is killed),
     fails the test with every rank's output."""
