@@ -236,6 +236,17 @@ def member_state(storage: Storage, output_dir: str, name: str) -> chain.MemberSt
     return _member_state(_index_state(storage, storage.join(output_dir, name), probe=False))
 
 
+def member_lookup(storage: Storage, output_dir: str,
+                  states: Dict[str, chain.MemberState]) -> Callable[[str], chain.MemberState]:
+    """chain.broken_chains' `state_of` over output_dir: member_state of each name read once, kept in
+    `states` (which may hold those the caller already has)."""
+    def state_of(name: str) -> chain.MemberState:
+        if name not in states:
+            states[name] = member_state(storage, output_dir, name)
+        return states[name]
+    return state_of
+
+
 def _member_state(state: "IndexState") -> chain.MemberState:
     if state.kind == "none":
         return chain.MemberState(problem=chain.GONE)
@@ -495,11 +506,7 @@ def collect_garbage(storage: Storage, output_dir: str, keep: List[str],
     needed = chain.needed_by(storage, output_dir, keep, parents_of)
     doomed = []
     states: Dict[str, chain.MemberState] = {}  # chain members read once across the candidates
-
-    def state_of(member: str) -> chain.MemberState:
-        if member not in states:
-            states[member] = member_state(storage, output_dir, member)
-        return states[member]
+    state_of = member_lookup(storage, output_dir, states)
     for name in candidates:
         if name in needed:
             continue

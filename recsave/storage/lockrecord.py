@@ -43,9 +43,7 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    except (OverflowError, OSError):  # not a pid this system has
+    except (OverflowError, OSError):  # PermissionError: exists, owned by someone else; else no pid here
         return True
     return True
 

@@ -367,13 +367,7 @@ def _broken_chains(storage: Storage, output_dir: str, ids: List[str],
     the rule a rebuilt list and gc follow too). `known` (id -> MemberState of indexes the caller
     just read whole) spares reading those again; repair reads each index once in all
     (format/readonce.py)."""
-    states = dict(known or {})
-
-    def state_of(member: str) -> chain.MemberState:
-        if member not in states:
-            states[member] = ckptlist.member_state(storage, output_dir, member)
-        return states[member]
-    return chain.broken_chains(ids, state_of)
+    return chain.broken_chains(ids, ckptlist.member_lookup(storage, output_dir, dict(known or {})))
 
 
 def repair(output_dir: str) -> Dict[str, Any]:
