@@ -26,7 +26,7 @@ from recsave.load.config import CATEGORIES
 from recsave.load.execute import names_executed
 from recsave.load.plan import LoadPlan
 from recsave.load.report import LoadReport
-from recsave.save import policy
+from recsave.save import background, policy
 from recsave.save.pipeline import step_of_id
 from recsave.save.preemption import PreemptionFlag
 from recsave.save.saveinfo import SaveInfo
@@ -489,6 +489,7 @@ class CheckpointManager:
         # Each rank reads its own list: one that fails (or lacks the step) raises on every rank at
         # once, and the ranks agree whether there is anything to restore before any load starts.
         rank, world = dist.group()
+        background.wait_for_every_write()  # another Saver's: this exchange runs on their group
         found = dist.run_everywhere("listing the checkpoints to restore", committed, world, rank=rank,
                                     agree_on_result="whether there is a checkpoint to restore")
         if not found:
@@ -573,6 +574,7 @@ class CheckpointManager:
                         path=checkpoints[i], key=name)
         # Each rank decided its pins alone: a refusal on one raises on all before any collective.
         rank, world = dist.group()
+        background.wait_for_every_write()  # any Saver's: this exchange runs on their group
         dist.run_everywhere("checking what update_model_bank takes from static entries", check_static_parts,
                             world, rank=rank)
         report = self.saver.execute_plan(plan, only=names)

@@ -698,6 +698,43 @@ def main():
                 if hasattr(model, "odd"):
                     del model.odd
         attempt_then_load(bank_load, saver, reader, work_dir, world, rank)
+    elif scenario == "two_savers":  # two Savers of one process group: A writes in the background
+        # while B saves (TWO_SAVERS_B: async_save or save) or loads A's ckpt_0 then saves it (load:
+        # the load's index broadcast). Rank 0's write of A starts late, so its
+        # collectives come after B's there and before B's on rank 1: paired by arrival, A's index
+        # would be committed from B's parts.
+        model_b = Model()
+        saver_b = Saver(model_b, sparse_optim=SparseAdagrad(model_b, lr=0.1),
+                        output_dir=os.path.join(work_dir, "out_b"), max_keep=2)
+        fill(model, rank, world)
+        fill(model_b, rank, world, offset=50.0)
+        b_does = os.environ.get("TWO_SAVERS_B")
+        if b_does == "load":
+            saver.save("ckpt_0")
+        real = recsave.save.pipeline.CheckpointWriter._write_rank_files
+        calls = []
+
+        def late_on_rank0(writer, *args, **kwargs):
+            calls.append(writer)
+            if rank == 0 and len(calls) == 1:
+                time.sleep(1.5)
+            return real(writer, *args, **kwargs)
+        recsave.save.pipeline.CheckpointWriter._write_rank_files = late_on_rank0
+        try:
+            saver.async_save("ckpt_1")
+            if b_does == "save":
+                saver_b.save("ckpt_1")
+            elif b_does == "load":
+                saver_b.load(os.path.join(work_dir, "out", "ckpt_0"))
+                saver_b.save("ckpt_1")
+            else:
+                saver_b.async_save("ckpt_1")
+            saver.wait()
+            saver_b.wait()
+        except recsave.RecsaveError as exc:
+            with open(os.path.join(work_dir, f"error_{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            os._exit(3)
     elif scenario == "load_damaged":
         # The live model holds other rows (offset 50); rank 1's part of the checkpoint is damaged.
         fill(model, rank, world, offset=50.0)

@@ -796,3 +796,21 @@ def test_ranks_with_different_table_steps_record_the_largest_and_warn(tmp_path):
     assert json.loads((tmp_path / "warnings_1.json").read_text()) == []
     for r in range(2):
         assert json.loads((tmp_path / f"steps_{r}.json").read_text()) == [6, 4]
+
+
+@pytest.mark.parametrize("b_does", ["async_save", "save", "load"])
+def test_two_savers_of_one_process_group_commit_their_own_state(tmp_path, b_does):
+    """Saver A's background write runs its collectives while Saver B saves or loads: each
+    checkpoint holds its own model's rows, bit-exact, whatever order the ranks reach the
+    collectives in (B's model holds A's ckpt_0 once B loaded it)."""
+    codes, outs = run_ranks("two_savers", 2, tmp_path, {"TWO_SAVERS_B": b_does})
+    assert codes == [0, 0], outs
+    ids = global_ids()
+    for out, offset in (("out", 0.0), ("out_b", 0.0 if b_does == "load" else 50.0)):
+        model, saver, _ = build(tmp_path)
+        saver.load(str(tmp_path / out / "ckpt_1"), load_conf={"exclude": ["io_state"]})
+        for salt, table in ((offset, model.user), (offset + 100.0, model.item)):
+            got_ids, values, slots = table.export()
+            assert sorted(got_ids.tolist()) == sorted(ids.tolist())
+            assert torch.equal(values, expected_rows(got_ids, salt))
+            assert torch.equal(slots["adagrad_acc"], expected_rows(got_ids, salt + 0.5))

@@ -3,14 +3,47 @@
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Set, Tuple
 
 from recsave import knobs, threads
 from recsave.save.unheard import WriteFuture, heard, outcome, record
+from recsave.storage import dist
 
 log = logging.getLogger("recsave")
+
+# The writes running in this process, any Saver's: wait_for_every_write(). A forked child's copy
+# holds none (their threads are the parent's).
+_running: threads.ThisProcess[Set[Future]] = threads.ThisProcess()
+_running_lock = threading.Lock()
+
+
+def wait_for_every_write() -> None:
+    """With several ranks, waits until no background write of this process is running, whichever
+    Saver started it (their outcomes stay for their own Savers to collect); at once without. Call
+    it before collectives on recsave's gloo group, where every write runs its own: run alongside
+    one, the ranks would pair the two threads' collectives in whatever order each reaches them,
+    failing both or committing one checkpoint's index from the other's parts. After it, a call's
+    collectives follow the writes started before it, on every rank alike."""
+    if not dist.collective(dist.group()[1]):
+        return
+    with _running_lock:
+        running = list(_running.get() or ())
+    futures_wait(running)
+
+
+def _track(future: Future) -> None:
+    with _running_lock:
+        running = _running.get() or set()
+        running.add(future)
+        _running.set(running)
+
+    def done(f: Future) -> None:
+        with _running_lock:
+            (_running.get() or set()).discard(f)
+    future.add_done_callback(done)
 
 
 class BackgroundWrite:
@@ -52,6 +85,7 @@ class BackgroundWrite:
                           "committed checkpoint is still the latest; the error is raised by the next save, "
                           "wait() or close()", ckpt_id, type(exc).__name__, exc)
                 raise
+        _track(future)
         threads.start(logged, name="recsave-async-save", future=future)
         self._pending.set((ckpt_id, future))
         return future

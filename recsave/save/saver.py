@@ -22,7 +22,7 @@ from recsave.load.config import SPARSE_OPTIM
 from recsave.load.execute import execute, load_entries
 from recsave.load.plan import LoadPlan, LoadTarget, plan_entries
 from recsave.load.report import LoadReport
-from recsave.save import arguments, delta, restore
+from recsave.save import arguments, background, delta, restore
 from recsave.save.background import BackgroundWrite
 from recsave.save.pipeline import CheckpointWriter, step_of_id
 from recsave.save.prefill import Prefill
@@ -253,6 +253,7 @@ class Saver:
         `metrics` (name -> float; rank 0's count) are stored in the index, for keep_best.
         """
         start = time.monotonic()
+        background.wait_for_every_write()
         args = self._save_args("save", ckpt_id, shard_id, shard_num, metrics, incremental=incremental)
         assert args is not None  # a save's refusal is raised
         rank, world, values = args
@@ -305,6 +306,7 @@ class Saver:
         from the oldest listed as usual. Waits for a pending async write first (raising its error).
         CheckpointNotFoundError when `ckpt_id` is not committed. Every rank calls it; rank 0 writes."""
         rank, world = arguments.save_args("make_latest", ckpt_id, None, None)
+        background.wait_for_every_write()
         self._prefill.join()
         self.wait()
         return self._checkpoints.make_latest(ckpt_id, rank, world)
@@ -352,6 +354,7 @@ class Saver:
         """
         start = time.monotonic()
         knobs.get("async_failure_exit_code")  # a bad value is refused here, not after the snapshot
+        background.wait_for_every_write()
         args = self._save_args("async_save", ckpt_id, shard_id, shard_num, metrics, incremental=incremental,
                                pinned=pinned)
         done: Future = Future()
@@ -544,6 +547,7 @@ class Saver:
         check(fallback, bool, "fallback", "load")
         alone = arguments.load_alone("load", shard_id, shard_num)
         self._prefill.join()  # it reads the tables a load replaces
+        background.wait_for_every_write()
         self.wait_for_pending()
         conf = dict(load_conf or {})
         if ckpt_path is not None:
@@ -604,9 +608,7 @@ class Saver:
         check(collective, bool, "collective", "plan_model_bank")
         alone = arguments.load_alone("plan_model_bank", shard_id, shard_num)
         if collective and not alone:
-            # Its exchanges run on recsave's group, as a pending async write's do: run alongside
-            # it, the ranks would pair the two threads' collectives and both fail (or mix up).
-            self._background.collect(consume=False)
+            background.wait_for_every_write()  # its exchanges run on recsave's group, as every write's do
         return plan_entries(self._target(), list(entries), shard_id=shard_id, require_path=True,
                             share_reads=collective, alone=alone)
 
@@ -618,6 +620,7 @@ class Saver:
         check(plan, LoadPlan, "plan", "execute_plan", expected="a LoadPlan (from plan_model_bank)")
         names = arguments.only_names(only, plan.items)
         self._prefill.join()
+        background.wait_for_every_write()
         self.wait_for_pending()
         self._baseline = None  # the tables hold rows of other checkpoints: the next save is full
         self._last_load = None
