@@ -415,6 +415,26 @@ def test_rebuild_orders_bycommit_time_then_step_then_id(tmp_path):
     assert names == ["alpha", "zeta", "ckpt_5", "ckpt_5b", "ckpt_3"]
 
 
+def test_a_rebuild_lists_each_delta_after_its_parent_whatever_the_clocks_said(tmp_path):
+    """A delta commits after its parent, whichever host's clock stamped them: ordered by
+    `created_at` alone, a delta stamped by a clock running behind came before its chain, so a
+    restore took its base for the latest and rotation pruned the base first."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=None)
+    for ckpt_id in ("base", "d1", "d2"):
+        job.train(1)
+        job.saver.save(ckpt_id, incremental=ckpt_id != "base")
+    job.saver.close()
+    assert recsave.format.read_index(os.path.join(out, "d2")).parent.id == "d1"
+    index = read_index_json(os.path.join(out, "d2"))  # no delta names d2's bytes: its edit breaks no chain
+    index["created_at"] = "2001-01-01T00:00:00Z"
+    write_index_json(os.path.join(out, "d2"), index)
+    os.remove(_list_path(out))
+    with pytest.warns(RuntimeWarning, match="from their indexes: base, d1, d2;"):
+        names = [os.path.basename(p) for p in make_job(out, max_keep=None).saver.checkpoints()]
+    assert names == ["base", "d1", "d2"]
+
+
 def testcommit_time_without_a_fraction_sorts_by_time_not_by_string():
     early, late = "2026-11-26T10:00:05Z", "2026-11-26T10:00:05.5Z"
     assert early > late  # as strings

@@ -201,9 +201,9 @@ def rebuild(storage: Storage, output_dir: str,
     (chain.broken_chains): listed again, it would be restored as the latest and fail, ranked by
     keep_best, and refuse a save of its id as "committed already". Order: the commit time
     (`created_at`; one that does not read as a UTC time before any), then `step` (none before
-    any), then the id. Commit order, not step order: after a rewind (a restore of an older step,
-    then saves) the abandoned branch's checkpoints have higher steps but committed earlier, and
-    must not come back as the latest.
+    any), then the id, then each delta after its parent (_parents_first). Commit order, not step
+    order: after a rewind (a restore of an older step, then saves) the abandoned branch's
+    checkpoints have higher steps but committed earlier, and must not come back as the latest.
     Directories without an index (leftovers of crashed saves) and anything that is not a
     plain-named directory are skipped."""
     found: List[Tuple[Tuple[float, int, str], str]] = []
@@ -228,7 +228,30 @@ def rebuild(storage: Storage, output_dir: str,
             states[name] = _member_state(state)
     broken = chain.broken_chains(deltas, lambda name: states.get(name, chain.MemberState(problem=chain.GONE)))
     left_out.update(broken)
-    return [name for _, name in sorted(found) if name not in broken], left_out, set(broken)
+    ordered = [name for _, name in sorted(found) if name not in broken]
+    return _parents_first(ordered, lambda name: _parent_id(states.get(name))), left_out, set(broken)
+
+
+def _parent_id(state: Optional[chain.MemberState]) -> Optional[str]:
+    return state.parent.id if state is not None and state.parent is not None else None
+
+
+def _parents_first(ordered: List[str], parent_of: Callable[[str], Optional[str]]) -> List[str]:
+    """`ordered` with each delta moved after its parent where the two are listed: a delta commits
+    after its parent whatever their `created_at` say (hosts' clocks differ), and the latest and
+    rotation's pruning (newest first) follow list order. Others keep their places."""
+    listed = set(ordered)
+    out: List[str] = []
+    placed: Set[str] = set()
+    for name in ordered:
+        pending: List[str] = []  # name, then its unplaced ancestors: placed oldest first
+        while name in listed and name not in placed and name not in pending:  # (a loop ends it too)
+            pending.append(name)
+            name = parent_of(name) or ""
+        for member in reversed(pending):
+            placed.add(member)
+            out.append(member)
+    return out
 
 
 def member_state(storage: Storage, output_dir: str, name: str) -> chain.MemberState:
