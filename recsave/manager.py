@@ -500,8 +500,10 @@ class CheckpointManager:
             self._global_step = int(report.step) if report.step is not None else 0
             where = report.checkpoints[-1] if report.checkpoints else saver.output_dir
             origin = "the step its index records" if report.step is not None else "its index records no step"
-            report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); the "
-                                f"checkpoint holds no global_step")
+            # Not "the checkpoint holds none": load_conf may have left it out (the plan notes a
+            # registered name the checkpoint lacks, with its own note).
+            report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); no "
+                                f"global_step was loaded from it")
         self.last_report = report
         self._restored = (report.checkpoints[-1], self._global_step, report) if report.checkpoints else None
         # The state restored is saved already: the time interval runs from here, else a restore

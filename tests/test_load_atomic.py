@@ -290,3 +290,22 @@ def test_a_load_in_one_process_makes_a_shard_whole_again(tmp_path, fails):
     saver.load_model_bank([{"path": str(tmp_path / "a"), "exclude": ["stubborn"]}])
     assert model.user.partition is None and len(model.user) == 100
     assert torch.equal(model.user.export(torch.arange(100))[1], src.user.export(torch.arange(100))[1])
+
+
+def test_a_merge_as_one_rank_of_a_table_holding_other_ranks_ids_is_refused_unchanged(tmp_path, monkeypatch):
+    """A load keeping the table's rows (hashtable_clear=False) as rank 0 of 2 makes the table that
+    rank's shard: the rows of rank 1's buckets it held would have stayed in it (its next save
+    refuses them, their owner never finds them). Refused first, the model as it was."""
+    out = tmp_path / "run"
+    job = _trained(out)
+    job.saver.save("ckpt_4")
+    job.train(3)
+    before = job_state(job)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(recsave.UsageError, match=r"holds id -?\d+ of rank 1 \(\d+ id\(s\) of other ranks in all\); "
+                                                 r"route the ids .* or load with hashtable_clear=True"):
+        job.saver.load(load_conf={"exclude": ["io_state"], "hashtable_clear": False})
+    monkeypatch.undo()
+    assert_jobs_equal(job_state(job), before)
+    assert all(t.partition is None for t in tables_of(job.model).values())

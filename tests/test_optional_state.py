@@ -89,6 +89,19 @@ def test_manager_restore_of_a_run_whose_id_has_no_step_starts_at_0(tmp_path):
     fresh.manager.close()
 
 
+def test_a_restore_whose_load_conf_leaves_out_global_step_does_not_call_it_absent(tmp_path):
+    """The checkpoint holds the manager's global_step; load_conf excludes the extras. The step comes
+    from the index, and the note must not say the checkpoint lacks it (a user would go looking for a
+    damaged or foreign save)."""
+    out = str(tmp_path / "run")
+    make_job(out, save_interval=4).train(8)
+    fresh = make_job(out, save_interval=4)
+    assert fresh.manager.restore(load_conf={"exclude": ["extra"]}) == 8
+    assert fresh.manager.last_report.notes == [
+        f"{out}/ckpt_8: global_step set to 8 (the step its index records); no global_step was loaded from it"]
+    fresh.manager.close()
+
+
 def test_optional_must_be_a_bool(tmp_path):
     from recsave import ArgumentTypeError
 

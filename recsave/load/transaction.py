@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from recsave.errors import RecsaveError, ShapeMismatchError
+from recsave.errors import RecsaveError, ShapeMismatchError, UsageError
+from recsave.tables import partition as partitioning
 from recsave.tables.tablelike import TableLike
 
 Undo = Callable[[], None]
@@ -44,6 +45,8 @@ class LoadTransaction:
             # (the live table's partition too: a TableLike's new_like need not copy it)
             if partition is not None and (partition[1] > 1 or live.partition is not None
                                           or scratch.partition is not None):
+                if keep_rows and partition[1] > 1:
+                    _refuse_foreign_rows(name, scratch, partition)
                 scratch.set_partition(*partition)
                 self._partitions[name] = partition
             self._scratch[name] = scratch
@@ -135,6 +138,25 @@ def _guarded(change: Callable[[], Any], undo: Undo) -> Undo:
         undo()
         raise
     return undo
+
+
+def _refuse_foreign_rows(name: str, kept: Any, partition: Tuple[int, int, int]) -> None:
+    """A load that keeps a table's rows (a merge, a slot-only load) as rank r of W makes the table
+    that rank's shard: rows it holds of other ranks' buckets would stay there, written by its next
+    save as this rank's (which refuses them) and never found by their owners. UsageError first,
+    with nothing changed."""
+    rank, world, num_buckets = partition
+    ids = kept.id_rows()[0]
+    owners = partitioning.owner_of(ids, world, num_buckets)
+    foreign = (owners != rank).nonzero()
+    if foreign.numel():
+        i = int(foreign[0])
+        raise UsageError(
+            f"table {name!r}: this load keeps the table's rows (hashtable_clear=False, or slots only) as "
+            f"rank {rank} of {world}, but the table holds id {int(ids[i])} of rank {int(owners[i])} "
+            f"({foreign.numel()} id(s) of other ranks in all); route the ids to their owners "
+            f"(recsave.partition.owner_of) before the lookups, or load with hashtable_clear=True",
+            key=name)
 
 
 def _swap_back(live: TableLike, scratch: Any, partition: Optional[Tuple[int, int, int]]) -> Undo:
