@@ -177,14 +177,20 @@ def test_an_error_right_after_a_table_is_swapped_in_is_undone(tmp_path, monkeypa
     assert_jobs_equal(job_state(job), before)
 
 
-def test_a_failed_partition_change_after_the_swap_is_undone(tmp_path, monkeypatch):
-    out = tmp_path / "run"
+def _saved_then_rank0_of_2(out, monkeypatch):
+    """A job that saved ckpt_4 and trained on, its state then, and RANK / WORLD_SIZE saying rank 0
+    of 2 (a load then makes its tables rank 0's shards)."""
     job = _trained(out)
     job.saver.save("ckpt_4")
     job.train(3)
     before = job_state(job)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    return job, before
+
+
+def test_a_failed_partition_change_after_the_swap_is_undone(tmp_path, monkeypatch):
+    job, before = _saved_then_rank0_of_2(tmp_path / "run", monkeypatch)
 
     def refuse(self, *args):
         raise RuntimeError("set_partition failed (injected)")
@@ -296,13 +302,7 @@ def test_a_merge_as_one_rank_of_a_table_holding_other_ranks_ids_is_refused_uncha
     """A load keeping the table's rows (hashtable_clear=False) as rank 0 of 2 makes the table that
     rank's shard: the rows of rank 1's buckets it held would have stayed in it (its next save
     refuses them, their owner never finds them). Refused first, the model as it was."""
-    out = tmp_path / "run"
-    job = _trained(out)
-    job.saver.save("ckpt_4")
-    job.train(3)
-    before = job_state(job)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    job, before = _saved_then_rank0_of_2(tmp_path / "run", monkeypatch)
     with pytest.raises(recsave.UsageError, match=r"holds id -?\d+ of rank 1 \(\d+ id\(s\) of other ranks in all\); "
                                                  r"route the ids .* or load with hashtable_clear=True"):
         job.saver.load(load_conf={"exclude": ["io_state"], "hashtable_clear": False})
