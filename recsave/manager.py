@@ -345,9 +345,12 @@ class CheckpointManager:
             return unsaved(path, self._restored_metrics() if values else None)
         if saved_here and committed:
             return unsaved(ckpt_dir, self._saved_metrics)
+        if dist.group()[1] <= 1:  # (several ranks learn of a refusal together, in the save)
+            # A committed id is refused before anything can fail first: a failed snapshot would
+            # leave _saved naming it, and the retry take that checkpoint (after a rewind, the
+            # abandoned branch's) for this state. Nor must a refused save have evicted rows.
+            saver.refuse_committed(ckpt_id)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
-            if dist.group()[1] <= 1:  # a refused save must not have evicted rows first (one process:
-                saver.refuse_committed(ckpt_id)  # several ranks learn of a refusal together, later)
             policy.evict_rows(saver.model, self.evict)
         incremental, why = False, "full_every is None"
         every = saver.retention.keep_every_n_steps
