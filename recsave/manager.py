@@ -73,6 +73,28 @@ def _keeping_own_step(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]
     return out
 
 
+# Load settings at which a restore takes the checkpoint as it is (the defaults).
+_WHOLE_RESTORE = {"load": ["*"], "hashtable_clear": True, "dim_policy": "error", "dtype_policy": "error",
+                  "ignore_error": False, "skip": False}
+
+
+def _restores_whole(load_conf: Optional[Dict[str, Any]]) -> bool:
+    """Whether a restore under `load_conf` leaves the model as the checkpoint holds it: every name
+    selected (io states may be left out, as on a restart with another number of workers: the
+    next restart leaves them out again; so may the manager's own step, set from the id), no
+    merge, rename or dim / dtype policy. Any other setting may leave the model's own state."""
+    conf = dict(load_conf or {})
+    exclude = _items(conf.pop("exclude", []))
+    conf.pop("strict", None)
+    for key, default in _WHOLE_RESTORE.items():
+        value = conf.get(key, default)
+        if isinstance(default, list) and isinstance(value, (str, tuple)):
+            value = list(_items(value))
+        if value == default:
+            conf.pop(key, None)
+    return not conf and isinstance(exclude, (list, tuple)) and all(e in ("io_state", GLOBAL_STEP) for e in exclude)
+
+
 def _items(value: Any) -> Any:
     """A `load` / `exclude` value as a list when it is one item (a string); else as given."""
     return [value] if isinstance(value, str) else value
@@ -508,7 +530,10 @@ class CheckpointManager:
             report.notes.append(f"{where}: global_step set to {self._global_step} ({origin}); no "
                                 f"global_step was loaded from it")
         self.last_report = report
-        self._restored = (report.checkpoints[-1], self._global_step, report) if report.checkpoints else None
+        # Only a restore of the whole checkpoint leaves the model in the state it holds: one that
+        # kept the model's own dense part, or merged rows, must not be listed later as that state.
+        self._restored = (report.checkpoints[-1], self._global_step, report) \
+            if report.checkpoints and _restores_whole(load_conf) else None
         # The state restored is saved already: the time interval runs from here, else a restore
         # slower than it would make the first step save that state again.
         self._last_save_at = self.clock()

@@ -56,3 +56,35 @@ def test_a_failed_snapshot_after_a_rewind_never_returns_the_abandoned_checkpoint
     assert _list(out) == ["ckpt_2", "ckpt_4", "ckpt_6"] and again.manager.last_save is None
     again.manager.close()
 
+
+@pytest.mark.parametrize("load_conf", [{"exclude": ["dense"]}, {"load": ["sparse"]},
+                                       {"hashtable_clear": False}])
+def test_a_partial_restore_is_not_taken_for_the_state_it_left(tmp_path, load_conf):
+    """restore(global_step=2, load_conf=...) that keeps the model's own dense part (or merges
+    rows into the live tables): ckpt_2 does not hold the model's state, yet save() listed it as the
+    latest without writing (a restart then resumes from ckpt_2's dense part, and the state the
+    restore built is lost). Like any other committed id that does not hold the state, it refuses."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, max_keep=None, manager_kw={"save_on_preemption": False})
+    job.train(4)
+    job.manager.close()
+    again = make_job(out, save_interval=2, max_keep=None, seed=5, manager_kw={"save_on_preemption": False})
+    assert again.manager.restore(global_step=2, load_conf=load_conf) == 2
+    with pytest.raises(CheckpointExistsError):
+        again.manager.save()
+    assert _list(out) == ["ckpt_2", "ckpt_4"]
+    again.manager.close()
+
+
+def test_a_restore_without_io_states_still_holds_the_state(tmp_path):
+    """The documented restart on another number of workers (io states excluded): the restored
+    checkpoint still counts as holding the state, so save() right after lists it as the latest."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, max_keep=None, manager_kw={"save_on_preemption": False})
+    job.train(4)
+    job.manager.close()
+    again = make_job(out, save_interval=2, max_keep=None, manager_kw={"save_on_preemption": False})
+    assert again.manager.restore(global_step=2, load_conf={"exclude": ["io_state"]}) == 2
+    assert again.manager.save() == os.path.join(out, "ckpt_2")
+    assert _list(out) == ["ckpt_4", "ckpt_2"]
+    again.manager.close()
