@@ -203,6 +203,7 @@ class CheckpointManager:
             raise UsageError(f"global_step must be an int >= 0, got {value!r}")
         if value != self._global_step:  # training may have run without step(): nothing holds the state
             self._saved = None
+            self._restored = None  # (restore() records its checkpoint after setting the step)
         self._global_step = value
 
     @property

@@ -88,3 +88,21 @@ def test_a_restore_without_io_states_still_holds_the_state(tmp_path):
     assert again.manager.save() == os.path.join(out, "ckpt_2")
     assert _list(out) == ["ckpt_4", "ckpt_2"]
     again.manager.close()
+
+
+def test_a_change_of_global_step_after_a_restore_forgets_the_restored_state(tmp_path):
+    """restore(global_step=2), global_step moved on (training without step()) and set back to 2:
+    as for a checkpoint the manager saved (test_preempt: the step set back), ckpt_2 is no longer
+    known to hold the state. save() listed it as the latest without writing; it must refuse."""
+    out = str(tmp_path / "run")
+    job = make_job(out, save_interval=2, max_keep=None, manager_kw={"save_on_preemption": False})
+    job.train(4)
+    job.manager.close()
+    again = make_job(out, save_interval=0, max_keep=None, manager_kw={"save_on_preemption": False})
+    assert again.manager.restore(global_step=2) == 2
+    again.manager.global_step = 3
+    again.manager.global_step = 2
+    with pytest.raises(CheckpointExistsError):
+        again.manager.save()
+    assert _list(out) == ["ckpt_2", "ckpt_4"]
+    again.manager.close()
