@@ -2,6 +2,7 @@
 restore by global step, warm start from a model bank."""
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import math
@@ -22,6 +23,7 @@ from recsave.errors import (
 )
 from recsave.format import index as index_mod
 from recsave.format import retention
+from recsave.load import config as load_config
 from recsave.load.config import CATEGORIES
 from recsave.load.execute import names_executed
 from recsave.load.plan import LoadPlan
@@ -73,26 +75,16 @@ def _keeping_own_step(entries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]
     return out
 
 
-# Load settings at which a restore takes the checkpoint as it is (the defaults).
-_WHOLE_RESTORE = {"load": ["*"], "hashtable_clear": True, "dim_policy": "error", "dtype_policy": "error",
-                  "ignore_error": False, "skip": False}
-
-
 def _restores_whole(load_conf: Optional[Dict[str, Any]]) -> bool:
-    """Whether a restore under `load_conf` leaves the model as the checkpoint holds it: every name
-    selected (io states may be left out, as on a restart with another number of workers: the
-    next restart leaves them out again; so may the manager's own step, set from the id), no
-    merge, rename or dim / dtype policy. Any other setting may leave the model's own state."""
-    conf = dict(load_conf or {})
-    exclude = _items(conf.pop("exclude", []))
-    conf.pop("strict", None)
-    for key, default in _WHOLE_RESTORE.items():
-        value = conf.get(key, default)
-        if isinstance(default, list) and isinstance(value, (str, tuple)):
-            value = list(_items(value))
-        if value == default:
-            conf.pop(key, None)
-    return not conf and isinstance(exclude, (list, tuple)) and all(e in ("io_state", GLOBAL_STEP) for e in exclude)
+    """Whether a restore under `load_conf` leaves the model as the checkpoint holds it: the default
+    settings (every name selected, no merge, rename or dim / dtype policy), save that io states may
+    be left out (as on a restart with another number of workers: the next restart leaves them out
+    again), and so may the manager's own step (set from the id). Any other setting may leave state
+    of the model's own."""
+    conf = load_config.parse(load_conf, where="restore")
+    default = load_config.LoadConf()
+    own_step_or_io = all(item in ("io_state", GLOBAL_STEP) for item in conf.exclude)
+    return own_step_or_io and dataclasses.replace(conf, path=None, exclude=(), strict=default.strict) == default
 
 
 def _items(value: Any) -> Any:

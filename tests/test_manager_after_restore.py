@@ -1,5 +1,6 @@
-"""Review findings for CheckpointManager and the retention / policy code behind it: each test
-pins a case where a user silently lost or mis-took a checkpoint."""
+"""What a CheckpointManager takes for the model's state after a restore, a rewind or a failed
+save: a checkpoint that does not hold the state must never be returned (or listed latest) by a
+save of its step in place of writing it."""
 from __future__ import annotations
 
 import os
