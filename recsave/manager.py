@@ -158,6 +158,8 @@ class CheckpointManager:
         # restoring an earlier step and training back up to it, that id holds the abandoned branch.)
         self._saved: Optional[str] = None
         self._loads_at_save = 0  # saver.loads_started when _saved was set: a Saver load since forgets it
+        # saver.commits_made and last_save when _saved was set: whether that save committed
+        self._before_save: Tuple[int, Optional[SaveInfo]] = (0, None)
         self._saved_metrics: Optional[Dict[str, float]] = None  # the metrics _saved records
         # (entries, each entry's source version, each entry's checkpoint) of the last load_model_bank
         self._bank: Optional[Tuple[List[Dict[str, Any]], Dict[int, str], List[str]]] = None
@@ -360,12 +362,9 @@ class CheckpointManager:
             return unsaved(path, self._restored_metrics() if values else None)
         if saved_here and committed:
             return unsaved(ckpt_dir, self._saved_metrics)
-        if dist.group()[1] <= 1:  # (several ranks learn of a refusal together, in the save)
-            # A committed id is refused before anything can fail first: a failed snapshot would
-            # leave _saved naming it, and the retry take that checkpoint (after a rewind, the
-            # abandoned branch's) for this state. Nor must a refused save have evicted rows.
-            saver.refuse_committed(ckpt_id)
         if self.evict is not None:  # before the snapshot: evicted ids are this save's tombstones
+            if dist.group()[1] <= 1:  # a refused save must not have evicted rows first (one process:
+                saver.refuse_committed(ckpt_id)  # several ranks learn of a refusal together, later)
             policy.evict_rows(saver.model, self.evict)
         incremental, why = False, "full_every is None"
         every = saver.retention.keep_every_n_steps
@@ -381,6 +380,7 @@ class CheckpointManager:
         self._saved = ckpt_id  # before: a save that fails after its commit point is committed still
         self._saved_metrics = values
         self._loads_at_save = saver.loads_started
+        self._before_save = (saver.commits_made, saver.last_save)
         if self.async_mode == "disabled":
             try:
                 return saver.save(ckpt_id, metrics=values, incremental=incremental)
@@ -416,12 +416,18 @@ class CheckpointManager:
         return not agreed[0], bool(agreed[1])
 
     def _committed_since_agreeing(self, ckpt_id: str) -> bool:
-        """Whether this rank's last committed save is `ckpt_id` (last_save is set at the commit,
-        on the writing thread of an async save too), or its `checkpoint` list names it latest (a
-        save that failed after its commit point is committed still)."""
+        """Whether the save of `ckpt_id` that this manager began last committed, as this rank
+        knows: its last_save (set at the commit, on the writing thread of an async save too) is a
+        new one of that id, or the Saver committed since and its `checkpoint` list names the id
+        latest (a save that failed after its commit point is committed still). Not a checkpoint
+        of that id committed before that save began: one failing earlier (in its snapshot) after
+        a rewind would take the abandoned branch's for this state."""
+        commits, last_before = self._before_save
         last = self.saver.last_save
-        if last is not None and last.ckpt_id == ckpt_id:
+        if last is not None and last is not last_before and last.ckpt_id == ckpt_id:
             return True
+        if self.saver.commits_made == commits:
+            return False
         latest = self.saver.latest_checkpoint()
         return latest is not None and latest.rstrip("/").rsplit("/", 1)[-1] == ckpt_id
 

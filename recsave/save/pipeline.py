@@ -107,6 +107,7 @@ class CheckpointWriter:
         self.depends_on: Callable[[str], Iterable[str]] = functools.partial(_cached_parents, storage, output_dir,
                                                                             self._parents_of)
         self.last_bytes = 0  # bytes of the last committed checkpoint this rank knows of (write())
+        self.commits = 0  # indexes this writer has written (its commit points; rank 0 only)
         self._facts: Dict[str, Tuple[Optional[int], Optional[Mapping[str, float]]]] = {}  # id -> step, metrics
         self._committed: Dict[str, chain.IndexIdentity] = {}  # id -> its index, as this process wrote it
         self.damaged: Set[str] = set()
@@ -515,6 +516,7 @@ class CheckpointWriter:
         renewed(self._lock)
         data = index_mod.dumps(index)
         index_mod.write_bytes(ckpt_dir, data, storage=st)
+        self.commits += 1
         self._committed[ckpt_id] = chain.IndexIdentity(int(_C.crc32c(data)), index.base or ckpt_id)
         self._facts[ckpt_id] = (index.step, index.metrics)
         # What rotation asks of the new checkpoint is known: reading its index back costs a parse.

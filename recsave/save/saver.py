@@ -161,6 +161,12 @@ class Saver:
         return self._loads_started
 
     @property
+    def commits_made(self) -> int:
+        """How many checkpoints this Saver has committed (written their index; a save that failed
+        after that point counts). With several ranks only rank 0 commits: 0 on the others."""
+        return self._checkpoints.commits
+
+    @property
     def concurrency(self) -> int:
         """Threads of the C++ engine per file operation."""
         return self._checkpoints.concurrency
