@@ -152,6 +152,10 @@ def put_rows(dst: torch.Tensor, rows: torch.Tensor, values: "torch.Tensor | floa
     """``dst[rows] = values``. CPU tensors go through the engine (one row each, in order, prefetched:
     about twice numpy's indexed assignment) or numpy: one thread, where torch's intra-op threads cost
     a wake-up per call (milliseconds on a busy machine, for a few rows)."""
+    if isinstance(values, torch.Tensor):
+        # Values only: a source that requires grad (an nn.Embedding's weight) would otherwise make
+        # the torch path's assignment a node of its graph, and `dst` (table storage) a non-leaf.
+        values = values.detach()
     if _scatters(dst, rows, values):
         assert isinstance(values, torch.Tensor)
         flat = rows.contiguous()
@@ -162,7 +166,7 @@ def put_rows(dst: torch.Tensor, rows: torch.Tensor, values: "torch.Tensor | floa
             dst.numpy()[rows.numpy()] = values
             return
         if values.device.type == "cpu" and values.dtype == dst.dtype:
-            dst.numpy()[rows.numpy()] = values.detach().numpy()
+            dst.numpy()[rows.numpy()] = values.numpy()
             return
     dst[rows] = values.to(device=dst.device, dtype=dst.dtype) if isinstance(values, torch.Tensor) else values
 
