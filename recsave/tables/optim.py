@@ -116,6 +116,11 @@ class SparseOptimizer(abc.ABC):
     def _slot_inits(self) -> Dict[str, float]:
         return {}
 
+    def _hp(self) -> Dict[str, Any]:
+        """`hparams` as plain numbers for an update: torch's ops take a 0-d tensor as a scalar but
+        refuse a one-element tensor or numpy array of another shape (an lr torch.optim accepts)."""
+        return {k: _plain(v) for k, v in self.hparams.items()}
+
     @abc.abstractmethod
     def _update(self, table: HashTable, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Applies one step to the unique ascending ``rows`` with their summed gradient ``grad``."""
@@ -230,10 +235,10 @@ class SparseSGD(SparseOptimizer):
         super().__init__(model_or_tables, {"lr": lr, "weight_decay": weight_decay})
 
     def _update(self, table: HashTable, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        weight, wd = table.weight, self.hparams["weight_decay"]
-        if wd:
-            grad = grad.add(weight[rows], alpha=wd)
-        weight.index_add_(0, rows, grad, alpha=-self.hparams["lr"])  # rows are unique: a plain update
+        hp, weight = self._hp(), table.weight
+        if hp["weight_decay"]:
+            grad = grad.add(weight[rows], alpha=hp["weight_decay"])
+        weight.index_add_(0, rows, grad, alpha=-hp["lr"])  # rows are unique: a plain update
 
 
 class SparseAdagrad(SparseOptimizer):
@@ -262,7 +267,7 @@ class SparseAdagrad(SparseOptimizer):
                               f"{self.hparams['initial_accumulator_value']!r}; construct it with the saved value")
 
     def _update(self, table: HashTable, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        hp, weight, acc = self.hparams, table.weight, table.slot("adagrad_acc")
+        hp, weight, acc = self._hp(), table.weight, table.slot("adagrad_acc")
         if hp["weight_decay"]:
             grad = grad.add(weight[rows], alpha=hp["weight_decay"])
         clr = hp["lr"] / (1 + (step - 1) * hp["lr_decay"])
@@ -296,7 +301,8 @@ class SparseAdam(SparseOptimizer):
         return {"adam_m": 0.0, "adam_v": 0.0}
 
     def _update(self, table: HashTable, rows: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        beta1, beta2 = self.hparams["betas"]
+        hp = self._hp()
+        beta1, beta2 = hp["betas"]
         weight, exp_avg, exp_avg_sq = table.weight, table.slot("adam_m"), table.slot("adam_v")
         # The operation order follows torch.optim._functional.sparse_adam.
         old_m, old_v = exp_avg[rows], exp_avg_sq[rows]
@@ -305,6 +311,6 @@ class SparseAdam(SparseOptimizer):
         exp_avg.index_add_(0, rows, m_update)
         exp_avg_sq.index_add_(0, rows, v_update)
         numer = m_update.add_(old_m)
-        denom = v_update.add_(old_v).sqrt_().add_(self.hparams["eps"])
-        step_size = self.hparams["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        denom = v_update.add_(old_v).sqrt_().add_(hp["eps"])
+        step_size = hp["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
         weight.index_add_(0, rows, numer.div_(denom).mul_(-step_size))
