@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Dict, List, Tuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -533,3 +534,25 @@ def test_an_empty_table_is_true_as_a_module_is() -> None:
     assert len(table) == 0 and bool(table) is True
     table(torch.tensor([1]))
     assert len(table) == 1 and bool(table) is True
+
+
+@pytest.mark.parametrize("make", [lambda t: SparseSGD(t, lr=0.1), lambda t: SparseAdagrad(t, lr=0.1),
+                                  lambda t: SparseAdam(t, lr=0.1)], ids=["sgd", "adagrad", "adam"])
+def test_a_one_element_lr_of_any_shape_steps_as_its_number(make):
+    """torch.optim takes a one-element tensor lr, and state_dict() saves one as its number, but
+    step() raised TypeError (index_add_'s alpha, mul_) for an lr of shape [1] (tensor or numpy)."""
+    ids = torch.tensor([1, 2, 2])
+    results = []
+    f64 = torch.float64  # exact 0.1, as the float
+    for lr in (0.1, torch.tensor([0.1], dtype=f64), np.array([0.1]), torch.tensor(0.1, dtype=f64)):
+        table = HashTable(3, name="t", seed=1)
+        opt = make(table)
+        opt.hparams["lr"] = lr
+        for _ in range(2):
+            opt.zero_grad()
+            table(ids).pow(2).sum().backward()
+            opt.step()
+        assert opt.state_dict()["hparams"]["lr"] == pytest.approx(0.1)
+        results.append(table.weight[table.lookup(ids, insert=False)].clone())
+    for got in results[1:]:
+        torch.testing.assert_close(got, results[0], atol=0, rtol=0)
