@@ -109,6 +109,7 @@ class CheckpointManager:
     Retention: besides the Saver's max_keep, `keep_every_n_steps` keeps the first checkpoint of
     every window of that many steps, and `keep_best` the ones with the best value of metric
     `best_metric` (passed to step(metrics=...) / save(metrics=...); `best_mode` "max" or "min").
+    Given none of the four, the manager keeps the Saver's (Saver.set_retention).
     `clock` (default time.monotonic) exists for tests.
     """
 
@@ -144,6 +145,12 @@ class CheckpointManager:
         self.saver = saver
         self.async_mode = async_mode
         self.save_interval_seconds = save_interval_seconds
+        if (keep_every_n_steps, keep_best, best_metric, best_mode) == (None, 0, None, "max"):
+            # None given: the Saver's own (Saver.set_retention) stays. Reset to max_keep alone,
+            # its next rotation would prune the checkpoints the user asked to keep.
+            kept = saver.retention
+            keep_every_n_steps, keep_best, best_metric, best_mode = \
+                kept.keep_every_n_steps, kept.keep_best, kept.best_metric, kept.best_mode
         self.keep_every_n_steps, self.keep_best = keep_every_n_steps, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_on_preemption = save_on_preemption

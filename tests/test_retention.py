@@ -122,6 +122,25 @@ def test_thirty_saves_keep_exactly_the_expected_set_across_a_restart(tmp_path, c
     assert "every_n_steps, best" in text.splitlines()[[c["id"] for c in doc["checkpoints"]].index("ckpt_50") + 1]
 
 
+def test_a_manager_given_no_retention_keeps_the_savers(tmp_path):
+    """Retention set on the Saver, then a manager made without retention arguments: the manager used
+    to reset it to plain max_keep, and rotation pruned the best checkpoint the user asked to keep."""
+    out = str(tmp_path / "run")
+    job = make_job(out, max_keep=3, save_interval=None)
+    job.saver.set_retention(keep_every_n_steps=10, keep_best=2, best_metric="auc")
+    mgr = CheckpointManager(job.saver, 2, save_on_preemption=False)
+    assert (mgr.keep_every_n_steps, mgr.keep_best, mgr.best_metric, mgr.best_mode) == (10, 2, "auc", "max")
+    _train(job, mgr, 60)
+    mgr.close()
+    assert {e["id"]: e["kept"] for e in list_checkpoints(out)} == EXPECTED
+    # Given any retention argument, the manager's settings apply, as documented.
+    other = make_job(str(tmp_path / "other"), max_keep=3, save_interval=None)
+    other.saver.set_retention(keep_every_n_steps=10, keep_best=2, best_metric="auc")
+    CheckpointManager(other.saver, 2, keep_best=1, best_metric="loss", best_mode="min", save_on_preemption=False)
+    assert other.saver.retention.to_json() == {"max_keep": 3, "keep_every_n_steps": None, "keep_best": 1,
+                                               "best_metric": "loss", "best_mode": "min"}
+
+
 KEPT_AT_20 = ["ckpt_2", "ckpt_10", "ckpt_14", "ckpt_16", "ckpt_18", "ckpt_20"]
 
 
