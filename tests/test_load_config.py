@@ -366,6 +366,31 @@ def test_exclude_slots_leaves_them_at_init(tmp_path, saved):
     assert after["reader"] == src["reader"]
 
 
+def test_excluding_a_table_by_name_warns_that_its_slots_still_load(tmp_path, saved):
+    """`exclude: ["user"]` names the table's rows only (its slots are category sparse_opt): the
+    slots still load onto the live rows, as documented, with one warning naming them and the way
+    to leave the table out whole, which then loads nothing of it and warns no more."""
+    import warnings
+
+    out, _, src = saved
+    job = live_job(tmp_path)
+    before = job_state(job)
+    with pytest.warns(RuntimeWarning, match=r"'exclude' leaves out table\(s\) \['user'\] but not their "
+                                            rf"slots, which load onto the live rows: \['user@{SLOT}'\]; to "
+                                            r"leave a table out whole, exclude '<table>@\*' too \(e.g. 'user@\*'\)"):
+        report = job.saver.load(out, load_conf={"exclude": ["user", "io_state"]})
+    assert f"user@{SLOT}" in report.loaded and "user" in report.skipped
+    job = live_job(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = job.saver.load(out, load_conf={"exclude": ["user", "user@*", "io_state"]})
+    assert not any(n.startswith("user") for n in report.loaded)
+    assert_table(job_state(job), "user", table(before, "user"))
+    with warnings.catch_warnings():  # a slot-only load the author asked for says nothing
+        warnings.simplefilter("error")
+        live_job(tmp_path).saver.load(out, load_conf={"load": ["user@adagrad*"]})
+
+
 # ------------------------------------------------------------------------------------- oname
 def test_oname_swaps_two_tables_with_their_slots(tmp_path, saved):
     out, _, src = saved

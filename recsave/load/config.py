@@ -229,6 +229,21 @@ def _warn_category_names(conf: LoadConf, model_names: Dict[str, str], ckpt_names
                           RuntimeWarning, stacklevel=4)
 
 
+def _warn_slots_without_their_table(result: Plan, model_names: Dict[str, str], ckpt_dir: str) -> None:
+    """`exclude: ["user"]` names table `user`'s rows only: its slots (`user@*`, category
+    sparse_opt) still load onto the live rows, with the source's optimizer step count. That is a
+    slot-only load, which an author who excluded the table by name most likely did not mean: said
+    once, naming the tables (not for a table `load` left out, e.g. `load: ["sparse_opt"]`)."""
+    excluded = [n for n in result.skipped if model_names.get(n) == "sparse" and any(
+        i not in CATEGORIES and fnmatch.fnmatchcase(n, i) for i in result.conf.exclude)]
+    slots = {t: sorted(n for n in result.items if n.startswith(t + "@")) for t in excluded}
+    slots = {t: names for t, names in slots.items() if names}
+    if slots:
+        warnings.warn(f"{ckpt_dir}: 'exclude' leaves out table(s) {sorted(slots)} but not their slots, which "
+                      f"load onto the live rows: {sum(slots.values(), [])}; to leave a table out whole, "
+                      f"exclude '<table>@*' too (e.g. {sorted(slots)[0] + '@*'!r})", RuntimeWarning, stacklevel=4)
+
+
 def raise_incompatible(plans: Sequence[Plan], won: Sequence[Mapping[str, Tuple[str, str]]]) -> None:
     """The first ShapeMismatchError plan() found for a name its entry wins (in entry order)."""
     for p, w in zip(plans, won):
@@ -327,6 +342,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
         if any(_matches(i, src, category) for i in conf.load) and \
                 not any(_matches(i, src, category) for i in conf.exclude):
             result.unexpected.append(src)
+    _warn_slots_without_their_table(result, model_names, ckpt_dir)
     # A tensor unexpected both as a table (or slot) and as dense is reported once, by its key.
     result.unexpected = [n for n in result.unexpected if not (
         ckpt_names[n] in ("sparse", "sparse_opt") and any(a in result.unexpected for a in ckpt.aliases.get(n, ())))]
