@@ -6,7 +6,8 @@ load/sources.py's sources answer). The names become tables and dense entries:
 
 - a 2-D ``<name>.weight`` tensor ``[N, dim]`` (nn.Embedding, EmbeddingBag, TorchRec, and what
   ``recsave convert --to torch`` writes) is table ``<name>``, with ids ``<name>.ids`` (1-D int64,
-  N of them) when present, else 0..N-1; ``<name>.<slot>`` tensors of the same shape are its slots;
+  N of them) when present, else 0..N-1; ``<name>.<slot>`` tensors of the same shape are its slots
+  (a slot name with '.' only beside ids: _slot_name_ok);
   with a ``<name>.bias`` and no ids beside it, it is an nn.Linear's: not a table;
 - to_dcp_state_dict's form (``<key>.ids``, ``<key>.embedding``, ``<key>.slot.<slot>``) is table
   ``<module path of key>`` (``emb.user.table`` -> ``emb.user``);
@@ -74,18 +75,11 @@ def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
     tables: Dict[str, TableKeys] = {}
     used: set = set()
     for key, (shape, dtype) in sorted(meta.items()):
-        if not _is_table_weight(shape, dtype):
+        form = _table_form(key, meta) if _is_table_weight(shape, dtype) else None
+        if form is None:
             continue
-        if key.endswith(".weight"):
-            base, name, slot_prefix = key[: -len(".weight")], key[: -len(".weight")], "."
-        elif key.endswith(".embedding") and f"{key[: -len('.embedding')]}.ids" in meta:
-            base = key[: -len(".embedding")]
-            name, slot_prefix = tablestate.module_path(base), ".slot."
-        else:
-            continue
+        base, name, slot_prefix = form
         ids_key = f"{base}.ids"
-        if not name or "@" in name or (f"{base}.bias" in meta and ids_key not in meta):  # nn.Linear
-            continue
         if ids_key in meta:
             ids_shape, ids_dtype = meta[ids_key]
             if ids_dtype != torch.int64 or tuple(ids_shape) != (shape[0],):
@@ -96,8 +90,8 @@ def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
         slots = {}
         for other, (oshape, odtype) in meta.items():
             slot = other[len(base) + len(slot_prefix):] if other.startswith(base + slot_prefix) else ""
-            if (slot and "." not in slot and "@" not in slot and slot not in _RESERVED_SLOTS
-                    and tuple(oshape) == tuple(shape) and odtype.is_floating_point):
+            if (slot and "@" not in slot and slot not in _RESERVED_SLOTS and tuple(oshape) == tuple(shape)
+                    and odtype.is_floating_point and _slot_name_ok(slot, other, ids_key in meta, meta)):
                 slots[slot] = other
                 used.add(other)
         # Row metadata and the step only beside ids (what recsave writes): a plain nn.Embedding's
@@ -114,6 +108,35 @@ def tables_of(path: str, meta: Meta) -> Dict[str, TableKeys]:
                 and not key.endswith((".weight", ".embedding")):
             tables[key] = TableKeys(key, None, shape[0], shape[1], dtype)
     return tables
+
+
+def _table_form(key: str, meta: Meta) -> Optional[Tuple[str, str, str]]:
+    """(base, table name, slot prefix) of a table's embedding key, else None (module docstring)."""
+    if key.endswith(".weight"):
+        base, name, slot_prefix = key[: -len(".weight")], key[: -len(".weight")], "."
+    elif key.endswith(".embedding") and f"{key[: -len('.embedding')]}.ids" in meta:
+        base = key[: -len(".embedding")]
+        name, slot_prefix = tablestate.module_path(base), ".slot."
+    else:
+        return None
+    if not name or "@" in name or (f"{base}.bias" in meta and f"{base}.ids" not in meta):  # nn.Linear
+        return None
+    return base, name, slot_prefix
+
+
+def _slot_name_ok(slot: str, key: str, has_ids: bool, meta: Meta) -> bool:
+    """Whether `slot` (of `key`) may name a slot. A slot name with '.' is taken only beside
+    `<base>.ids` (recsave's own layout: HashTable.add_slot accepts such names, and convert writes
+    them as `<name>.<slot>`), and only when every tensor beside `key` under its parent is one of
+    the same shape and kind (another such slot) and its last part names no table column:
+    `<name>.<sub>.weight` (beside a `.bias` or `.ids`, or alone) is a submodule's or another
+    table's tensor, not a slot."""
+    if "." not in slot:
+        return True
+    parent, last = key.rsplit(".", 1)
+    shape = meta[key][0]
+    return has_ids and last not in _RESERVED_SLOTS and all(
+        m[0] == shape and m[1].is_floating_point for k, m in meta.items() if k.startswith(parent + "."))
 
 
 class _LazyDense(Mapping):

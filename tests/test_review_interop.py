@@ -1,0 +1,63 @@
+"""Interop and export paths: round trips and edge cases found in review (torch.save / DCP
+conversion, Parquet export, serving export)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import same_bits, table_state
+
+import recsave
+from recsave import HashTable, Saver
+from recsave.tools.convert import convert
+
+
+class OneTable(torch.nn.Module):
+    def __init__(self, dim: int = 4, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.user = HashTable(dim, name="user", dtype=dtype)
+
+
+def _saved(tmp_path, slot: str) -> tuple:
+    model = OneTable()
+    model.user.add_slot(slot, 0.5)
+    g = torch.Generator().manual_seed(0)
+    model.user.load_rows(torch.tensor([0, -1, 2**63 - 1, -2**63, 7]), torch.randn(5, 4, generator=g),
+                         {slot: torch.rand(5, 4, generator=g)})
+    return model, Saver(model, output_dir=str(tmp_path / "out")).save("ckpt_1")
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_a_slot_name_with_a_dot_survives_convert_round_trip(tmp_path, to):
+    """add_slot accepts "acc.1"; convert writes it as `user.acc.1` beside `user.ids`. Reading that
+    back, the slot became a dense entry `user.acc.1`: the converted checkpoint's table had no slot
+    (no warning), and a direct load said the source lacked `user@acc.1`."""
+    model, ckpt = _saved(tmp_path, "acc.1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flat = convert(ckpt, str(tmp_path / to), to)
+        back = convert(flat, str(tmp_path / "back"), "recsave")
+    described = recsave.describe(back)
+    assert described["tables"]["user"]["slots"] == ["acc.1"]
+    assert described["dense"] == []
+    fresh = OneTable()
+    fresh.user.add_slot("acc.1", 0.0)
+    Saver(fresh, output_dir=str(tmp_path / "load")).load(flat, direct_path=True)
+    want, got = table_state(model.user), table_state(fresh.user)
+    assert sorted(got) == sorted(want) == ["@acc.1", "@embedding", "@id"]
+    assert all(same_bits(got[k], want[k]) for k in want)
+
+
+def test_a_submodules_tensors_under_a_table_are_no_dotted_slots():
+    """The dotted slot names above are taken only where nothing else could own them: a
+    submodule's weight (beside its bias, or alone) or another table's stay what they were."""
+    from recsave.load.torch_sources import tables_of
+
+    f32, i64 = torch.float32, torch.int64
+    meta = {"x.weight": ((5, 4), f32), "x.ids": ((5,), i64), "x.acc.1": ((5, 4), f32),
+            "x.proj.weight": ((5, 4), f32), "x.proj.bias": ((5,), f32), "x.lone.weight": ((5, 4), f32),
+            "x.t.weight": ((5, 4), f32), "x.t.ids": ((5,), i64)}
+    tables = tables_of("mem", meta)
+    assert tables["x"].slots == {"acc.1": "x.acc.1"}
+    assert sorted(tables) == ["x", "x.lone", "x.t"]  # x.proj: an nn.Linear's (bias, no ids)
