@@ -61,3 +61,30 @@ def test_a_submodules_tensors_under_a_table_are_no_dotted_slots():
     tables = tables_of("mem", meta)
     assert tables["x"].slots == {"acc.1": "x.acc.1"}
     assert sorted(tables) == ["x", "x.lone", "x.t"]  # x.proj: an nn.Linear's (bias, no ids)
+
+
+# --------------------------------------------------------------------------- an empty `tables`
+@pytest.fixture(scope="module")
+def job_ckpt(tmp_path_factory):
+    from helpers import make_job
+
+    job = make_job(str(tmp_path_factory.mktemp("run")))
+    job.train(2)
+    path = job.saver.save("ckpt_2")
+    job.saver.close()
+    return path
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp", "recsave"])
+def test_convert_with_an_empty_tables_list_converts_no_table(job_ckpt, tmp_path, to):
+    """`tables=[]` from a recsave source was taken for "every table" (`tables or all`), while from
+    a PyTorch source it meant none: the output silently held every table."""
+    out = convert(job_ckpt, str(tmp_path / "out"), to, tables=[])
+    if to == "recsave":
+        assert recsave.describe(out)["tables"] == {}
+        return
+    from recsave.load.sources import open_source
+
+    keys = set(open_source(out).meta)
+    assert not {k for k in keys if k.startswith(("user.", "item."))}
+    assert "mlp.0.weight" in keys

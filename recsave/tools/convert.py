@@ -178,7 +178,8 @@ def _split(source: Any, tables: Optional[Sequence[str]]) -> Tuple[List[str], Lis
             if unknown:
                 raise ConfigError(f"{source.ckpt_dir}: no table(s) {unknown}; it has "
                                   f"{sorted(source.contents.tables)}", path=source.ckpt_dir)
-        return sorted(tables or source.contents.tables), sorted(source.contents.dense)
+        # `[]` is no table (as from a PyTorch source), not every one
+        return sorted(source.contents.tables if tables is None else tables), sorted(source.contents.dense)
     found = source.tables
     if tables is None:
         tables = [n for n, t in found.items() if t.weight != n]  # not bare 2-D tensors
