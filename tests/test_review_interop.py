@@ -2,6 +2,7 @@
 conversion, Parquet export, serving export)."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -88,3 +89,24 @@ def test_convert_with_an_empty_tables_list_converts_no_table(job_ckpt, tmp_path,
     keys = set(open_source(out).meta)
     assert not {k for k in keys if k.startswith(("user.", "item."))}
     assert "mlp.0.weight" in keys
+
+
+def test_to_parquet_of_no_tables_writes_an_empty_export(job_ckpt, tmp_path):
+    """tables=[] into a new directory failed with StorageError "No such file or directory" on the
+    manifest: no table directory had made out_dir. (export_serving takes tables=[] too.)"""
+    from recsave.export import MANIFEST, ParquetSource, to_parquet
+
+    out = tmp_path / "new" / "export"
+    manifest = to_parquet(job_ckpt, str(out), tables=[])
+    assert manifest["tables"] == {} and manifest["step"] == 2
+    assert sorted(os.listdir(out)) == [MANIFEST]
+    assert ParquetSource(str(out)).tables() == {}
+
+
+def test_export_delta_of_no_tables_writes_an_empty_feed(job_ckpt, tmp_path):
+    from recsave.export import DELTA_MANIFEST, export_delta
+
+    out = tmp_path / "new" / "feed"
+    manifest = export_delta(job_ckpt, job_ckpt, str(out), tables=[])
+    assert manifest["tables"] == {}
+    assert sorted(os.listdir(out)) == [DELTA_MANIFEST]

@@ -78,6 +78,7 @@ def export_delta(old: str, new: str, out_dir: str, tables: Optional[Sequence[str
         for name in names:
             info = after.get(name) or before[name]
             entries[name] = _table(srcs, name, info, storage, out_dir, written, created, row_group_rows, progress)
+        storage.makedirs(out_dir)  # made by the first table's directory, unless `tables` selected none
         manifest = {**manifest_head(DELTA_FORMAT, DELTA_FORMAT_VERSION), "step": srcs[1].step,
                     "old": {"source": srcs[0].ckpt_dir, "step": srcs[0].step},
                     "new": {"source": srcs[1].ckpt_dir, "step": srcs[1].step}, "tables": entries}

@@ -75,6 +75,7 @@ def to_parquet(ckpt: str, out_dir: str, tables: Optional[Sequence[str]] = None, 
         for name, steps in _optimizer_steps(src, {n: available[n] for n in names}).items():
             if name in entries:
                 entries[name]["optimizer_steps"] = steps
+        storage.makedirs(out_dir)  # made by the first table's directory, unless `tables` selected none
         manifest = {**manifest_head(FORMAT, FORMAT_VERSION), "source": src.ckpt_dir, "step": src.index.step,
                     "tables": entries}
         storage.write_atomic(manifest_path, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
