@@ -110,3 +110,69 @@ def test_export_delta_of_no_tables_writes_an_empty_feed(job_ckpt, tmp_path):
     manifest = export_delta(job_ckpt, job_ckpt, str(out), tables=[])
     assert manifest["tables"] == {}
     assert sorted(os.listdir(out)) == [DELTA_MANIFEST]
+
+
+# ------------------------------------------------------------------ a source saved again mid-load
+class TwoTables(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = HashTable(2, name="a")
+        self.b = HashTable(2, name="b")
+
+
+def _flat_state(value: float) -> dict:
+    return {f"{t}.{k}": v for t in "ab" for k, v in (("ids", torch.arange(3)),
+                                                      ("weight", torch.full((3, 2), value)))}
+
+
+def _save_again_after_first_read(monkeypatch, cls, save) -> None:
+    """Saves the source anew (as a training job would) right after its first tensor read."""
+    orig = cls.read_tensors
+    reads = []
+
+    def read_tensors(self, keys):
+        out = orig(self, keys)
+        reads.append(keys)
+        if len(reads) == 1:
+            save()
+        return out
+    monkeypatch.setattr(cls, "read_tensors", read_tensors)
+
+
+def test_a_torch_save_file_replaced_during_a_load_is_refused(tmp_path, monkeypatch):
+    """A mapped torch.save source is read again by path for each table: a file saved anew in
+    between gave table `a` the old file's rows and `b` the new one's, silently."""
+    from recsave.errors import ConfigError
+    from recsave.load.torch_sources import TorchSaveSource
+
+    path = str(tmp_path / "state.pt")
+    torch.save(_flat_state(1.0), path)
+
+    def save():
+        torch.save(_flat_state(2.0), path + ".tmp")
+        os.replace(path + ".tmp", path)
+    _save_again_after_first_read(monkeypatch, TorchSaveSource, save)
+    model = TwoTables()
+    with pytest.raises(ConfigError, match="changed since it was opened"):
+        Saver(model, output_dir=str(tmp_path / "out")).load(path, direct_path=True)
+    assert len(model.a) == len(model.b) == 0  # nothing loaded
+
+
+def test_a_dcp_directory_saved_again_during_a_load_is_refused(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from recsave.errors import ConfigError
+    from recsave.load.torch_sources import DcpSource
+
+    path = str(tmp_path / "dcp")
+
+    def save(value: float) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(_flat_state(value), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    save(1.0)
+    _save_again_after_first_read(monkeypatch, DcpSource, lambda: save(2.0))
+    model = TwoTables()
+    with pytest.raises(ConfigError, match="changed since it was opened"):
+        Saver(model, output_dir=str(tmp_path / "out")).load(path, direct_path=True)
+    assert len(model.a) == len(model.b) == 0

@@ -273,6 +273,8 @@ class TorchSaveSource(TorchStateSource):
     kind = "torch_save"
 
     def __init__(self, storage: Storage, path: str):
+        self._storage = storage
+        self._ukey = storage.ukey(path)  # before the read: a change during it shows at the first check
         obj, mapped = load_torch_file(path)
         state, others = _flatten(obj, path)
         items = [*state.items(), *others.items()]
@@ -288,12 +290,15 @@ class TorchSaveSource(TorchStateSource):
         # be mapped is in memory already: keep it.
         self._state: Optional[Dict[str, torch.Tensor]] = None if mapped else state
         del obj, state
-        super().__init__(path, meta, f"{path}@{storage.ukey(path)}")
+        super().__init__(path, meta, f"{path}@{self._ukey}")
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         state = self._state
         if state is None:
             state = _flatten(load_torch_file(self.ckpt_dir)[0], self.ckpt_dir)[0]
+            # Read again by path: a file replaced or rewritten since the open (a job saving it
+            # anew) would give this table the new file's rows and the others the old one's.
+            _check_unchanged(self._storage, self.ckpt_dir, self._ukey, self.ckpt_dir)
         missing = [k for k in keys if k not in state]
         if missing:
             raise ConfigError(f"{self.ckpt_dir}: {missing[:5]} are gone; the file changed since it was "
@@ -340,7 +345,8 @@ class DcpSource(TorchStateSource):
         self._count_meta = {k: meta.pop(k) for k in self._step_keys if k in meta}
         self.not_tensors = {k: "object" for k in sorted(md.state_dict_metadata)
                             if k not in meta and k not in self._step_keys}
-        super().__init__(path, meta, f"{path}@{storage.ukey(storage.join(path, DCP_METADATA))}")
+        self._storage, self._ukey = storage, storage.ukey(storage.join(path, DCP_METADATA))
+        super().__init__(path, meta, f"{path}@{self._ukey}")
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
         return _step_counts(self._read_steps())
@@ -383,6 +389,15 @@ class DcpSource(TorchStateSource):
                 raise CorruptCheckpointError(f"{self.ckpt_dir}: reading the DCP checkpoint failed "
                                              f"({' '.join(str(exc).split())[:300]}); it is incomplete or "
                                              f"damaged", path=self.ckpt_dir) from exc
+        # A DCP directory saved again since the open (its .metadata written last) mixes versions.
+        _check_unchanged(self._storage, self._storage.join(self.ckpt_dir, DCP_METADATA), self._ukey, self.ckpt_dir)
+
+
+def _check_unchanged(storage: Storage, path: str, ukey: str, source: str) -> None:
+    """ConfigError when the file at `path` is no longer the one (`ukey`) the source was opened on."""
+    if storage.ukey(path) != ukey:
+        raise ConfigError(f"{source}: the file changed since it was opened (saved again while it was read); "
+                          f"plan the load again", path=source)
 
 
 @functools.lru_cache(maxsize=None)
