@@ -176,3 +176,34 @@ def test_a_dcp_directory_saved_again_during_a_load_is_refused(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="changed since it was opened"):
         Saver(model, output_dir=str(tmp_path / "out")).load(path, direct_path=True)
     assert len(model.a) == len(model.b) == 0
+
+
+def test_a_parquet_file_written_again_during_its_read_is_refused(tmp_path, monkeypatch):
+    """A plain Parquet source is read in two passes (ids, then values). A file written again in
+    between, in place (pyarrow's write_table, pandas' to_parquet) with the same rows in another
+    order, gave id 1 the row of id 3, silently."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recsave.errors import ConfigError
+    from recsave.load.parquet import ParquetSource
+
+    path = str(tmp_path / "user.parquet")
+
+    def write(ids, values):
+        emb = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(np.asarray(values, np.float32), 4)), 4)
+        pq.write_table(pa.table({"id": pa.array(np.asarray(ids, np.int64)), "embedding": emb}), path)
+    write([1, 2, 3], [10, 20, 30])
+    orig, opened = ParquetSource._open_checked, []
+
+    def open_checked(self, *args):
+        opened.append(args[1])
+        if len(opened) == 2:  # the second pass over the file
+            write([3, 2, 1], [30, 20, 10])
+        return orig(self, *args)
+    monkeypatch.setattr(ParquetSource, "_open_checked", open_checked)
+    model = OneTable()
+    with pytest.raises(ConfigError, match="changed since it was opened"):
+        Saver(model, output_dir=str(tmp_path / "out")).load(path, direct_path=True)
+    assert len(model.user) == 0

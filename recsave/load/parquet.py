@@ -211,6 +211,8 @@ class ParquetSource:
         self.step: Optional[int] = None  # the exported checkpoint's step (exports only)
         # its sparse optimizer's step count per table, when the export recorded them (exports only)
         self.optimizer_steps: Optional[Dict[str, int]] = None
+        # rel path -> Storage.ukey at the open, of plain files (an export's have sizes in its manifest)
+        self._ukeys: Dict[str, str] = {}
         if storage.isdir(path, follow_links=True):
             self._files = _Files(path, storage)
             if storage.exists(self._files.show(MANIFEST)):
@@ -292,7 +294,8 @@ class ParquetSource:
                                      {k: c.dtype for k, c in cols.items()}, entries)}
         token = hashlib.sha256()
         for rel, _, _ in entries:
-            token.update(f"{rel}\0{self._files.storage.ukey(self._files.show(rel))}\0".encode())
+            self._ukeys[rel] = self._files.storage.ukey(self._files.show(rel))
+            token.update(f"{rel}\0{self._ukeys[rel]}\0".encode())
         self.version = token.hexdigest()
 
     # -------------------------------------------------------------------------------- queries
@@ -353,6 +356,7 @@ class ParquetSource:
         n = ids_out.numel()
         out = {c: torch.empty((n, dim), dtype=BY_NAME[t.columns[c]].torch_dtype) for c in cols}
         if not cols or not n:
+            self._check_unchanged(t)
             return ids_out, out
         dest = {c: numpy_view(out[c], t.columns[c]) for c in cols}
         pos = 0
@@ -373,7 +377,17 @@ class ParquetSource:
                     pos += take
         if pos != n:
             raise _bad(self.path, None, f"table {table!r} changed while it was read", "read it again")
+        self._check_unchanged(t)
         return ids_out, out
+
+    def _check_unchanged(self, t: _Table) -> None:
+        """ConfigError when a plain file of `t` is no longer the one opened: the ids and the values
+        are read in two passes, so a file written again in between (in place, same size, rows in
+        another order) would give ids the rows of others."""
+        for rel, _, _ in t.files:
+            if rel in self._ukeys and self._files.storage.ukey(self._files.show(rel)) != self._ukeys[rel]:
+                raise ConfigError(f"{self._files.show(rel)}: the file changed since it was opened (written again "
+                                  f"while it was read); plan the load again", path=self._files.show(rel))
 
     def _open_checked(self, t: _Table, rel: str, size: Optional[int], cols: List[str]) -> pq.ParquetFile:
         where = self._files.show(rel)
