@@ -207,3 +207,32 @@ def test_a_parquet_file_written_again_during_its_read_is_refused(tmp_path, monke
     with pytest.raises(ConfigError, match="changed since it was opened"):
         Saver(model, output_dir=str(tmp_path / "out")).load(path, direct_path=True)
     assert len(model.user) == 0
+
+
+def test_convert_to_torch_of_numpy_scalars_in_extras_loads_with_weights_only(tmp_path):
+    """A checkpoint's extras carry numpy values (format/plainstate.py), and `_flatten_plain` kept
+    numpy scalars (numbers.Number) as they were: torch.save pickled them with numpy's reducer, so
+    the file convert wrote failed torch.load(weights_only=True), the load it promises, and could
+    not be read back as a source (ConfigError)."""
+    import numpy as np
+
+    class Metrics:
+        def state_dict(self):
+            return {"best": np.float64(0.25), "seen": np.int64(3), "lr": np.float32(0.5), "flag": np.bool_(True)}
+
+        def load_state_dict(self, state):
+            pass
+    model = OneTable()
+    model.user.load_rows(torch.arange(3), torch.ones(3, 4))
+    saver = Saver(model, output_dir=str(tmp_path / "out"))
+    saver.register_for_checkpointing("metrics", Metrics())
+    path = convert(saver.save("ckpt_1"), str(tmp_path / "state.pt"), "torch")
+    state = torch.load(path, weights_only=True)
+    extras = {k: v for k, v in state.items() if k.startswith("_recsave.extra.metrics.")}
+    assert extras == {"_recsave.extra.metrics.best": 0.25, "_recsave.extra.metrics.seen": 3,
+                      "_recsave.extra.metrics.lr": 0.5, "_recsave.extra.metrics.flag": True}
+    assert [type(v) for v in extras.values()] == [float, int, float, bool]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the extra is not restored: convert says so
+        back = convert(path, str(tmp_path / "back"), "recsave")
+    assert recsave.describe(back)["tables"]["user"]["rows"] == 3

@@ -16,6 +16,7 @@ import pickle
 import warnings
 from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from recsave.argcheck import check
@@ -233,6 +234,8 @@ def _flatten_plain(obj: Any, prefix: str, out: Dict[str, Any]) -> None:
     """Tensors and numbers of a nested state under dotted keys; strings, None and the like are left out.
     Two values reaching one key (`{"a.b": x}` beside `{"a": {"b": y}}`, or a dense key spelled like an
     extra's) are a UsageError, not one value written over the other."""
+    if isinstance(obj, (np.number, np.bool_)):
+        obj = obj.item()  # a plain number: torch.load(weights_only=True) refuses numpy's pickles
     if isinstance(obj, (torch.Tensor, bool, numbers.Number)):
         if prefix in out:
             raise UsageError(f"convert: two values flatten to the key {prefix!r} (a dotted key beside a nested "
