@@ -52,7 +52,8 @@ def convert(src: str, dst: str, to: str, *, tables: Optional[Sequence[str]] = No
 
     For a torch.save / DCP source, `tables` names the tables to convert (default: every table the
     model bank sees there but bare 2-D tensors: ``<name>.weight`` with ``<name>.ids`` beside it or
-    without a ``<name>.bias``, i.e. nn.Embedding yes, nn.Linear no); the rest is dense. Returns the
+    without a ``<name>.bias``, i.e. nn.Embedding yes, nn.Linear no; only those with ids where some
+    table has them: recsave's layout, whose dense nn.Embedding stays dense); the rest is dense. Returns the
     path written (for ``recsave``, the checkpoint directory)."""
     check(src, str, "src", "convert")
     check(dst, str, "dst", "convert")
@@ -183,7 +184,11 @@ def _split(source: Any, tables: Optional[Sequence[str]]) -> Tuple[List[str], Lis
         return sorted(source.contents.tables if tables is None else tables), sorted(source.contents.dense)
     found = source.tables
     if tables is None:
-        tables = [n for n, t in found.items() if t.weight != n]  # not bare 2-D tensors
+        # Where some table has ids, the file is recsave's layout (convert, to_dcp_state_dict): every
+        # table of it has them, and a `<name>.weight` without is a dense layer's (nn.Embedding),
+        # which the round trip must give back as dense. Else: every table but bare 2-D tensors.
+        tables = [n for n, t in found.items() if t.ids is not None] or \
+            [n for n, t in found.items() if t.weight != n]
     unknown = sorted(set(tables) - set(found))
     if unknown:
         raise ConfigError(f"{source.ckpt_dir}: {unknown} are not tables (2-D <name>.weight tensors); tables "
