@@ -261,3 +261,18 @@ def test_a_dense_embedding_stays_dense_through_a_convert_round_trip(tmp_path, to
     Saver(fresh, output_dir=str(tmp_path / "load")).load(back, direct_path=True)
     assert same_bits(fresh.pos.weight, model.pos.weight)
     assert all(same_bits(a, b) for a, b in zip(table_state(fresh.user).values(), table_state(model.user).values()))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp16"])
+def test_serving_export_of_a_value_no_dtype_holds_says_so(tmp_path, dtype):
+    """A float64 table holding 1e300: the int8 export said the row was NaN / infinite and advised
+    dtype fp32 / fp16 / bf16, the fp16 export advised bf16 or fp32; each of those refuses it too."""
+    from recsave.errors import UsageError
+
+    model = OneTable(dtype=torch.float64)
+    model.user.load_rows(torch.arange(2), torch.tensor([[1.0, 2.0, 3.0, 4.0], [1e300, 0.0, 0.0, 0.0]],
+                                                       dtype=torch.float64))
+    ckpt = Saver(model, output_dir=str(tmp_path / "out")).save("ckpt_1")
+    with pytest.raises(UsageError, match=r"row 1 .*\(largest 1e\+300\).*no serving dtype holds") as info:
+        recsave.export_serving(ckpt, str(tmp_path / "serve"), dtype)
+    assert "fp32" not in str(info.value) and "NaN" not in str(info.value)

@@ -39,6 +39,10 @@ def quantize_rows(rows: torch.Tensor, scale_dtype: torch.dtype = torch.float16, 
     finite = torch.isfinite(lo) & torch.isfinite(hi)
     if not bool(finite.all()):
         bad = int((~finite).squeeze(1).nonzero()[0, 0])
+        if bool(torch.isfinite(rows[bad]).all()):  # finite, beyond float32 (a float64 row): no dtype helps
+            raise UsageError(f"{what}: row {bad} holds values beyond float32's range (largest "
+                             f"{float(rows[bad].abs().max()):g}), in which int8 rows are computed; no serving "
+                             f"dtype holds them (fix the rows)")
         raise UsageError(f"{what}: row {bad} has NaN or infinite values; int8 cannot represent them "
                          f"(export with dtype='fp32', 'fp16' or 'bf16', or fix the rows)")
     offset = lo.to(scale_dtype)

@@ -216,9 +216,10 @@ def _caster(src: Any, name: str, c0: int, dtype: torch.dtype) -> Any:
             if bool(overflow.any()):
                 row = c0 + a + int(overflow.any(dim=1).nonzero()[0, 0])
                 largest = rows[overflow].abs().max()
-                hint = ("export it as bf16 or fp32" if dtype == torch.float16
-                        else "export it as fp32" if bool(torch.isfinite(largest.to(torch.float32)))
-                        else "no serving dtype holds it")
+                # only the wider serving dtypes that hold it (a float64 1e300 fits none)
+                fits = [n for n, d in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+                        if torch.finfo(d).max > torch.finfo(dtype).max and bool(torch.isfinite(largest.to(d)))]
+                hint = f"export it as {' or '.join(fits)}" if fits else "no serving dtype holds it"
                 raise UsageError(f"table {name!r}: row {row} of the checkpoint holds values beyond what {dtype} "
                                  f"can hold (largest {float(largest):g}); {hint}", key=name)
         return out
