@@ -1,5 +1,6 @@
-"""Interop and export paths: round trips and edge cases found in review (torch.save / DCP
-conversion, Parquet export, serving export)."""
+"""Interop and export paths at their edges: unusual slot names, empty selections, sources
+written again while a load reads them, numpy scalars in extras, dense embeddings through a
+convert round trip, and serving dtypes that cannot hold a value."""
 from __future__ import annotations
 
 import os
