@@ -179,6 +179,34 @@ def test_a_dcp_directory_saved_again_during_a_load_is_refused(tmp_path, monkeypa
     assert len(model.a) == len(model.b) == 0
 
 
+def test_a_dcp_directory_whose_data_files_are_saved_again_during_a_load_is_refused(tmp_path, monkeypatch):
+    """DCP writes its data files before .metadata: a job saving the directory again in place,
+    caught between the two, gave table `a` the old rows and `b` the new ones, silently, while
+    only .metadata was checked."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from recsave.errors import ConfigError
+    from recsave.load.torch_sources import DcpSource
+
+    path, other = str(tmp_path / "dcp"), str(tmp_path / "other")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_flat_state(1.0), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+        dcp.save(_flat_state(2.0), storage_writer=dcp.FileSystemWriter(other), no_dist=True)
+
+    def data_files_written_again():
+        for name in os.listdir(other):
+            if name != ".metadata":
+                shutil.copyfile(os.path.join(other, name), os.path.join(path, name))
+    _save_again_after_first_read(monkeypatch, DcpSource, data_files_written_again)
+    model = TwoTables()
+    with pytest.raises(ConfigError, match="changed since it was opened"):
+        Saver(model, output_dir=str(tmp_path / "out")).load(path, direct_path=True)
+    assert len(model.a) == len(model.b) == 0
+
+
 def test_a_parquet_file_written_again_during_its_read_is_refused(tmp_path, monkeypatch):
     """A plain Parquet source is read in two passes (ids, then values). A file written again in
     between, in place (pyarrow's write_table, pandas' to_parquet) with the same rows in another

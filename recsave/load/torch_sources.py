@@ -346,6 +346,11 @@ class DcpSource(TorchStateSource):
         self.not_tensors = {k: "object" for k in sorted(md.state_dict_metadata)
                             if k not in meta and k not in self._step_keys}
         self._storage, self._ukey = storage, storage.ukey(storage.join(path, DCP_METADATA))
+        # and of its data files: a save writes them before .metadata, so a load caught between
+        # the two would read new rows with the old .metadata's ukey
+        data = sorted({str(s.relative_path) for s in (getattr(md, "storage_data", None) or {}).values()
+                       if getattr(s, "relative_path", None)})
+        self._data_ukeys = {f: storage.ukey(storage.join(path, f)) for f in data}
         super().__init__(path, meta, f"{path}@{self._ukey}")
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
@@ -389,8 +394,10 @@ class DcpSource(TorchStateSource):
                 raise CorruptCheckpointError(f"{self.ckpt_dir}: reading the DCP checkpoint failed "
                                              f"({' '.join(str(exc).split())[:300]}); it is incomplete or "
                                              f"damaged", path=self.ckpt_dir) from exc
-        # A DCP directory saved again since the open (its .metadata written last) mixes versions.
+        # A DCP directory saved again since the open (data files, then .metadata) mixes versions.
         _check_unchanged(self._storage, self._storage.join(self.ckpt_dir, DCP_METADATA), self._ukey, self.ckpt_dir)
+        for name, ukey in self._data_ukeys.items():
+            _check_unchanged(self._storage, self._storage.join(self.ckpt_dir, name), ukey, self.ckpt_dir)
 
 
 def _check_unchanged(storage: Storage, path: str, ukey: str, source: str) -> None:
