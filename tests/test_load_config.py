@@ -391,6 +391,34 @@ def test_excluding_a_table_by_name_warns_that_its_slots_still_load(tmp_path, sav
         live_job(tmp_path).saver.load(out, load_conf={"load": ["user@adagrad*"]})
 
 
+def test_the_slots_warning_follows_what_exclude_and_load_select(tmp_path, saved):
+    """The warning for a table excluded by name whose slots still load: also when the pattern
+    names the table by its source name through `oname` (documented to select it), and not when
+    `load` itself asked for the slots only (the table is not loaded either way)."""
+    import warnings
+
+    class Renamed(torch.nn.Module):
+        def __init__(self, name: str):
+            super().__init__()
+            setattr(self, name, HashTable(4, name=name))
+            getattr(self, name).add_slot("acc", 0.0)
+            self.lin = torch.nn.Linear(2, 2)
+
+    src = Renamed("u")
+    src.u.load_rows(torch.arange(3), torch.randn(3, 4), {"acc": torch.rand(3, 4)})
+    ckpt = Saver(src, output_dir=str(tmp_path / "renamed")).save("ckpt_1")
+    model = Renamed("user")
+    with pytest.warns(RuntimeWarning, match=r"leaves out table\(s\) \['user'\] but not their slots"):
+        report = Saver(model, output_dir=str(tmp_path / "x")).load(
+            ckpt, load_conf={"exclude": ["u"], "oname": {"user": "u"}})
+    assert "user@acc" in report.loaded and "user" in report.skipped
+    out, _, _ = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = live_job(tmp_path).saver.load(out, load_conf={"load": ["user@adagrad*"], "exclude": ["user"]})
+    assert sorted(report.loaded) == [f"user@{SLOT}"]
+
+
 # ------------------------------------------------------------------------------------- oname
 def test_oname_swaps_two_tables_with_their_slots(tmp_path, saved):
     out, _, src = saved

@@ -7,7 +7,7 @@ import fnmatch
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from recsave.errors import ConfigError, ShapeMismatchError
 
@@ -229,13 +229,20 @@ def _warn_category_names(conf: LoadConf, model_names: Dict[str, str], ckpt_names
                           RuntimeWarning, stacklevel=4)
 
 
-def _warn_slots_without_their_table(result: Plan, model_names: Dict[str, str], ckpt_dir: str) -> None:
+def _warn_slots_without_their_table(result: Plan, model_names: Dict[str, str], ckpt_dir: str,
+                                    hits: Callable[[str, str, str, str], bool]) -> None:
     """`exclude: ["user"]` names table `user`'s rows only: its slots (`user@*`, category
     sparse_opt) still load onto the live rows, with the source's optimizer step count. That is a
     slot-only load, which an author who excluded the table by name most likely did not mean: said
-    once, naming the tables (not for a table `load` left out, e.g. `load: ["sparse_opt"]`)."""
-    excluded = [n for n in result.skipped if model_names.get(n) == "sparse" and any(
-        i not in CATEGORIES and fnmatch.fnmatchcase(n, i) for i in result.conf.exclude)]
+    once, naming the tables (not for a table `load` left out, e.g. `load: ["sparse_opt"]` or
+    `load: ["user@*"]`). `hits` is plan()'s: a pattern naming no model name names sources."""
+    conf = result.conf
+
+    def named_out(n: str) -> bool:  # selected by `load`, left out by a name in `exclude`
+        src = source_name(n, "sparse", conf)
+        return any(hits(i, n, src, "sparse") for i in conf.load) and \
+            any(i not in CATEGORIES and hits(i, n, src, "sparse") for i in conf.exclude)
+    excluded = [n for n in result.skipped if model_names.get(n) == "sparse" and named_out(n)]
     slots = {t: sorted(n for n in result.items if n.startswith(t + "@")) for t in excluded}
     slots = {t: names for t, names in slots.items() if names}
     if slots:
@@ -342,7 +349,7 @@ def plan(conf: LoadConf, model: Contents, ckpt: Contents, ckpt_dir: str, index: 
         if any(_matches(i, src, category) for i in conf.load) and \
                 not any(_matches(i, src, category) for i in conf.exclude):
             result.unexpected.append(src)
-    _warn_slots_without_their_table(result, model_names, ckpt_dir)
+    _warn_slots_without_their_table(result, model_names, ckpt_dir, hits)
     # A tensor unexpected both as a table (or slot) and as dense is reported once, by its key.
     result.unexpected = [n for n in result.unexpected if not (
         ckpt_names[n] in ("sparse", "sparse_opt") and any(a in result.unexpected for a in ckpt.aliases.get(n, ())))]
