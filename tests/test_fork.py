@@ -62,3 +62,39 @@ def test_a_saver_busy_on_another_thread_at_the_fork_is_usable_in_the_child(tmp_p
     saving.join(60)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
     assert saver.checkpoints()[-1].endswith("ckpt_1")
+
+
+def test_an_async_save_in_a_child_forked_while_a_write_ended_does_not_hang(tmp_path):
+    """The process-wide lock of the set of running writes (save/background.py) was a plain lock:
+    forked while a write's thread held it (its done callback), the child hung in its first
+    async_save (and, with several ranks, in every save or load)."""
+    import threading
+
+    import recsave
+    from recsave.save import background
+
+    model = torch.nn.Module()
+    model.lin = torch.nn.Linear(4, 4)
+    saver = recsave.Saver(model, output_dir=str(tmp_path / "run"))
+    held, release = threading.Event(), threading.Event()
+
+    def ending_write():  # what a write's done callback does, caught at the fork
+        with background._running_lock:
+            held.set()
+            release.wait(60)
+    holder = threading.Thread(target=ending_write)
+    holder.start()
+    assert held.wait(60)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        signal.alarm(20)
+        try:
+            saver.async_save("ckpt_1")[1].result(20)
+            saver.wait()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    holder.join(60)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"

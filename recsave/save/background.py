@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import Callable, Optional, Set, Tuple
@@ -15,9 +14,10 @@ from recsave.storage import dist
 log = logging.getLogger("recsave")
 
 # The writes running in this process, any Saver's: wait_for_every_write(). A forked child's copy
-# holds none (their threads are the parent's).
+# holds none (their threads are the parent's), and gets its lock anew (a write's thread may hold
+# it at the fork: its done callback).
 _running: threads.ThisProcess[Set[Future]] = threads.ThisProcess()
-_running_lock = threading.Lock()
+_running_lock = threads.ForkSafeRLock()
 
 
 def wait_for_every_write() -> None:
