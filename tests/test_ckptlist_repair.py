@@ -1110,3 +1110,14 @@ def test_a_member_gone_beyond_a_newer_recsaves_member_breaks_the_chain(tmp_path,
         assert cli_main(["ls", str(out)]) == 1
         repaired = catalog.repair(str(out))
     assert repaired["ids"] == ["ckpt_1", "ckpt_3"] and repaired["left_out"] == {"ckpt_5": why}
+
+
+def test_a_rebuild_moves_a_deltas_parent_before_it_not_the_delta_after_the_parent():
+    """docs/FORMAT.md: the parent that sorted after its delta moves to just before it; what
+    sorted between them (after a rewind, the new branch stamped by the delta's clock) follows."""
+    parents = {"d": "b", "d2": "d"}
+    assert ckptlist._parents_first(["a", "d", "y", "b"], parents.get) == ["a", "b", "d", "y"]
+    assert ckptlist._parents_first(["d2", "y", "d", "b"], parents.get) == ["b", "d", "d2", "y"]
+    assert ckptlist._parents_first(["b", "y", "d"], parents.get) == ["b", "y", "d"]  # in order: unchanged
+    loop = {"p": "q", "q": "p"}
+    assert ckptlist._parents_first(["p", "q"], loop.get) == ["q", "p"]  # a loop ends the walk

@@ -237,9 +237,11 @@ def _parent_id(state: Optional[chain.MemberState]) -> Optional[str]:
 
 
 def _parents_first(ordered: List[str], parent_of: Callable[[str], Optional[str]]) -> List[str]:
-    """`ordered` with each delta moved after its parent where the two are listed: a delta commits
-    after its parent whatever their `created_at` say (hosts' clocks differ), and the latest and
-    rotation's pruning (newest first) follow list order. Others keep their places."""
+    """`ordered` with each delta's listed ancestors that sort after it moved to just before it: a
+    delta commits after its parent whatever their `created_at` say (hosts' clocks differ), and
+    the latest and rotation's pruning (newest first) follow list order. The delta keeps its place
+    (what sorted between it and its parent now follows the chain: after a rewind that is the new
+    branch, stamped by the same clock as the delta); the others keep their order."""
     listed = set(ordered)
     out: List[str] = []
     placed: Set[str] = set()
