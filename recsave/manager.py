@@ -109,7 +109,8 @@ class CheckpointManager:
     Retention: besides the Saver's max_keep, `keep_every_n_steps` keeps the first checkpoint of
     every window of that many steps, and `keep_best` the ones with the best value of metric
     `best_metric` (passed to step(metrics=...) / save(metrics=...); `best_mode` "max" or "min").
-    Given none of the four, the manager keeps the Saver's (Saver.set_retention).
+    Given none of the four (all at their defaults), the manager keeps the Saver's
+    (Saver.set_retention; call saver.set_retention() first to drop it).
     `clock` (default time.monotonic) exists for tests.
     """
 
