@@ -7,20 +7,25 @@ import torch
 from recsave.format import write_shards
 
 
+def _in_child(body) -> int:
+    """Runs `body` in a forked child (20 s at most); its wait status: exit 0 when `body` returned."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        signal.alarm(20)
+        try:
+            body()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1]
+
+
 def test_engine_works_in_a_forked_child(tmp_path):
     tensors = {"a": torch.arange(1 << 18, dtype=torch.float32)}
     write_shards(str(tmp_path), tensors, concurrency=4, segment_bytes=4096)  # starts the thread pool
     child_dir = tmp_path / "child"
     child_dir.mkdir()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        signal.alarm(20)
-        try:
-            write_shards(str(child_dir), tensors, concurrency=4, segment_bytes=4096)
-            os._exit(0)
-        except BaseException:
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
+    status = _in_child(lambda: write_shards(str(child_dir), tensors, concurrency=4, segment_bytes=4096))
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
     assert (child_dir / "sparse-0-0.safetensors").exists()
 
@@ -49,15 +54,9 @@ def test_a_saver_busy_on_another_thread_at_the_fork_is_usable_in_the_child(tmp_p
     saving = threading.Thread(target=lambda: saver.save("ckpt_1"))
     saving.start()
     assert inside.wait(60)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        signal.alarm(20)
-        try:
-            assert saver.wait() is None and saver.checkpoints() == []
-            os._exit(0)
-        except BaseException:
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
+    def child() -> None:
+        assert saver.wait() is None and saver.checkpoints() == []
+    status = _in_child(child)
     release.set()
     saving.join(60)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
@@ -85,16 +84,10 @@ def test_an_async_save_in_a_child_forked_while_a_write_ended_does_not_hang(tmp_p
     holder = threading.Thread(target=ending_write)
     holder.start()
     assert held.wait(60)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        signal.alarm(20)
-        try:
-            saver.async_save("ckpt_1")[1].result(20)
-            saver.wait()
-            os._exit(0)
-        except BaseException:
-            os._exit(1)
-    _, status = os.waitpid(pid, 0)
+    def child() -> None:
+        saver.async_save("ckpt_1")[1].result(20)
+        saver.wait()
+    status = _in_child(child)
     release.set()
     holder.join(60)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
