@@ -350,7 +350,8 @@ class DcpSource(TorchStateSource):
         # the two would read new rows with the old .metadata's ukey
         data = sorted({str(s.relative_path) for s in (getattr(md, "storage_data", None) or {}).values()
                        if getattr(s, "relative_path", None)})
-        self._data_ukeys = {f: storage.ukey(storage.join(path, f)) for f in data}
+        # (None for one missing now: the read names it as damage, CorruptCheckpointError)
+        self._data_ukeys = {f: _ukey_or_none(storage, storage.join(path, f)) for f in data}
         super().__init__(path, meta, f"{path}@{self._ukey}")
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
@@ -400,9 +401,17 @@ class DcpSource(TorchStateSource):
             _check_unchanged(self._storage, self._storage.join(self.ckpt_dir, name), ukey, self.ckpt_dir)
 
 
-def _check_unchanged(storage: Storage, path: str, ukey: str, source: str) -> None:
-    """ConfigError when the file at `path` is no longer the one (`ukey`) the source was opened on."""
-    if storage.ukey(path) != ukey:
+def _ukey_or_none(storage: Storage, path: str) -> Optional[str]:
+    try:
+        return storage.ukey(path)
+    except FileNotFoundError:
+        return None
+
+
+def _check_unchanged(storage: Storage, path: str, ukey: Optional[str], source: str) -> None:
+    """ConfigError when the file at `path` is no longer the one (`ukey`; None: none was there) the
+    source was opened on."""
+    if _ukey_or_none(storage, path) != ukey:
         raise ConfigError(f"{source}: the file changed since it was opened (saved again while it was read); "
                           f"plan the load again", path=source)
 
