@@ -52,6 +52,7 @@ from recsave.load.arrow import (
     numpy_view,
 )
 from recsave.load.config import TableInfo
+from recsave.load.opened import OpenedFiles
 from recsave.storage import Storage, get_storage
 from recsave.tables import partition
 
@@ -211,8 +212,9 @@ class ParquetSource:
         self.step: Optional[int] = None  # the exported checkpoint's step (exports only)
         # its sparse optimizer's step count per table, when the export recorded them (exports only)
         self.optimizer_steps: Optional[Dict[str, int]] = None
-        # rel path -> Storage.ukey at the open, of plain files (an export's have sizes in its manifest)
-        self._ukeys: Dict[str, str] = {}
+        # plain files as opened (an export's have sizes in its manifest): ids and values are read
+        # in two passes, and a file written again in between would give ids the rows of others
+        self._opened = OpenedFiles(storage)
         if storage.isdir(path, follow_links=True):
             self._files = _Files(path, storage)
             if storage.exists(self._files.show(MANIFEST)):
@@ -294,8 +296,7 @@ class ParquetSource:
                                      {k: c.dtype for k, c in cols.items()}, entries)}
         token = hashlib.sha256()
         for rel, _, _ in entries:
-            self._ukeys[rel] = self._files.storage.ukey(self._files.show(rel))
-            token.update(f"{rel}\0{self._ukeys[rel]}\0".encode())
+            token.update(f"{rel}\0{self._opened.record(self._files.show(rel))}\0".encode())
         self.version = token.hexdigest()
 
     # -------------------------------------------------------------------------------- queries
@@ -381,13 +382,7 @@ class ParquetSource:
         return ids_out, out
 
     def _check_unchanged(self, t: _Table) -> None:
-        """ConfigError when a plain file of `t` is no longer the one opened: the ids and the values
-        are read in two passes, so a file written again in between (in place, same size, rows in
-        another order) would give ids the rows of others."""
-        for rel, _, _ in t.files:
-            if rel in self._ukeys and self._files.storage.ukey(self._files.show(rel)) != self._ukeys[rel]:
-                raise ConfigError(f"{self._files.show(rel)}: the file changed since it was opened (written again "
-                                  f"while it was read); plan the load again", path=self._files.show(rel))
+        self._opened.check(self._files.show(rel) for rel, _, _ in t.files)
 
     def _open_checked(self, t: _Table, rel: str, size: Optional[int], cols: List[str]) -> pq.ParquetFile:
         where = self._files.show(rel)

@@ -35,6 +35,7 @@ import torch
 from recsave.errors import ConfigError, CorruptCheckpointError
 from recsave.load.config import Contents, TableInfo
 from recsave.load.contents import dtype_name
+from recsave.load.opened import OpenedFiles
 from recsave.storage import Storage
 from recsave.tables import partition, tablestate
 from recsave.tables.rows import META_COLUMNS
@@ -273,8 +274,8 @@ class TorchSaveSource(TorchStateSource):
     kind = "torch_save"
 
     def __init__(self, storage: Storage, path: str):
-        self._storage = storage
-        self._ukey = storage.ukey(path)  # before the read: a change during it shows at the first check
+        self._opened = OpenedFiles(storage)
+        ukey = self._opened.record(path)  # before the read: a change during it shows at the first check
         obj, mapped = load_torch_file(path)
         state, others = _flatten(obj, path)
         items = [*state.items(), *others.items()]
@@ -290,7 +291,7 @@ class TorchSaveSource(TorchStateSource):
         # be mapped is in memory already: keep it.
         self._state: Optional[Dict[str, torch.Tensor]] = None if mapped else state
         del obj, state
-        super().__init__(path, meta, f"{path}@{self._ukey}")
+        super().__init__(path, meta, f"{path}@{ukey}")
 
     def read_tensors(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         state = self._state
@@ -298,7 +299,7 @@ class TorchSaveSource(TorchStateSource):
             state = _flatten(load_torch_file(self.ckpt_dir)[0], self.ckpt_dir)[0]
             # Read again by path: a file replaced or rewritten since the open (a job saving it
             # anew) would give this table the new file's rows and the others the old one's.
-            _check_unchanged(self._storage, self.ckpt_dir, self._ukey, self.ckpt_dir)
+            self._opened.check()
         missing = [k for k in keys if k not in state]
         if missing:
             raise ConfigError(f"{self.ckpt_dir}: {missing[:5]} are gone; the file changed since it was "
@@ -345,14 +346,15 @@ class DcpSource(TorchStateSource):
         self._count_meta = {k: meta.pop(k) for k in self._step_keys if k in meta}
         self.not_tensors = {k: "object" for k in sorted(md.state_dict_metadata)
                             if k not in meta and k not in self._step_keys}
-        self._storage, self._ukey = storage, storage.ukey(storage.join(path, DCP_METADATA))
-        # and of its data files: a save writes them before .metadata, so a load caught between
-        # the two would read new rows with the old .metadata's ukey
+        self._opened = OpenedFiles(storage)
+        ukey = self._opened.record(storage.join(path, DCP_METADATA))
+        # and its data files: a save writes them before .metadata, so a load caught between the two
+        # would read new rows under the old .metadata's ukey (one missing is damage, named by the read)
         data = sorted({str(s.relative_path) for s in (getattr(md, "storage_data", None) or {}).values()
                        if getattr(s, "relative_path", None)})
-        # (None for one missing now: the read names it as damage, CorruptCheckpointError)
-        self._data_ukeys = {f: _ukey_or_none(storage, storage.join(path, f)) for f in data}
-        super().__init__(path, meta, f"{path}@{self._ukey}")
+        for name in data:
+            self._opened.record(storage.join(path, name), may_be_missing=True)
+        super().__init__(path, meta, f"{path}@{ukey}")
 
     def optimizer_steps(self) -> Optional[Dict[str, int]]:
         return _step_counts(self._read_steps())
@@ -396,24 +398,7 @@ class DcpSource(TorchStateSource):
                                              f"({' '.join(str(exc).split())[:300]}); it is incomplete or "
                                              f"damaged", path=self.ckpt_dir) from exc
         # A DCP directory saved again since the open (data files, then .metadata) mixes versions.
-        _check_unchanged(self._storage, self._storage.join(self.ckpt_dir, DCP_METADATA), self._ukey, self.ckpt_dir)
-        for name, ukey in self._data_ukeys.items():
-            _check_unchanged(self._storage, self._storage.join(self.ckpt_dir, name), ukey, self.ckpt_dir)
-
-
-def _ukey_or_none(storage: Storage, path: str) -> Optional[str]:
-    try:
-        return storage.ukey(path)
-    except FileNotFoundError:
-        return None
-
-
-def _check_unchanged(storage: Storage, path: str, ukey: Optional[str], source: str) -> None:
-    """ConfigError when the file at `path` is no longer the one (`ukey`; None: none was there) the
-    source was opened on."""
-    if _ukey_or_none(storage, path) != ukey:
-        raise ConfigError(f"{source}: the file changed since it was opened (saved again while it was read); "
-                          f"plan the load again", path=source)
+        self._opened.check()
 
 
 @functools.lru_cache(maxsize=None)
