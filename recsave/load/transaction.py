@@ -145,16 +145,14 @@ def _refuse_foreign_rows(name: str, kept: Any, partition: Tuple[int, int, int]) 
     that rank's shard: rows it holds of other ranks' buckets would stay there, written by its next
     save as this rank's (which refuses them) and never found by their owners. UsageError first,
     with nothing changed."""
-    rank, world, num_buckets = partition
     ids = kept.id_rows()[0]
-    owners = partitioning.owner_of(ids, world, num_buckets)
-    foreign = (owners != rank).nonzero()
-    if foreign.numel():
-        i = int(foreign[0])
+    found = partitioning.first_foreign(ids, partition)
+    if found is not None:
+        i, owner, count = found
         raise UsageError(
             f"table {name!r}: this load keeps the table's rows (hashtable_clear=False, or slots only) as "
-            f"rank {rank} of {world}, but the table holds id {int(ids[i])} of rank {int(owners[i])} "
-            f"({foreign.numel()} id(s) of other ranks in all); route the ids to their owners "
+            f"rank {partition[0]} of {partition[1]}, but the table holds id {int(ids[i])} of rank {owner} "
+            f"({count} id(s) of other ranks in all); route the ids to their owners "
             f"(recsave.partition.owner_of) before the lookups, or load with hashtable_clear=True",
             key=name)
 

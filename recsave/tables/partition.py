@@ -134,15 +134,26 @@ def route(ids: torch.Tensor, world_size: int, num_buckets: int = DEFAULT_NUM_BUC
     return order, counts
 
 
-def check_owned(ids: torch.Tensor, part: Tuple[int, int, int], table_name: Optional[str]) -> None:
-    """UsageError naming the table unless rank `part[0]` of `part[1]` (with `part[2]` buckets)
-    owns every id."""
+def first_foreign(ids: torch.Tensor, part: Tuple[int, int, int]) -> Optional[Tuple[int, int, int]]:
+    """(position of the first id rank `part[0]` of `part[1]` (with `part[2]` buckets) does not own,
+    that id's owner, how many such ids), or None when it owns every one."""
     rank, world, num_buckets = part
     owners = owner_of(ids, world, num_buckets)
     foreign = owners != rank
-    if bool(foreign.any()):
-        i = int(foreign.nonzero()[0])
+    if not bool(foreign.any()):  # (a lookup's path: one pass when every id is owned)
+        return None
+    where = foreign.nonzero()
+    i = int(where[0])
+    return i, int(owners[i]), int(where.numel())
+
+
+def check_owned(ids: torch.Tensor, part: Tuple[int, int, int], table_name: Optional[str]) -> None:
+    """UsageError naming the table unless rank `part[0]` of `part[1]` (with `part[2]` buckets)
+    owns every id."""
+    found = first_foreign(ids, part)
+    if found is not None:
+        i, owner, _ = found
         raise UsageError(
-            f"table {table_name!r} is the shard of rank {rank} of {world}, but id {int(ids[i])} belongs "
-            f"to rank {int(owners[i])}; route ids to their owners with recsave.partition.route / "
+            f"table {table_name!r} is the shard of rank {part[0]} of {part[1]}, but id {int(ids[i])} belongs "
+            f"to rank {owner}; route ids to their owners with recsave.partition.route / "
             f"owner_of before the lookup", key=table_name)
