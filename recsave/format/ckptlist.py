@@ -201,9 +201,10 @@ def rebuild(storage: Storage, output_dir: str,
     (chain.broken_chains): listed again, it would be restored as the latest and fail, ranked by
     keep_best, and refuse a save of its id as "committed already". Order: the commit time
     (`created_at`; one that does not read as a UTC time before any), then `step` (none before
-    any), then the id, then a delta's listed ancestors before it (_parents_first). Commit order, not step
-    order: after a rewind (a restore of an older step, then saves) the abandoned branch's
-    checkpoints have higher steps but committed earlier, and must not come back as the latest.
+    any), then the id, then a delta's listed ancestors before it (_parents_first). Commit order,
+    not step order: after a rewind (a restore of an older step, then saves) the abandoned
+    branch's checkpoints have higher steps but committed earlier, and must not come back as the
+    latest.
     Directories without an index (leftovers of crashed saves) and anything that is not a
     plain-named directory are skipped."""
     found: List[Tuple[Tuple[float, int, str], str]] = []
